@@ -1,0 +1,1 @@
+"""rl: asynchronous RL post-training."""

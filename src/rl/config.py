@@ -1,0 +1,227 @@
+"""Configuration shared by every process: the settings base class, the command-line grammar and the
+pieces of config that more than one process uses.
+
+Precedence, lowest first: field defaults < TOML files (``@ file.toml``, left to right) < environment
+variables (``RL_<PROCESS>__<SECTION>__<FIELD>``) < command-line overrides (``--section.field value``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict
+
+# (class, TOML layer) of the config being built; read by settings_customise_sources (a classmethod, so
+# it cannot take the files as an argument). Keyed by class so nested defaults do not pick it up.
+_toml_layer: ContextVar[tuple[type | None, dict[str, Any]]] = ContextVar("_toml_layer", default=(None, {}))
+
+
+class ConfigError(ValueError):
+    """A configuration mistake made by the user: the message names the field and the fix."""
+
+
+class Section(BaseModel):
+    """A nested config table: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Settings(BaseSettings):
+    """Base of the per-process configs: defaults < TOML < environment < CLI."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid", env_nested_delimiter="__", validate_assignment=True, nested_model_default_partial_update=True
+    )
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+        target, toml_data = _toml_layer.get()
+        toml_data = toml_data if target is settings_cls else {}
+        return (init_settings, env_settings, InitSettingsSource(settings_cls, init_kwargs=toml_data))
+
+
+class ModelConfig(Section):
+    name: Annotated[
+        str, Field(description="Hugging Face model id or local directory (tokenizer included)")
+    ] = "models/tiny"
+
+
+class WandbConfig(Section):
+    project: Annotated[str | None, Field(description="W&B project; unset disables W&B")] = None
+    name: Annotated[str | None, Field(description="W&B run name (a suffix names the process)")] = None
+    mode: Annotated[
+        Literal["online", "offline"], Field(description="offline writes to <output_dir>/wandb with no network")
+    ] = "offline"
+
+
+class CkptConfig(Section):
+    interval: Annotated[
+        int | None, Field(ge=1, description="checkpoint every N steps (and at the end); unset: only at the end")
+    ] = None
+    keep: Annotated[int, Field(ge=1, description="number of most recent checkpoints to keep")] = 2
+
+
+class EnvConfig(Section):
+    id: Annotated[str, Field(description="verifiers environment id (an installed package), e.g. reverse-text")]
+    args: Annotated[dict[str, Any], Field(description="keyword arguments passed to the environment")] = {}
+    ratio: Annotated[float, Field(gt=0, description="share of each batch drawn from this environment")] = 1.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Command-line grammar:  @ a.toml @ b.toml --section.field value --flag --no-flag --x=1
+# --------------------------------------------------------------------------------------------------
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """Merge `update` into a copy of `base`, recursing into tables."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_toml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+
+
+def _parse_value(text: str) -> Any:
+    """Lists and tables come as JSON; everything else stays a string for pydantic to coerce."""
+    if text[:1] in "[{":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"could not parse {text!r} as a JSON list/table: {e}") from e
+    return text
+
+
+def _set_path(target: dict, dotted: str, value: Any) -> None:
+    keys = dotted.replace("-", "_").split(".")
+    for key in keys[:-1]:
+        node = target.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--{dotted}: {key} is a value, not a table")
+        target = node
+    target[keys[-1]] = value
+
+
+def parse_argv(argv: list[str], sections: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """Split argv into (TOML layer, CLI layer). `--<section> @ file.toml` loads a file into a section."""
+    toml_data: dict = {}
+    cli_data: dict = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "@" or token.startswith("@"):
+            path = token[1:] or (argv[i + 1] if i + 1 < len(argv) else None)
+            if not path:
+                raise ConfigError("'@' must be followed by a TOML file path")
+            toml_data = deep_merge(toml_data, load_toml(path))
+            i += 1 if token != "@" else 2
+            continue
+        if not token.startswith("--"):
+            raise ConfigError(f"unexpected argument {token!r}: expected '@ file.toml' or '--field value'")
+        key, has_value, value = token[2:].partition("=")
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if key in sections and not has_value and nxt is not None and (nxt == "@" or nxt.startswith("@")):
+            path = argv[i + 2] if nxt == "@" and i + 2 < len(argv) else nxt[1:]
+            if not path:
+                raise ConfigError(f"--{key} @ must be followed by a TOML file path")
+            toml_data = deep_merge(toml_data, {key.replace("-", "_"): load_toml(path)})
+            i += 3 if nxt == "@" else 2
+            continue
+        if has_value:
+            _set_path(cli_data, key, _parse_value(value))
+            i += 1
+        elif nxt is None or nxt.startswith("--") or nxt.startswith("@"):
+            flag, negated = (key[3:], True) if key.startswith("no-") else (key, False)
+            _set_path(cli_data, flag, "false" if negated else "true")
+            i += 1
+        else:
+            _set_path(cli_data, key, _parse_value(nxt))
+            i += 2
+    return toml_data, cli_data
+
+
+C = TypeVar("C", bound=Settings)
+
+
+def format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "<root>"
+        hint = " (unknown field: check its spelling or see --help)" if item["type"] == "extra_forbidden" else ""
+        lines.append(f"  {field}: {item['msg']}{hint}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def build_config(cls: type[C], toml_data: dict, cli_data: dict) -> C:
+    token = _toml_layer.set((cls, toml_data))
+    try:
+        return cls(**cli_data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+    finally:
+        _toml_layer.reset(token)
+
+
+def parse_config(cls: type[C], argv: list[str] | None = None) -> C:
+    """Build `cls` from argv (defaults to sys.argv[1:])."""
+    argv = sys.argv[1:] if argv is None else argv
+    toml_data, cli_data = parse_argv(argv, sections=tuple(getattr(cls, "file_sections", ())))
+    return build_config(cls, toml_data, cli_data)
+
+
+def config_help(cls: type[BaseModel], prefix: str = "") -> str:
+    """One line per field: --dotted.name (type, default): description."""
+    lines = []
+    for name, field in cls.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines.append(config_help(annotation, f"{prefix}{name}."))
+            continue
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        lines.append(f"  --{prefix}{name}  [{default}]  {field.description or ''}")
+    return "\n".join(lines)
+
+
+def run_cli(cls: type[C], argv: list[str] | None = None) -> C:
+    """Parse a process config from the command line; print help or a clean error and exit on misuse."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(f"usage: {Path(sys.argv[0]).name} [@ config.toml ...] [--section.field value ...]\n")
+        print(config_help(cls))
+        sys.exit(0)
+    try:
+        return parse_config(cls, argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def to_toml(config: BaseModel) -> str:
+    """Serialise a config so that `@ file.toml` reproduces it (None fields are left out)."""
+    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+
+
+def write_config(config: BaseModel, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(to_toml(config))
+    tmp.replace(path)

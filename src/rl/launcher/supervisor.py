@@ -1,0 +1,168 @@
+"""Start the child processes, show one line per step, and stop everything when one of them fails."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from rl.protocol import RunPaths
+
+PR_SET_PDEATHSIG = 1
+POLL_S = 0.5
+
+
+@dataclass
+class ChildSpec:
+    name: str
+    cmd: list[str]
+    gpus: list[int] | None  # CUDA_VISIBLE_DEVICES for the child; None leaves it as it is
+    log: Path
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it if the launcher dies, even by SIGKILL."""
+    os.setsid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Stop(Exception):
+    """Raised by the signal handler to unwind the supervision loop."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+class Supervisor:
+    def __init__(self, paths: RunPaths, tail_lines: int, shutdown_timeout_s: float):
+        self.paths = paths
+        self.tail_lines = tail_lines
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.specs: dict[str, ChildSpec] = {}
+        self.metrics_offset = 0
+
+    def start(self, spec: ChildSpec) -> None:
+        env = dict(os.environ)
+        if spec.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpus))
+        env["PYTHONUNBUFFERED"] = "1"
+        spec.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log, "ab") as log:
+            self.procs[spec.name] = subprocess.Popen(
+                spec.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                preexec_fn=_die_with_parent,
+            )
+        self.specs[spec.name] = spec
+        print(f"rl: started {spec.name} (pid {self.procs[spec.name].pid}), log {spec.log}", flush=True)
+
+    def run(self, specs: list[ChildSpec], final_step: int) -> int:
+        """Supervise until trainer and orchestrator finish (0) or any child fails (1)."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        start = time.monotonic()
+        try:
+            for spec in specs:
+                self.start(spec)
+            code = self._watch(final_step)
+        except Stop as stop:
+            print(f"rl: received {signal.Signals(stop.signum).name}, stopping every process", flush=True)
+            code = 128 + stop.signum
+        finally:
+            self.stop_all()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        status = "finished" if code == 0 else "failed"
+        print(f"rl: {status} in {time.monotonic() - start:.0f}s (exit {code}); logs in {self.paths.logs}", flush=True)
+        return code
+
+    def _on_signal(self, signum, frame) -> None:
+        raise Stop(signum)
+
+    def _watch(self, final_step: int) -> int:
+        done: set[str] = set()
+        while True:
+            self._show_new_metrics()
+            for name, proc in self.procs.items():
+                code = proc.poll()
+                if code is None or name in done:
+                    continue
+                if code != 0:
+                    self._report_failure(name, code)
+                    return 1
+                if name.startswith("inference"):
+                    self._report_failure(name, code, "exited while the run still needed it")
+                    return 1
+                done.add(name)
+                print(f"rl: {name} finished", flush=True)
+            if {"trainer", "orchestrator"} <= done:
+                self._show_new_metrics()
+                return 0
+            time.sleep(POLL_S)
+
+    def _report_failure(self, name: str, code: int, why: str | None = None) -> None:
+        why = why or (f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
+        log = self.specs[name].log
+        lines = log.read_text(errors="replace").splitlines()[-self.tail_lines :] if log.exists() else []
+        print(f"rl: {name} {why}; last lines of {log}:", file=sys.stderr)
+        for line in lines:
+            print(f"  | {line}", file=sys.stderr)
+        sys.stderr.flush()
+
+    def _show_new_metrics(self) -> None:
+        """Print one concise line per new metrics.jsonl record."""
+        if not self.paths.metrics.exists():
+            return
+        with open(self.paths.metrics) as f:
+            f.seek(self.metrics_offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self.metrics_offset += len(complete.encode())
+        for line in complete.splitlines():
+            record = json.loads(line)
+            keys = ("reward", "loss", "policy_step", "staleness_max", "step_time_s")
+            shown = " ".join(f"{k}={record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float)))
+            print(f"rl: step {record['step']} {record['process']:<12} {shown}", flush=True)
+
+    def stop_all(self) -> None:
+        """SIGTERM every child's process group (a dead child's group may still hold its own children),
+        SIGKILL what is left after the grace period."""
+        trees = {name: self._tree(p.pid) for name, p in self.procs.items()}
+        for p in self.procs.values():
+            _signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.shutdown_timeout_s
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+        for name, p in self.procs.items():
+            _signal_group(p.pid, signal.SIGKILL)
+            for child in trees[name]:  # processes that left the group (e.g. called setsid)
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+            p.wait()
+
+    @staticmethod
+    def _tree(pid: int) -> list[psutil.Process]:
+        try:
+            return psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,59 @@
+"""One concise log line per step, the same numbers in metrics.jsonl, and W&B when configured."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from rl.config import WandbConfig
+from rl.protocol import RunPaths, append_metrics
+
+
+def setup_logging(process: str) -> logging.Logger:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {process} %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
+    return logging.getLogger(process)
+
+
+def _format(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class MetricsLogger:
+    """Owns the per-step record of one process: log line, metrics.jsonl row and W&B row."""
+
+    def __init__(self, process: str, paths: RunPaths, wandb_config: WandbConfig, config: dict, logger):
+        self.process = process
+        self.paths = paths
+        self.logger = logger
+        self.run = None
+        if wandb_config.project:
+            import wandb
+
+            self.run = wandb.init(
+                project=wandb_config.project,
+                name=f"{wandb_config.name or paths.root.name}-{process}",
+                mode=wandb_config.mode,
+                dir=str(paths.root),
+                config=config,
+            )
+
+    def log(self, step: int, metrics: dict, line_keys: tuple[str, ...]) -> None:
+        record = {"process": self.process, "step": step, "time": time.time(), **metrics}
+        append_metrics(self.paths, record)
+        shown = " ".join(f"{k}={_format(metrics[k])}" for k in line_keys if k in metrics)
+        self.logger.info(f"step {step} | {shown}")
+        if self.run is not None:
+            self.run.log({f"{self.process}/{k}": v for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()

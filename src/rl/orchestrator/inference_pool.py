@@ -1,0 +1,64 @@
+"""The orchestrator's view of the inference servers: health, and moving all of them to new weights."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+
+class InferenceError(RuntimeError):
+    """An inference server failed or did not answer in time."""
+
+
+class InferencePool:
+    def __init__(self, base_urls: list[str], admin_token: str | None, timeout_s: float):
+        self.base_urls = [u.rstrip("/") for u in base_urls]
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.http = httpx.AsyncClient(headers=headers, timeout=timeout_s)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Poll every server's /health until all answer 200; raise naming the ones that never did."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.base_urls)
+        while pending:
+            results = await asyncio.gather(*(self._healthy(u) for u in pending))
+            pending = [u for u, ok in zip(pending, results) if not ok]
+            if pending and time.monotonic() > deadline:
+                raise InferenceError(f"inference servers {pending} were not healthy after {timeout_s:.0f}s")
+            if pending:
+                await asyncio.sleep(1.0)
+
+    async def _healthy(self, url: str) -> bool:
+        try:
+            return (await self.http.get(f"{url}/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def update_weights(self, step: int, path: str) -> list[dict]:
+        """Move every server to weights/step_{step}; return what each reports it now serves."""
+        return await asyncio.gather(*(self._update(u, step, path) for u in self.base_urls))
+
+    async def _update(self, url: str, step: int, path: str) -> dict:
+        try:
+            response = await self.http.post(f"{url}/update_weights", json={"step": step, "path": path})
+        except httpx.HTTPError as e:
+            raise InferenceError(f"{url} did not answer /update_weights for step {step}: {e!r}") from e
+        if response.status_code != 200:
+            raise InferenceError(f"{url} refused weights of step {step}: {response.status_code} {response.text}")
+        served = response.json()
+        if served.get("step") != step:
+            raise InferenceError(f"{url} was asked for step {step} but reports it serves {served}")
+        return served
+
+    async def policy_steps(self) -> list[dict]:
+        async def one(url: str) -> dict:
+            response = await self.http.get(f"{url}/policy_step")
+            response.raise_for_status()
+            return response.json()
+
+        return await asyncio.gather(*(one(u) for u in self.base_urls))

@@ -1,0 +1,213 @@
+"""The on-disk protocol between the processes: run-directory paths, atomic writes, STABLE markers and the
+rollout batch format. The orchestrator, trainer and inference import this; none builds a path itself.
+
+A directory counts only once its STABLE marker exists; every file is written under a temporary name and
+renamed, so readers never see half a file. Batches are safetensors (no pickle crosses processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+STABLE = "STABLE"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Every path of a run directory."""
+
+    root: Path
+
+    @property
+    def configs(self) -> Path:
+        return self.root / "configs"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def rollouts_root(self) -> Path:
+        return self.root / "rollouts"
+
+    @property
+    def weights_root(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def checkpoints_root(self) -> Path:
+        return self.root / "checkpoints"
+
+    def rollouts(self, step: int) -> Path:
+        return self.rollouts_root / f"step_{step}"
+
+    def rollout_file(self, step: int, rank: int) -> Path:
+        return self.rollouts(step) / f"rank_{rank}.safetensors"
+
+    def weights(self, step: int) -> Path:
+        return self.weights_root / f"step_{step}"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints_root / f"step_{step}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Atomic writes and STABLE markers
+# ---------------------------------------------------------------------------------------------------
+
+
+def temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """Move a fully written directory into place, then mark it STABLE."""
+    if final_dir.exists():
+        shutil.rmtree(final_dir)
+    tmp_dir.replace(final_dir)
+    atomic_write_text(final_dir / STABLE, json.dumps({"time": time.time()}) + "\n")
+
+
+def is_stable(directory: Path) -> bool:
+    return (directory / STABLE).is_file()
+
+
+def wait_for_stable(
+    directory: Path, timeout_s: float, what: str, poll_s: float = 0.1, check: Callable[[], None] | None = None
+) -> None:
+    """Block until `directory/STABLE` exists; raise TimeoutError naming `what` after `timeout_s`.
+
+    `check` is called on every poll and may raise to abort the wait (e.g. a peer died)."""
+    deadline = time.monotonic() + timeout_s
+    while not is_stable(directory):
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f}s for {what} ({directory / STABLE}) and it never appeared")
+        time.sleep(poll_s)
+
+
+def stable_steps(root: Path) -> list[int]:
+    """Steps under `root` (step_k directories) that are complete, ascending."""
+    if not root.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and is_stable(p)]
+    return sorted(steps)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rollout batches: one safetensors file per trainer rank
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One rollout as the trainer sees it: prompt and completion tokens in one sequence."""
+
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the policy sampled the token (it is trained on)
+    logprobs: list[float]  # inference logprob of each token (0 where loss_mask is 0)
+    advantage: float
+    reward: float
+    policy_version: int
+
+    def __post_init__(self):
+        if not len(self.input_ids) == len(self.loss_mask) == len(self.logprobs):
+            raise ValueError("input_ids, loss_mask and logprobs must have the same length")
+
+
+def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """Flatten samples into tensors: tokens concatenated, per-sample values in parallel arrays."""
+    return {
+        "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int64),  # [T]
+        "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.bool),  # [T]
+        "logprobs": torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float32),  # [T]
+        "lengths": torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64),  # [N]
+        "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),  # [N]
+        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),  # [N]
+        "policy_versions": torch.tensor([s.policy_version for s in samples], dtype=torch.int64),  # [N]
+    }
+
+
+def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
+    lengths = tensors["lengths"].tolist()
+    if sum(lengths) != tensors["input_ids"].numel():
+        raise ValueError(f"batch is inconsistent: lengths sum to {sum(lengths)}, {tensors['input_ids'].numel()} tokens")
+    ids, mask, lps = (tensors[k].split(lengths) for k in ("input_ids", "loss_mask", "logprobs"))
+    return [
+        Sample(i.tolist(), m.int().tolist(), lp.tolist(), a, r, v)
+        for i, m, lp, a, r, v in zip(
+            ids,
+            mask,
+            lps,
+            tensors["advantages"].tolist(),
+            tensors["rewards"].tolist(),
+            tensors["policy_versions"].tolist(),
+        )
+    ]
+
+
+def write_batch(paths: RunPaths, step: int, per_rank: list[list[Sample]]) -> Path:
+    """Write one file per trainer rank for `step`, atomically, and mark the step STABLE."""
+    final = paths.rollouts(step)
+    tmp = temp_path(final)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    for rank, samples in enumerate(per_rank):
+        save_file(encode_samples(samples), str(tmp / f"rank_{rank}.safetensors"), metadata={"step": str(step)})
+    publish_dir(tmp, final)
+    return final
+
+
+def read_batch(paths: RunPaths, step: int, rank: int) -> list[Sample]:
+    path = paths.rollout_file(step, rank)
+    try:
+        return decode_samples(load_file(str(path)))
+    except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
+        raise ValueError(f"rollout batch {path} is missing or corrupt: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metrics: one JSON object per line, appended by every process
+# ---------------------------------------------------------------------------------------------------
+
+
+def append_metrics(paths: RunPaths, record: dict) -> None:
+    """Append one line; O_APPEND writes of one short line do not interleave between processes."""
+    line = (json.dumps(record) + "\n").encode()
+    paths.root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(paths.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_metrics(paths: RunPaths) -> list[dict]:
+    if not paths.metrics.exists():
+        return []
+    return [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()]

@@ -1,0 +1,113 @@
+"""Build a tiny Qwen3-architecture causal LM with a locally made tokenizer, in Hugging Face layout.
+
+No hub access: the tokenizer is character level (printable ASCII plus ChatML special tokens) with a
+ChatML chat template, and the weights are drawn from a seeded generator, so the same arguments always
+give the same files. vLLM's CPU attention kernels need head_dim >= 32.
+
+    uv run tiny-model --out models/tiny            # ~0.8M parameters
+    uv run tiny-model --out models/m100 --hidden-size 768 --layers 12 --heads 12 --kv-heads 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHARACTERS = sorted(set(string.printable) - set("\x0b\x0c\r"))
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one id per printable ASCII character, ChatML special tokens."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + ["<unk>"] + CHARACTERS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_config(tokenizer, hidden_size: int, layers: int, heads: int, kv_heads: int) -> Qwen3Config:
+    head_dim = hidden_size // heads
+    if head_dim < 32 or hidden_size % heads:
+        raise ValueError(
+            f"hidden_size {hidden_size} / heads {heads} must divide evenly into head_dim >= 32 "
+            "(vLLM's CPU attention rejects smaller heads)"
+        )
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+
+
+def build_tiny_model(
+    out: str | Path,
+    hidden_size: int = 128,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Write config, safetensors weights, tokenizer and generation config to `out`; return it."""
+    out = Path(out)
+    tokenizer = build_tokenizer()
+    config = build_config(tokenizer, hidden_size, layers, heads, kv_heads)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "tiny_model.json").write_text(
+        json.dumps({"seed": seed, "hidden_size": hidden_size, "layers": layers, "heads": heads}) + "\n"
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory to write the model into")
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = build_tiny_model(args.out, args.hidden_size, args.layers, args.heads, args.kv_heads, args.seed)
+    print(f"wrote tiny Qwen3 model to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+from pathlib import Path
+
+import pytest
+
+from rl.config import ConfigError, parse_argv, parse_config
+from rl.launcher.config import RLConfig, resolve
+from rl.launcher.devices import cpu_plan
+from rl.launcher.main import load, plan_devices
+from rl.trainer.config import TrainerConfig
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_toml_files_merge_left_to_right_and_cli_wins(tmp_path):
+    a = write(tmp_path, "a.toml", "max_steps = 3\n[optim]\nlr = 0.1\nweight_decay = 0.5\n")
+    b = write(tmp_path, "b.toml", "[optim]\nlr = 0.2\n")
+    config = parse_config(TrainerConfig, ["@", a, f"@{b}", "--max-steps", "7"])
+    assert config.optim.lr == 0.2
+    assert config.optim.weight_decay == 0.5  # kept from a.toml: tables merge, not replace
+    assert config.max_steps == 7
+
+
+def test_environment_sits_between_toml_and_cli(tmp_path, monkeypatch):
+    a = write(tmp_path, "a.toml", "[optim]\nlr = 0.1\n")
+    monkeypatch.setenv("RL_TRAINER__OPTIM__LR", "0.3")
+    assert parse_config(TrainerConfig, ["@", a]).optim.lr == 0.3
+    assert parse_config(TrainerConfig, ["@", a, "--optim.lr", "0.4"]).optim.lr == 0.4
+
+
+def test_unknown_field_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match="optim.lrr"):
+        parse_config(TrainerConfig, ["--optim.lrr", "1"])
+    bad = write(tmp_path, "bad.toml", "[optim]\nbetaz = 1\n")
+    with pytest.raises(ConfigError, match="optim.betaz"):
+        parse_config(TrainerConfig, ["@", bad])
+
+
+def test_bad_value_and_missing_file_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="max_steps"):
+        parse_config(TrainerConfig, ["--max-steps", "zero"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(TrainerConfig, ["@", str(tmp_path / "nope.toml")])
+    broken = write(tmp_path, "broken.toml", "max_steps = = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse_config(TrainerConfig, ["@", broken])
+
+
+def test_flags_and_lists():
+    toml_data, cli = parse_argv(["--dry-run", "--no-enforce-eager", "--x.y=[1, 2]"])
+    assert toml_data == {}
+    assert cli == {"dry_run": "true", "enforce_eager": "false", "x": {"y": [1, 2]}}
+
+
+def test_rl_sections_from_files_and_one_rl_toml(tmp_path):
+    t = write(tmp_path, "t.toml", "micro_batch_size = 4\n")
+    o = write(tmp_path, "o.toml", "batch_size = 16\nrollouts_per_example = 4\n")
+    config = parse_config(RLConfig, ["--trainer", "@", t, "--orchestrator", "@", o, "--max-steps", "5"])
+    assert config.trainer.micro_batch_size == 4 and config.orchestrator.batch_size == 16
+    rl = write(tmp_path, "rl.toml", "max_steps = 4\n[trainer]\nmicro_batch_size = 2\n[inference]\nport = 9100\n")
+    config = parse_config(RLConfig, ["@", rl])
+    assert config.trainer.micro_batch_size == 2 and config.inference.port == 9100 and config.max_steps == 4
+
+
+def test_shared_fields_fill_every_process():
+    config = parse_config(
+        RLConfig,
+        ["--model.name", "m", "--output-dir", "/tmp/x", "--max-steps", "5", "--async-level", "2", "--seq-len", "256",
+         "--wandb.project", "p", "--ckpt.interval", "2", "--inference-replicas", "2", "--trainer-processes", "2"],
+    )
+    r = resolve(config, cpu_plan(2, 2))
+    assert r.trainer.model.name == r.orchestrator.model.name == r.inference.model.name == "m"
+    assert r.trainer.output_dir == r.orchestrator.output_dir == Path("/tmp/x")
+    assert r.trainer.max_steps == r.orchestrator.max_steps == 5
+    assert r.orchestrator.async_level == 2
+    assert r.trainer.seq_len == r.orchestrator.seq_len == r.inference.max_model_len == 256
+    assert r.trainer.wandb.project == r.orchestrator.wandb.project == "p"
+    assert r.trainer.ckpt.interval == r.orchestrator.ckpt.interval == 2
+    assert r.orchestrator.client.base_urls == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+    assert r.orchestrator.client.admin_token == r.inference.admin_token is not None
+    assert r.inference.weights_dir == Path("/tmp/x/weights")
+    assert r.orchestrator.trainer_world_size == 2
+
+
+def test_shared_value_contradicting_a_subconfig_names_both(tmp_path):
+    t = write(tmp_path, "t.toml", "max_steps = 3\n")
+    config = parse_config(RLConfig, ["--trainer", "@", t, "--max-steps", "5"])
+    with pytest.raises(ConfigError, match=r"max-steps.*5.*trainer.max_steps.*3"):
+        resolve(config, cpu_plan(2, 1))
+    # the same value in both places is fine
+    config = parse_config(RLConfig, ["--trainer", "@", t, "--max-steps", "3"])
+    assert resolve(config, cpu_plan(2, 1)).orchestrator.max_steps == 3
+
+
+def test_processes_that_disagree_without_shared_flag_are_an_error():
+    config = parse_config(RLConfig, ["--trainer.max-steps", "3", "--orchestrator.max-steps", "4"])
+    with pytest.raises(ConfigError, match="max_steps differs"):
+        resolve(config, cpu_plan(2, 1))
+
+
+def test_batch_that_does_not_split_over_ranks_fails_before_start():
+    with pytest.raises(ConfigError, match="trainer_world_size"):
+        load(["--orchestrator.batch-size", "6", "--orchestrator.rollouts-per-example", "3", "--trainer-processes", "4"])
+
+
+def test_gpu_flags_refused_on_cpu_host():
+    config = parse_config(RLConfig, ["--trainer-gpus", "1"])
+    with pytest.raises(ConfigError, match="no GPU is visible"):
+        plan_devices(config, available=0)

@@ -1,0 +1,31 @@
+import pytest
+
+from rl.orchestrator.advantage import grpo_advantages
+from rl.orchestrator.batch import balance_by_tokens
+from rl.orchestrator.sampler import TaskSampler
+from rl.protocol import Sample
+
+
+def test_grpo_by_hand():
+    # mean 0.5, population std 0.5
+    assert grpo_advantages([1.0, 0.0, 1.0, 0.0]) == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)
+    assert grpo_advantages([0.3, 0.3]) == [0.0, 0.0]
+
+
+def test_sampler_draws_each_task_once_per_epoch_and_resumes():
+    sampler = TaskSampler(10, seed=1)
+    first = sampler.draw(10)
+    assert sorted(first) == list(range(10))
+    resumed = TaskSampler(**{**sampler.state_dict()})
+    assert resumed.draw(4) == sampler.draw(4)
+    assert sampler.epoch == 1
+
+
+def test_balance_by_tokens_equal_counts_and_close_tokens():
+    samples = [Sample([0] * n, [1] * n, [0.0] * n, 0.0, 0.0, 0) for n in (10, 9, 8, 1, 1, 1)]
+    buckets = balance_by_tokens(samples, 2)
+    assert [len(b) for b in buckets] == [3, 3]
+    tokens = [sum(len(s.input_ids) for s in b) for b in buckets]
+    assert abs(tokens[0] - tokens[1]) <= 10
+    with pytest.raises(ValueError):
+        balance_by_tokens(samples[:5], 2)

@@ -1,0 +1,53 @@
+import threading
+import time
+
+import pytest
+
+from rl.protocol import RunPaths, Sample, read_batch, stable_steps, wait_for_stable, write_batch
+
+
+def sample(n: int, version: int = 0) -> Sample:
+    return Sample(list(range(n)), [0] * (n - 2) + [1, 1], [0.0] * (n - 2) + [-0.5, -1.5], 0.25, 1.0, version)
+
+
+def test_batch_round_trip(tmp_path):
+    paths = RunPaths(tmp_path)
+    batch = [[sample(5), sample(7, version=2)], [sample(3)]]
+    write_batch(paths, 3, batch)
+    assert stable_steps(paths.rollouts_root) == [3]
+    assert read_batch(paths, 3, 0) == batch[0]
+    assert read_batch(paths, 3, 1) == batch[1]
+    assert not list(paths.rollouts_root.glob(".*tmp*")), "temporary directory left behind"
+
+
+def test_unstable_directory_is_not_a_step(tmp_path):
+    paths = RunPaths(tmp_path)
+    paths.weights(2).mkdir(parents=True)
+    assert stable_steps(paths.weights_root) == []
+
+
+def test_corrupt_batch_is_rejected(tmp_path):
+    paths = RunPaths(tmp_path)
+    write_batch(paths, 0, [[sample(5)]])
+    path = paths.rollout_file(0, 0)
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ValueError, match="corrupt"):
+        read_batch(paths, 0, 0)
+
+
+def test_wait_for_stable_times_out_naming_what(tmp_path):
+    with pytest.raises(TimeoutError, match="the batch for step 4"):
+        wait_for_stable(tmp_path / "step_4", 0.2, "the batch for step 4")
+
+
+def test_wait_for_stable_returns_when_marker_appears(tmp_path):
+    paths = RunPaths(tmp_path)
+    threading.Timer(0.2, lambda: write_batch(paths, 1, [[sample(4)]])).start()
+    start = time.monotonic()
+    wait_for_stable(paths.rollouts(1), 5, "step 1")
+    assert time.monotonic() - start < 4
+
+
+def test_sample_lengths_must_agree():
+    with pytest.raises(ValueError):
+        Sample([1, 2], [1], [0.0, 0.0], 0.0, 0.0, 0)
