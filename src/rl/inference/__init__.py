@@ -1,0 +1,1 @@
+"""Inference process: the vLLM OpenAI-compatible server plus the admin routes `rl` needs."""
