@@ -68,6 +68,10 @@ class CkptConfig(Section):
     ] = None
     keep: Annotated[int, Field(ge=1, description="number of most recent checkpoints to keep")] = 2
 
+    def due(self, step: int, final_step: int) -> bool:
+        """Whether the state after `step` finished optimizer steps is checkpointed (same rule everywhere)."""
+        return step == final_step or (self.interval is not None and step % self.interval == 0)
+
 
 class EnvConfig(Section):
     id: Annotated[str, Field(description="verifiers environment id (an installed package), e.g. reverse-text")]

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl.metrics import MetricsLogger, setup_logging
 from rl.protocol import RunPaths, Sample, read_batch, wait_for_stable
+from rl.trainer.checkpoint import Checkpointer
 from rl.trainer.config import TrainerConfig
 from rl.trainer.data import MicroBatch, micro_batches, pad_micro_batch
 from rl.trainer.loss import policy_loss
@@ -117,6 +118,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay, betas=config.optim.betas
     )
+    checkpointer = Checkpointer(paths, config.ckpt, world)
     metrics = MetricsLogger("trainer", paths, config.wandb, config.model_dump(mode="json"), logger) if world.is_main else None
     logger.info(f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}); training {config.max_steps} steps")
     for step in range(config.max_steps):
@@ -138,6 +140,8 @@ def main() -> None:
             "tokens_per_s": stats["tokens"] / train_time,
             "lr": config.optim.lr,
         }
+        if config.ckpt.due(step + 1, config.max_steps):
+            checkpointer.save(step + 1, model, optimizer)
         if metrics:
             metrics.log(step, stats, LINE_KEYS)
     if metrics:

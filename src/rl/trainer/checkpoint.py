@@ -1,0 +1,74 @@
+"""Trainer checkpoints: model and optimizer with torch.distributed.checkpoint (sharded, every rank writes
+its part), plus step and RNG state, under checkpoints/step_k/trainer/, keeping the last `keep`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from rl.config import CkptConfig
+from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable
+from rl.trainer.world import World
+
+
+class Checkpointer:
+    def __init__(self, paths: RunPaths, config: CkptConfig, world: World):
+        self.paths = paths
+        self.config = config
+        self.world = world
+
+    def directory(self, step: int):
+        return self.paths.checkpoint(step) / "trainer"
+
+    def save(self, step: int, model, optimizer) -> None:
+        """Collective: every rank writes its shards; rank 0 marks the step complete and prunes."""
+        target = self.directory(step)
+        if self.world.is_main and target.exists():
+            shutil.rmtree(target)
+        self.world.barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target))
+        rng = {"torch": torch.get_rng_state().tolist()}
+        atomic_write_text(target / f"rank_{self.world.rank}.json", json.dumps({"step": step, "rng": rng}))
+        self.world.barrier()
+        if self.world.is_main:
+            atomic_write_text(target / STABLE, json.dumps({"step": step}) + "\n")
+            self.prune()
+
+    def load(self, step: int, model, optimizer) -> None:
+        target = self.directory(step)
+        if not is_stable(target):
+            raise FileNotFoundError(f"trainer checkpoint {target} is missing or incomplete (no {STABLE})")
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(target))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        meta = json.loads((target / f"rank_{self.world.rank}.json").read_text())
+        torch.set_rng_state(torch.tensor(meta["rng"]["torch"], dtype=torch.uint8))
+        dist.barrier()
+
+    def prune(self) -> None:
+        """Delete all but the newest `keep` trainer checkpoints."""
+        for step in trainer_checkpoint_steps(self.paths)[: -self.config.keep]:
+            shutil.rmtree(self.directory(step), ignore_errors=True)
+            _remove_if_empty(self.paths.checkpoint(step))
+
+
+def trainer_checkpoint_steps(paths: RunPaths) -> list[int]:
+    """Steps with a trainer checkpoint directory (complete or not), ascending."""
+    root = paths.checkpoints_root
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.glob("step_*") if (p / "trainer").is_dir())
+
+
+def _remove_if_empty(directory) -> None:
+    try:
+        directory.rmdir()  # the orchestrator's part may still be there; then it stays
+    except OSError:
+        pass
