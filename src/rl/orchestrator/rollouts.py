@@ -1,0 +1,225 @@
+"""Run groups of rollouts of a verifiers environment and return token-level results.
+
+verifiers does the rollout: its training client (`TrainClientConfig`) renders the prompt with the
+model's chat template, calls vLLM's `/inference/v1/generate`, and records token ids, the sampled-token
+mask and the sampling logprobs on the trace; the task scores the trace. This module only loads an
+environment by id, runs `n` episodes of one task, and flattens each episode's trace into a plain
+`RolloutResult`. Task order is the environment's own and indexable, so the orchestrator owns the
+sampler position (and can resume it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import verifiers.v1 as vf
+from pydantic import ValidationError
+from renderers import DefaultRendererConfig
+from verifiers.v1.configs.agent import agent_config_fields
+from verifiers.v1.runtimes import runtime_is_local
+from verifiers.v1.utils.loaders import builtin_harness_ids
+
+API_KEY_VAR = "RL_INFERENCE_API_KEY"
+"""Environment variable holding the inference API key (unset sends "EMPTY"). Naming our own keeps
+verifiers from reading the Prime CLI config it falls back to for its default variable."""
+
+
+@dataclass(frozen=True)
+class InferenceClient:
+    """Where rollouts sample from."""
+
+    base_url: str  # OpenAI-compatible server root, with or without /v1
+    model: str  # the name the server serves the policy under
+    tokenizer: str  # local model/tokenizer directory the prompt is rendered with
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings sent to vLLM; rollout j of a group gets seed + j, so a group is not n copies."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 128
+    seed: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # other vLLM sampling params (top_k, min_p ...)
+
+
+@dataclass
+class RolloutResult:
+    """One rollout as the trainer needs it; completion_* lists are aligned token by token."""
+
+    task_index: int
+    task_id: str  # the task's durable id, else its content hash
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_mask: list[int]  # 1 = sampled by the policy, 0 = inserted by the environment
+    completion_logprobs: list[float]  # sampling logprobs; 0.0 where completion_mask is 0
+    reward: float  # sum of weight * score over `rewards`
+    rewards: dict[str, float]  # reward components, unweighted scores
+    metrics: dict[str, float]
+    is_truncated: bool  # stopped by max_tokens or a turn/token limit
+    num_turns: int
+
+
+class RolloutError(RuntimeError):
+    """A rollout failed (inference unreachable, harness or scoring error): no sample to train on."""
+
+
+class Environment:
+    """A loaded verifiers environment with its tasks materialized for deterministic index access."""
+
+    def __init__(self, env_id: str, env: vf.Env, tasks: list[vf.Task]) -> None:
+        self.env_id = env_id
+        self.env = env
+        self.tasks = tasks
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.tasks)
+
+    def task(self, index: int) -> vf.Task:
+        if not 0 <= index < len(self.tasks):
+            raise IndexError(f"environment {self.env_id!r} has {len(self.tasks)} tasks, no task {index}")
+        return self.tasks[index]
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        """Keep verifiers' interception server up across groups (otherwise each rollout starts one)."""
+        async with self.env.serving():
+            yield
+
+
+def load_environment(
+    env_id: str, args: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
+) -> Environment:
+    """Load environment `env_id` (an installed package) with taskset `args`.
+
+    `overrides` are further verifiers `EnvConfig` fields, e.g. `{"agent": {"harness": {"id": ...}}}`.
+    Raises ValueError naming the id when it is not installed, the args do not validate, or the env
+    would need the network (a remote runtime, or a built-in harness that installs its program).
+    """
+    data = {**(overrides or {}), "taskset": {**(args or {}), "id": env_id}}
+    try:
+        env = vf.load_environment(vf.resolve_env_config(data))
+    except (ModuleNotFoundError, ValidationError, TypeError, ValueError) as e:
+        raise ValueError(f"environment {env_id!r} with args {args or {}}: {e}") from e
+    require_offline(env_id, env)
+    if not env.taskset.bounded:
+        raise ValueError(f"environment {env_id!r} has an infinite taskset; bound it with its args")
+    return Environment(env_id, env, list(env.taskset))
+
+
+def require_offline(env_id: str, env: vf.Env) -> None:
+    """Fail fast on what would reach for the network: a remote runtime, or uv-installed harnesses."""
+    builtin = set(builtin_harness_ids())
+    harnesses = env.config.agent_harnesses()
+    for role, agent in agent_config_fields(env.config).items():
+        if not runtime_is_local(agent.runtime):
+            raise ValueError(
+                f"environment {env_id!r}: seat {role!r} uses the remote runtime {agent.runtime.type!r}; "
+                f"pass overrides={{{role!r}: {{'runtime': {{'type': 'subprocess'}}}}}}"
+            )
+        if harnesses[role].id in builtin:
+            raise ValueError(
+                f"environment {env_id!r}: seat {role!r} uses verifiers' built-in harness "
+                f"{harnesses[role].id!r}, which installs its program with uv (network); ship an "
+                f"in-process harness in the environment package or set overrides={{{role!r}: {{'harness': ...}}}}"
+            )
+
+
+async def run_group(
+    environment: Environment,
+    task_index: int,
+    n: int,
+    client: InferenceClient,
+    sampling: Sampling,
+    semaphore: asyncio.Semaphore | None = None,
+) -> list[RolloutResult]:
+    """Run `n` rollouts of task `task_index` concurrently (at most `semaphore` at once)."""
+    task = environment.task(task_index)
+    slots = environment.env.slots(task, n)
+    contexts = [model_context(client, sampling, j) for j in range(n)]
+    episodes = await asyncio.gather(
+        *(environment.env.run_slot(slot, ctx, semaphore) for slot, ctx in zip(slots, contexts))
+    )
+    return [to_result(task_index, task, episode) for episode in episodes]
+
+
+async def run_groups(
+    environment: Environment,
+    task_indices: list[int],
+    n: int,
+    client: InferenceClient,
+    sampling: Sampling,
+    semaphore: asyncio.Semaphore | None = None,
+) -> list[list[RolloutResult]]:
+    """One group per task index, all in flight together; group g samples with seeds from seed + g * n."""
+
+    def group_sampling(g: int) -> Sampling:
+        return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + g * n)
+
+    return list(
+        await asyncio.gather(
+            *(
+                run_group(environment, index, n, client, group_sampling(g), semaphore)
+                for g, index in enumerate(task_indices)
+            )
+        )
+    )
+
+
+def model_context(client: InferenceClient, sampling: Sampling, offset: int) -> vf.ModelContext:
+    """verifiers' per-rollout model context: the training client, and this rollout's sampling."""
+    base_url = client.base_url.rstrip("/")
+    train_client = vf.TrainClientConfig(
+        # renderers finds /inference/v1/generate beside /v1 and reads max_model_len from /v1/models.
+        base_url=base_url if base_url.endswith("/v1") else f"{base_url}/v1",
+        api_key_var=API_KEY_VAR,
+        renderer=DefaultRendererConfig(),  # the tokenizer's own chat template
+        renderer_model_name=client.tokenizer,
+    )
+    seed = None if sampling.seed is None else sampling.seed + offset
+    settings = vf.SamplingConfig(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_tokens,
+        **({"seed": seed} if seed is not None else {}),
+        **sampling.extra,
+    )
+    return vf.ModelContext(model=client.model, client=train_client, sampling=settings)
+
+
+def to_result(task_index: int, task: vf.Task, episode: vf.Episode) -> RolloutResult:
+    """Flatten a single-trace, single-branch episode; the prompt ends where sampling first starts."""
+    trace = episode.traces[0] if len(episode.traces) == 1 else None
+    if not episode.ok or trace is None:
+        error = (trace.last_error if trace else None) or episode.last_error
+        detail = f"{error.type}: {error.message}" if error else f"{len(episode.traces)} traces"
+        raise RolloutError(f"rollout of task {task_index} failed: {detail}")
+    branches = [branch for branch in trace.branches if branch.trainable]
+    if len(branches) != 1:
+        raise RolloutError(f"rollout of task {task_index} has {len(branches)} trainable branches; expected 1")
+    branch = branches[0]
+    ids, mask, logprobs = branch.token_ids, branch.sampled_mask, branch.logprobs
+    if True not in mask:
+        raise RolloutError(f"rollout of task {task_index} sampled no token")
+    start = mask.index(True)
+    if any(score is None for score in trace.rewards.values()):
+        raise RolloutError(f"rollout of task {task_index} was not scored: {trace.rewards}")
+    return RolloutResult(
+        task_index=task_index,
+        task_id=task.data.id or task.key,
+        prompt_ids=ids[:start],
+        completion_ids=ids[start:],
+        completion_mask=[int(m) for m in mask[start:]],
+        completion_logprobs=logprobs[start:],
+        reward=trace.reward,
+        rewards={name: score.score for name, score in trace.rewards.items()},
+        metrics={name: value for name, value in trace.metrics.items() if value is not None},
+        is_truncated=trace.is_truncated,
+        num_turns=trace.num_turns,
+    )
