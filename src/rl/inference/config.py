@@ -24,7 +24,10 @@ class InferenceConfig(Settings):
     ] = "float32"
     max_model_len: Annotated[int, Field(ge=16, description="longest sequence the server accepts")] = 2048
     tensor_parallel_size: Annotated[int, Field(ge=1, description="GPUs per replica")] = 1
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1, description="share of each GPU vLLM may use")] = 0.9
+    gpu_memory_utilization: Annotated[
+        float | None,
+        Field(gt=0, le=1, description="share of GPU memory vLLM may use (CPU: of the NUMA node); unset: 0.9 GPU, 0.2 CPU"),
+    ] = None
     enforce_eager: Annotated[bool, Field(description="skip graph capture (faster start-up; on CPU always)")] = True
     seed: Annotated[int, Field(description="vLLM sampling seed")] = 0
     weights_dir: Annotated[

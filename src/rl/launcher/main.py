@@ -58,7 +58,7 @@ def child_specs(config: RLConfig, plan: DevicePlan, paths: RunPaths) -> list[Chi
     specs = []
     for r, gpus in enumerate(plan.inference_gpus):
         name = "inference" if plan.replicas == 1 else f"inference-{r}"
-        cmd = [python, "-m", "rl.inference.server", "@", str(configs / "inference.toml")]
+        cmd = [python, "-m", "rl.inference.main", "@", str(configs / "inference.toml")]
         cmd += ["--port", str(config.inference.port + r)]
         specs.append(ChildSpec(name, cmd, gpus if gpus else None, paths.logs / f"{name}.log"))
     specs.append(

@@ -1,0 +1,41 @@
+"""Inference entrypoint: one vLLM server (one data-parallel replica) configured by InferenceConfig.
+
+    python -m rl.inference.main @ infer.toml --port 8001
+"""
+
+from __future__ import annotations
+
+from rl.config import run_cli
+from rl.inference.config import InferenceConfig
+from rl.inference.server import serve
+
+# vLLM on CPU reserves this share of the NUMA node's memory for its KV cache; 0.9 fails there.
+CPU_MEMORY_SHARE = 0.2
+
+
+def main() -> None:
+    config = run_cli(InferenceConfig)
+    import torch
+
+    memory_share = config.gpu_memory_utilization
+    if memory_share is None:
+        memory_share = 0.9 if torch.cuda.is_available() else CPU_MEMORY_SHARE
+    serve(
+        model=config.model.name,
+        host=config.host,
+        port=config.port,
+        weights_dir=str(config.weights_dir) if config.weights_dir else None,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        enforce_eager=config.enforce_eager,
+        seed=config.seed,
+        gpu_memory_utilization=memory_share,
+        tensor_parallel_size=config.tensor_parallel_size,
+        extra_args=config.extra_args,
+        admin_token=config.admin_token,
+        served_model_name=config.model.name,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The whole loop for real: vLLM server, orchestrator with a verifiers environment, torchrun trainer."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rl.protocol import RunPaths, read_metrics, stable_steps
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rl_command(model: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
+    configs = ROOT / "configs" / "reverse_text"
+    return [
+        sys.executable, "-m", "rl.launcher.main",
+        "--trainer", "@", str(configs / "train.toml"),
+        "--orchestrator", "@", str(configs / "orch.toml"),
+        "--inference", "@", str(configs / "infer.toml"),
+        "--model.name", str(model), "--output-dir", str(out), "--max-steps", str(max_steps),
+        "--seq-len", "128", "--trainer-processes", "2", "--inference.port", str(free_port()), *extra,
+    ]
+
+
+class Launched:
+    """An `rl` process whose output is collected line by line."""
+
+    def __init__(self, cmd: list[str]):
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+            raise AssertionError("rl did not finish in time:\n" + "".join(self.lines[-60:]))
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def test_five_steps_end_to_end(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    run = Launched(rl_command(tiny_model, out, 5))
+    code = run.wait(timeout=900)
+    assert code == 0, run.output[-5000:]
+    paths = RunPaths(out)
+    metrics = read_metrics(paths)
+    for process in ("trainer", "orchestrator"):
+        steps = [m["step"] for m in metrics if m["process"] == process]
+        assert steps == [0, 1, 2, 3, 4], f"{process} logged steps {steps}"
+    # async_level=1: batch k needs policy >= k - 1, so inference is moved to v1, v2, v3 in turn and
+    # reported each one back (the update fails unless the server reports the requested step).
+    served = [m["policy_step"] for m in metrics if m["process"] == "orchestrator"]
+    assert served == [0, 0, 1, 2, 3]
+    assert all(m["staleness"] <= 1 for m in metrics if m["process"] == "orchestrator")
+    assert stable_steps(paths.weights_root) == [1, 2, 3, 4, 5]
+
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(paths.weights(5))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    changed = [n for n, p in final.state_dict().items() if not torch.equal(p, base.state_dict()[n])]
+    assert changed, "published weights equal the base model"
+    files = load_file(str(paths.weights(5) / "model.safetensors"))
+    assert torch.equal(files["lm_head.weight"], files["model.embed_tokens.weight"])  # written explicitly
+    assert (out / "configs" / "trainer.toml").is_file()
+    assert "step 4 trainer" in run.output  # the launcher's one line per step
+
+
+def test_killing_the_trainer_stops_the_run_and_names_it(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    run = Launched(rl_command(tiny_model, out, 50))
+    deadline = time.monotonic() + 600
+    while not stable_steps(RunPaths(out).weights_root) and time.monotonic() < deadline:
+        assert run.proc.poll() is None, run.output
+        time.sleep(0.5)
+    trainer_pid = next(int(l.split("pid ")[1].split(")")[0]) for l in run.lines if "started trainer" in l)
+    os.kill(trainer_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    code = run.wait(timeout=60)
+    assert code != 0
+    assert time.monotonic() - killed_at < 30
+    assert "trainer was killed by SIGKILL" in run.output
+    # nothing of the run is left behind
+    leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert not leftover, f"processes still running: {leftover}"
