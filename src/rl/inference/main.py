@@ -5,12 +5,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rl.config import run_cli
 from rl.inference.config import InferenceConfig
 from rl.inference.server import serve
 
 # vLLM on CPU reserves this share of the NUMA node's memory for its KV cache; 0.9 fails there.
 CPU_MEMORY_SHARE = 0.2
+
+
+def local_model_dir(name: str) -> str:
+    """The model's files on disk: a directory as given, or the hub snapshot of a model id (served weights are
+    verified against files, so vLLM must load from a directory)."""
+    if Path(name).is_dir():
+        return name
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
 
 
 def main() -> None:
@@ -21,7 +33,7 @@ def main() -> None:
     if memory_share is None:
         memory_share = 0.9 if torch.cuda.is_available() else CPU_MEMORY_SHARE
     serve(
-        model=config.model.name,
+        model=local_model_dir(config.model.name),
         host=config.host,
         port=config.port,
         weights_dir=str(config.weights_dir) if config.weights_dir else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import shutil
 import time
 from collections import Counter
@@ -191,6 +192,7 @@ def to_sample(result: RolloutResult, advantage: float, policy_step: int) -> Samp
 def main() -> None:
     config = run_cli(OrchestratorConfig)
     logger = setup_logging("orchestrator")
+    logging.getLogger("verifiers").setLevel(logging.WARNING)  # one line per rollout otherwise
     asyncio.run(Orchestrator(config, logger).run())
 
 
