@@ -1,0 +1,383 @@
+"""The inference server: vLLM's own OpenAI-compatible server plus the admin routes `rl` needs.
+
+`serve()` builds vLLM's argument parser and runs vLLM's `run_server`, adding through vLLM's public
+hooks only:
+
+- `--worker-extension-cls rl.inference.worker.WeightSyncExtension`: in-place reload and
+  verification of weights, reached with `engine_client.collective_rpc`;
+- `--middleware rl.inference.server.AdminMiddleware`: an ASGI middleware that answers
+  `POST /update_weights` and `GET /policy_step`, and rewrites the logprobs of
+  `/inference/v1/generate` into the shape verifiers' training client reads;
+- `--enable-scale-out` (vLLM serves `/inference/v1/generate` only with it) and
+  `--logprobs-mode processed_logprobs` (logprobs of the distribution actually sampled from, which
+  importance ratios at temperature != 1 need).
+
+    python -m rl.inference.server --model DIR --port 8000 --weights-dir OUT/weights [-- VLLM ARGS]
+
+Admin routes (JSON; errors are `{"detail": "..."}` with a 4xx status, or 500 when a reload failed):
+
+    POST /update_weights {"step": k, "path": "step_k"}  -> {"step": k, "weights_checksum": "...", ...}
+    GET  /policy_step                                  -> {"step": k, "weights_checksum": "..."}
+
+They need `Authorization: Bearer <admin_token>` when a token is set, and answer only loopback
+clients when none is.
+"""
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "rl.inference.worker.WeightSyncExtension"
+MIDDLEWARE = "rl.inference.server.AdminMiddleware"
+ADMIN_PATHS = {"/update_weights", "/policy_step"}
+GENERATE_PATH = "/inference/v1/generate"
+GENERATION_PREFIXES = ("/v1/", "/inference/")
+STABLE = "STABLE"
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+@dataclass(frozen=True)
+class AdminSettings:
+    """What the admin routes need from `serve()`; carried to the app on vLLM's args namespace."""
+
+    base_model: str
+    weights_dir: str | None
+    admin_token: str | None
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    step: Annotated[StrictInt, Field(ge=0, description="policy version the weights hold")]
+    path: Annotated[str, Field(min_length=1, description="step directory, inside the weights dir")]
+
+
+class PolicyWeights:
+    """Owns which policy step this server serves; every change goes through `update`, one at a time.
+
+    Step 0 is the base model. A load that fails verification is rolled back to the previous step;
+    if even that fails, the server refuses generation (`broken`) until a checkpoint verifies.
+    """
+
+    def __init__(self, engine, settings: AdminSettings):
+        self.engine, self.settings = engine, settings
+        self.step, self.path, self.checksum = 0, str(Path(settings.base_model).resolve()), None
+        self.broken: str | None = None
+        self.lock = asyncio.Lock()
+
+    async def current(self) -> dict:
+        if self.checksum is None:
+            async with self.lock:
+                await self._verify_base()
+        if self.broken:
+            raise HTTPException(503, self.broken)
+        return {"step": self.step, "weights_checksum": self.checksum}
+
+    async def update(self, step: int, path: str) -> dict:
+        target = self._resolve(path)
+        async with self.lock:
+            await self._verify_base()
+            if step < self.step or (step == self.step and target != self.path):
+                raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
+            if step == self.step and not self.broken:
+                return {"step": self.step, "weights_checksum": self.checksum}  # a retried request
+            # Freeze in-flight requests so that no token is sampled between the reload and the new
+            # weight version: vLLM labels each output token with the version that sampled it.
+            start = time.perf_counter()
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            paused = time.perf_counter()
+            try:
+                return await self._switch(step, target)
+            finally:
+                if self.broken:  # abort what was frozen; stay paused until a checkpoint verifies
+                    await self.engine.pause_generation(mode="abort", clear_cache=False)
+                else:
+                    await self.engine.resume_generation()
+                logger.info("update to step %d from %s: paused in %.3f s, switched in %.3f s; %s step %d",
+                            step, target, paused - start, time.perf_counter() - paused,
+                            "BROKEN, generation refused; last verified" if self.broken else "serving", self.step)
+
+    async def _switch(self, step: int, target: str) -> dict:
+        """Load and verify `target` while generation is paused; needs the lock."""
+        report = await self._load(target)
+        if not report["ok"]:
+            raise await self._refuse(step, target, report)
+        self.step, self.path, self.checksum, self.broken = step, target, report["checksum"], None
+        await self.engine.update_weight_version(str(step))
+        return {"step": step, "weights_checksum": self.checksum} | _timings(report)
+
+    def _resolve(self, path: str) -> str:
+        """The real path of a step directory strictly inside the weights dir, with a STABLE marker."""
+        if self.settings.weights_dir is None:
+            raise HTTPException(403, "this server was started without a weights dir: updates are off")
+        root = Path(os.path.realpath(self.settings.weights_dir))
+        target = Path(os.path.realpath(root / path))
+        if target == root or not target.is_relative_to(root):
+            raise HTTPException(403, f"{path!r} resolves to {target}, outside the weights dir {root}")
+        if not target.is_dir():
+            raise HTTPException(404, f"no step directory at {target}")
+        if not (target / STABLE).exists():
+            raise HTTPException(409, f"{target} has no {STABLE} marker yet: it may be half written")
+        return str(target)
+
+    async def _verify_base(self) -> None:
+        """Verify the weights loaded at start-up once, giving step 0 its checksum. Needs the lock."""
+        if self.checksum is not None:
+            return
+        report = _merge(await self.engine.collective_rpc("rl_verify_weights", args=(self.path,)))
+        if not report["ok"]:
+            raise HTTPException(500, f"the base model's served weights do not match {self.path}: {_why(report)}")
+        self.checksum = report["checksum"]
+        await self.engine.update_weight_version("0")
+
+    async def _load(self, path: str) -> dict:
+        report = _merge(await self.engine.collective_rpc("rl_load_weights", args=(path,)))
+        if report["reloaded"]:
+            # Drop KV computed with the old weights: running requests are preempted and their
+            # prompt and tokens so far recomputed with the new weights when generation resumes.
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
+        return report
+
+    async def _refuse(self, step: int, target: str, report: dict) -> HTTPException:
+        """Answer a failed load, rolling back to the served step when weights were touched."""
+        if not report["reloaded"]:
+            return HTTPException(400, f"step {step} at {target} does not fit the served model, "
+                                      f"still serving step {self.step}: {_why(report)}")
+        failure = f"step {step} at {target} failed after reload: {_why(report)}"
+        rollback = await self._load(self.path)
+        if rollback["ok"]:
+            return HTTPException(500, f"{failure}; rolled back to step {self.step}, which verifies")
+        self.broken = (f"{failure}; rollback to step {self.step} failed too: {_why(rollback)}; "
+                       "generation is refused until a checkpoint loads and verifies")
+        return HTTPException(500, self.broken)
+
+
+def _merge(reports: list[dict]) -> dict:
+    """One report from every worker's: ok only if all are."""
+    first = dict(reports[0])
+    first["ok"] = all(r["ok"] for r in reports)
+    first["reloaded"] = any(r.get("reloaded", False) for r in reports)
+    return first
+
+
+def _why(report: dict) -> str:
+    problems = report.get("mismatched", []) + report.get("differing", [])
+    return "; ".join(problems[:5]) or "no reason reported"
+
+
+def _timings(report: dict) -> dict:
+    return {k: report[k] for k in ("files_s", "reload_s", "verify_s") if k in report}
+
+
+def authorize(request: Request) -> PolicyWeights:
+    """The app's `PolicyWeights`, for a caller holding the admin token (or on loopback if none is set)."""
+    weights: PolicyWeights = request.app.state.weights
+    token = weights.settings.admin_token
+    if token is None:
+        client = request.client.host if request.client else ""
+        if client not in LOOPBACK:
+            raise HTTPException(403, "admin routes answer loopback clients only when no admin token is set")
+    elif not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
+        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+    return weights
+
+
+admin_router = APIRouter()
+
+
+@admin_router.get("/policy_step")
+async def policy_step(weights: Annotated[PolicyWeights, Depends(authorize)]) -> dict:
+    return await weights.current()
+
+
+@admin_router.post("/update_weights")
+async def update_weights(body: UpdateWeightsRequest, weights: Annotated[PolicyWeights, Depends(authorize)]) -> dict:
+    return await weights.update(body.step, body.path)
+
+
+def build_admin_app() -> FastAPI:
+    """The admin routes, as a small FastAPI app that `AdminMiddleware` forwards matching requests to."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.include_router(admin_router)
+    return app
+
+
+class AdminMiddleware:
+    """ASGI middleware, installed with vLLM's `--middleware`, in front of vLLM's app.
+
+    Sends the admin paths to `build_admin_app()`, refuses generation while the weights are broken,
+    and adds `"token": "token_id:<id>"` to every logprob entry of `/inference/v1/generate` JSON
+    responses (vLLM writes only `"token_id": <id>`; the `renderers` client of verifiers' training
+    client requires the string form). Everything else passes through untouched.
+    """
+
+    def __init__(self, app):
+        self.app = app
+        self.admin = build_admin_app()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        weights = self._weights(scope["app"].state)
+        path = scope["path"]
+        if path in ADMIN_PATHS:
+            return await self.admin(scope, receive, send)
+        if weights.broken and path.startswith(GENERATION_PREFIXES):
+            return await JSONResponse({"detail": weights.broken}, status_code=503)(scope, receive, send)
+        if path == GENERATE_PATH:
+            return await self.app(scope, receive, TokenStringRewrite(send))
+        return await self.app(scope, receive, send)
+
+    def _weights(self, vllm_state) -> PolicyWeights:
+        """The one `PolicyWeights` of this app, made from vLLM's app state on the first request."""
+        if not hasattr(self.admin.state, "weights"):
+            settings = getattr(vllm_state.args, "rl_admin", None)
+            if settings is None:
+                raise RuntimeError(f"{MIDDLEWARE} needs the server started by rl.inference.server.serve()")
+            self.admin.state.weights = PolicyWeights(vllm_state.engine_client, settings)
+        return self.admin.state.weights
+
+
+class TokenStringRewrite:
+    """ASGI `send` wrapper: buffers a 200 JSON response and adds token strings to its logprobs.
+
+    Error responses and event streams (`"stream": true`) pass through unchanged.
+    """
+
+    def __init__(self, send):
+        self.send, self.start, self.body, self.passthrough = send, None, [], False
+
+    async def __call__(self, message):
+        if message["type"] == "http.response.start":
+            self.start = message
+            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+            self.passthrough = message["status"] != 200 or not content_type.startswith(b"application/json")
+            if self.passthrough:
+                await self.send(message)
+            return
+        if self.passthrough or message["type"] != "http.response.body":
+            return await self.send(message)
+        self.body.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        body = add_token_strings(b"".join(self.body))
+        headers = [(k, v) for k, v in self.start["headers"] if k.lower() != b"content-length"]
+        await self.send(self.start | {"headers": headers + [(b"content-length", str(len(body)).encode())]})
+        await self.send({"type": "http.response.body", "body": body})
+
+
+def add_token_strings(body: bytes) -> bytes:
+    """`{"token_id": 343, ...}` -> `{"token": "token_id:343", "token_id": 343, ...}` in every choice."""
+    response = json.loads(body)
+    for choice in response.get("choices") or []:
+        for entry in (choice.get("logprobs") or {}).get("content") or []:
+            for item in [entry, *(entry.get("top_logprobs") or [])]:
+                if "token_id" in item:  # tokens mode; text mode already has `token` strings
+                    item["token"] = f"token_id:{item['token_id']}"
+    return json.dumps(response).encode()
+
+
+def vllm_argv(model: str, host: str, port: int, dtype: str, max_model_len: int, enforce_eager: bool, seed: int,
+              gpu_memory_utilization: float, tensor_parallel_size: int, served_model_name: str | None,
+              extra_args: list[str]) -> list[str]:
+    """vLLM's command line for our server; `extra_args` come last, so they can override."""
+    argv = [
+        "--model", model, "--host", host, "--port", str(port), "--dtype", dtype,
+        "--max-model-len", str(max_model_len), "--seed", str(seed),
+        "--gpu-memory-utilization", str(gpu_memory_utilization),
+        "--tensor-parallel-size", str(tensor_parallel_size),
+        "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", WORKER_EXTENSION, "--middleware", MIDDLEWARE,
+    ]
+    argv += ["--enforce-eager"] if enforce_eager else []
+    argv += ["--served-model-name", served_model_name] if served_model_name else []
+    return argv + list(extra_args)
+
+
+def _log_to_stderr() -> None:
+    """Our INFO lines in the server's log, beside vLLM's (vLLM configures only its own loggers)."""
+    package = logging.getLogger("rl")
+    if not package.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("(rl) %(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)
+
+
+def serve(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    weights_dir: str | None = None,
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+    enforce_eager: bool = True,
+    seed: int = 0,
+    gpu_memory_utilization: float = 0.9,
+    tensor_parallel_size: int = 1,
+    extra_args: list[str] = (),
+    admin_token: str | None = None,
+    served_model_name: str | None = None,
+) -> None:
+    """Run vLLM's OpenAI-compatible server with our admin routes until it is stopped.
+
+    On CPU hosts `gpu_memory_utilization` is the fraction of the node's memory vLLM reserves.
+    """
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if not Path(model).is_dir():
+        raise ValueError(f"model {model!r} must be a local Hugging Face directory (its files are verified)")
+    if tensor_parallel_size != 1:
+        raise ValueError("tensor_parallel_size must be 1: weight verification reads unsharded layers")
+    cli_env_setup()
+    argv = vllm_argv(model, host, port, dtype, max_model_len, enforce_eager, seed, gpu_memory_utilization,
+                     tensor_parallel_size, served_model_name, extra_args)
+    args = make_arg_parser(FlexibleArgumentParser(prog="rl.inference.server")).parse_args(argv)
+    configure_logging_from_args(args)
+    _log_to_stderr()
+    validate_parsed_serve_args(args)
+    args.rl_admin = AdminSettings(base_model=model, weights_dir=weights_dir, admin_token=admin_token)
+    uvloop.run(run_server(args))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--weights-dir", help="the only directory weights may be loaded from")
+    parser.add_argument("--admin-token", default=os.environ.get("RL_ADMIN_TOKEN"),
+                        help="bearer token for the admin routes (default: $RL_ADMIN_TOKEN)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--served-model-name")
+    serve(**vars(parser.parse_args(ours)), extra_args=extra)
+
+
+if __name__ == "__main__":
+    main()
