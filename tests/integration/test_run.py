@@ -72,10 +72,11 @@ def test_five_steps_end_to_end(tiny_model, tmp_path):
     for process in ("trainer", "orchestrator"):
         steps = [m["step"] for m in metrics if m["process"] == process]
         assert steps == [0, 1, 2, 3, 4], f"{process} logged steps {steps}"
-    # async_level=1: batch k needs policy >= k - 1, so inference is moved to v1, v2, v3 in turn and
-    # reported each one back (the update fails unless the server reports the requested step).
+    # async_level=1: batch k needs a policy >= k - 1 (and none newer than k exists yet), so inference
+    # is moved forward step by step; each update fails unless the server reports the requested step.
     served = [m["policy_step"] for m in metrics if m["process"] == "orchestrator"]
-    assert served == [0, 0, 1, 2, 3]
+    assert all(k - 1 <= v <= k for k, v in enumerate(served)), served
+    assert served == sorted(served) and served[-1] >= 3, served
     assert all(m["staleness"] <= 1 for m in metrics if m["process"] == "orchestrator")
     assert stable_steps(paths.weights_root) == [1, 2, 3, 4, 5]
 

@@ -50,6 +50,9 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen] = {}
         self.specs: dict[str, ChildSpec] = {}
         self.metrics_offset = 0
+        # Every descendant seen so far, per child: a process that leaves the group (torchrun starts its
+        # ranks in sessions of their own) or outlives its parent is still found and stopped.
+        self.descendants: dict[str, dict[int, psutil.Process]] = {}
 
     def start(self, spec: ChildSpec) -> None:
         env = dict(os.environ)
@@ -90,6 +93,7 @@ class Supervisor:
     def _watch(self, final_step: int) -> int:
         done: set[str] = set()
         while True:
+            self._remember_descendants()
             self._show_new_metrics()
             for name, proc in self.procs.items():
                 code = proc.poll()
@@ -132,33 +136,47 @@ class Supervisor:
             shown = " ".join(f"{k}={record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float)))
             print(f"rl: step {record['step']} {record['process']:<12} {shown}", flush=True)
 
+    def _remember_descendants(self) -> None:
+        for name, proc in self.procs.items():
+            known = self.descendants.setdefault(name, {})
+            try:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    known.setdefault(child.pid, child)
+            except psutil.Error:
+                pass  # the child itself is gone; what it left behind is still in `known`
+
+    def _alive_descendants(self) -> list[psutil.Process]:
+        # psutil.Process.is_running() also checks the creation time, so a reused pid is not mistaken.
+        return [p for known in self.descendants.values() for p in known.values() if p.is_running()]
+
     def stop_all(self) -> None:
-        """SIGTERM every child's process group (a dead child's group may still hold its own children),
-        SIGKILL what is left after the grace period."""
-        trees = {name: self._tree(p.pid) for name, p in self.procs.items()}
+        """SIGTERM every child's process group and every descendant ever seen, SIGKILL what is left after
+        the grace period."""
+        self._remember_descendants()
         for p in self.procs.values():
             _signal_group(p.pid, signal.SIGTERM)
+        for p in self._alive_descendants():
+            _signal_process(p, signal.SIGTERM)
         deadline = time.monotonic() + self.shutdown_timeout_s
         for p in self.procs.values():
             try:
                 p.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 pass
-        for name, p in self.procs.items():
+        psutil.wait_procs(self._alive_descendants(), timeout=max(deadline - time.monotonic(), 0.1))
+        for p in self.procs.values():
             _signal_group(p.pid, signal.SIGKILL)
-            for child in trees[name]:  # processes that left the group (e.g. called setsid)
-                try:
-                    child.kill()
-                except psutil.Error:
-                    pass
+        for p in self._alive_descendants():
+            _signal_process(p, signal.SIGKILL)
+        for p in self.procs.values():
             p.wait()
 
-    @staticmethod
-    def _tree(pid: int) -> list[psutil.Process]:
-        try:
-            return psutil.Process(pid).children(recursive=True)
-        except psutil.Error:
-            return []
+
+def _signal_process(process: psutil.Process, sig: int) -> None:
+    try:
+        process.send_signal(sig)
+    except psutil.Error:
+        pass
 
 
 def _signal_group(pid: int, sig: int) -> None:

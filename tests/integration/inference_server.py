@@ -1,0 +1,69 @@
+"""A real inference server (`python -m rl.inference.main`) for tests, started once per module."""
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, weights_dir: Path, log: Path, token: str = "test-token", timeout_s: float = 300):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = token
+        self.model = model
+        self.log = log
+        cmd = [
+            sys.executable, "-m", "rl.inference.main", "--model.name", str(model), "--port", str(self.port),
+            "--weights-dir", str(weights_dir), "--admin-token", token, "--max-model-len", "512",
+        ]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+        self._wait_healthy(timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"inference server exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"inference server not healthy after {timeout_s}s:\n{self.log.read_text()[-3000:]}")
+
+    def admin(self, method: str, path: str, **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token}"} | kwargs.pop("headers", {})
+        return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=120, **kwargs)
+
+    def generate(self, token_ids: list[int], max_tokens: int = 8, seed: int = 0, temperature: float = 1.0) -> tuple[list[int], list[float]]:
+        body = {
+            "model": str(self.model),
+            "token_ids": token_ids,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": temperature, "logprobs": 1, "seed": seed},
+        }
+        response = httpx.post(f"{self.url}/inference/v1/generate", json=body, timeout=120)
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        return choice["token_ids"], [entry["logprob"] for entry in choice["logprobs"]["content"]]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

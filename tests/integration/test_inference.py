@@ -1,0 +1,110 @@
+"""The inference server on the tiny model: logprob parity with Hugging Face, verified in-place reloads,
+and admin requests that must be refused."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rl.tiny_model import build_tiny_model
+from tests.integration.inference_server import Server
+
+pytestmark = pytest.mark.integration
+PROMPTS = [[1, 91, 89, 75, 88, 5, 56, 75, 92], [1, 91, 89, 75, 88, 5, 60, 61, 62, 63, 2, 5, 1, 71]]
+TOLERANCE = 1e-4  # float32 on both sides; measured differences are ~5e-7
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inference")
+    build_tiny_model(root / "model")
+    (root / "weights").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):
+    server = Server(run_dir / "model", run_dir / "weights", run_dir / "inference.log")
+    yield server
+    server.stop()
+
+
+def perturbed_step(run_dir, step: int, seed: int, drop: str | None = None, source: str = "model"):
+    """weights/step_k: a perturbed copy of the model, lm_head written explicitly, marked STABLE."""
+    out = run_dir / "weights" / f"step_{step}"
+    shutil.copytree(run_dir / source, out)
+    state = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    state = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    if drop:
+        del state[drop]
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "STABLE").touch()
+    return out
+
+
+def hf_logprobs(model_dir, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)  # [T-1, V]
+    return logp[len(prompt) - 1 :].gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)  # [C]
+
+
+def max_mismatch(server, model_dir) -> float:
+    worst = 0.0
+    for seed, prompt in enumerate(PROMPTS):
+        completion, served = server.generate(prompt, max_tokens=12, seed=seed)
+        expected = hf_logprobs(model_dir, prompt, completion)
+        worst = max(worst, (torch.tensor(served) - expected).abs().max().item())
+    print(f"max |vLLM - HF| logprob = {worst:.2e}")
+    return worst
+
+
+def test_update_serves_new_weights_verified_and_refuses_bad_ones(server, run_dir):
+    assert server.admin("GET", "/policy_step").json()["step"] == 0
+    assert max_mismatch(server, run_dir / "model") < TOLERANCE
+
+    step1 = perturbed_step(run_dir, 1, seed=1)
+    response = server.admin("POST", "/update_weights", json={"step": 1, "path": str(step1)})
+    assert response.status_code == 200, response.text
+    reported = server.admin("GET", "/policy_step").json()
+    assert reported["step"] == 1 and reported["weights_checksum"] == response.json()["weights_checksum"]
+    assert max_mismatch(server, step1) < TOLERANCE
+    assert max_mismatch(server, run_dir / "model") > 100 * TOLERANCE  # really moved
+
+    # A tensor missing, or a model of another shape: refused, step 1 keeps serving.
+    missing = perturbed_step(run_dir, 2, seed=2, drop="model.layers.0.mlp.down_proj.weight")
+    response = server.admin("POST", "/update_weights", json={"step": 2, "path": str(missing)})
+    assert response.status_code == 400 and "down_proj" in response.text
+    build_tiny_model(run_dir / "other", hidden_size=64, heads=2, kv_heads=1)
+    other = perturbed_step(run_dir, 3, seed=3, source="other")
+    response = server.admin("POST", "/update_weights", json={"step": 3, "path": str(other)})
+    assert response.status_code == 400 and "shape" in response.text
+    assert server.admin("GET", "/policy_step").json()["step"] == 1
+    assert max_mismatch(server, step1) < TOLERANCE
+
+    # An older step than the one served is refused.
+    response = server.admin("POST", "/update_weights", json={"step": 0, "path": str(step1)})
+    assert response.status_code == 409
+
+
+def test_admin_requests_that_must_be_refused(server, run_dir):
+    outside = run_dir / "model"
+    escape = run_dir / "weights" / "escape"
+    escape.symlink_to(outside)
+    for path, status in [(str(outside), 403), ("../model", 403), (str(escape), 403), ("step_99", 404)]:
+        response = server.admin("POST", "/update_weights", json={"step": 9, "path": path})
+        assert response.status_code == status, (path, response.text)
+    unstable = run_dir / "weights" / "step_50"
+    shutil.copytree(run_dir / "model", unstable)
+    assert server.admin("POST", "/update_weights", json={"step": 50, "path": str(unstable)}).status_code == 409
+    for body in [b"not json", b'{"step": 1}', b'{"step": "one", "path": "x"}', b"[1, 2]"]:
+        response = server.admin("POST", "/update_weights", content=body, headers={"Content-Type": "application/json"})
+        assert 400 <= response.status_code < 500, (body, response.status_code)
+    assert server.admin("GET", "/policy_step", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert server.proc.poll() is None  # still alive after all that
