@@ -20,18 +20,23 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=options)
 
 
-def publish_weights(paths: RunPaths, step: int, state_dict: dict, model_config, tokenizer) -> None:
-    """Rank 0 only: write weights/step_{step}/ atomically."""
-    final = paths.weights(step)
-    tmp = temp_path(final)
-    tmp.mkdir(parents=True, exist_ok=True)
+def save_hf_dir(directory, state_dict: dict, model_config, tokenizer) -> None:
+    """Write safetensors (lm_head.weight always included), config and tokenizer into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
     tensors, seen = {}, set()
     for name, t in state_dict.items():  # safetensors refuses tensors that share memory (tied weights)
         tensors[name] = t.clone() if t.data_ptr() in seen else t.contiguous()
         seen.add(t.data_ptr())
     if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
-    model_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    model_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def publish_weights(paths: RunPaths, step: int, state_dict: dict, model_config, tokenizer) -> None:
+    """Rank 0 only: write weights/step_{step}/ atomically."""
+    final = paths.weights(step)
+    tmp = temp_path(final)
+    save_hf_dir(tmp, state_dict, model_config, tokenizer)
     publish_dir(tmp, final)
