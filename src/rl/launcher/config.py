@@ -49,6 +49,10 @@ class RLConfig(Settings):
     ] = 2
     inference_replicas: Annotated[int, Field(ge=1, description="CPU hosts only: vLLM servers to start")] = 1
 
+    # Resume
+    resume: Annotated[bool, Field(description="continue the run in output_dir from its latest complete checkpoint")] = False
+    resume_step: Annotated[int | None, Field(ge=1, description="continue from this checkpoint step instead")] = None
+
     # Launcher behaviour
     dry_run: Annotated[bool, Field(description="print resolved configs and commands, start nothing")] = False
     log_tail_lines: Annotated[int, Field(ge=1, description="lines of a failed process's log to print")] = 40

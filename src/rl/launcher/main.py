@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from rl.config import ConfigError, format_validation_error, parse_config, config_help, to_toml, write_config
 from rl.launcher.config import RLConfig, resolve
 from rl.launcher.devices import DevicePlan, cpu_plan, split_gpus
+from rl.launcher.resume import choose_checkpoint, discard_after
 from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.protocol import RunPaths
 
@@ -50,6 +51,15 @@ def check_output_dir(paths: RunPaths) -> None:
             f"output directory {paths.root} already holds a run ({taken[0].name} exists); "
             "choose another --output-dir or delete that one"
         )
+
+
+def plan_resume(config: RLConfig, paths: RunPaths) -> None:
+    """Point trainer and orchestrator at the checkpoint to continue from (nothing is changed on disk yet)."""
+    step = choose_checkpoint(paths, config.resume_step)
+    if step >= config.trainer.max_steps:
+        raise ConfigError(f"checkpoint step {step} is already at --max-steps {config.trainer.max_steps}; raise it")
+    config.trainer.resume_step = step
+    config.orchestrator.resume_step = step
 
 
 def child_specs(config: RLConfig, plan: DevicePlan, paths: RunPaths) -> list[ChildSpec]:
@@ -109,14 +119,21 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config, plan = load(argv)
         paths = RunPaths(config.trainer.output_dir.absolute())
+        resuming = config.resume or config.resume_step is not None
+        if resuming:
+            plan_resume(config, paths)
+        elif not config.dry_run:
+            check_output_dir(paths)
         specs = child_specs(config, plan, paths)
-        if config.dry_run:
-            print_dry_run(config, specs)
-            return
-        check_output_dir(paths)
     except ConfigError as e:
         print(f"rl: error: {e}", file=sys.stderr)
         sys.exit(2)
+    if config.dry_run:
+        print_dry_run(config, specs)
+        return
+    if resuming:
+        removed = discard_after(paths, config.trainer.resume_step)
+        print(f"rl: resuming from step {config.trainer.resume_step}; discarded {', '.join(removed) or 'nothing'}")
     for name in ("inference", "orchestrator", "trainer"):
         write_config(getattr(config, name), paths.configs / f"{name}.toml")
     write_config(config, paths.configs / "rl.toml")

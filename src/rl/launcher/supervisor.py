@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 
+from rl.launcher.report import format_summary, summarize
 from rl.protocol import RunPaths
 
 PR_SET_PDEATHSIG = 1
@@ -83,8 +84,12 @@ class Supervisor:
             self.stop_all()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        status = "finished" if code == 0 else "failed"
-        print(f"rl: {status} in {time.monotonic() - start:.0f}s (exit {code}); logs in {self.paths.logs}", flush=True)
+        elapsed = time.monotonic() - start
+        if code == 0:
+            print(f"rl: finished: {format_summary(summarize(self.paths, elapsed))}", flush=True)
+            print(f"rl: plot {self.paths.root / 'reward.png'}, logs in {self.paths.logs}", flush=True)
+        else:
+            print(f"rl: failed after {elapsed:.0f}s (exit {code}); logs in {self.paths.logs}", flush=True)
         return code
 
     def _on_signal(self, signum, frame) -> None:

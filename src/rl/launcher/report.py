@@ -1,0 +1,62 @@
+"""End-of-run summary: start and final reward, steps, time, and reward.png (reward and loss per step)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from rl.protocol import RunPaths, atomic_write_text, read_metrics
+
+
+def per_step(records: list[dict], process: str, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in records if r.get("process") == process and isinstance(r.get(key), (int, float))}
+
+
+def summarize(paths: RunPaths, elapsed_s: float, window: int = 3) -> dict:
+    records = read_metrics(paths)
+    reward = per_step(records, "orchestrator", "reward")
+    steps = sorted(reward)
+    if not steps:
+        return {"steps": 0, "time_s": elapsed_s}
+    head, tail = steps[:window], steps[-window:]
+    summary = {
+        "steps": len(per_step(records, "trainer", "loss")),
+        "start_reward": statistics.fmean(reward[s] for s in head),
+        "final_reward": statistics.fmean(reward[s] for s in tail),
+        "time_s": elapsed_s,
+        "window": window,
+    }
+    atomic_write_text(paths.root / "summary.json", json.dumps(summary, indent=1) + "\n")
+    plot(paths, reward, per_step(records, "trainer", "loss"))
+    return summary
+
+
+def plot(paths: RunPaths, reward: dict[int, float], loss: dict[int, float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    top.plot(list(reward), list(reward.values()), marker="o", color="tab:green")
+    top.set_ylabel("mean reward")
+    top.grid(alpha=0.3)
+    bottom.plot(list(loss), list(loss.values()), marker="o", color="tab:blue")
+    bottom.set_ylabel("trainer loss")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    fig.suptitle(paths.root.name)
+    fig.tight_layout()
+    tmp = paths.root / ".reward.png.tmp"
+    fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    tmp.replace(paths.root / "reward.png")
+
+
+def format_summary(summary: dict) -> str:
+    if not summary.get("steps"):
+        return f"no steps finished in {summary['time_s']:.0f}s"
+    return (
+        f"{summary['steps']} steps in {summary['time_s']:.0f}s; reward {summary['start_reward']:.3f} "
+        f"(first {summary['window']} steps) -> {summary['final_reward']:.3f} (last {summary['window']})"
+    )

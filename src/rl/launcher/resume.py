@@ -1,0 +1,71 @@
+"""Resuming a run: pick the checkpoint, and discard what was produced after it so nothing stale is read
+and every step appears once in metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from rl.config import ConfigError
+from rl.protocol import STABLE, RunPaths, atomic_write_text, stable_steps
+
+
+def complete_checkpoints(paths: RunPaths) -> list[int]:
+    """Steps whose trainer and orchestrator parts are both complete, ascending."""
+    root = paths.checkpoints_root
+    if not root.is_dir():
+        return []
+    steps = []
+    for directory in root.glob("step_*"):
+        if all((directory / part / STABLE).is_file() for part in ("trainer", "orchestrator")):
+            steps.append(int(directory.name[5:]))
+    return sorted(steps)
+
+
+def choose_checkpoint(paths: RunPaths, requested: int | None) -> int:
+    available = complete_checkpoints(paths)
+    if not available:
+        raise ConfigError(f"cannot resume: {paths.checkpoints_root} holds no complete checkpoint")
+    if requested is None:
+        return available[-1]
+    if requested not in available:
+        raise ConfigError(f"cannot resume from step {requested}: complete checkpoints are {available}")
+    return requested
+
+
+def discard_after(paths: RunPaths, step: int) -> list[str]:
+    """Delete rollouts of steps >= step, weights of steps > step, and metrics records of steps >= step."""
+    removed = []
+    for s in stable_steps(paths.rollouts_root) + _unstable(paths.rollouts_root):
+        if s >= step:
+            shutil.rmtree(paths.rollouts(s), ignore_errors=True)
+            removed.append(f"rollouts/step_{s}")
+    for s in stable_steps(paths.weights_root) + _unstable(paths.weights_root):
+        if s > step:
+            shutil.rmtree(paths.weights(s), ignore_errors=True)
+            removed.append(f"weights/step_{s}")
+    for root in (paths.rollouts_root, paths.weights_root):
+        for tmp in root.glob(".step_*.tmp*") if root.is_dir() else []:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(f"{root.name}/{tmp.name}")
+    if paths.metrics.exists():
+        lines = paths.metrics.read_text().splitlines()
+        kept = [line for line in lines if line.strip() and _step_of(line) < step]
+        atomic_write_text(paths.metrics, "".join(f"{line}\n" for line in kept))
+        if len(kept) != len(lines):
+            removed.append(f"{len(lines) - len(kept)} metrics records")
+    return removed
+
+
+def _unstable(root) -> list[int]:
+    """step_k directories without a STABLE marker (half written when the run died)."""
+    if not root.is_dir():
+        return []
+    return [int(p.name[5:]) for p in root.glob("step_*") if p.name[5:].isdigit() and not (p / STABLE).exists()]
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62  # a torn last line from a crash: drop it

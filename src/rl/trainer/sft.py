@@ -1,0 +1,139 @@
+"""SFT warm-up (run under torchrun): cross-entropy on the completion tokens of examples made from an
+environment's tasks, then the model is written in Hugging Face layout for RL to start from.
+
+    L = - sum_t mask_t * log pi_theta(x_t | x_<t) / sum_t mask_t      (mask: completion tokens only)
+
+Each task gives one example: its prompt rendered with the chat template (generation prompt added) and
+the task's reference answer (`answer_field` of the task data) followed by the end-of-turn token.
+
+    uv run torchrun --nproc-per-node 2 -m rl.trainer.sft @ configs/reverse_text/sft.toml
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Annotated
+
+import torch
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from rl.config import EnvConfig, ModelConfig, Settings, run_cli
+from rl.metrics import setup_logging
+from rl.protocol import Sample
+from rl.trainer.data import micro_batches
+from rl.trainer.main import all_reduce, dummy_micro_batch, load_model, token_logprobs
+from rl.trainer.weights import gather_full_state_dict, save_hf_dir
+from rl.trainer.world import World, init_world
+
+
+class SFTConfig(Settings):
+    model_config = SettingsConfigDict(env_prefix="RL_SFT__")
+
+    model: ModelConfig = ModelConfig()
+    env: EnvConfig = EnvConfig(id="reverse-text")
+    answer_field: Annotated[str, Field(description="task data field holding the reference answer")] = "answer"
+    out: Annotated[Path, Field(description="directory the fine-tuned model is written to (HF layout)")] = Path(
+        "models/sft"
+    )
+    steps: Annotated[int, Field(ge=1, description="optimizer steps")] = 200
+    batch_size: Annotated[int, Field(ge=1, description="examples per optimizer step (all ranks)")] = 64
+    micro_batch_size: Annotated[int, Field(ge=1, description="examples per forward/backward pass")] = 64
+    seq_len: Annotated[int, Field(ge=16, description="examples longer than this are truncated")] = 256
+    lr: Annotated[float, Field(gt=0, description="AdamW learning rate (cosine decay after warmup)")] = 1e-3
+    warmup_steps: Annotated[int, Field(ge=0, description="linear warmup steps")] = 10
+    max_grad_norm: Annotated[float, Field(gt=0, description="gradient norm clip")] = 1.0
+    dtype: Annotated[str, Field(description="parameter dtype (float32 on CPU)")] = "float32"
+    log_interval: Annotated[int, Field(ge=1, description="log every N steps")] = 10
+    seed: Annotated[int, Field(description="seed of the example order")] = 0
+
+
+def build_examples(config: SFTConfig, tokenizer) -> list[Sample]:
+    """One prompt + answer example per task of the environment."""
+    from rl.orchestrator.rollouts import load_environment
+
+    env = load_environment(config.env.id, config.env.args)
+    examples = []
+    for task in env.tasks:
+        answer = getattr(task.data, config.answer_field, None)
+        if not isinstance(answer, str):
+            raise ValueError(
+                f"environment {config.env.id!r} tasks have no string field {config.answer_field!r} to train on; "
+                "set answer_field"
+            )
+        prompt = prompt_messages(task.data)
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        completion = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = list(prompt_ids) + completion
+        mask = [0] * len(prompt_ids) + [1] * len(completion)
+        examples.append(Sample(ids, mask, [0.0] * len(ids), 0.0, 0.0, 0))
+    return examples
+
+
+def prompt_messages(data) -> list[dict]:
+    messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    if isinstance(data.prompt, str):
+        return messages + [{"role": "user", "content": data.prompt}]
+    return messages + [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in data.prompt]
+
+
+def lr_at(step: int, config: SFTConfig) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(config.steps - config.warmup_steps, 1)
+    return config.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def sft_step(model, optimizer, batch: list[Sample], config: SFTConfig, world: World, pad_id: int) -> float:
+    local = batch[world.rank :: world.world_size]
+    total_tokens, = all_reduce([sum(sum(s.loss_mask[1:]) for s in local)], world)
+    count = math.ceil(math.ceil(len(batch) / world.world_size) / config.micro_batch_size)
+    loss_sum = 0.0
+    for mb in micro_batches(local, config.micro_batch_size, config.seq_len, pad_id, count):
+        mb = (mb or dummy_micro_batch(pad_id)).to(world.device)  # every rank runs the same passes
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [B, T, V]
+        logprobs, _ = token_logprobs(logits, mb.input_ids)  # [B, T]
+        token_loss = -(logprobs * mb.loss_mask).sum()
+        (token_loss * world.world_size / max(total_tokens, 1)).backward()
+        loss_sum += token_loss.item()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss, = all_reduce([loss_sum], world)
+    return loss / max(total_tokens, 1)
+
+
+def main() -> None:
+    config = run_cli(SFTConfig)
+    logger = setup_logging("sft")
+    world = init_world()
+    torch.manual_seed(config.seed)
+    model, tokenizer = load_model(config, world)  # reads config.model.name and config.dtype
+    examples = build_examples(config, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    order = random.Random(config.seed)
+    logger.info(f"SFT on {len(examples)} examples of {config.env.id} for {config.steps} steps")
+    start, history = time.perf_counter(), []
+    for step in range(config.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, config)
+        batch = order.sample(examples, min(config.batch_size, len(examples)))
+        loss = sft_step(model, optimizer, batch, config, world, tokenizer.pad_token_id)
+        history.append(loss)
+        if world.is_main and (step % config.log_interval == 0 or step == config.steps - 1):
+            logger.info(f"step {step} | loss={loss:.4f} lr={lr_at(step, config):.3g} time={time.perf_counter() - start:.1f}s")
+    state = gather_full_state_dict(model)
+    if world.is_main:
+        save_hf_dir(config.out, state, model.config, tokenizer)
+        (config.out / "sft_history.json").write_text(json.dumps({"loss": history}) + "\n")
+        logger.info(f"wrote {config.out}")
+    world.close()
+
+
+if __name__ == "__main__":
+    main()
