@@ -1,0 +1,121 @@
+"""Weight publish-to-served latency against its lower bound, and raw vLLM generation throughput.
+
+For each model (the tiny one and a ~100M-parameter one built the same way) this starts the real
+inference server and, several times in turn:
+
+- publish: the trainer's `publish_weights` (safetensors + config + tokenizer, rename, STABLE), then
+  `POST /update_weights` (reload in place + verification), timed end to end;
+- lower bound: `safetensors.save_file` of the same tensors alone, plus the server's reload time alone
+  (`reload_s`, measured inside the server around vLLM's in-place reload).
+
+It prints the medians and their ratio (target: publish-to-served <= 1.5x the lower bound), then the
+raw generation tokens/s of a fixed request set (64 prompts x 64 tokens, all in flight) on the tiny model.
+
+    uv run python benchmarks/weight_sync.py [--repeats 5] [--skip-large]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rl.protocol import RunPaths  # noqa: E402
+from rl.tiny_model import build_tiny_model  # noqa: E402
+from rl.trainer.weights import publish_weights  # noqa: E402
+from tests.integration.inference_server import Server  # noqa: E402
+
+MODELS = {
+    "tiny": dict(hidden_size=128, layers=4, heads=4, kv_heads=2),
+    "100M": dict(hidden_size=768, layers=14, heads=12, kv_heads=4),
+}
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """A small update, with the head kept tied to the embedding as the trainer writes it."""
+    g = torch.Generator().manual_seed(seed)
+    new = {k: v + 1e-3 * torch.randn(v.shape, generator=g) for k, v in state.items() if k != "lm_head.weight"}
+    new["lm_head.weight"] = new["model.embed_tokens.weight"].clone()
+    return new
+
+
+def measure_sync(root: Path, name: str, repeats: int) -> dict:
+    model_dir = build_tiny_model(root / name, **MODELS[name])
+    params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
+    paths = RunPaths(root / f"run_{name}")
+    paths.weights_root.mkdir(parents=True)
+    config, tokenizer = AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    base = load_file(str(model_dir / "model.safetensors"))
+    server = Server(model_dir, paths.weights_root, root / f"inference_{name}.log", timeout_s=900)
+    totals, bounds = [], []
+    try:
+        for step in range(1, repeats + 1):
+            state = perturbed(base, step)
+            start = time.perf_counter()
+            publish_weights(paths, step, state, config, tokenizer)
+            response = server.admin("POST", "/update_weights", json={"step": step, "path": str(paths.weights(step))})
+            totals.append(time.perf_counter() - start)
+            if response.status_code != 200:
+                raise RuntimeError(f"{name}: update to step {step} failed: {response.status_code} {response.text}")
+            reload_s = response.json()["reload_s"]
+            write_start = time.perf_counter()
+            save_file(state, str(root / f"bound_{name}.safetensors"))
+            bounds.append(time.perf_counter() - write_start + reload_s)
+    finally:
+        server.stop()
+    total, bound = statistics.median(totals), statistics.median(bounds)
+    return {"model": name, "params": params, "publish_to_served_s": total, "lower_bound_s": bound, "ratio": total / bound}
+
+
+async def generation_tokens_per_s(server: Server, prompts: int = 64, max_tokens: int = 64) -> float:
+    body = lambda i: {  # noqa: E731
+        "model": str(server.model),
+        "token_ids": [1, 91, 89, 75, 88, 5] + [10 + (i * 7 + j) % 80 for j in range(8)] + [2, 5, 1, 71],
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, "seed": i},
+    }
+    async with httpx.AsyncClient(timeout=600) as client:
+        await client.post(f"{server.url}/inference/v1/generate", json=body(0))  # warm-up
+        start = time.perf_counter()
+        responses = await asyncio.gather(
+            *(client.post(f"{server.url}/inference/v1/generate", json=body(i)) for i in range(prompts))
+        )
+        elapsed = time.perf_counter() - start
+    tokens = sum(len(r.json()["choices"][0]["token_ids"]) for r in responses)
+    return tokens / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-large", action="store_true", help="only the tiny model")
+    args = parser.parse_args()
+    names = ["tiny"] if args.skip_large else ["tiny", "100M"]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        results = [measure_sync(root, name, args.repeats) for name in names]
+        print("\nweight publish -> served (median of %d)" % args.repeats)
+        for r in results:
+            print(
+                f"  {r['model']:>5} ({r['params'] / 1e6:.1f}M params): publish-to-served {r['publish_to_served_s']:.3f}s, "
+                f"lower bound (write + reload) {r['lower_bound_s']:.3f}s, ratio {r['ratio']:.2f}x (target <= 1.5x)"
+            )
+        server = Server(root / "tiny", root / "run_tiny" / "weights", root / "inference_gen.log")
+        try:
+            rate = asyncio.run(generation_tokens_per_s(server))
+        finally:
+            server.stop()
+        print(f"\nraw vLLM generation, tiny model, 64 prompts x 64 tokens in flight: {rate:.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()
