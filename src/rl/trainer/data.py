@@ -1,8 +1,19 @@
-"""Turn a rank's samples into padded micro-batches the model can consume."""
+"""Turn a rank's samples into micro-batches the model can consume.
+
+Packing (default): samples are placed first-fit, longest first, into rows of at most `seq_len` tokens;
+one row is one micro-batch `[1, T]`. Position ids restart at 0 for every sample and no attention mask is
+passed, so transformers detects the packed samples from the position ids and builds a block-diagonal
+causal mask (no attention across samples) for sdpa and eager attention alike.
+
+Padding (fallback, `packing = false`): `micro_batch_size` samples per micro-batch, right-padded to the
+longest, with an attention mask.
+
+Samples longer than `seq_len` are truncated. Every token carries its sample's advantage and loss weight.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -12,37 +23,99 @@ from rl.protocol import Sample
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor  # [B, T] 1 for real tokens
+    position_ids: torch.Tensor  # [B, T] restarting at 0 for every sample
+    attention_mask: torch.Tensor | None  # [B, T] 1 for real tokens; None when packed (no padding)
     loss_mask: torch.Tensor  # [B, T] bool, predicted tokens that are trained on
     old_logprobs: torch.Tensor  # [B, T] inference logprob of token t, aligned with loss_mask
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B, T] advantage of each token's sample
+    weights: torch.Tensor  # [B, T] loss weight w_i of each token's sample (see loss.py)
 
     def to(self, device: torch.device) -> "MicroBatch":
-        return MicroBatch(*(t.to(device) for t in vars(self).values()))
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return MicroBatch(**{k: None if v is None else v.to(device) for k, v in moved.items()})
 
 
-def pad_micro_batch(samples: list[Sample], seq_len: int, pad_id: int) -> MicroBatch:
-    """Right-pad samples to the longest one (at most seq_len tokens each, longer ones truncated)."""
-    width = min(max(len(s.input_ids) for s in samples), seq_len)
-    batch = len(samples)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((batch, width), dtype=torch.long)
-    loss_mask = torch.zeros((batch, width), dtype=torch.bool)
-    old_lp = torch.zeros((batch, width), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        n = min(len(s.input_ids), width)
-        input_ids[i, :n] = torch.tensor(s.input_ids[:n])
-        attention[i, :n] = 1
-        loss_mask[i, :n] = torch.tensor(s.loss_mask[:n], dtype=torch.bool)
-        old_lp[i, :n] = torch.tensor(s.logprobs[:n])
-    loss_mask[:, 0] = False  # the first token has no prediction
-    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return MicroBatch(input_ids, attention, loss_mask, old_lp, advantages)
+def truncate(sample: Sample, seq_len: int) -> Sample:
+    if len(sample.input_ids) <= seq_len:
+        return sample
+    return Sample(
+        sample.input_ids[:seq_len], sample.loss_mask[:seq_len], sample.logprobs[:seq_len],
+        sample.advantage, sample.reward, sample.policy_version,
+    )
 
 
-def micro_batches(samples: list[Sample], size: int, seq_len: int, pad_id: int, count: int) -> list[MicroBatch | None]:
-    """Split into `count` micro-batches of at most `size` samples; None pads a short rank so that every
-    rank runs the same number of forward/backward passes (FSDP collectives must match)."""
-    chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
-    assert len(chunks) <= count, "count must cover every chunk"
-    return [pad_micro_batch(c, seq_len, pad_id) for c in chunks] + [None] * (count - len(chunks))
+def trained_tokens(sample: Sample) -> int:
+    """Tokens of the sample that are trained on (the first token has no prediction)."""
+    return sum(sample.loss_mask[1:])
+
+
+def sample_tensors(sample: Sample, weight: float) -> dict[str, torch.Tensor]:
+    """The per-token tensors of one sample, each [T]."""
+    n = len(sample.input_ids)
+    loss_mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+    loss_mask[0] = False  # the first token has no prediction
+    return {
+        "input_ids": torch.tensor(sample.input_ids, dtype=torch.long),
+        "position_ids": torch.arange(n),
+        "loss_mask": loss_mask,
+        "old_logprobs": torch.tensor(sample.logprobs, dtype=torch.float32),
+        "advantages": torch.full((n,), sample.advantage, dtype=torch.float32),
+        "weights": torch.full((n,), weight, dtype=torch.float32),
+    }
+
+
+def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Indices of the samples in each row: first fit, longest first; every length must be <= seq_len."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, space in enumerate(free) if space >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            free.append(seq_len)
+            row = len(rows) - 1
+        rows[row].append(i)
+        free[row] -= lengths[i]
+    return rows
+
+
+def packed_micro_batch(samples: list[Sample], weights: list[float]) -> MicroBatch:
+    """One row [1, T]: the samples concatenated."""
+    parts = [sample_tensors(s, w) for s, w in zip(samples, weights)]
+    row = {k: torch.cat([p[k] for p in parts]).unsqueeze(0) for k in parts[0]}
+    return MicroBatch(attention_mask=None, **row)
+
+
+def padded_micro_batch(samples: list[Sample], weights: list[float], pad_id: int) -> MicroBatch:
+    """Right-pad samples to the longest one; padding has zero weight and no attention."""
+    parts = [sample_tensors(s, w) for s, w in zip(samples, weights)]
+    width = max(len(s.input_ids) for s in samples)
+    pad_values = {"input_ids": pad_id, "position_ids": 0, "loss_mask": False}
+    row = {
+        k: torch.stack([_pad(p[k], width, pad_values.get(k, 0)) for p in parts]) for k in parts[0]
+    }  # [B, T] each
+    attention = torch.stack([_pad(torch.ones(len(s.input_ids), dtype=torch.long), width, 0) for s in samples])
+    return MicroBatch(attention_mask=attention, **row)
+
+
+def _pad(t: torch.Tensor, width: int, value) -> torch.Tensor:
+    return torch.cat([t, torch.full((width - t.numel(),), value, dtype=t.dtype)])
+
+
+def empty_micro_batch(pad_id: int, packing: bool) -> MicroBatch:
+    """A micro-batch with nothing to train on, for ranks with fewer micro-batches than their peers."""
+    filler = Sample([pad_id, pad_id], [0, 0], [0.0, 0.0], 0.0, 0.0, 0)
+    return packed_micro_batch([filler], [0.0]) if packing else padded_micro_batch([filler], [0.0], pad_id)
+
+
+def build_micro_batches(
+    samples: list[Sample], weights: list[float], seq_len: int, micro_batch_size: int, packing: bool, pad_id: int
+) -> list[MicroBatch]:
+    """Samples must already be truncated to seq_len."""
+    if packing:
+        rows = pack_rows([len(s.input_ids) for s in samples], seq_len)
+        return [packed_micro_batch([samples[i] for i in r], [weights[i] for i in r]) for r in rows]
+    starts = range(0, len(samples), micro_batch_size)
+    return [
+        padded_micro_batch(samples[i : i + micro_batch_size], weights[i : i + micro_batch_size], pad_id) for i in starts
+    ]

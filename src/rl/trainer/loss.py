@@ -1,14 +1,30 @@
-"""Clipped importance-ratio policy-gradient loss (token level).
+"""Clipped importance-ratio policy-gradient loss (token level), with normalisation variants, an optional
+KL penalty to a reference model and an optional train-inference mismatch correction.
 
-For every trained token t of sample i, with advantage A_i, trainer logprob log pi_theta(t) and the
-inference logprob log pi_old(t) recorded by the orchestrator:
+For every trained token t of sample i, with advantage A_i, trainer logprob log pi_theta(t), the inference
+logprob log pi_old(t) recorded by the orchestrator, and (beta > 0) the reference logprob log pi_ref(t):
 
-    r_t     = exp(log pi_theta(t) - log pi_old(t))
-    L_t     = -min(r_t * A_i, clip(r_t, 1 - eps_low, 1 + eps_high) * A_i)
-    L       = sum_t mask_t * L_t / N_tokens
+    r_t     = exp(log pi_theta(t) - log pi_old(t))                          importance ratio
+    r~_t    = min(r_t, C)             (mismatch.type = truncate, cap C)    else r~_t = r_t
+    L_t     = -min(r~_t * A_i, clip(r_t, 1 - eps_low, 1 + eps_high) * A_i)
+              + beta * (exp(q_t) - q_t - 1),  q_t = log pi_ref(t) - log pi_theta(t)   (k3 estimator)
+    m_t     = 0 if |log r_t| > B  (mismatch.type = mask, bound B)          else m_t = 1
+    L       = sum_i sum_t m_t * w_i * L_t
 
-N_tokens is the number of trained tokens in the whole step (all micro-batches, all ranks), so
-micro-batches and ranks add up to the loss of the full batch.
+The per-sample weight w_i sets the normalisation (S samples and N trained tokens in the whole step, all
+ranks and micro-batches; n_i trained tokens of sample i):
+
+    dapo     w_i = 1 / N                 token mean over the step
+    grpo     w_i = 1 / (S * n_i)         token mean per sample, then mean over samples
+    dr_grpo  w_i = 1 / (S * C_tok)       constant denominator (C_tok = tokens_per_sample, default seq_len)
+
+Because every w_i uses step totals, micro-batches and ranks add up to the loss of the full batch.
+Reported statistics are token sums; divided by N they give the step means:
+
+    clip fraction   tokens where the clipped branch is the smaller one (its gradient is zero)
+    mismatch KL     k3 of KL(pi_old || pi_theta) from samples of pi_old: r_t - 1 - log r_t
+    ref KL          the k3 term above (beta > 0 only)
+    masked          tokens removed by the mismatch mask
 """
 
 from __future__ import annotations
@@ -17,33 +33,73 @@ from dataclasses import dataclass
 
 import torch
 
+from rl.trainer.config import DapoNorm, DrGrpoNorm, GrpoNorm, LossConfig, MaskRatio, NormConfig, TruncateRatio
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """Counts over the whole step (every rank), the denominators of the normalisation."""
+
+    samples: int
+    tokens: int  # trained tokens
+
+
+def sample_weight(norm: NormConfig, sample_tokens: int, totals: StepTotals, seq_len: int) -> float:
+    """w_i of the module docstring for a sample with `sample_tokens` trained tokens."""
+    if sample_tokens == 0:
+        return 0.0
+    if isinstance(norm, DapoNorm):
+        return 1.0 / totals.tokens
+    if isinstance(norm, GrpoNorm):
+        return 1.0 / (totals.samples * sample_tokens)
+    if isinstance(norm, DrGrpoNorm):
+        return 1.0 / (totals.samples * (norm.tokens_per_sample or seq_len))
+    raise AssertionError(f"unknown normalisation {norm!r}")
+
 
 @dataclass
 class LossStats:
-    loss_sum: torch.Tensor  # sum over tokens of L_t (before normalisation)
-    clipped_tokens: torch.Tensor  # tokens whose ratio was clipped
-    mismatch_kl_sum: torch.Tensor  # sum over tokens of k3(pi_theta || pi_old)
+    clipped_tokens: torch.Tensor  # scalar, tokens whose ratio was clipped
+    mismatch_kl_sum: torch.Tensor  # scalar, sum over tokens of r_t - 1 - log r_t
+    ref_kl_sum: torch.Tensor  # scalar, sum over tokens of the k3 penalty (0 without reference)
+    masked_tokens: torch.Tensor  # scalar, tokens dropped by the mismatch mask
 
 
 def policy_loss(
-    logprobs: torch.Tensor,  # [B, T] trainer logprobs of the tokens
+    logprobs: torch.Tensor,  # [B, T] trainer logprobs of the tokens (requires grad)
     old_logprobs: torch.Tensor,  # [B, T] inference logprobs
-    advantages: torch.Tensor,  # [B]
+    advantages: torch.Tensor,  # [B, T] advantage of each token's sample
     mask: torch.Tensor,  # [B, T] bool, tokens that are trained on
-    eps_low: float,
-    eps_high: float,
-    total_tokens: int,
+    weights: torch.Tensor,  # [B, T] w_i of each token's sample
+    config: LossConfig,
+    ref_logprobs: torch.Tensor | None = None,  # [B, T] reference logprobs, when beta > 0
 ) -> tuple[torch.Tensor, LossStats]:
-    mask = mask.to(logprobs.dtype)
     log_ratio = logprobs - old_logprobs  # [B, T]
     ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(1)  # [B, 1]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
+    truncated = ratio.clamp(max=config.mismatch.cap) if isinstance(config.mismatch, TruncateRatio) else ratio
+    unclipped = truncated * advantages  # [B, T]
+    clipped = torch.clamp(ratio, 1 - config.eps_low, 1 + config.eps_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)  # [B, T]
-    loss_sum = (per_token * mask).sum()
+    ref_kl = torch.zeros_like(per_token)
+    if ref_logprobs is not None and config.beta > 0:
+        q = ref_logprobs - logprobs
+        ref_kl = torch.exp(q) - q - 1  # [B, T]
+        per_token = per_token + config.beta * ref_kl
+    keep = mask & _within_mismatch_bound(log_ratio, config)  # [B, T]
+    loss = (per_token * weights * keep).sum()
     with torch.no_grad():
-        was_clipped = (clipped < unclipped).to(mask.dtype) * mask
-        k3 = torch.exp(-log_ratio) - 1 + log_ratio  # unbiased KL estimator, >= 0
-        stats = LossStats(loss_sum.detach(), was_clipped.sum(), (k3 * mask).sum())
-    return loss_sum / max(total_tokens, 1), stats
+        fmask = mask.to(per_token.dtype)
+        stats = LossStats(
+            clipped_tokens=((clipped < unclipped) & mask).sum().to(per_token.dtype),
+            mismatch_kl_sum=((ratio - 1 - log_ratio) * fmask).sum(),
+            ref_kl_sum=(ref_kl * fmask).sum(),
+            masked_tokens=(mask & ~keep).sum().to(per_token.dtype),
+        )
+    return loss, stats
+
+
+def _within_mismatch_bound(log_ratio: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """[B, T] bool: tokens the mismatch mask keeps (all of them unless mismatch.type = mask)."""
+    if isinstance(config.mismatch, MaskRatio):
+        return log_ratio.detach().abs() <= config.mismatch.max_log_ratio
+    return torch.ones_like(log_ratio, dtype=torch.bool)

@@ -12,7 +12,6 @@ the task's reference answer (`answer_field` of the task data) followed by the en
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -21,12 +20,15 @@ from typing import Annotated
 import torch
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
+from transformers import AutoTokenizer
 
 from rl.config import EnvConfig, ModelConfig, Settings, run_cli
 from rl.metrics import setup_logging
 from rl.protocol import Sample
-from rl.trainer.data import micro_batches
-from rl.trainer.main import all_reduce, dummy_micro_batch, load_model, token_logprobs
+from rl.trainer.data import build_micro_batches, empty_micro_batch, trained_tokens, truncate
+from rl.trainer.model import forward_logprobs, load_model
+from rl.trainer.config import OptimConfig
+from rl.trainer.optim import build_optimizer, build_scheduler, clip_gradients
 from rl.trainer.weights import gather_full_state_dict, save_hf_dir
 from rl.trainer.world import World, init_world
 
@@ -82,29 +84,31 @@ def prompt_messages(data) -> list[dict]:
     return messages + [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in data.prompt]
 
 
-def lr_at(step: int, config: SFTConfig) -> float:
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(config.steps - config.warmup_steps, 1)
-    return config.lr * 0.5 * (1 + math.cos(math.pi * progress))
+def optim_config(config: SFTConfig) -> OptimConfig:
+    """Cosine decay to 0 after a linear warmup (the RL trainer's schedule)."""
+    return OptimConfig(
+        lr=config.lr, schedule="cosine", warmup_steps=config.warmup_steps, max_grad_norm=config.max_grad_norm
+    )
 
 
 def sft_step(model, optimizer, batch: list[Sample], config: SFTConfig, world: World, pad_id: int) -> float:
-    local = batch[world.rank :: world.world_size]
-    total_tokens, = all_reduce([sum(sum(s.loss_mask[1:]) for s in local)], world)
-    count = math.ceil(math.ceil(len(batch) / world.world_size) / config.micro_batch_size)
+    local = [truncate(s, config.seq_len) for s in batch[world.rank :: world.world_size]]
+    total_tokens, = world.all_reduce([sum(trained_tokens(s) for s in local)])
+    weights = [1.0] * len(local)
+    mbs = build_micro_batches(local, weights, config.seq_len, config.micro_batch_size, packing=False, pad_id=pad_id)
+    count, = world.all_reduce([len(mbs)], op="max")  # every rank runs the same passes
+    mbs += [empty_micro_batch(pad_id, packing=False)] * (int(count) - len(mbs))
     loss_sum = 0.0
-    for mb in micro_batches(local, config.micro_batch_size, config.seq_len, pad_id, count):
-        mb = (mb or dummy_micro_batch(pad_id)).to(world.device)  # every rank runs the same passes
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits  # [B, T, V]
-        logprobs, _ = token_logprobs(logits, mb.input_ids)  # [B, T]
+    for mb in mbs:
+        mb = mb.to(world.device)
+        logprobs, _ = forward_logprobs(model, mb)  # [B, T]
         token_loss = -(logprobs * mb.loss_mask).sum()
         (token_loss * world.world_size / max(total_tokens, 1)).backward()
         loss_sum += token_loss.item()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+    clip_gradients(model, config.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss, = all_reduce([loss_sum], world)
+    loss, = world.all_reduce([loss_sum])
     return loss / max(total_tokens, 1)
 
 
@@ -113,20 +117,23 @@ def main() -> None:
     logger = setup_logging("sft")
     world = init_world()
     torch.manual_seed(config.seed)
-    model, tokenizer = load_model(config, world)  # reads config.model.name and config.dtype
+    model = load_model(config.model.name, config.dtype, world)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     examples = build_examples(config, tokenizer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    optimizer = build_optimizer(model, optim_config(config))
+    scheduler = build_scheduler(optimizer, optim_config(config), config.steps)
     order = random.Random(config.seed)
-    logger.info(f"SFT on {len(examples)} examples of {config.env.id} for {config.steps} steps")
+    if world.is_main:
+        logger.info(f"SFT on {len(examples)} examples of {config.env.id} for {config.steps} steps")
     start, history = time.perf_counter(), []
     for step in range(config.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, config)
+        lr = scheduler.get_last_lr()[0]
         batch = order.sample(examples, min(config.batch_size, len(examples)))
         loss = sft_step(model, optimizer, batch, config, world, tokenizer.pad_token_id)
+        scheduler.step()
         history.append(loss)
         if world.is_main and (step % config.log_interval == 0 or step == config.steps - 1):
-            logger.info(f"step {step} | loss={loss:.4f} lr={lr_at(step, config):.3g} time={time.perf_counter() - start:.1f}s")
+            logger.info(f"step {step} | loss={loss:.4f} lr={lr:.3g} time={time.perf_counter() - start:.1f}s")
     state = gather_full_state_dict(model)
     if world.is_main:
         save_hf_dir(config.out, state, model.config, tokenizer)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import resource
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 @dataclass
@@ -26,6 +28,28 @@ class World:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        """Sum (or max) each value over every rank."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def mixed_precision(self, dtype: str) -> MixedPrecisionPolicy:
+        """bf16 computation with fp32 gradient reduction on GPUs when asked; fp32 throughout otherwise."""
+        if dtype == "bfloat16" and self.on_gpu:
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def peak_memory_gib(self) -> float:
+        """GPU: the most memory torch has allocated; CPU: the process's maximum resident set size."""
+        if self.on_gpu:
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -1,0 +1,62 @@
+"""Load the policy (and the frozen reference model when the KL penalty is on), sharded with FSDP2 one
+transformer block at a time, and compute per-token logprobs and entropies."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+
+from rl.trainer.config import TrainerConfig
+from rl.trainer.data import MicroBatch
+from rl.trainer.world import World
+
+
+def load_policy(config: TrainerConfig, world: World) -> torch.nn.Module:
+    return load_model(config.model.name, config.dtype, world, config.activation_checkpointing)
+
+
+def load_reference(config: TrainerConfig, world: World) -> torch.nn.Module | None:
+    """The base model, frozen and sharded like the policy; only when the KL penalty is on."""
+    if config.loss.beta == 0:
+        return None
+    model = load_model(config.model.name, config.dtype, world)
+    return model.requires_grad_(False).eval()
+
+
+def load_model(name: str, dtype: str, world: World, activation_checkpointing: bool = False) -> torch.nn.Module:
+    """A Hugging Face causal LM with fp32 parameters, sharded over the world."""
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(world.device)
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    shard(model, world, dtype)
+    return model
+
+
+def shard(model: torch.nn.Module, world: World, dtype: str) -> None:
+    """fully_shard every transformer block, then the root; parameters stay fp32 (master weights) and the
+    world decides whether computation runs in bf16 with fp32 gradient reduction."""
+    policy = world.mixed_precision(dtype)
+    for block in model.model.layers:
+        fully_shard(block, mesh=world.mesh, mp_policy=policy)
+    fully_shard(model, mesh=world.mesh, mp_policy=policy)
+
+
+def forward_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy of every token of the micro-batch, [B, T] each. No KV cache: with one, transformers
+    would not detect the packed samples from the position ids and attention would cross them."""
+    logits = model(
+        input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False
+    ).logits
+    return token_logprobs(logits, mb.input_ids)  # logits [B, T, V]
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy of each token given its prefix; position 0 (no prefix) gets 0. In packed rows
+    the first token of each sample is predicted from the previous sample: its loss mask is always 0."""
+    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, T-1, V]
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+    entropy = -(logp.exp() * logp).sum(-1)  # [B, T-1]
+    pad = torch.zeros_like(picked[:, :1])
+    return torch.cat([pad, picked], 1), torch.cat([pad, entropy], 1)  # [B, T] each

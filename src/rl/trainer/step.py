@@ -1,0 +1,81 @@
+"""One optimizer step on a rank's samples: weigh, micro-batch, forward/backward, clip, step."""
+
+from __future__ import annotations
+
+import torch
+
+from rl.protocol import Sample
+from rl.trainer.config import TrainerConfig
+from rl.trainer.data import MicroBatch, build_micro_batches, empty_micro_batch, trained_tokens, truncate
+from rl.trainer.loss import StepTotals, policy_loss, sample_weight
+from rl.trainer.model import forward_logprobs
+from rl.trainer.optim import clip_gradients
+from rl.trainer.world import World
+
+SUM_KEYS = ("loss", "clipped", "mismatch_kl", "ref_kl", "masked", "entropy")  # accumulated per micro-batch
+
+
+def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], config: TrainerConfig, world: World,
+               pad_id: int) -> dict:
+    """Every rank calls this with its own samples; returns step metrics (identical on every rank)."""
+    samples = [truncate(s, config.seq_len) for s in samples]
+    totals = step_totals(samples, world)
+    weights = [sample_weight(config.loss.norm, trained_tokens(s), totals, config.seq_len) for s in samples]
+    batches = build_micro_batches(samples, weights, config.seq_len, config.micro_batch_size, config.packing, pad_id)
+    count, = world.all_reduce([len(batches)], op="max")  # FSDP collectives must match across ranks
+    batches += [empty_micro_batch(pad_id, config.packing)] * (int(count) - len(batches))
+    sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
+    for i, mb in enumerate(batches):
+        set_gradient_sync(policy, world, last=i == len(batches) - 1)
+        sums += forward_backward(policy, reference, mb.to(world.device), config, world)
+    lr = scheduler.get_last_lr()[0]
+    grad_norm = clip_gradients(policy, config.optim.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return summarise(dict(zip(SUM_KEYS, world.all_reduce(sums.tolist()))), totals) | {
+        "grad_norm": grad_norm, "lr": lr, "micro_batches": int(count),
+    }
+
+
+def step_totals(samples: list[Sample], world: World) -> StepTotals:
+    n, tokens = world.all_reduce([len(samples), sum(trained_tokens(s) for s in samples)])
+    return StepTotals(samples=int(n), tokens=int(tokens))
+
+
+def set_gradient_sync(policy, world: World, last: bool) -> None:
+    """Reduce gradients after every micro-batch (sharded accumulation, least memory), except with one rank:
+    there the unsharded gradient is no larger than the sharded one, so it is reduced once per step."""
+    policy.set_requires_gradient_sync(last or world.world_size > 1)
+
+
+def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, world: World) -> torch.Tensor:
+    """Accumulate the gradient of one micro-batch; return its sums in SUM_KEYS order."""
+    ref_logprobs = None
+    if reference is not None:
+        with torch.no_grad():
+            ref_logprobs, _ = forward_logprobs(reference, mb)
+    logprobs, entropy = forward_logprobs(policy, mb)  # [B, T] each
+    loss, stats = policy_loss(
+        logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.weights, config.loss, ref_logprobs
+    )
+    # FSDP averages gradients over ranks; the loss is already normalised by step totals, so undo the mean.
+    (loss * world.world_size).backward()
+    mask = mb.loss_mask.float()
+    values = [loss.detach(), stats.clipped_tokens, stats.mismatch_kl_sum, stats.ref_kl_sum, stats.masked_tokens,
+              (entropy.detach() * mask).sum()]
+    return torch.tensor([float(v) for v in values], dtype=torch.float64)
+
+
+def summarise(sums: dict[str, float], totals: StepTotals) -> dict:
+    """Step means over the trained tokens; `loss` is already the normalised objective."""
+    denom = max(totals.tokens, 1)
+    return {
+        "loss": sums["loss"],
+        "entropy": sums["entropy"] / denom,
+        "clip_frac": sums["clipped"] / denom,
+        "mismatch_kl": sums["mismatch_kl"] / denom,
+        "ref_kl": sums["ref_kl"] / denom,
+        "masked_frac": sums["masked"] / denom,
+        "trained_tokens": totals.tokens,
+    }

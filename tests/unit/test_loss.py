@@ -1,0 +1,94 @@
+"""The loss against numbers worked out by hand on tiny tensors (the arithmetic is in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from rl.trainer.config import DapoNorm, DrGrpoNorm, GrpoNorm, LossConfig, MaskRatio, TruncateRatio
+from rl.trainer.loss import StepTotals, policy_loss, sample_weight
+
+# Two samples of three tokens; token 0 has no prediction. Ratios r = pi_theta / pi_old:
+#   sample 0 (A = +1): t1 r = 1.5, t2 r = 0.5
+#   sample 1 (A = -1): t1 r = 1.5, t2 r = 0.5
+# eps_low = 0.2, eps_high = 0.28 so clip(r) is 1.28 for r = 1.5 and 0.8 for r = 0.5. Per-token loss
+# L = -min(r A, clip(r) A):
+#   s0 t1: -min(1.5, 1.28)   = -1.28 (clipped)     s0 t2: -min(0.5, 0.8)   = -0.5
+#   s1 t1: -min(-1.5, -1.28) = 1.5                  s1 t2: -min(-0.5, -0.8) = 0.8 (clipped)
+OLD = math.log(0.5)
+LOGPROBS = [[OLD, math.log(0.75), math.log(0.25)], [OLD, math.log(0.75), math.log(0.25)]]
+ADV = [[1.0] * 3, [-1.0] * 3]
+FULL_MASK = [[False, True, True], [False, True, True]]
+
+
+def run(config: LossConfig, weight: float | list, mask=FULL_MASK, ref=None):
+    logprobs = torch.tensor(LOGPROBS, requires_grad=True)
+    old = torch.full((2, 3), OLD)
+    weights = torch.tensor(weight) if isinstance(weight, list) else torch.full((2, 3), weight)
+    ref_lp = None if ref is None else torch.tensor(ref)
+    loss, stats = policy_loss(logprobs, old, torch.tensor(ADV), torch.tensor(mask), weights, config, ref_lp)
+    loss.backward()
+    return loss.item(), stats, logprobs.grad
+
+
+def test_dapo_clipping_and_statistics():
+    loss, stats, grad = run(LossConfig(), weight=1 / 4)
+    assert loss == pytest.approx(0.13)  # (-1.28 - 0.5 + 1.5 + 0.8) / 4 = 0.52 / 4
+    assert stats.clipped_tokens.item() == 2  # s0 t1 and s1 t2
+    # r - 1 - log r: r = 1.5 -> 0.5 - 0.405465 = 0.094535; r = 0.5 -> -0.5 + 0.693147 = 0.193147; twice each
+    assert stats.mismatch_kl_sum.item() == pytest.approx(0.575364, abs=1e-6)
+    assert stats.masked_tokens.item() == 0 and stats.ref_kl_sum.item() == 0
+    # d/dlogp of -w r A is -w r A on unclipped tokens, 0 on clipped ones and on untrained token 0
+    expected = [[0.0, 0.0, -0.125], [0.0, 0.375, 0.0]]  # -0.5/4 ; +1.5/4
+    assert grad.flatten().tolist() == pytest.approx([g for row in expected for g in row])
+
+
+# Sample 1 trains only t1: n_0 = 2, n_1 = 1, S = 2 samples, N = 3 tokens; token losses -1.28, -0.5 | 1.5
+SHORT_MASK = [[False, True, True], [False, True, False]]
+
+
+def test_grpo_mean_per_sample_then_over_samples():
+    weights = [[1 / 4] * 3, [1 / 2] * 3]  # 1 / (S n_i): 1/(2*2), 1/(2*1)
+    loss, _, _ = run(LossConfig(norm=GrpoNorm()), weights, SHORT_MASK)
+    assert loss == pytest.approx(0.305)  # ((-1.28 - 0.5) / 2 + 1.5 / 1) / 2 = (-0.89 + 1.5) / 2
+
+
+def test_dapo_and_dr_grpo_on_uneven_samples():
+    loss, _, _ = run(LossConfig(norm=DapoNorm()), 1 / 3, SHORT_MASK)
+    assert loss == pytest.approx(-0.0933333, abs=1e-6)  # (-1.28 - 0.5 + 1.5) / 3 = -0.28 / 3
+    loss, _, _ = run(LossConfig(norm=DrGrpoNorm(tokens_per_sample=4)), 1 / 8, SHORT_MASK)
+    assert loss == pytest.approx(-0.035)  # -0.28 / (2 samples * 4)
+
+
+def test_sample_weights():
+    totals = StepTotals(samples=2, tokens=3)
+    assert sample_weight(DapoNorm(), 2, totals, seq_len=8) == pytest.approx(1 / 3)  # 1 / N
+    assert sample_weight(GrpoNorm(), 2, totals, seq_len=8) == pytest.approx(1 / 4)  # 1 / (2 * 2)
+    assert sample_weight(DrGrpoNorm(), 2, totals, seq_len=8) == pytest.approx(1 / 16)  # 1 / (2 * seq_len 8)
+    assert sample_weight(DrGrpoNorm(tokens_per_sample=5), 1, totals, seq_len=8) == pytest.approx(1 / 10)
+    assert sample_weight(GrpoNorm(), 0, totals, seq_len=8) == 0.0  # nothing trained in that sample
+
+
+def test_truncated_ratio_caps_negative_advantage_tokens():
+    loss, _, grad = run(LossConfig(mismatch=TruncateRatio(cap=1.4)), weight=1 / 4)
+    # s1 t1: r = 1.5 truncated to 1.4: -min(-1.4, -1.28) = 1.4; the rest unchanged
+    assert loss == pytest.approx(0.105)  # (-1.28 - 0.5 + 1.4 + 0.8) / 4 = 0.42 / 4
+    assert grad[1, 1].item() == 0.0  # the truncated token carries no gradient
+
+
+def test_mismatch_mask_drops_tokens_beyond_the_bound():
+    loss, stats, grad = run(LossConfig(mismatch=MaskRatio(max_log_ratio=0.6)), weight=1 / 4)
+    # |log 1.5| = 0.405 is kept, |log 0.5| = 0.693 is dropped: (-1.28 + 1.5) / 4 (N unchanged)
+    assert loss == pytest.approx(0.055)
+    assert stats.masked_tokens.item() == 2
+    assert grad[0, 2].item() == 0.0
+
+
+def test_kl_penalty_k3_to_reference():
+    # reference is twice as likely as pi_theta on s0 t1 (q = log 2), equal elsewhere (q = 0, k3 = 0):
+    # k3 = e^q - q - 1 = 2 - 0.693147 - 1 = 0.306853
+    ref = [list(row) for row in LOGPROBS]
+    ref[0][1] = math.log(1.5)
+    loss, stats, _ = run(LossConfig(beta=0.1), weight=1 / 4, ref=ref)
+    assert stats.ref_kl_sum.item() == pytest.approx(0.306853, abs=1e-6)
+    assert loss == pytest.approx(0.137671, abs=1e-6)  # (0.52 + 0.1 * 0.306853) / 4
