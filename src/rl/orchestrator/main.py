@@ -5,31 +5,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rl.config import run_cli
 from rl.metrics import MetricsLogger, setup_logging
-from rl.orchestrator.advantage import compute_advantages
+from rl.orchestrator.advantage import group_advantages
 from rl.orchestrator.batch import balance_by_tokens
 from rl.orchestrator.config import OrchestratorConfig
+from rl.orchestrator.eval import eval_due, evaluate, to_sampling
 from rl.orchestrator.inference_pool import InferencePool
 from rl.orchestrator.rollouts import (
     Environment,
     InferenceClient,
     RolloutResult,
-    Sampling,
+    TokenSegment,
     load_environment,
     run_group,
 )
 from rl.orchestrator.sampler import TaskSampler
-from rl.protocol import STABLE, RunPaths, Sample, atomic_write_text, stable_steps, wait_for_stable, write_batch
+from rl.orchestrator.state import load_state, restore_samplers, save_state
+from rl.orchestrator.stats import rollout_stats
+from rl.protocol import RunPaths, Sample, stable_steps, wait_for_stable, write_batch
 
-LINE_KEYS = ("reward", "policy_step", "staleness", "dropped", "tokens_per_s", "gen_s", "wait_s")
+LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "dropped", "tokens_per_s", "gen_s", "wait_s")
 
 
 def groups_per_env(total: int, ratios: list[float]) -> list[int]:
@@ -46,7 +47,16 @@ def groups_per_env(total: int, ratios: list[float]) -> list[int]:
 class GroupOutcome:
     env_id: str
     results: list[RolloutResult] | None
-    error: str | None = None
+    error: str | None = None  # why the group was dropped after its last attempt
+    retries: int = 0
+    policy_step: int = 0  # the policy served while the group was generated
+
+
+@dataclass
+class StepBatch:
+    samples: list[Sample]
+    kept: dict[str, list[RolloutResult]] = field(default_factory=dict)  # scored results by env id
+    dropped: Counter = field(default_factory=Counter)  # rollouts dropped, by reason
 
 
 class Orchestrator:
@@ -57,18 +67,32 @@ class Orchestrator:
         self.pool = InferencePool(config.client.base_urls, config.client.admin_token, config.client.timeout_s)
         self.clients = [InferenceClient(url, config.model.name, config.model.name) for url in config.client.base_urls]
         self.envs: list[Environment] = [load_environment(e.id, e.args) for e in config.env]
+        self.eval_envs: list[Environment] = [load_environment(e.id, e.args) for e in config.eval.env] or self.envs
         self.samplers = [TaskSampler(env.num_tasks, config.seed + i) for i, env in enumerate(self.envs)]
         self.semaphore = asyncio.Semaphore(config.max_concurrent)
         self.policy_step = 0
+        self.start_step = 0
+        if config.resume_step is not None:
+            self.restore(config.resume_step)
         self.metrics = MetricsLogger("orchestrator", self.paths, config.wandb, config.model_dump(mode="json"), logger)
+        self.tokenizer = None
+
+    def restore(self, step: int) -> None:
+        """Continue after batch step - 1: samplers where they were; inference catches up in run()."""
+        state = load_state(self.paths, step)
+        self.samplers = restore_samplers(state, self.samplers)
+        self.start_step = step
+        self.logger.info(f"resuming at step {step}: samplers {[s.state_dict() for s in self.samplers]}")
 
     async def run(self) -> None:
         self.logger.info(f"waiting for inference servers {self.config.client.base_urls}")
         await self.pool.wait_healthy(self.config.client.startup_timeout_s)
         async with contextlib.AsyncExitStack() as stack:
-            for env in self.envs:
+            for env in {id(e): e for e in self.envs + self.eval_envs}.values():
                 await stack.enter_async_context(env.serving())
-            for step in range(self.config.max_steps):
+            if self.start_step and stable_steps(self.paths.weights_root):
+                await self.load_newest_policy()
+            for step in range(self.start_step, self.config.max_steps):
                 await self.step(step)
         await self.pool.close()
         self.metrics.close()
@@ -79,31 +103,23 @@ class Orchestrator:
         gen_start = time.perf_counter()
         outcomes = await self.generate(step)
         gen_time = time.perf_counter() - gen_start
-        samples, stats = self.build_samples(outcomes)
-        write_batch(self.paths, step, balance_by_tokens(samples, self.config.trainer_world_size))
+        batch = self.build_batch(outcomes)
+        write_batch(self.paths, step, balance_by_tokens(batch.samples, self.config.trainer_world_size))
         if self.config.ckpt.due(step + 1, self.config.max_steps):
-            self.save_state(step + 1)
-        stats |= {
+            save_state(self.paths, step + 1, self.policy_step, self.samplers, self.config.ckpt.keep)
+        stats = self.step_stats(batch, outcomes) | {
             "policy_step": self.policy_step,
-            "staleness": step - self.policy_step,
+            "staleness": step - min(s.policy_version for s in batch.samples),
             "gen_s": gen_time,
             "wait_s": gen_start - wait_start,
-            "tokens_per_s": stats["completion_tokens"] / gen_time,
         }
+        stats["tokens_per_s"] = stats["completion_tokens"] / gen_time
         if served:
             stats["served_checksums"] = [s.get("weights_checksum") for s in served]
+        if eval_due(self.config.eval, step, self.config.max_steps):
+            stats |= await self.run_eval()
         self.metrics.log(step, stats, LINE_KEYS)
-
-    def save_state(self, step: int) -> None:
-        """What a resume from trainer checkpoint `step` needs: the sampler positions after batch step - 1."""
-        state = {"step": step, "policy_step": self.policy_step, "samplers": [s.state_dict() for s in self.samplers]}
-        directory = self.paths.checkpoint(step) / "orchestrator"
-        atomic_write_text(directory / "state.json", json.dumps(state, indent=1) + "\n")
-        atomic_write_text(directory / STABLE, json.dumps({"step": step}) + "\n")
-        for old in sorted(int(p.parent.name[5:]) for p in self.paths.checkpoints_root.glob("step_*/orchestrator"))[
-            : -self.config.ckpt.keep
-        ]:
-            shutil.rmtree(self.paths.checkpoint(old) / "orchestrator", ignore_errors=True)
+        self.log_samples(step, batch)
 
     async def ensure_policy(self, step: int) -> list[dict] | None:
         """Batch `step` may only use policies v_j with j >= step - async_level: wait for and load one."""
@@ -111,9 +127,10 @@ class Orchestrator:
         if self.policy_step >= required:
             return None
         what = f"weights of policy {required} (needed by batch {step} with async_level={self.config.async_level})"
-        await asyncio.to_thread(
-            wait_for_stable, self.paths.weights(required), self.config.weights_timeout_s, what
-        )
+        await asyncio.to_thread(wait_for_stable, self.paths.weights(required), self.config.weights_timeout_s, what)
+        return await self.load_newest_policy()
+
+    async def load_newest_policy(self) -> list[dict]:
         newest = max(stable_steps(self.paths.weights_root))
         served = await self.pool.update_weights(newest, str(self.paths.weights(newest).absolute()))
         self.logger.info(f"inference now serves policy {newest} ({len(served)} servers)")
@@ -132,59 +149,101 @@ class Orchestrator:
         return await asyncio.gather(*jobs)
 
     async def run_one_group(self, env: Environment, task_index: int, client, step: int, g: int) -> GroupOutcome:
+        """Run the group; retry it up to rollout.max_retries times, then drop it with its error counted."""
         s = self.config.sampling
         n = self.config.rollouts_per_example
         seed = None if s.seed is None else s.seed + (step * self.config.batch_size) + g * n
-        sampling = Sampling(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=seed)
-        try:
-            results = await run_group(env, task_index, n, client, sampling, self.semaphore)
-        except Exception as e:  # a failed group is dropped and counted by reason, never silently
-            self.logger.warning(f"group of task {task_index} of {env.env_id} failed: {e!r}")
-            return GroupOutcome(env.env_id, None, type(e).__name__)
-        return GroupOutcome(env.env_id, results)
+        policy_step = self.policy_step
+        error = None
+        for attempt in range(self.config.rollout.max_retries + 1):
+            try:
+                results = await run_group(
+                    env, task_index, n, client, to_sampling(s, seed), self.semaphore, self.config.rollout.timeout_s
+                )
+                return GroupOutcome(env.env_id, results, retries=attempt, policy_step=policy_step)
+            except Exception as e:  # noqa: BLE001 - retried, then dropped and counted by reason, never silently
+                self.logger.warning(f"group of task {task_index} of {env.env_id} failed (attempt {attempt + 1}): {e!r}")
+                error = type(e).__name__
+        return GroupOutcome(env.env_id, None, error, retries=self.config.rollout.max_retries, policy_step=policy_step)
 
-    def build_samples(self, outcomes: list[GroupOutcome]) -> tuple[list[Sample], dict]:
-        samples: list[Sample] = []
-        dropped: Counter[str] = Counter()
-        rewards: dict[str, list[float]] = {}
-        completion_tokens = 0
+    def build_batch(self, outcomes: list[GroupOutcome]) -> StepBatch:
+        batch = StepBatch([])
         for outcome in outcomes:
             if outcome.results is None:
-                dropped[outcome.error] += self.config.rollouts_per_example
+                batch.dropped[f"group_failed:{outcome.error}"] += self.config.rollouts_per_example
                 continue
-            group_rewards = [r.reward for r in outcome.results]
-            rewards.setdefault(outcome.env_id, []).extend(group_rewards)
-            advantages = compute_advantages(self.config.advantage.type, group_rewards)
-            for result, advantage in zip(outcome.results, advantages):
-                completion_tokens += sum(result.completion_mask)
-                if len(result.prompt_ids) + len(result.completion_ids) > self.config.seq_len:
+            batch.kept.setdefault(outcome.env_id, []).extend(outcome.results)
+            batch.samples.extend(self.group_samples(outcome, batch.dropped))
+        if not batch.samples:
+            raise RuntimeError(f"no rollout of the step is trainable ({dict(batch.dropped)}); see the log above")
+        keep = len(batch.samples) - len(batch.samples) % self.config.trainer_world_size
+        batch.dropped["uneven_for_ranks"] += len(batch.samples) - keep
+        batch.samples = batch.samples[:keep]
+        return batch
+
+    def group_samples(self, outcome: GroupOutcome, dropped: Counter) -> list[Sample]:
+        results = outcome.results
+        computed = group_advantages(
+            self.config.advantage, [r.reward for r in results], [r.is_truncated for r in results]
+        )
+        if computed is None:
+            dropped["zero_variance_group"] += len(results)
+            return []
+        samples = []
+        for result, advantage, trainable in zip(results, *computed):
+            for segment in result.segments:
+                if len(segment.prompt_ids) + len(segment.completion_ids) > self.config.seq_len:
                     dropped["longer_than_seq_len"] += 1
                     continue
-                samples.append(to_sample(result, advantage, self.policy_step))
-        if not samples:
-            raise RuntimeError(f"every rollout of the step failed ({dict(dropped)}); see the log above")
-        keep = len(samples) - len(samples) % self.config.trainer_world_size
-        dropped["uneven_for_ranks"] += len(samples) - keep
-        all_rewards = [r for rs in rewards.values() for r in rs]
-        stats = {
-            "reward": sum(all_rewards) / len(all_rewards),
-            **{f"reward/{env_id}": sum(rs) / len(rs) for env_id, rs in rewards.items()},
-            "samples": keep,
-            "dropped": sum(dropped.values()),
-            "dropped_by_reason": {k: v for k, v in dropped.items() if v},
-            "completion_tokens": completion_tokens,
+                samples.append(to_sample(segment, result.reward, advantage, outcome.policy_step, trainable))
+        return samples
+
+    def step_stats(self, batch: StepBatch, outcomes: list[GroupOutcome]) -> dict:
+        return rollout_stats(batch.kept) | {
+            "samples": len(batch.samples),
+            "dropped": sum(batch.dropped.values()),
+            "dropped_by_reason": {k: v for k, v in batch.dropped.items() if v},
+            "group_retries": sum(o.retries for o in outcomes if o.results is not None),
+            "completion_tokens": sum(r.sampled_tokens for rs in batch.kept.values() for r in rs),
         }
-        return samples[:keep], stats
+
+    async def run_eval(self) -> dict:
+        start = time.perf_counter()
+        stats = await evaluate(
+            self.config.eval, self.eval_envs, self.clients, self.semaphore, self.config.rollout.timeout_s
+        )
+        return stats | {"eval/time_s": time.perf_counter() - start}
+
+    def log_samples(self, step: int, batch: StepBatch) -> None:
+        """A few completions per step in the W&B table (only when W&B is on)."""
+        count = self.config.num_samples_logged
+        if self.metrics.run is None or not count:
+            return
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.name)
+        decode = self.tokenizer.decode
+        rows = [
+            [step, env_id, decode(r.segments[-1].prompt_ids), decode(r.segments[-1].completion_ids), r.reward]
+            for env_id, results in batch.kept.items()
+            for r in results[:count]
+        ]
+        self.metrics.log_table("samples", ["step", "env", "prompt", "completion", "reward"], rows, step)
 
 
-def to_sample(result: RolloutResult, advantage: float, policy_step: int) -> Sample:
-    prompt = len(result.prompt_ids)
+def to_sample(
+    segment: TokenSegment, reward: float, advantage: float, policy_step: int, trainable: bool = True
+) -> Sample:
+    """Prompt tokens and environment tokens are masked; an untrainable (masked) rollout has no loss tokens."""
+    prompt = len(segment.prompt_ids)
+    mask = segment.completion_mask if trainable else [0] * len(segment.completion_mask)
     return Sample(
-        input_ids=result.prompt_ids + result.completion_ids,
-        loss_mask=[0] * prompt + result.completion_mask,
-        logprobs=[0.0] * prompt + result.completion_logprobs,
+        input_ids=segment.prompt_ids + segment.completion_ids,
+        loss_mask=[0] * prompt + mask,
+        logprobs=[0.0] * prompt + segment.completion_logprobs,
         advantage=advantage,
-        reward=result.reward,
+        reward=reward,
         policy_version=policy_step,
     )
 
@@ -192,7 +251,8 @@ def to_sample(result: RolloutResult, advantage: float, policy_step: int) -> Samp
 def main() -> None:
     config = run_cli(OrchestratorConfig)
     logger = setup_logging("orchestrator")
-    logging.getLogger("verifiers").setLevel(logging.WARNING)  # one line per rollout otherwise
+    for noisy in ("verifiers", "httpx", "aiohttp.access"):  # one line per rollout or request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     asyncio.run(Orchestrator(config, logger).run())
 
 

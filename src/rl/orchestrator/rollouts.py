@@ -49,20 +49,36 @@ class Sampling:
 
 
 @dataclass
-class RolloutResult:
-    """One rollout as the trainer needs it; completion_* lists are aligned token by token."""
+class TokenSegment:
+    """One trainable stretch of a rollout; completion_* lists are aligned token by token."""
 
-    task_index: int
-    task_id: str  # the task's durable id, else its content hash
     prompt_ids: list[int]
     completion_ids: list[int]
     completion_mask: list[int]  # 1 = sampled by the policy, 0 = inserted by the environment
     completion_logprobs: list[float]  # sampling logprobs; 0.0 where completion_mask is 0
+
+
+@dataclass
+class RolloutResult:
+    """One rollout as the trainer needs it.
+
+    A multi-turn rollout is one segment while every turn's prompt extends the tokens before it (the
+    environment's turns then sit in the completion, masked). When a re-rendered conversation does not
+    extend the sampled tokens (verifiers then opens a new branch of the trace), each branch is its own
+    segment, and each becomes its own sample with the rollout's advantage."""
+
+    task_index: int
+    task_id: str  # the task's durable id, else its content hash
+    segments: list[TokenSegment]
     reward: float  # sum of weight * score over `rewards`
     rewards: dict[str, float]  # reward components, unweighted scores
     metrics: dict[str, float]
     is_truncated: bool  # stopped by max_tokens or a turn/token limit
     num_turns: int
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(sum(segment.completion_mask) for segment in self.segments)
 
 
 class RolloutError(RuntimeError):
@@ -138,15 +154,34 @@ async def run_group(
     client: InferenceClient,
     sampling: Sampling,
     semaphore: asyncio.Semaphore | None = None,
+    timeout_s: float | None = None,
 ) -> list[RolloutResult]:
-    """Run `n` rollouts of task `task_index` concurrently (at most `semaphore` at once)."""
+    """Run `n` rollouts of task `task_index` concurrently (at most `semaphore` at once).
+
+    Each rollout must finish within `timeout_s` of getting its semaphore slot, else RolloutError."""
     task = environment.task(task_index)
     slots = environment.env.slots(task, n)
     contexts = [model_context(client, sampling, j) for j in range(n)]
     episodes = await asyncio.gather(
-        *(environment.env.run_slot(slot, ctx, semaphore) for slot, ctx in zip(slots, contexts))
+        *(run_slot(environment, task_index, slot, ctx, semaphore, timeout_s) for slot, ctx in zip(slots, contexts))
     )
     return [to_result(task_index, task, episode) for episode in episodes]
+
+
+async def run_slot(
+    environment: Environment,
+    task_index: int,
+    slot: Any,
+    ctx: vf.ModelContext,
+    semaphore: asyncio.Semaphore | None,
+    timeout_s: float | None,
+) -> vf.Episode:
+    """One rollout; the deadline starts once it holds a semaphore slot, so queueing does not count."""
+    async with semaphore or contextlib.nullcontext():
+        try:
+            return await asyncio.wait_for(environment.env.run_slot(slot, ctx), timeout_s)
+        except TimeoutError as e:
+            raise RolloutError(f"rollout of task {task_index} timed out after {timeout_s}s") from e
 
 
 async def run_groups(
@@ -194,32 +229,58 @@ def model_context(client: InferenceClient, sampling: Sampling, offset: int) -> v
 
 
 def to_result(task_index: int, task: vf.Task, episode: vf.Episode) -> RolloutResult:
-    """Flatten a single-trace, single-branch episode; the prompt ends where sampling first starts."""
+    """Flatten a single-trace episode; each trainable branch of the trace is one segment."""
     trace = episode.traces[0] if len(episode.traces) == 1 else None
     if not episode.ok or trace is None:
         error = (trace.last_error if trace else None) or episode.last_error
         detail = f"{error.type}: {error.message}" if error else f"{len(episode.traces)} traces"
         raise RolloutError(f"rollout of task {task_index} failed: {detail}")
     branches = [branch for branch in trace.branches if branch.trainable]
-    if len(branches) != 1:
-        raise RolloutError(f"rollout of task {task_index} has {len(branches)} trainable branches; expected 1")
-    branch = branches[0]
-    ids, mask, logprobs = branch.token_ids, branch.sampled_mask, branch.logprobs
-    if True not in mask:
-        raise RolloutError(f"rollout of task {task_index} sampled no token")
-    start = mask.index(True)
+    if not branches:
+        raise RolloutError(f"rollout of task {task_index} has no trainable branch")
     if any(score is None for score in trace.rewards.values()):
         raise RolloutError(f"rollout of task {task_index} was not scored: {trace.rewards}")
     return RolloutResult(
         task_index=task_index,
         task_id=task.data.id or task.key,
-        prompt_ids=ids[:start],
-        completion_ids=ids[start:],
-        completion_mask=[int(m) for m in mask[start:]],
-        completion_logprobs=logprobs[start:],
+        segments=to_segments(task_index, branches),
         reward=trace.reward,
         rewards={name: score.score for name, score in trace.rewards.items()},
         metrics={name: value for name, value in trace.metrics.items() if value is not None},
         is_truncated=trace.is_truncated,
         num_turns=trace.num_turns,
+    )
+
+
+def to_segments(task_index: int, branches: list) -> list[TokenSegment]:
+    """One segment per branch. Branches are root-to-leaf paths that share nodes: a sampled node is
+    trained in the first branch that holds it and is context (masked) in the later ones."""
+    trained: set[int] = set()
+    segments = []
+    for branch in branches:
+        ids, mask, logprobs = branch.token_ids, list(branch.sampled_mask), list(branch.logprobs)
+        position = 0
+        for node in branch.nodes:
+            end = position + len(node.token_ids)
+            if id(node) in trained:
+                mask[position:end] = [False] * (end - position)
+                logprobs[position:end] = [0.0] * (end - position)
+            elif any(node.mask):
+                trained.add(id(node))
+            position = end
+        if True in mask:
+            segments.append(to_segment(ids, mask, logprobs))
+    if not segments:
+        raise RolloutError(f"rollout of task {task_index} sampled no token")
+    return segments
+
+
+def to_segment(ids: list[int], mask: list[bool], logprobs: list[float]) -> TokenSegment:
+    """The prompt of a segment ends where its first trained token starts."""
+    start = mask.index(True)
+    return TokenSegment(
+        prompt_ids=ids[:start],
+        completion_ids=ids[start:],
+        completion_mask=[int(m) for m in mask[start:]],
+        completion_logprobs=logprobs[start:],
     )

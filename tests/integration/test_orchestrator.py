@@ -1,0 +1,183 @@
+"""The orchestrator against one real inference server per module: every environment kind, env mixing,
+the staleness bound at async_level 0 and 2 (weights published by copying the model, no trainer),
+eval, and W&B offline files."""
+
+import asyncio
+import json
+import logging
+import shutil
+import threading
+import time
+
+import pytest
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from rl.orchestrator.config import OrchestratorConfig
+from rl.orchestrator.main import Orchestrator
+from rl.orchestrator.rollouts import InferenceClient, Sampling, load_environment, run_group
+from rl.protocol import STABLE, RunPaths, is_stable, read_batch, read_metrics
+from rl.tiny_model import build_tiny_model
+from tests.integration.inference_server import Server
+
+pytestmark = pytest.mark.integration
+ENVS = {
+    "reverse-text": {"num_examples": 50},
+    "guess-number": {"num_examples": 50, "max_guesses": 2},
+    "tool-calc": {"num_examples": 50, "max_tool_calls": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    model = tmp_path_factory.mktemp("orchestrator") / "model"
+    build_tiny_model(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    weights = tmp_path_factory.mktemp("weights")  # the runs below publish into their own run dirs
+    server = Server(model_dir, weights.parent, weights / "inference.log")
+    yield server
+    server.stop()
+
+
+def client(server) -> InferenceClient:
+    return InferenceClient(server.url, str(server.model), str(server.model))
+
+
+@pytest.mark.parametrize("env_id", list(ENVS))
+def test_each_environment_returns_scored_token_samples(server, env_id):
+    env = load_environment(env_id, ENVS[env_id])
+
+    async def go():
+        async with env.serving():
+            return await run_group(env, 0, 4, client(server), Sampling(max_tokens=12), timeout_s=120)
+
+    results = asyncio.run(go())
+    assert len(results) == 4
+    for r in results:
+        assert 0.0 <= r.reward <= 1.2 and r.segments
+        # every sampled token is counted once, whatever the number of segments
+        assert 1 <= r.sampled_tokens <= 12 * r.num_turns
+        for segment in r.segments:
+            assert segment.prompt_ids and segment.completion_ids and segment.completion_mask[0] == 1
+            assert len(segment.completion_ids) == len(segment.completion_mask) == len(segment.completion_logprobs)
+            pairs = list(zip(segment.completion_logprobs, segment.completion_mask))
+            assert all(lp <= 0.0 for lp, m in pairs if m) and all(lp == 0.0 for lp, m in pairs if not m)
+    if env_id == "guess-number":
+        assert_env_turns_masked(server, results)
+    if env_id == "tool-calc":
+        assert set(results[0].rewards) == {"correct", "tool_use"}
+
+
+def assert_env_turns_masked(server, results):
+    """The tiny model never guesses right, so the env answered; its reply is never a trained token."""
+    tokenizer = AutoTokenizer.from_pretrained(server.model)
+    multi = [r for r in results if r.num_turns > 1]
+    assert multi, [r.num_turns for r in results]
+    for r in multi:
+        masked, trained = [], []
+        for segment in r.segments:
+            masked += segment.prompt_ids
+            for token, m in zip(segment.completion_ids, segment.completion_mask):
+                (trained if m else masked).append(token)
+        assert any(w in tokenizer.decode(masked) for w in ("higher", "lower", "Reply with a number"))
+        assert not any(w in tokenizer.decode(trained) for w in ("<|im_start|>user", "Reply with a number"))
+
+
+class Publisher:
+    """Stands in for the trainer: after batch j-1 is STABLE, publish weights/step_j (the model, with
+    lm_head.weight written) so the orchestrator can move inference forward."""
+
+    def __init__(self, model_dir, paths: RunPaths, max_steps: int):
+        self.model_dir, self.paths, self.max_steps = model_dir, paths, max_steps
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.thread.start()
+
+    def loop(self):
+        for step in range(1, self.max_steps + 1):
+            while not is_stable(self.paths.rollouts(step - 1)):
+                if self.stop.wait(0.2):
+                    return
+            self.publish(step)
+
+    def publish(self, step: int):
+        out = self.paths.weights(step)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.copytree(self.model_dir, tmp)
+        state = load_file(tmp / "model.safetensors")
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+        save_file(state, tmp / "model.safetensors")
+        tmp.rename(out)
+        (out / STABLE).write_text(json.dumps({"step": step}))
+
+
+def orchestrator_config(server, out, async_level: int, **extra) -> OrchestratorConfig:
+    return OrchestratorConfig(
+        model={"name": str(server.model)},
+        output_dir=out,
+        max_steps=3,
+        async_level=async_level,
+        seq_len=512,
+        env=[
+            {"id": "reverse-text", "args": ENVS["reverse-text"], "ratio": 1.0},
+            {"id": "guess-number", "args": ENVS["guess-number"], "ratio": 1.0},
+        ],
+        batch_size=8,
+        rollouts_per_example=2,
+        sampling={"max_tokens": 12},
+        client={"base_urls": [server.url], "admin_token": server.token, "startup_timeout_s": 60},
+        weights_timeout_s=120,
+        **extra,
+    )
+
+
+def run_orchestrator(config: OrchestratorConfig, model_dir) -> list[dict]:
+    paths = RunPaths(config.output_dir)
+    publisher = Publisher(model_dir, paths, config.max_steps)
+    try:
+        asyncio.run(Orchestrator(config, logging.getLogger("test")).run())
+    finally:
+        publisher.stop.set()
+        publisher.thread.join(10)
+    return [m for m in read_metrics(paths) if m["process"] == "orchestrator"]
+
+
+@pytest.mark.parametrize("async_level", [0, 2])
+def test_env_mixing_and_staleness_bound(server, model_dir, tmp_path, async_level):
+    config = orchestrator_config(server, tmp_path / "run", async_level)
+    metrics = run_orchestrator(config, server.model)
+    paths = RunPaths(config.output_dir)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for k, m in enumerate(metrics):
+        versions = [s.policy_version for s in read_batch(paths, k, 0)]
+        assert len(versions) >= 1 and m["samples"] == len(versions)
+        assert min(versions) >= k - async_level, (k, versions)  # the staleness bound
+        assert m["staleness"] <= async_level
+        assert {"reward/reverse-text", "reward/guess-number", "reward/guess-number/closeness"} <= set(m)
+    if async_level == 0:
+        assert [m["policy_step"] for m in metrics] == [0, 1, 2]  # on-policy: inference moved every step
+
+
+def test_eval_and_wandb_offline(server, tmp_path):
+    out = tmp_path / "run"
+    config = orchestrator_config(
+        server, out, 2,
+        eval={"interval": 2, "num_examples": 3, "sampling": {"max_tokens": 8}},
+        wandb={"project": "rl-test", "mode": "offline"},
+    )
+    metrics = run_orchestrator(config, server.model)
+    evaluated = [m["step"] for m in metrics if "eval/reward" in m]
+    assert evaluated == [1, 2]  # every 2 steps, and at the end
+    for m in metrics:
+        if m["step"] in evaluated:
+            assert {"eval/reward/reverse-text", "eval/reward/guess-number"} <= set(m)
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((out / "wandb").iterdir())
+    (log,) = runs[0].glob("run-*.wandb")
+    assert log.stat().st_size > 0
+    assert b"orchestrator/samples" in log.read_bytes()  # the table of sample completions
+    assert b"orchestrator/reward/reverse-text/lcs_ratio" in log.read_bytes()
