@@ -109,3 +109,21 @@ def test_killing_the_trainer_stops_the_run_and_names_it(tiny_model, tmp_path):
     # nothing of the run is left behind
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not leftover, f"processes still running: {leftover}"
+
+
+def test_resume_continues_every_step_exactly_once(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    first = Launched(rl_command(tiny_model, out, 3, "--ckpt.interval", "2"))
+    assert first.wait(timeout=900) == 0, first.output[-5000:]
+    assert (out / "checkpoints" / "step_2" / "trainer" / "STABLE").is_file()
+    resumed = Launched(rl_command(tiny_model, out, 5, "--ckpt.interval", "2", "--resume-step", "2"))
+    assert resumed.wait(timeout=900) == 0, resumed.output[-5000:]
+    assert "resuming from step 2" in resumed.output
+    metrics = read_metrics(RunPaths(out))
+    for process in ("trainer", "orchestrator"):
+        steps = [m["step"] for m in metrics if m["process"] == process]
+        assert steps == [0, 1, 2, 3, 4], f"{process} logged steps {steps}"
+    orchestrator = {m["step"]: m for m in metrics if m["process"] == "orchestrator"}
+    # after the resume inference was moved to the checkpoint's weights, not left on the base model
+    assert orchestrator[2]["policy_step"] >= 1
+    assert stable_steps(RunPaths(out).weights_root)[-1] == 5

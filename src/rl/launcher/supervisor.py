@@ -50,7 +50,8 @@ class Supervisor:
         self.shutdown_timeout_s = shutdown_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
         self.specs: dict[str, ChildSpec] = {}
-        self.metrics_offset = 0
+        # Show only records written from now on (a resumed run keeps the earlier ones in the file).
+        self.metrics_offset = paths.metrics.stat().st_size if paths.metrics.exists() else 0
         # Every descendant seen so far, per child: a process that leaves the group (torchrun starts its
         # ranks in sessions of their own) or outlives its parent is still found and stopped.
         self.descendants: dict[str, dict[int, psutil.Process]] = {}
