@@ -66,6 +66,17 @@ class RunPaths:
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints_root / f"step_{step}"
 
+    def checkpoint_steps(self, part: str, complete: bool = False) -> list[int]:
+        """Steps holding checkpoints/step_k/<part> (only STABLE ones if `complete`), ascending."""
+        if not self.checkpoints_root.is_dir():
+            return []
+        steps = []
+        for directory in self.checkpoints_root.glob("step_*"):
+            if (directory / part).is_dir() and directory.name[5:].isdigit():
+                if not complete or (directory / part / STABLE).is_file():
+                    steps.append(int(directory.name[5:]))
+        return sorted(steps)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Atomic writes and STABLE markers

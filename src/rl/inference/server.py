@@ -12,7 +12,7 @@ hooks only:
   `--logprobs-mode processed_logprobs` (logprobs of the distribution actually sampled from, which
   importance ratios at temperature != 1 need).
 
-    python -m rl.inference.server --model DIR --port 8000 --weights-dir OUT/weights [-- VLLM ARGS]
+    python -m rl.inference.main @ infer.toml --port 8000     (the entrypoint; see inference/main.py)
 
 Admin routes (JSON; errors are `{"detail": "..."}` with a 4xx status, or 500 when a reload failed):
 
@@ -23,13 +23,11 @@ They need `Authorization: Bearer <admin_token>` when a token is set, and answer 
 clients when none is.
 """
 
-import argparse
 import asyncio
 import hmac
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,8 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from rl.protocol import STABLE
+
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "rl.inference.worker.WeightSyncExtension"
@@ -46,7 +46,6 @@ MIDDLEWARE = "rl.inference.server.AdminMiddleware"
 ADMIN_PATHS = {"/update_weights", "/policy_step"}
 GENERATE_PATH = "/inference/v1/generate"
 GENERATION_PREFIXES = ("/v1/", "/inference/")
-STABLE = "STABLE"
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
@@ -357,27 +356,3 @@ def serve(
     validate_parsed_serve_args(args)
     args.rl_admin = AdminSettings(base_model=model, weights_dir=weights_dir, admin_token=admin_token)
     uvloop.run(run_server(args))
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="local Hugging Face model directory")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--weights-dir", help="the only directory weights may be loaded from")
-    parser.add_argument("--admin-token", default=os.environ.get("RL_ADMIN_TOKEN"),
-                        help="bearer token for the admin routes (default: $RL_ADMIN_TOKEN)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--served-model-name")
-    serve(**vars(parser.parse_args(ours)), extra_args=extra)
-
-
-if __name__ == "__main__":
-    main()

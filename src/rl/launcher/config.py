@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import CkptConfig, ConfigError, ModelConfig, Section, Settings, WandbConfig
+from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig
 from rl.inference.config import InferenceConfig
 from rl.launcher.devices import DevicePlan
 from rl.orchestrator.config import OrchestratorConfig

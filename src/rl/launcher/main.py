@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         write_config(getattr(config, name), paths.configs / f"{name}.toml")
     write_config(config, paths.configs / "rl.toml")
     supervisor = Supervisor(paths, config.log_tail_lines, config.shutdown_timeout_s)
-    sys.exit(supervisor.run(specs, final_step=config.trainer.max_steps - 1))
+    sys.exit(supervisor.run(specs))
 
 
 if __name__ == "__main__":

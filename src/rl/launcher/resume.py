@@ -12,14 +12,8 @@ from rl.protocol import STABLE, RunPaths, atomic_write_text, stable_steps
 
 def complete_checkpoints(paths: RunPaths) -> list[int]:
     """Steps whose trainer and orchestrator parts are both complete, ascending."""
-    root = paths.checkpoints_root
-    if not root.is_dir():
-        return []
-    steps = []
-    for directory in root.glob("step_*"):
-        if all((directory / part / STABLE).is_file() for part in ("trainer", "orchestrator")):
-            steps.append(int(directory.name[5:]))
-    return sorted(steps)
+    trainer = paths.checkpoint_steps("trainer", complete=True)
+    return sorted(set(trainer) & set(paths.checkpoint_steps("orchestrator", complete=True)))
 
 
 def choose_checkpoint(paths: RunPaths, requested: int | None) -> int:

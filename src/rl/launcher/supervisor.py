@@ -70,14 +70,14 @@ class Supervisor:
         self.specs[spec.name] = spec
         print(f"rl: started {spec.name} (pid {self.procs[spec.name].pid}), log {spec.log}", flush=True)
 
-    def run(self, specs: list[ChildSpec], final_step: int) -> int:
+    def run(self, specs: list[ChildSpec]) -> int:
         """Supervise until trainer and orchestrator finish (0) or any child fails (1)."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         start = time.monotonic()
         try:
             for spec in specs:
                 self.start(spec)
-            code = self._watch(final_step)
+            code = self._watch()
         except Stop as stop:
             print(f"rl: received {signal.Signals(stop.signum).name}, stopping every process", flush=True)
             code = 128 + stop.signum
@@ -96,7 +96,7 @@ class Supervisor:
     def _on_signal(self, signum, frame) -> None:
         raise Stop(signum)
 
-    def _watch(self, final_step: int) -> int:
+    def _watch(self) -> int:
         done: set[str] = set()
         while True:
             self._remember_descendants()

@@ -16,8 +16,7 @@ def save_state(paths: RunPaths, step: int, policy_step: int, samplers: list[Task
     directory = paths.checkpoint(step) / "orchestrator"
     atomic_write_text(directory / "state.json", json.dumps(state, indent=1) + "\n")
     atomic_write_text(directory / STABLE, json.dumps({"step": step}) + "\n")
-    saved = sorted(int(p.parent.name[5:]) for p in paths.checkpoints_root.glob("step_*/orchestrator"))
-    for old in saved[:-keep]:
+    for old in paths.checkpoint_steps("orchestrator")[:-keep]:
         shutil.rmtree(paths.checkpoint(old) / "orchestrator", ignore_errors=True)
 
 

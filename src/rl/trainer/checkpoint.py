@@ -57,17 +57,10 @@ class Checkpointer:
 
     def prune(self) -> None:
         """Delete all but the newest `keep` trainer checkpoints."""
-        for step in trainer_checkpoint_steps(self.paths)[: -self.config.keep]:
+        for step in self.paths.checkpoint_steps("trainer")[: -self.config.keep]:
             shutil.rmtree(self.directory(step), ignore_errors=True)
             _remove_if_empty(self.paths.checkpoint(step))
 
-
-def trainer_checkpoint_steps(paths: RunPaths) -> list[int]:
-    """Steps with a trainer checkpoint directory (complete or not), ascending."""
-    root = paths.checkpoints_root
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name[5:]) for p in root.glob("step_*") if (p / "trainer").is_dir())
 
 
 def _remove_if_empty(directory) -> None:
