@@ -2,13 +2,17 @@
 rollout batch format. The orchestrator, trainer and inference import this; none builds a path itself.
 
 A directory counts only once its STABLE marker exists; every file is written under a temporary name and
-renamed, so readers never see half a file. Batches are safetensors (no pickle crosses processes).
+renamed, so readers never see half a file. The marker lists every file of the directory with its size and
+CRC-32, so a reader can also reject a file that was truncated or changed after it was published (a marker
+without that list, e.g. one made by hand, vouches for nothing but completeness). Batches are safetensors
+(no pickle crosses processes).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 import re
 import shutil
 import time
@@ -87,6 +91,10 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
 
+def is_temp(path: Path) -> bool:
+    return path.name.startswith(".") and ".tmp" in path.name
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
@@ -99,7 +107,64 @@ def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
     if final_dir.exists():
         shutil.rmtree(final_dir)
     tmp_dir.replace(final_dir)
-    atomic_write_text(final_dir / STABLE, json.dumps({"time": time.time()}) + "\n")
+    mark_stable(final_dir)
+
+
+class CorruptFileError(ValueError):
+    """A file of a STABLE directory differs from what its marker recorded."""
+
+
+def file_crc32(path: Path, chunk_bytes: int = 16 << 20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def mark_stable(directory: Path, **info) -> None:
+    """Write `directory/STABLE`, recording every file beneath it (size and CRC-32) and `info`."""
+    files = {
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "crc32": file_crc32(p)}
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != STABLE and not is_temp(p)
+    }
+    atomic_write_text(directory / STABLE, json.dumps({"time": time.time(), **info, "files": files}) + "\n")
+
+
+def stable_info(directory: Path) -> dict:
+    """The STABLE marker's contents ({} for an empty marker); raises CorruptFileError if it is unreadable."""
+    text = (directory / STABLE).read_text()
+    if not text.strip():
+        return {}
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CorruptFileError(f"{directory / STABLE} is not valid JSON: {e}") from None
+    if not isinstance(info, dict):
+        raise CorruptFileError(f"{directory / STABLE} holds {type(info).__name__}, not a JSON object")
+    return info
+
+
+def verify_stable(directory: Path, names: list[str] | None = None) -> None:
+    """Check the files the STABLE marker lists (or only `names`) against their recorded size and CRC-32.
+
+    Raises CorruptFileError naming the first file that is missing, truncated or changed."""
+    recorded = stable_info(directory).get("files")
+    if recorded is None:
+        return  # a marker made by hand lists no files
+    for name in names if names is not None else list(recorded):
+        path = directory / name
+        if name not in recorded:
+            raise CorruptFileError(f"{path} is not listed in {directory / STABLE}")
+        expected = recorded[name]
+        if not path.is_file():
+            raise CorruptFileError(f"{path} is listed in {directory / STABLE} but missing")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CorruptFileError(f"{path} has {size} bytes, {expected['bytes']} were written: truncated or changed")
+        if file_crc32(path) != expected["crc32"]:
+            raise CorruptFileError(f"{path} fails its CRC-32 check: changed after it was written")
 
 
 def is_stable(directory: Path) -> bool:
@@ -197,6 +262,7 @@ def write_batch(paths: RunPaths, step: int, per_rank: list[list[Sample]]) -> Pat
 def read_batch(paths: RunPaths, step: int, rank: int) -> list[Sample]:
     path = paths.rollout_file(step, rank)
     try:
+        verify_stable(path.parent, [path.name])
         return decode_samples(load_file(str(path)))
     except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
         raise ValueError(f"rollout batch {path} is missing or corrupt: {e}") from e

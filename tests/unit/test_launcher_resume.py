@@ -5,13 +5,14 @@ import pytest
 from rl.config import ConfigError
 from rl.launcher.report import summarize
 from rl.launcher.resume import choose_checkpoint, complete_checkpoints, discard_after
-from rl.protocol import STABLE, RunPaths, append_metrics, read_metrics
+from rl.protocol import STABLE, RunPaths, append_metrics, mark_stable, read_metrics
 
 
 def make_checkpoint(paths: RunPaths, step: int, parts=("trainer", "orchestrator")) -> None:
     for part in parts:
         (paths.checkpoint(step) / part).mkdir(parents=True)
-        (paths.checkpoint(step) / part / STABLE).touch()
+        (paths.checkpoint(step) / part / "state.bin").write_bytes(bytes(range(64)))
+        mark_stable(paths.checkpoint(step) / part, step=step)
 
 
 def make_step_dirs(root, steps, stable=True):
@@ -33,6 +34,20 @@ def test_only_checkpoints_with_both_parts_count(tmp_path):
         choose_checkpoint(paths, 6)
     with pytest.raises(ConfigError, match="no complete checkpoint"):
         choose_checkpoint(RunPaths(tmp_path / "empty"), None)
+
+
+def test_a_damaged_checkpoint_is_never_resumed_from(tmp_path, capsys):
+    paths = RunPaths(tmp_path)
+    make_checkpoint(paths, 2)
+    make_checkpoint(paths, 4)
+    (paths.checkpoint(4) / "trainer" / "state.bin").write_bytes(bytes(range(10)))  # truncated by a crash
+    assert choose_checkpoint(paths, None) == 2
+    assert "checkpoints/step_4/trainer/state.bin has 10 bytes" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="state.bin has 10 bytes, 64 were written"):
+        choose_checkpoint(paths, 4)
+    (paths.checkpoint(2) / "orchestrator" / "state.bin").write_bytes(bytes(range(1, 65)))
+    with pytest.raises(ConfigError, match="every checkpoint is damaged.*CRC-32"):
+        choose_checkpoint(paths, None)
 
 
 def test_discard_after_removes_later_steps_and_metrics(tmp_path):

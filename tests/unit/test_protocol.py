@@ -3,7 +3,18 @@ import time
 
 import pytest
 
-from rl.protocol import RunPaths, Sample, read_batch, stable_steps, wait_for_stable, write_batch
+from rl.protocol import (
+    STABLE,
+    CorruptFileError,
+    RunPaths,
+    Sample,
+    mark_stable,
+    read_batch,
+    stable_steps,
+    verify_stable,
+    wait_for_stable,
+    write_batch,
+)
 
 
 def sample(n: int, version: int = 0) -> Sample:
@@ -31,8 +42,43 @@ def test_corrupt_batch_is_rejected(tmp_path):
     write_batch(paths, 0, [[sample(5)]])
     path = paths.rollout_file(0, 0)
     path.write_bytes(path.read_bytes()[:40])
-    with pytest.raises(ValueError, match="corrupt"):
+    with pytest.raises(ValueError, match="corrupt.*truncated"):
         read_batch(paths, 0, 0)
+
+
+def test_batch_changed_after_publication_is_rejected(tmp_path):
+    """A flipped byte in the data leaves a valid safetensors file: only the marker's CRC-32 catches it."""
+    paths = RunPaths(tmp_path)
+    write_batch(paths, 0, [[sample(5)]])
+    path = paths.rollout_file(0, 0)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="CRC-32"):
+        read_batch(paths, 0, 0)
+
+
+def test_marker_lists_files_and_verifies(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    (tmp_path / "sub" / "b.bin").write_bytes(b"defg")
+    (tmp_path / ".a.bin.tmp123").write_bytes(b"half")  # a writer's temporary file is not part of it
+    mark_stable(tmp_path, step=3)
+    verify_stable(tmp_path)
+    (tmp_path / "sub" / "b.bin").unlink()
+    with pytest.raises(CorruptFileError, match="b.bin is listed .* but missing"):
+        verify_stable(tmp_path)
+    with pytest.raises(CorruptFileError, match="not listed"):
+        verify_stable(tmp_path, ["other.bin"])
+
+
+def test_hand_made_marker_vouches_only_for_completeness(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    (tmp_path / STABLE).touch()
+    verify_stable(tmp_path)
+    (tmp_path / STABLE).write_text("{not json")
+    with pytest.raises(CorruptFileError, match="not valid JSON"):
+        verify_stable(tmp_path)
 
 
 def test_wait_for_stable_times_out_naming_what(tmp_path):

@@ -7,7 +7,7 @@ import json
 import shutil
 
 from rl.config import ConfigError
-from rl.protocol import STABLE, RunPaths, atomic_write_text, stable_steps
+from rl.protocol import STABLE, CorruptFileError, RunPaths, atomic_write_text, stable_steps, verify_stable
 
 
 def complete_checkpoints(paths: RunPaths) -> list[int]:
@@ -17,14 +17,31 @@ def complete_checkpoints(paths: RunPaths) -> list[int]:
 
 
 def choose_checkpoint(paths: RunPaths, requested: int | None) -> int:
+    """The requested checkpoint, or the newest one whose files verify; a damaged one is never resumed from."""
     available = complete_checkpoints(paths)
     if not available:
         raise ConfigError(f"cannot resume: {paths.checkpoints_root} holds no complete checkpoint")
-    if requested is None:
-        return available[-1]
-    if requested not in available:
+    if requested is not None and requested not in available:
         raise ConfigError(f"cannot resume from step {requested}: complete checkpoints are {available}")
-    return requested
+    damaged = []
+    for step in [requested] if requested is not None else reversed(available):
+        problem = checkpoint_problem(paths, step)
+        if problem is None:
+            if damaged:
+                print(f"rl: skipped damaged checkpoints: {'; '.join(damaged)}")
+            return step
+        damaged.append(problem)
+    raise ConfigError(f"cannot resume: every checkpoint is damaged: {'; '.join(damaged)}")
+
+
+def checkpoint_problem(paths: RunPaths, step: int) -> str | None:
+    """Why checkpoint `step` cannot be resumed from (a file missing, truncated or changed), or None."""
+    try:
+        for part in ("trainer", "orchestrator"):
+            verify_stable(paths.checkpoint(step) / part)
+    except CorruptFileError as e:
+        return f"step {step}: {e}"
+    return None
 
 
 def discard_after(paths: RunPaths, step: int) -> list[str]:

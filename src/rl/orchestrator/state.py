@@ -7,7 +7,7 @@ import json
 import shutil
 
 from rl.orchestrator.sampler import TaskSampler
-from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable
+from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable, mark_stable, verify_stable
 
 
 def save_state(paths: RunPaths, step: int, policy_step: int, samplers: list[TaskSampler], keep: int) -> None:
@@ -15,7 +15,7 @@ def save_state(paths: RunPaths, step: int, policy_step: int, samplers: list[Task
     state = {"step": step, "policy_step": policy_step, "samplers": [s.state_dict() for s in samplers]}
     directory = paths.checkpoint(step) / "orchestrator"
     atomic_write_text(directory / "state.json", json.dumps(state, indent=1) + "\n")
-    atomic_write_text(directory / STABLE, json.dumps({"step": step}) + "\n")
+    mark_stable(directory, step=step)
     for old in paths.checkpoint_steps("orchestrator")[:-keep]:
         shutil.rmtree(paths.checkpoint(old) / "orchestrator", ignore_errors=True)
 
@@ -24,6 +24,7 @@ def load_state(paths: RunPaths, step: int) -> dict:
     directory = paths.checkpoint(step) / "orchestrator"
     if not is_stable(directory):
         raise ValueError(f"resume_step={step}: no complete orchestrator state at {directory} (missing {STABLE})")
+    verify_stable(directory)
     state = json.loads((directory / "state.json").read_text())
     if state["step"] != step:
         raise ValueError(f"resume_step={step}: {directory}/state.json is for step {state['step']}")

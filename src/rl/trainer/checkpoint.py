@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rl.config import CkptConfig
-from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable
+from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable, mark_stable, verify_stable
 from rl.trainer.world import World
 
 
@@ -37,13 +37,14 @@ class Checkpointer:
         atomic_write_text(target / f"rank_{self.world.rank}.json", json.dumps(meta))
         self.world.barrier()
         if self.world.is_main:
-            atomic_write_text(target / STABLE, json.dumps({"step": step}) + "\n")
+            mark_stable(target, step=step)
             self.prune()
 
     def load(self, step: int, model, optimizer, scheduler) -> None:
         target = self.directory(step)
         if not is_stable(target):
             raise FileNotFoundError(f"trainer checkpoint {target} is missing or incomplete (no {STABLE})")
+        verify_stable(target)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=str(target))
