@@ -171,6 +171,8 @@ def format_validation_error(error: ValidationError) -> str:
     for item in error.errors():
         field = ".".join(str(p) for p in item["loc"]) or "<root>"
         hint = " (unknown field: check its spelling or see --help)" if item["type"] == "extra_forbidden" else ""
+        if item.get("input") == "true" and item["type"] != "extra_forbidden":
+            hint = " (a flag given without a value reads as true: was its value left out?)"
         lines.append(f"  {field}: {item['msg']}{hint}")
     return "invalid configuration:\n" + "\n".join(lines)
 

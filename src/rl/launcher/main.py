@@ -11,6 +11,7 @@ import sys
 from pydantic import ValidationError
 
 from rl.config import ConfigError, format_validation_error, parse_config, config_help, to_toml, write_config
+from rl.launcher.checks import check_environments, check_model, check_output_dir
 from rl.launcher.config import RLConfig, resolve
 from rl.launcher.devices import DevicePlan, cpu_plan, split_gpus
 from rl.launcher.resume import choose_checkpoint, discard_after
@@ -40,16 +41,6 @@ def plan_devices(config: RLConfig, available: int) -> DevicePlan:
         config.inference_gpu_ids,
         config.inference.tensor_parallel_size,
     )
-
-
-def check_output_dir(paths: RunPaths) -> None:
-    """Refuse to mix two runs in one directory: nothing in an existing run is touched."""
-    taken = [p for p in (paths.metrics, paths.rollouts_root, paths.weights_root, paths.checkpoints_root) if p.exists()]
-    if taken:
-        raise ConfigError(
-            f"output directory {paths.root} already holds a run ({taken[0].name} exists); "
-            "choose another --output-dir or delete that one"
-        )
 
 
 def plan_resume(config: RLConfig, paths: RunPaths) -> None:
@@ -119,10 +110,13 @@ def main(argv: list[str] | None = None) -> None:
         config, plan = load(argv)
         paths = RunPaths(config.trainer.output_dir.absolute())
         resuming = config.resume or config.resume_step is not None
+        if not config.dry_run:
+            check_output_dir(paths, resuming)
         if resuming:
             plan_resume(config, paths)
-        elif not config.dry_run:
-            check_output_dir(paths)
+        for name in {config.trainer.model.name, config.orchestrator.model.name, config.inference.model.name}:
+            check_model(name)
+        check_environments(config.orchestrator)
         specs = child_specs(config, plan, paths)
     except ConfigError as e:
         print(f"rl: error: {e}", file=sys.stderr)

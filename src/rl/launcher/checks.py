@@ -1,0 +1,54 @@
+"""Checks the launcher runs before it starts anything: what would otherwise fail minutes later, inside a
+child process, after vLLM has loaded (a model path that is not there, an environment that is not
+installed or whose arguments do not validate)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rl.config import ConfigError
+from rl.orchestrator.config import OrchestratorConfig
+from rl.protocol import RunPaths
+
+
+def check_model(name: str) -> None:
+    """A local model must be a Hugging Face directory; a name that is not on disk must read as a hub id.
+
+    `org/model` is a hub id unless `org` is a local directory, in which case a local path was meant."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ConfigError(f"model {name!r} is not a Hugging Face model directory (no config.json in it)")
+        return
+    parts = name.split("/")
+    looks_local = (
+        path.is_absolute() or name.startswith((".", "~")) or len(parts) != 2 or Path(parts[0]).is_dir()
+    )
+    if looks_local or not all(parts):
+        raise ConfigError(f"model {name!r} does not exist (neither a local directory nor a hub id org/name)")
+
+
+def check_environments(config: OrchestratorConfig) -> None:
+    """Load every training and eval environment once, as the orchestrator will."""
+    from rl.orchestrator.rollouts import load_environment
+
+    for where, envs in (("env", config.env), ("eval.env", config.eval.env)):
+        for i, env in enumerate(envs):
+            try:
+                load_environment(env.id, env.args)
+            except ValueError as e:
+                raise ConfigError(f"orchestrator {where}[{i}]: {e}") from None
+
+
+def check_output_dir(paths: RunPaths, resuming: bool) -> None:
+    """A new run needs a directory of its own; nothing in an existing run is touched."""
+    if paths.root.exists() and not paths.root.is_dir():
+        raise ConfigError(f"output directory {paths.root} exists and is not a directory")
+    if resuming:
+        return
+    taken = [p for p in (paths.metrics, paths.rollouts_root, paths.weights_root, paths.checkpoints_root) if p.exists()]
+    if taken:
+        raise ConfigError(
+            f"output directory {paths.root} already holds a run ({taken[0].name} exists); "
+            "choose another --output-dir, delete that one, or continue it with --resume"
+        )
