@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import uuid
 
 from rl.config import WandbConfig
-from rl.protocol import RunPaths, append_metrics
+from rl.protocol import RunPaths, append_metrics, atomic_write_text
 
 
 def setup_logging(process: str) -> logging.Logger:
@@ -27,6 +28,16 @@ def _format(value) -> str:
     return str(value)
 
 
+def wandb_run_id(paths: RunPaths, process: str) -> str:
+    """The W&B run id of `process` in this run directory: made once, kept across resumes."""
+    path = paths.root / "wandb" / f"{process}.run_id"
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = f"{process}-{uuid.uuid4().hex[:12]}"
+    atomic_write_text(path, run_id + "\n")
+    return run_id
+
+
 class MetricsLogger:
     """Owns the per-step record of one process: log line, metrics.jsonl row and W&B row."""
 
@@ -44,6 +55,8 @@ class MetricsLogger:
                 mode=wandb_config.mode,
                 dir=str(paths.root),
                 config=config,
+                id=wandb_run_id(paths, process),
+                resume="allow",  # a resumed run continues the same W&B run
             )
 
     def log(self, step: int, metrics: dict, line_keys: tuple[str, ...]) -> None:
