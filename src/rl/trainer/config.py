@@ -114,6 +114,12 @@ class TrainerConfig(Settings):
     rollout_timeout_s: Annotated[
         float, Field(gt=0, description="deadline for the orchestrator's batch of a step to appear")
     ] = 900.0
+    keep_rollouts: Annotated[int, Field(ge=1, description="newest trained rollout batches kept on disk")] = 2
+    keep_weights: Annotated[
+        int,
+        Field(ge=2, description="newest weight steps kept on disk besides checkpointed ones; inference may serve, "
+                                "or roll back to, a step async_level + 1 old, so at least async_level + 2"),
+    ] = 4
     seed: Annotated[int, Field(description="seed for torch RNGs")] = 0
     resume_step: Annotated[
         int | None,

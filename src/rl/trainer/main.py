@@ -3,6 +3,7 @@ publish weights -> checkpoint -> log, once per step."""
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import torch
@@ -10,7 +11,7 @@ from transformers import AutoTokenizer
 
 from rl.config import run_cli
 from rl.metrics import MetricsLogger, setup_logging
-from rl.protocol import RunPaths, Sample, read_batch, wait_for_stable
+from rl.protocol import RunPaths, Sample, read_batch, stable_steps, wait_for_stable
 from rl.trainer.checkpoint import Checkpointer
 from rl.trainer.config import TrainerConfig
 from rl.trainer.model import load_policy, load_reference
@@ -48,6 +49,19 @@ def publish(model, paths: RunPaths, step: int, tokenizer, world: World) -> None:
     state = gather_full_state_dict(model)
     if world.is_main:
         publish_weights(paths, step, state, model.config, tokenizer)
+
+
+def prune_run_files(paths: RunPaths, step: int, config: TrainerConfig) -> None:
+    """After step `step` published weights/step_{step+1}: delete rollouts and weights no process can need.
+
+    Weights of checkpointed steps stay: a resume moves inference back to them."""
+    for old in stable_steps(paths.rollouts_root):
+        if old <= step - config.keep_rollouts:
+            shutil.rmtree(paths.rollouts(old), ignore_errors=True)
+    checkpointed = set(paths.checkpoint_steps("trainer"))
+    for old in stable_steps(paths.weights_root):
+        if old <= step + 1 - config.keep_weights and old not in checkpointed:
+            shutil.rmtree(paths.weights(old), ignore_errors=True)
 
 
 def timing_stats(stats: dict, wait_s: float, train_s: float, step_s: float, world: World) -> dict:
@@ -91,6 +105,8 @@ def main() -> None:
         stats |= timing_stats(stats, start - wait_start, train_s, time.perf_counter() - start, world)
         if config.ckpt.due(step + 1, config.max_steps):
             checkpointer.save(step + 1, policy, optimizer, scheduler)
+        if world.is_main:
+            prune_run_files(paths, step, config)
         if metrics:
             metrics.log(step, stats, LINE_KEYS)
     if metrics:
