@@ -1,6 +1,5 @@
 """A real inference server (`python -m rl.inference.main`) for tests, started once per module."""
 
-import socket
 import subprocess
 import sys
 import time
@@ -9,12 +8,7 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.integration.launched import free_port
 
 
 class Server:

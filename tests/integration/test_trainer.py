@@ -3,7 +3,6 @@ rl.protocol: FSDP over two ranks trains like one rank, and resuming from a check
 
 import random
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +13,9 @@ from safetensors.torch import load_file
 
 from rl.protocol import RunPaths, Sample, read_metrics, write_batch
 from tests.conftest import ROOT
+from tests.integration.launched import free_port
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_samples(step: int, n: int = 8) -> list[Sample]:

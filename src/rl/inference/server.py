@@ -37,7 +37,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from rl.protocol import STABLE
+from rl.protocol import STABLE, CorruptFileError, verify_stable
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,10 @@ class PolicyWeights:
 
     async def update(self, step: int, path: str) -> dict:
         target = self._resolve(path)
+        try:  # files truncated or changed since the trainer published them are never loaded
+            await asyncio.to_thread(verify_stable, Path(target))
+        except CorruptFileError as e:
+            raise HTTPException(422, f"step {step} refused, still serving step {self.step}: {e}") from None
         async with self.lock:
             await self._verify_base()
             if step < self.step or (step == self.step and target != self.path):

@@ -1,0 +1,77 @@
+"""An `rl` launcher run for tests: its command line, its output collected line by line, and its processes."""
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rl_command(model: Path, out: Path, max_steps: int, *extra: str) -> list[str]:
+    configs = ROOT / "configs" / "reverse_text"
+    return [
+        sys.executable, "-m", "rl.launcher.main",
+        "--trainer", "@", str(configs / "train.toml"),
+        "--orchestrator", "@", str(configs / "orch.toml"),
+        "--inference", "@", str(configs / "infer.toml"),
+        "--model.name", str(model), "--output-dir", str(out), "--max-steps", str(max_steps),
+        "--seq-len", "128", "--trainer-processes", "2", "--inference.port", str(free_port()), *extra,
+    ]
+
+
+class Launched:
+    """An `rl` process whose output is collected line by line."""
+
+    def __init__(self, cmd: list[str]):
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+            raise AssertionError("rl did not finish in time:\n" + "".join(self.lines[-60:]))
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def child_pid(self, name: str) -> int:
+        """The pid of the child the launcher reported as `started <name> (pid N)`."""
+        for line in self.lines:
+            if m := re.match(rf"rl: started {re.escape(name)} \(pid (\d+)\)", line):
+                return int(m.group(1))
+        raise AssertionError(f"rl never reported starting {name}:\n{self.output[-3000:]}")
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+
+def wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until every process has exited (reused pids do not count); return those still running."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    return alive
