@@ -67,6 +67,7 @@ FLAG_CASES = [
     ("unknown-loss-norm", ["--trainer.loss.norm.type", "mean"], "norm"),
     ("zero-micro-batch", ["--trainer.micro-batch-size", "0"], "micro_batch_size"),
     ("negative-temperature", ["--orchestrator.sampling.temperature", "-0.5"], "temperature"),
+    ("greedy-training", ["--orchestrator.sampling.temperature", "0"], "temperature must be > 0 for training"),
     ("top-p-above-one", ["--orchestrator.sampling.top-p", "1.5"], "top_p"),
     ("zero-max-tokens", ["--orchestrator.sampling.max-tokens", "0"], "max_tokens"),
     ("batch-not-multiple-of-group", ["--orchestrator.batch-size", "30"], "batch_size"),

@@ -110,3 +110,10 @@ def test_gpu_flags_refused_on_cpu_host():
     config = parse_config(RLConfig, ["--trainer-gpus", "1"])
     with pytest.raises(ConfigError, match="no GPU is visible"):
         plan_devices(config, available=0)
+
+
+def test_trainer_takes_the_sampling_temperature():
+    config, _ = load(["--orchestrator.sampling.temperature", "0.7"])
+    assert config.trainer.temperature == 0.7
+    with pytest.raises(ConfigError, match="contradicts trainer.temperature"):
+        load(["--orchestrator.sampling.temperature", "0.7", "--trainer.temperature", "0.5"])

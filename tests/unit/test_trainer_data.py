@@ -66,3 +66,17 @@ def test_packed_forward_matches_separate_forwards(tiny_model, attention):
     with torch.no_grad():
         joined, _ = token_logprobs(model(input_ids=packed.input_ids).logits, packed.input_ids)
     assert not torch.allclose(joined[mask], expected[mask], atol=1e-3)
+
+
+def test_logprobs_follow_the_sampling_temperature(tiny_model):
+    """vLLM reports logprobs of logits / T; the trainer's must be of the same distribution."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    (mb,) = build_micro_batches([sample([5, 6, 7, 8, 9], 2)], [1.0], seq_len=16, micro_batch_size=1, packing=True,
+                                pad_id=0)
+    with torch.no_grad():
+        logits = model(input_ids=mb.input_ids).logits
+        tempered, _ = forward_logprobs(model, mb, temperature=0.5)
+        plain, _ = forward_logprobs(model, mb)
+    expected = torch.log_softmax(logits[0, :-1] / 0.5, -1).gather(-1, mb.input_ids[0, 1:, None]).squeeze(-1)
+    assert torch.allclose(tempered[0, 1:], expected, atol=1e-5)
+    assert not torch.allclose(plain[0, 1:], expected, atol=1e-3)

@@ -123,6 +123,10 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
     _fill(urls, o.client, "base_urls", "inference.port (one server per replica)", "orchestrator.client")
     _fill(i.admin_token, o.client, "admin_token", "inference.admin-token", "orchestrator.client")
     _fill(plan.trainer_processes, o, "trainer_world_size", "trainer-processes / --trainer-gpus", "orchestrator")
+    if o.sampling.temperature <= 0:
+        raise ConfigError("orchestrator.sampling.temperature must be > 0 for training: greedy rollouts have no "
+                          "sampling distribution to take a policy gradient of")
+    _fill(o.sampling.temperature, t, "temperature", "orchestrator.sampling.temperature", "trainer")
     if t.keep_weights < o.async_level + 2:
         raise ConfigError(
             f"trainer.keep_weights = {t.keep_weights} would delete weights inference may still serve or roll back "

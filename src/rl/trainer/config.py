@@ -107,6 +107,9 @@ class TrainerConfig(Settings):
     activation_checkpointing: Annotated[
         bool, Field(description="recompute each transformer block's activations in backward (saves memory)")
     ] = False
+    temperature: Annotated[
+        float, Field(gt=0, description="sampling temperature of the rollouts (set by rl from the orchestrator's)")
+    ] = 1.0
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
     ckpt: CkptConfig = CkptConfig()

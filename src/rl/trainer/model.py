@@ -43,12 +43,15 @@ def shard(model: torch.nn.Module, world: World, dtype: str) -> None:
     fully_shard(model, mesh=world.mesh, mp_policy=policy)
 
 
-def forward_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob and entropy of every token of the micro-batch, [B, T] each. No KV cache: with one, transformers
-    would not detect the packed samples from the position ids and attention would cross them."""
+def forward_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy of every token of the micro-batch, [B, T] each, under the distribution the tokens
+    were sampled from (logits / temperature, as vLLM's processed logprobs). No KV cache: with one,
+    transformers would not detect the packed samples from the position ids and attention would cross them."""
     logits = model(
         input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False
     ).logits
+    if temperature != 1.0:
+        logits = logits / temperature
     return token_logprobs(logits, mb.input_ids)  # logits [B, T, V]
 
 

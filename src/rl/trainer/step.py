@@ -54,8 +54,8 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
-            ref_logprobs, _ = forward_logprobs(reference, mb)
-    logprobs, entropy = forward_logprobs(policy, mb)  # [B, T] each
+            ref_logprobs, _ = forward_logprobs(reference, mb, config.temperature)
+    logprobs, entropy = forward_logprobs(policy, mb, config.temperature)  # [B, T] each
     loss, stats = policy_loss(
         logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.weights, config.loss, ref_logprobs
     )
