@@ -28,7 +28,8 @@ def rl_command(model: Path, out: Path, max_steps: int, *extra: str) -> list[str]
         "--orchestrator", "@", str(configs / "orch.toml"),
         "--inference", "@", str(configs / "infer.toml"),
         "--model.name", str(model), "--output-dir", str(out), "--max-steps", str(max_steps),
-        "--seq-len", "128", "--trainer-processes", "2", "--inference.port", str(free_port()), *extra,
+        "--seq-len", "128", "--trainer-processes", "2", "--inference.port", str(free_port()),
+        "--orchestrator.batch-size", "32", *extra,  # a quarter of the quickstart's batch: the tests check plumbing
     ]
 
 

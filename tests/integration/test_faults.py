@@ -1,0 +1,76 @@
+"""Fault injection: SIGKILL each process of a real run at a random moment, then resume to the end.
+
+One run directory goes through every fault in turn (each resume starts where the previous kill left it):
+the trainer, the orchestrator, the inference server and the launcher itself are killed; each time the run
+must end within 30 s, exit non-zero naming the dead process, and leave no process behind. A final
+`--resume` then finishes the run, and every step must appear exactly once per process in metrics.jsonl.
+Set RL_FAULT_SEED to replay the moments of a failed run.
+"""
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from rl.launcher.resume import complete_checkpoints
+from rl.protocol import RunPaths, read_metrics, stable_steps
+from tests.integration.launched import Launched, rl_command, wait_gone
+
+pytestmark = pytest.mark.integration
+MAX_STEPS = 14
+VICTIMS = ["trainer", "orchestrator", "inference", "launcher"]
+STOP_WITHIN_S = 30
+
+
+def wait_for_checkpoint_after(run: Launched, paths: RunPaths, step: int, timeout_s: float = 600) -> int:
+    """Wait until a complete checkpoint newer than `step` exists; return its step."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert run.proc.poll() is None, f"rl ended before the fault:\n{run.output[-4000:]}"
+        newer = [s for s in complete_checkpoints(paths) if s > step]
+        if newer:
+            return newer[-1]
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint after step {step} within {timeout_s}s:\n{run.output[-4000:]}")
+
+
+def kill(run: Launched, victim: str) -> None:
+    pid = run.proc.pid if victim == "launcher" else run.child_pid(victim)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_each_process_killed_then_resumed_to_completion(tiny_model, tmp_path):
+    seed = int(os.environ.get("RL_FAULT_SEED", random.randrange(1 << 30)))
+    print(f"RL_FAULT_SEED={seed}")
+    rng = random.Random(seed)
+    out = tmp_path / "run"
+    paths = RunPaths(out)
+    extra = ["--ckpt.interval", "1"]
+    resumed_from = -1
+    for victim in VICTIMS:
+        run = Launched(rl_command(tiny_model, out, MAX_STEPS, *extra, *(["--resume"] if resumed_from >= 0 else [])))
+        resumed_from = wait_for_checkpoint_after(run, paths, max(resumed_from, 0))
+        time.sleep(rng.uniform(0, 3))  # somewhere inside the next step
+        processes = run.descendants()
+        kill(run, victim)
+        killed_at = time.monotonic()
+        code = run.wait(timeout=STOP_WITHIN_S + 30)
+        if victim == "launcher":
+            assert code == -signal.SIGKILL
+        else:
+            assert time.monotonic() - killed_at < STOP_WITHIN_S, f"stopping took too long after {victim} died"
+            assert code != 0, run.output[-3000:]
+            assert f"rl: {victim} was killed by SIGKILL" in run.output, run.output[-3000:]
+        left = wait_gone(processes, STOP_WITHIN_S - (time.monotonic() - killed_at))
+        assert not left, f"after {victim} was killed, still running: {[p.cmdline()[:4] for p in left]}"
+        resumed_from = max(complete_checkpoints(paths))
+
+    final = Launched(rl_command(tiny_model, out, MAX_STEPS, *extra, "--resume"))
+    assert final.wait(timeout=900) == 0, final.output[-5000:]
+    metrics = read_metrics(paths)
+    for process in ("trainer", "orchestrator"):
+        steps = [m["step"] for m in metrics if m["process"] == process]
+        assert steps == list(range(MAX_STEPS)), f"{process} logged steps {steps}"
+    assert stable_steps(paths.weights_root)[-1] == MAX_STEPS
