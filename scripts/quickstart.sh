@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# Fresh machine to a finished RL run on the tiny model: install, build the model, SFT warm-up, then RL
-# with `rl`. Prints the start and final reward; writes <out>/reward.png.
+# Fresh machine to a finished RL run on the tiny model, everything under one output directory:
+#   <out>/model-tiny  the tiny Qwen3 model, built locally
+#   <out>/model-sft   after the SFT warm-up on reverse-text
+#   <out>/run         the RL run: metrics.jsonl, summary.json, reward.png, logs/
 #
 #   bash scripts/quickstart.sh [OUTPUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 out="${1:-outputs/quickstart-$(date +%Y%m%d-%H%M%S)}"
-[ -d models/tiny ] || uv run tiny-model --out models/tiny
-if [ ! -f models/tiny-sft/model.safetensors ]; then
-  uv run torchrun --standalone --nproc-per-node 2 -m rl.trainer.sft @ configs/reverse_text/sft.toml
-fi
+mkdir -p "$out"
+uv run tiny-model --out "$out/model-tiny"
+uv run torchrun --standalone --nproc-per-node 2 -m rl.trainer.sft @ configs/reverse_text/sft.toml \
+  --model.name "$out/model-tiny" --out "$out/model-sft"
 uv run rl \
   --trainer @ configs/reverse_text/train.toml \
   --orchestrator @ configs/reverse_text/orch.toml \
   --inference @ configs/reverse_text/infer.toml \
-  --model.name models/tiny-sft --max-steps 20 --seq-len 128 --async-level 1 \
-  --output-dir "$out"
+  --model.name "$out/model-sft" --max-steps 40 --seq-len 128 --async-level 1 \
+  --output-dir "$out/run"

@@ -78,5 +78,8 @@ def test_summary_and_plot(tmp_path):
     assert summary["steps"] == 6
     assert summary["start_reward"] == pytest.approx(0.2)
     assert summary["final_reward"] == pytest.approx(0.6)
+    # step rewards 0.1 0.2 0.3 | 0.5 0.6 0.7: variances 0.01 each, 3 * sqrt(0.01/3 + 0.01/3) = 0.2449
+    assert summary["reward_gain"] == pytest.approx(0.4)
+    assert summary["noise_3se"] == pytest.approx(0.2449, abs=1e-4)
     assert (tmp_path / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "summary.json").read_text())["final_reward"] == pytest.approx(0.6)

@@ -12,19 +12,28 @@ def per_step(records: list[dict], process: str, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in records if r.get("process") == process and isinstance(r.get(key), (int, float))}
 
 
-def summarize(paths: RunPaths, elapsed_s: float, window: int = 3) -> dict:
+def reward_change(rewards: list[float]) -> dict:
+    """Mean step reward of the first and last fifth of the steps (at least 3 each), their difference and
+    the noise: three standard errors of that difference, from the spread of step rewards in each window.
+    A gain above the noise is a rise that chance alone would rarely show."""
+    window = max(3, len(rewards) // 5)
+    head, tail = rewards[:window], rewards[-window:]
+    spread = sum(statistics.variance(w) / len(w) if len(w) > 1 else 0.0 for w in (head, tail))
+    start, final = statistics.fmean(head), statistics.fmean(tail)
+    return {"start_reward": start, "final_reward": final, "window": window,
+            "reward_gain": final - start, "noise_3se": 3 * spread**0.5}
+
+
+def summarize(paths: RunPaths, elapsed_s: float) -> dict:
     records = read_metrics(paths)
     reward = per_step(records, "orchestrator", "reward")
     steps = sorted(reward)
     if not steps:
         return {"steps": 0, "time_s": elapsed_s}
-    head, tail = steps[:window], steps[-window:]
     summary = {
         "steps": len(per_step(records, "trainer", "loss")),
-        "start_reward": statistics.fmean(reward[s] for s in head),
-        "final_reward": statistics.fmean(reward[s] for s in tail),
+        **reward_change([reward[s] for s in steps]),
         "time_s": elapsed_s,
-        "window": window,
     }
     atomic_write_text(paths.root / "summary.json", json.dumps(summary, indent=1) + "\n")
     plot(paths, reward, per_step(records, "trainer", "loss"))
@@ -58,5 +67,6 @@ def format_summary(summary: dict) -> str:
         return f"no steps finished in {summary['time_s']:.0f}s"
     return (
         f"{summary['steps']} steps in {summary['time_s']:.0f}s; reward {summary['start_reward']:.3f} "
-        f"(first {summary['window']} steps) -> {summary['final_reward']:.3f} (last {summary['window']})"
+        f"(first {summary['window']} steps) -> {summary['final_reward']:.3f} (last {summary['window']}), "
+        f"gain {summary['reward_gain']:+.3f} against noise {summary['noise_3se']:.3f} (3 standard errors)"
     )
