@@ -81,6 +81,20 @@ class RunPaths:
                     steps.append(int(directory.name[5:]))
         return sorted(steps)
 
+    def complete_checkpoints(self) -> list[int]:
+        """Steps whose trainer and orchestrator parts are both complete (a resume needs both), ascending."""
+        trainer = self.checkpoint_steps("trainer", complete=True)
+        return sorted(set(trainer) & set(self.checkpoint_steps("orchestrator", complete=True)))
+
+    def prunable_checkpoint_steps(self, part: str, keep: int) -> list[int]:
+        """Steps of `part` older than the `keep` newest complete checkpoints. Each process writes its own
+        part, at its own pace: pruning by its own newest parts alone could leave no step with both."""
+        complete = self.complete_checkpoints()
+        if len(complete) < keep:
+            return []
+        oldest_kept = complete[-keep]
+        return [s for s in self.checkpoint_steps(part) if s < oldest_kept]
+
 
 # ---------------------------------------------------------------------------------------------------
 # Atomic writes and STABLE markers

@@ -68,11 +68,24 @@ class Launched:
         return psutil.Process(self.proc.pid).children(recursive=True)
 
 
-def wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
-    """Wait until every process has exited (reused pids do not count); return those still running."""
+def running(process: psutil.Process) -> bool:
+    """Still running (a reused pid does not count, nor a zombie waiting for its parent)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def describe(process: psutil.Process) -> str:
+    try:
+        return f"{process.pid} {' '.join(process.cmdline())[:200]}"
+    except psutil.Error:
+        return f"{process.pid} (gone)"
+
+
+def wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[str]:
+    """Wait until every process has exited; describe those still running at the deadline."""
     deadline = time.monotonic() + timeout_s
-    while (alive := [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]) and (
-        time.monotonic() < deadline
-    ):
+    while (alive := [p for p in processes if running(p)]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    return alive
+    return [describe(p) for p in alive]

@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from rl.launcher.resume import complete_checkpoints
 from rl.protocol import RunPaths, read_metrics, stable_steps
 from tests.integration.launched import Launched, rl_command, wait_gone
 
@@ -29,7 +28,7 @@ def wait_for_checkpoint_after(run: Launched, paths: RunPaths, step: int, timeout
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert run.proc.poll() is None, f"rl ended before the fault:\n{run.output[-4000:]}"
-        newer = [s for s in complete_checkpoints(paths) if s > step]
+        newer = [s for s in paths.complete_checkpoints() if s > step]
         if newer:
             return newer[-1]
         time.sleep(0.2)
@@ -64,8 +63,8 @@ def test_each_process_killed_then_resumed_to_completion(tiny_model, tmp_path):
             assert code != 0, run.output[-3000:]
             assert f"rl: {victim} was killed by SIGKILL" in run.output, run.output[-3000:]
         left = wait_gone(processes, STOP_WITHIN_S - (time.monotonic() - killed_at))
-        assert not left, f"after {victim} was killed, still running: {[p.cmdline()[:4] for p in left]}"
-        resumed_from = max(complete_checkpoints(paths))
+        assert not left, f"after {victim} was killed, still running: {left}"
+        resumed_from = max(paths.complete_checkpoints())
 
     final = Launched(rl_command(tiny_model, out, MAX_STEPS, *extra, "--resume"))
     assert final.wait(timeout=900) == 0, final.output[-5000:]

@@ -31,7 +31,9 @@ def test_five_steps_end_to_end(tiny_model, tmp_path):
     assert all(k - 1 <= v <= k for k, v in enumerate(served)), served
     assert served == sorted(served) and served[-1] >= 3, served
     assert all(m["staleness"] <= 1 for m in metrics if m["process"] == "orchestrator")
-    assert stable_steps(paths.weights_root) == [1, 2, 3, 4, 5]
+    # weights/step_1 is deleted once no server can need it (keep_weights = 4 newest, no checkpoint at 1)
+    assert stable_steps(paths.weights_root) == [2, 3, 4, 5]
+    assert stable_steps(paths.rollouts_root) == [3, 4]  # keep_rollouts = 2 newest trained batches
 
     from transformers import AutoModelForCausalLM
 

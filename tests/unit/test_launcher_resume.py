@@ -4,7 +4,7 @@ import pytest
 
 from rl.config import ConfigError
 from rl.launcher.report import summarize
-from rl.launcher.resume import choose_checkpoint, complete_checkpoints, discard_after
+from rl.launcher.resume import choose_checkpoint, discard_after
 from rl.protocol import STABLE, RunPaths, append_metrics, mark_stable, read_metrics
 
 
@@ -27,13 +27,28 @@ def test_only_checkpoints_with_both_parts_count(tmp_path):
     make_checkpoint(paths, 2)
     make_checkpoint(paths, 4)
     make_checkpoint(paths, 6, parts=("trainer",))  # orchestrator part never finished
-    assert complete_checkpoints(paths) == [2, 4]
+    assert paths.complete_checkpoints() == [2, 4]
     assert choose_checkpoint(paths, None) == 4
     assert choose_checkpoint(paths, 2) == 2
     with pytest.raises(ConfigError, match=r"\[2, 4\]"):
         choose_checkpoint(paths, 6)
     with pytest.raises(ConfigError, match="no complete checkpoint"):
         choose_checkpoint(RunPaths(tmp_path / "empty"), None)
+
+
+def test_pruning_keeps_complete_checkpoints_when_the_orchestrator_is_ahead(tmp_path):
+    """The orchestrator writes its part of step k before the trainer does: pruning each part by its own
+    newest steps (orchestrator 3, 4; trainer 1, 2) would leave no step to resume from."""
+    paths = RunPaths(tmp_path)
+    make_checkpoint(paths, 1)
+    make_checkpoint(paths, 2)
+    make_checkpoint(paths, 3, parts=("orchestrator",))
+    make_checkpoint(paths, 4, parts=("orchestrator",))
+    assert paths.prunable_checkpoint_steps("orchestrator", keep=2) == []
+    assert paths.prunable_checkpoint_steps("trainer", keep=2) == []
+    make_checkpoint(paths, 3, parts=("trainer",))
+    assert paths.prunable_checkpoint_steps("orchestrator", keep=2) == [1]
+    assert paths.prunable_checkpoint_steps("trainer", keep=2) == [1]
 
 
 def test_a_damaged_checkpoint_is_never_resumed_from(tmp_path, capsys):

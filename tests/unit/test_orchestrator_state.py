@@ -6,7 +6,7 @@ from rl.orchestrator.main import to_sample
 from rl.orchestrator.rollouts import TokenSegment
 from rl.orchestrator.sampler import TaskSampler
 from rl.orchestrator.state import load_state, restore_samplers, save_state
-from rl.protocol import RunPaths
+from rl.protocol import RunPaths, mark_stable
 
 
 def draw_steps(samplers, steps, per_step=3):
@@ -46,10 +46,15 @@ def test_resume_rejects_missing_state_and_changed_envs(tmp_path):
         restore_samplers(load_state(paths, 2), [TaskSampler(20, seed=0)])
 
 
-def test_save_state_keeps_the_last_n(tmp_path):
+def test_save_state_keeps_the_last_n_complete(tmp_path):
     paths = RunPaths(tmp_path)
     for step in (1, 2, 3):
         save_state(paths, step, 0, [TaskSampler(4, seed=0)], keep=2)
+    assert (paths.checkpoint(1) / "orchestrator").exists()  # no trainer part yet: nothing is complete
+    for step in (2, 3):  # the trainer catches up
+        (paths.checkpoint(step) / "trainer").mkdir()
+        mark_stable(paths.checkpoint(step) / "trainer")
+    save_state(paths, 4, 0, [TaskSampler(4, seed=0)], keep=2)
     assert not (paths.checkpoint(1) / "orchestrator").exists()
     assert json.loads((paths.checkpoint(3) / "orchestrator" / "state.json").read_text())["step"] == 3
 

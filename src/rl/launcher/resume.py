@@ -10,15 +10,9 @@ from rl.config import ConfigError
 from rl.protocol import STABLE, CorruptFileError, RunPaths, atomic_write_text, stable_steps, verify_stable
 
 
-def complete_checkpoints(paths: RunPaths) -> list[int]:
-    """Steps whose trainer and orchestrator parts are both complete, ascending."""
-    trainer = paths.checkpoint_steps("trainer", complete=True)
-    return sorted(set(trainer) & set(paths.checkpoint_steps("orchestrator", complete=True)))
-
-
 def choose_checkpoint(paths: RunPaths, requested: int | None) -> int:
     """The requested checkpoint, or the newest one whose files verify; a damaged one is never resumed from."""
-    available = complete_checkpoints(paths)
+    available = paths.complete_checkpoints()
     if not available:
         raise ConfigError(f"cannot resume: {paths.checkpoints_root} holds no complete checkpoint")
     if requested is not None and requested not in available:

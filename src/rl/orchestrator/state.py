@@ -16,7 +16,7 @@ def save_state(paths: RunPaths, step: int, policy_step: int, samplers: list[Task
     directory = paths.checkpoint(step) / "orchestrator"
     atomic_write_text(directory / "state.json", json.dumps(state, indent=1) + "\n")
     mark_stable(directory, step=step)
-    for old in paths.checkpoint_steps("orchestrator")[:-keep]:
+    for old in paths.prunable_checkpoint_steps("orchestrator", keep):
         shutil.rmtree(paths.checkpoint(old) / "orchestrator", ignore_errors=True)
 
 

@@ -57,8 +57,8 @@ class Checkpointer:
         self.world.barrier()
 
     def prune(self) -> None:
-        """Delete all but the newest `keep` trainer checkpoints."""
-        for step in self.paths.checkpoint_steps("trainer")[: -self.config.keep]:
+        """Delete trainer checkpoints older than the newest `keep` complete ones (both parts written)."""
+        for step in self.paths.prunable_checkpoint_steps("trainer", self.config.keep):
             shutil.rmtree(self.directory(step), ignore_errors=True)
             _remove_if_empty(self.paths.checkpoint(step))
 
