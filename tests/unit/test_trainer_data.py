@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rl.protocol import Sample
+from rl.trainer.config import TrainerConfig
 from rl.trainer.data import build_micro_batches, empty_micro_batch, pack_rows, trained_tokens, truncate
 from rl.trainer.model import forward_logprobs, token_logprobs
 
@@ -23,7 +24,7 @@ def test_pack_rows_first_fit_longest_first():
 
 def test_packed_row_layout():
     a, b = sample([5, 6, 7], prompt=1, advantage=2.0), sample([8, 9, 10, 11], prompt=2, advantage=-1.0)
-    (mb,) = build_micro_batches([a, b], [0.5, 0.25], seq_len=8, micro_batch_size=1, packing=True, pad_id=0)
+    (mb,) = build_micro_batches([a, b], [0.5, 0.25], row_tokens=8, micro_batch_size=1, packing=True, pad_id=0)
     assert mb.attention_mask is None
     assert mb.input_ids.tolist() == [[8, 9, 10, 11, 5, 6, 7]]  # longest first
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
@@ -34,7 +35,7 @@ def test_packed_row_layout():
 
 def test_padding_fallback_and_empty_micro_batch():
     a, b = sample([5, 6, 7], prompt=1), sample([8, 9], prompt=1)
-    (mb,) = build_micro_batches([a, b], [1.0, 1.0], seq_len=8, micro_batch_size=2, packing=False, pad_id=0)
+    (mb,) = build_micro_batches([a, b], [1.0, 1.0], row_tokens=8, micro_batch_size=2, packing=False, pad_id=0)
     assert mb.input_ids.tolist() == [[5, 6, 7], [8, 9, 0]]
     assert mb.attention_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
     assert mb.loss_mask.tolist() == [[False, True, True], [False, True, False]]
@@ -53,7 +54,7 @@ def test_truncation_and_trained_tokens():
 def test_packed_forward_matches_separate_forwards(tiny_model, attention):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation=attention)
     samples = [sample([5, 6, 7, 8, 9, 10], 2), sample([11, 12, 13], 1), sample([14, 15, 16, 17], 1)]
-    (packed,) = build_micro_batches(samples, [1.0] * 3, seq_len=16, micro_batch_size=1, packing=True, pad_id=0)
+    (packed,) = build_micro_batches(samples, [1.0] * 3, row_tokens=16, micro_batch_size=1, packing=True, pad_id=0)
     with torch.no_grad():
         packed_lp, _ = forward_logprobs(model, packed)  # [1, 13]
         order = sorted(samples, key=lambda s: -len(s.input_ids))
@@ -71,7 +72,7 @@ def test_packed_forward_matches_separate_forwards(tiny_model, attention):
 def test_logprobs_follow_the_sampling_temperature(tiny_model):
     """vLLM reports logprobs of logits / T; the trainer's must be of the same distribution."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    (mb,) = build_micro_batches([sample([5, 6, 7, 8, 9], 2)], [1.0], seq_len=16, micro_batch_size=1, packing=True,
+    (mb,) = build_micro_batches([sample([5, 6, 7, 8, 9], 2)], [1.0], row_tokens=16, micro_batch_size=1, packing=True,
                                 pad_id=0)
     with torch.no_grad():
         logits = model(input_ids=mb.input_ids).logits
@@ -80,3 +81,17 @@ def test_logprobs_follow_the_sampling_temperature(tiny_model):
     expected = torch.log_softmax(logits[0, :-1] / 0.5, -1).gather(-1, mb.input_ids[0, 1:, None]).squeeze(-1)
     assert torch.allclose(tempered[0, 1:], expected, atol=1e-5)
     assert not torch.allclose(plain[0, 1:], expected, atol=1e-3)
+
+
+def test_micro_batch_tokens_packs_more_samples_per_pass():
+    samples = [sample([5] * 6, 2) for _ in range(8)]
+    by_seq_len = build_micro_batches(samples, [1.0] * 8, row_tokens=12, micro_batch_size=1, packing=True, pad_id=0)
+    by_tokens = build_micro_batches(samples, [1.0] * 8, row_tokens=48, micro_batch_size=1, packing=True, pad_id=0)
+    assert [mb.input_ids.shape[1] for mb in by_seq_len] == [12] * 4
+    assert [mb.input_ids.shape[1] for mb in by_tokens] == [48]
+
+
+def test_micro_batch_tokens_holds_at_least_one_longest_sample():
+    assert TrainerConfig(seq_len=128, micro_batch_tokens=64).row_tokens == 128
+    assert TrainerConfig(seq_len=128).row_tokens == 128
+    assert TrainerConfig(seq_len=128, micro_batch_tokens=1024).row_tokens == 1024

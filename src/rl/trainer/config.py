@@ -96,6 +96,12 @@ class TrainerConfig(Settings):
     max_steps: Annotated[int, Field(ge=1, description="train until this many optimizer steps are done")] = 10
     seq_len: Annotated[int, Field(ge=16, description="longest sample (prompt + completion) in tokens")] = 2048
     micro_batch_size: Annotated[int, Field(ge=1, description="padding only: samples per forward/backward pass")] = 8
+    micro_batch_tokens: Annotated[
+        int | None,
+        Field(ge=16, description="packing: tokens per forward/backward pass, several samples in one row; raised to "
+                                 "seq_len if smaller (a sample must fit); unset: seq_len. Fewer, larger passes "
+                                 "amortise per-pass costs (FSDP gathers, Python) when samples are short"),
+    ] = None
     packing: Annotated[
         bool,
         Field(description="pack samples into rows of at most seq_len tokens (no cross-sample attention); else pad"),
@@ -134,6 +140,12 @@ class TrainerConfig(Settings):
         if self.dtype == "bfloat16" and not _cuda_available():
             raise ValueError("trainer.dtype = 'bfloat16' needs a GPU; use 'float32' on CPU hosts")
         return self
+
+    @property
+    def row_tokens(self) -> int:
+        """Capacity of one packed micro-batch. Not validated against seq_len: `rl` fills seq_len after
+        the process configs are parsed."""
+        return max(self.micro_batch_tokens or 0, self.seq_len)
 
 
 def _cuda_available() -> bool:

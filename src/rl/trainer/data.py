@@ -1,8 +1,8 @@
 """Turn a rank's samples into micro-batches the model can consume.
 
-Packing (default): samples are placed first-fit, longest first, into rows of at most `seq_len` tokens;
-one row is one micro-batch `[1, T]`. Position ids restart at 0 for every sample and no attention mask is
-passed, so transformers detects the packed samples from the position ids and builds a block-diagonal
+Packing (default): samples are placed first-fit, longest first, into rows of at most `row_tokens` tokens
+(`micro_batch_tokens`, or `seq_len`); one row is one micro-batch `[1, T]`. Position ids restart at 0 for
+every sample and no attention mask is passed, so transformers detects the packed samples from the position ids and builds a block-diagonal
 causal mask (no attention across samples) for sdpa and eager attention alike.
 
 Padding (fallback, `packing = false`): `micro_batch_size` samples per micro-batch, right-padded to the
@@ -64,15 +64,15 @@ def sample_tensors(sample: Sample, weight: float) -> dict[str, torch.Tensor]:
     }
 
 
-def pack_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
-    """Indices of the samples in each row: first fit, longest first; every length must be <= seq_len."""
+def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """Indices of the samples in each row: first fit, longest first; every length must be <= row_tokens."""
     rows: list[list[int]] = []
     free: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         row = next((r for r, space in enumerate(free) if space >= lengths[i]), None)
         if row is None:
             rows.append([])
-            free.append(seq_len)
+            free.append(row_tokens)
             row = len(rows) - 1
         rows[row].append(i)
         free[row] -= lengths[i]
@@ -109,11 +109,11 @@ def empty_micro_batch(pad_id: int, packing: bool) -> MicroBatch:
 
 
 def build_micro_batches(
-    samples: list[Sample], weights: list[float], seq_len: int, micro_batch_size: int, packing: bool, pad_id: int
+    samples: list[Sample], weights: list[float], row_tokens: int, micro_batch_size: int, packing: bool, pad_id: int
 ) -> list[MicroBatch]:
-    """Samples must already be truncated to seq_len."""
+    """Samples must already be truncated to at most row_tokens (seq_len)."""
     if packing:
-        rows = pack_rows([len(s.input_ids) for s in samples], seq_len)
+        rows = pack_rows([len(s.input_ids) for s in samples], row_tokens)
         return [packed_micro_batch([samples[i] for i in r], [weights[i] for i in r]) for r in rows]
     starts = range(0, len(samples), micro_batch_size)
     return [

@@ -21,7 +21,7 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     samples = [truncate(s, config.seq_len) for s in samples]
     totals = step_totals(samples, world)
     weights = [sample_weight(config.loss.norm, trained_tokens(s), totals, config.seq_len) for s in samples]
-    batches = build_micro_batches(samples, weights, config.seq_len, config.micro_batch_size, config.packing, pad_id)
+    batches = build_micro_batches(samples, weights, config.row_tokens, config.micro_batch_size, config.packing, pad_id)
     count, = world.all_reduce([len(batches)], op="max")  # FSDP collectives must match across ranks
     batches += [empty_micro_batch(pad_id, config.packing)] * (int(count) - len(batches))
     sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)

