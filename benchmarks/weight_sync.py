@@ -57,24 +57,30 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
     config, tokenizer = AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
     base = load_file(str(model_dir / "model.safetensors"))
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}.log", timeout_s=900)
-    totals, bounds = [], []
+    totals, bounds, parts = [], [], []
     try:
         for step in range(1, repeats + 1):
             state = perturbed(base, step)
             start = time.perf_counter()
             publish_weights(paths, step, state, config, tokenizer)
+            published = time.perf_counter()
             response = server.admin("POST", "/update_weights", json={"step": step, "path": str(paths.weights(step))})
             totals.append(time.perf_counter() - start)
             if response.status_code != 200:
                 raise RuntimeError(f"{name}: update to step {step} failed: {response.status_code} {response.text}")
             reload_s = response.json()["reload_s"]
+            served = response.json()
+            parts.append({"publish": published - start, "reload": reload_s, "verify": served.get("verify_s", 0.0),
+                          "request_rest": totals[-1] - (published - start) - reload_s - served.get("verify_s", 0.0)})
             write_start = time.perf_counter()
             save_file(state, str(root / f"bound_{name}.safetensors"))
             bounds.append(time.perf_counter() - write_start + reload_s)
     finally:
         server.stop()
     total, bound = statistics.median(totals), statistics.median(bounds)
-    return {"model": name, "params": params, "publish_to_served_s": total, "lower_bound_s": bound, "ratio": total / bound}
+    breakdown = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    return {"model": name, "params": params, "publish_to_served_s": total, "lower_bound_s": bound,
+            "ratio": total / bound, "breakdown": breakdown}
 
 
 async def generation_tokens_per_s(server: Server, prompts: int = 64, max_tokens: int = 64) -> float:
@@ -109,6 +115,8 @@ def main() -> None:
                 f"  {r['model']:>5} ({r['params'] / 1e6:.1f}M params): publish-to-served {r['publish_to_served_s']:.3f}s, "
                 f"lower bound (write + reload) {r['lower_bound_s']:.3f}s, ratio {r['ratio']:.2f}x (target <= 1.5x)"
             )
+            print("        " + ", ".join(f"{k} {v:.3f}s" for k, v in r["breakdown"].items())
+                  + "  (publish: write + CRC + STABLE; request_rest: file CRC check, HTTP, pause/resume)")
         server = Server(root / "tiny", root / "run_tiny" / "weights", root / "inference_gen.log")
         try:
             rate = asyncio.run(generation_tokens_per_s(server))
