@@ -95,6 +95,16 @@ class RunPaths:
         oldest_kept = complete[-keep]
         return [s for s in self.checkpoint_steps(part) if s < oldest_kept]
 
+    def prune_checkpoint_parts(self, part: str, keep: int) -> None:
+        """Delete this process's parts that `prunable_checkpoint_steps` allows, and each step directory
+        once the other process's part is gone from it too."""
+        for step in self.prunable_checkpoint_steps(part, keep):
+            shutil.rmtree(self.checkpoint(step) / part, ignore_errors=True)
+            try:
+                self.checkpoint(step).rmdir()
+            except OSError:
+                pass  # the other part is still there; its owner removes the directory
+
 
 # ---------------------------------------------------------------------------------------------------
 # Atomic writes and STABLE markers

@@ -51,6 +51,19 @@ def test_pruning_keeps_complete_checkpoints_when_the_orchestrator_is_ahead(tmp_p
     assert paths.prunable_checkpoint_steps("trainer", keep=2) == [1]
 
 
+def test_pruning_both_parts_removes_the_step_directory_whoever_prunes_last(tmp_path):
+    for last in ("trainer", "orchestrator"):
+        paths = RunPaths(tmp_path / last)
+        for step in (1, 2, 3):
+            make_checkpoint(paths, step)
+        first = "orchestrator" if last == "trainer" else "trainer"
+        paths.prune_checkpoint_parts(first, keep=2)
+        assert (paths.checkpoint(1) / last).is_dir() and not (paths.checkpoint(1) / first).exists()
+        paths.prune_checkpoint_parts(last, keep=2)
+        assert not paths.checkpoint(1).exists()
+        assert paths.complete_checkpoints() == [2, 3]
+
+
 def test_a_damaged_checkpoint_is_never_resumed_from(tmp_path, capsys):
     paths = RunPaths(tmp_path)
     make_checkpoint(paths, 2)

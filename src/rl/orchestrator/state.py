@@ -4,7 +4,6 @@ policy step and each environment's sampler position after batch k - 1 was writte
 from __future__ import annotations
 
 import json
-import shutil
 
 from rl.orchestrator.sampler import TaskSampler
 from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable, mark_stable, verify_stable
@@ -16,8 +15,7 @@ def save_state(paths: RunPaths, step: int, policy_step: int, samplers: list[Task
     directory = paths.checkpoint(step) / "orchestrator"
     atomic_write_text(directory / "state.json", json.dumps(state, indent=1) + "\n")
     mark_stable(directory, step=step)
-    for old in paths.prunable_checkpoint_steps("orchestrator", keep):
-        shutil.rmtree(paths.checkpoint(old) / "orchestrator", ignore_errors=True)
+    paths.prune_checkpoint_parts("orchestrator", keep)
 
 
 def load_state(paths: RunPaths, step: int) -> dict:

@@ -58,14 +58,5 @@ class Checkpointer:
 
     def prune(self) -> None:
         """Delete trainer checkpoints older than the newest `keep` complete ones (both parts written)."""
-        for step in self.paths.prunable_checkpoint_steps("trainer", self.config.keep):
-            shutil.rmtree(self.directory(step), ignore_errors=True)
-            _remove_if_empty(self.paths.checkpoint(step))
+        self.paths.prune_checkpoint_parts("trainer", self.config.keep)
 
-
-
-def _remove_if_empty(directory) -> None:
-    try:
-        directory.rmdir()  # the orchestrator's part may still be there; then it stays
-    except OSError:
-        pass
