@@ -141,3 +141,21 @@ def test_seeded_requests_with_long_prompts_under_load(server):
     first, second = asyncio.run(generate_all()), asyncio.run(generate_all())
     assert first == second
     assert server.proc.poll() is None
+
+
+def test_idle_connection_outlives_the_clients_keep_alive(server):
+    """httpx drops an idle pooled connection after 5 s; the server keeps it longer, so it never closes one
+    just as a request is sent on it (the orchestrator got "Connection error" rollouts under CPU load)."""
+    import http.client
+    import time
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    connection.request("GET", "/health")
+    connection.getresponse().read()
+    socket = connection.sock
+    time.sleep(6)
+    connection.request("GET", "/health")  # on a connection the server closed: RemoteDisconnected
+    response = connection.getresponse()
+    response.read()
+    assert response.status == 200 and connection.sock is socket
+    connection.close()

@@ -47,6 +47,7 @@ ADMIN_PATHS = {"/update_weights", "/policy_step"}
 GENERATE_PATH = "/inference/v1/generate"
 GENERATION_PREFIXES = ("/v1/", "/inference/")
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+KEEP_ALIVE_S = 75  # idle keep-alive on the server side; longer than clients' (httpx: 5 s)
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,8 @@ class TokenStringRewrite:
 def add_token_strings(body: bytes) -> bytes:
     """`{"token_id": 343, ...}` -> `{"token": "token_id:343", "token_id": 343, ...}` in every choice."""
     response = json.loads(body)
+    if not isinstance(response, dict):  # vLLM answers `null` to a request whose client went away
+        return body
     for choice in response.get("choices") or []:
         for entry in (choice.get("logprobs") or {}).get("content") or []:
             for item in [entry, *(entry.get("top_logprobs") or [])]:
@@ -352,6 +355,10 @@ def serve(
     if tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size must be 1: weight verification reads unsharded layers")
     cli_env_setup()
+    # Clients (httpx) drop an idle keep-alive connection after 5 s; a server that closes at the same
+    # 5 s can close one just as a request is sent on it ("Connection error" under CPU load). Closing
+    # later than any client leaves the decision to the client.
+    os.environ.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(KEEP_ALIVE_S))
     argv = vllm_argv(model, host, port, dtype, max_model_len, enforce_eager, seed, gpu_memory_utilization,
                      tensor_parallel_size, served_model_name, extra_args)
     args = make_arg_parser(FlexibleArgumentParser(prog="rl.inference.server")).parse_args(argv)
