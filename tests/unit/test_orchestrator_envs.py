@@ -42,3 +42,9 @@ def test_tool_calc_tools_run_in_process():
 def test_bad_environments_fail_at_start_up_naming_the_problem(env_id, args, named):
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
         load_environment(env_id, args)
+
+
+def test_interception_servers_hold_few_rollouts_unless_overridden():
+    assert load_environment("reverse-text", {"num_examples": 2}).env.config.interception.multiplex == 8
+    own = {"interception": {"type": "elastic", "multiplex": 2}}
+    assert load_environment("reverse-text", {"num_examples": 2}, own).env.config.interception.multiplex == 2
