@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shutil
 import time
+from functools import partial
+from typing import Callable
 
 import torch
 from transformers import AutoTokenizer
@@ -14,13 +16,16 @@ from rl.metrics import MetricsLogger, setup_logging
 from rl.protocol import RunPaths, Sample, read_batch, stable_steps, wait_for_stable
 from rl.trainer.checkpoint import Checkpointer
 from rl.trainer.config import TrainerConfig
+from rl.trainer.flops import matmul_params, peak_flops, train_flops
 from rl.trainer.model import load_policy, load_reference
 from rl.trainer.optim import build_optimizer, build_scheduler
 from rl.trainer.step import train_step
 from rl.trainer.weights import gather_full_state_dict, publish_weights
 from rl.trainer.world import World, init_world
 
-LINE_KEYS = ("loss", "reward", "entropy", "clip_frac", "mismatch_kl", "grad_norm", "lr", "tokens_per_s", "step_time_s")
+LINE_KEYS = (
+    "loss", "reward", "entropy", "clip_frac", "mismatch_kl", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s"
+)
 
 
 def wait_for_batch(paths: RunPaths, step: int, config: TrainerConfig, world: World) -> list[Sample]:
@@ -28,11 +33,12 @@ def wait_for_batch(paths: RunPaths, step: int, config: TrainerConfig, world: Wor
     return read_batch(paths, step, world.rank)
 
 
-def batch_stats(samples: list[Sample], step: int, world: World) -> dict:
-    """Reward, staleness and token counts over every rank's samples."""
+def batch_stats(samples: list[Sample], step: int, world: World, model_flops: Callable[[list[int]], float]) -> dict:
+    """Reward, staleness, token counts and model FLOPs over every rank's samples."""
     staleness = [step - s.policy_version for s in samples]
-    n, reward, tokens, stale_sum = world.all_reduce(
-        [len(samples), sum(s.reward for s in samples), sum(len(s.input_ids) for s in samples), sum(staleness)]
+    lengths = [len(s.input_ids) for s in samples]
+    n, reward, tokens, stale_sum, flops = world.all_reduce(
+        [len(samples), sum(s.reward for s in samples), sum(lengths), sum(staleness), model_flops(lengths)]
     )
     stale_max, = world.all_reduce([max(staleness, default=0)], op="max")
     return {
@@ -41,6 +47,7 @@ def batch_stats(samples: list[Sample], step: int, world: World) -> dict:
         "tokens": int(tokens),
         "staleness_mean": stale_sum / max(n, 1),
         "staleness_max": int(stale_max),
+        "flops": flops,
     }
 
 
@@ -66,13 +73,16 @@ def prune_run_files(paths: RunPaths, step: int, config: TrainerConfig) -> None:
 
 def timing_stats(stats: dict, wait_s: float, train_s: float, step_s: float, world: World) -> dict:
     peak, = world.all_reduce([world.peak_memory_gib()], op="max")
-    return {
+    timing = {
         "wait_s": wait_s,
         "train_s": train_s,
         "step_time_s": step_s,
         "tokens_per_s": stats["tokens"] / train_s,
         "peak_mem_gib": peak,
     }
+    if (device_peak := peak_flops(world.device)) is not None:  # GPUs with a known peak only
+        timing["mfu"] = stats["flops"] / (train_s * device_peak * world.world_size)
+    return timing
 
 
 def main() -> None:
@@ -83,6 +93,9 @@ def main() -> None:
     torch.manual_seed(config.seed)
     policy, reference = load_policy(config, world), load_reference(config, world)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
+    model_flops = partial(
+        train_flops, matmul_params(policy), policy.config.num_hidden_layers, policy.config.hidden_size
+    )
     optimizer = build_optimizer(policy, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, config.max_steps)
     checkpointer = Checkpointer(paths, config.ckpt, world)
@@ -99,7 +112,7 @@ def main() -> None:
         samples = wait_for_batch(paths, step, config, world)
         start = time.perf_counter()
         stats = train_step(policy, reference, optimizer, scheduler, samples, config, world, tokenizer.pad_token_id)
-        stats |= batch_stats(samples, step, world)
+        stats |= batch_stats(samples, step, world, model_flops)
         train_s = time.perf_counter() - start
         publish(policy, paths, step + 1, tokenizer, world)
         stats |= timing_stats(stats, start - wait_start, train_s, time.perf_counter() - start, world)

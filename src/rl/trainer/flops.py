@@ -1,0 +1,37 @@
+"""Model FLOPs of a training step, for model FLOPs utilisation (MFU).
+
+For a decoder with N matmul parameters (every parameter except the input embedding, plus the output head),
+L layers and hidden size d, a sample of T tokens costs, forward and backward (PaLM appendix B):
+
+    6 N T              the weight matmuls (2 N T forward, 4 N T backward)
+    12 L d T^2         attention scores and values over the sample (causal masking not discounted)
+
+Activation recomputation is not counted (model FLOPs, not hardware FLOPs). MFU = FLOPs / (seconds * peak).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Dense bf16 tensor-core peak per GPU, FLOP/s (vendor data sheets, SXM parts).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """N above: parameters that take part in matmuls (a tied head counts once, as the head)."""
+    total = sum(p.numel() for p in model.parameters())  # unique parameters; global sizes for FSDP's DTensors
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return total - embedding.numel() + (head.numel() if head is embedding else 0)
+
+
+def train_flops(n_params: int, layers: int, hidden: int, lengths: list[int]) -> float:
+    """Forward and backward FLOPs of samples with these token counts."""
+    return sum(6 * n_params * t + 12 * layers * hidden * t * t for t in lengths)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None where unknown (CPUs, GPUs not in the table)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)

@@ -1,0 +1,27 @@
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from rl.trainer.flops import matmul_params, peak_flops, train_flops
+
+
+def test_train_flops_by_hand():
+    # N = 10, L = 2, d = 4: a 3-token sample costs 6*10*3 + 12*2*4*3^2 = 180 + 864; a 1-token one 60 + 96
+    assert train_flops(10, 2, 4, [3]) == 1044
+    assert train_flops(10, 2, 4, [3, 1]) == 1044 + 156
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_matmul_params_count_the_head_once_and_not_the_embedding_lookup(tied):
+    config = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=tied)
+    model = Qwen3ForCausalLM(config)
+    unique = sum(p.numel() for p in model.parameters())
+    embedding = 50 * 32
+    assert unique == (embedding if tied else 2 * embedding) + sum(p.numel() for p in model.model.layers.parameters()) + 32
+    # the head's matmul counts (tied or not), the embedding lookup does not
+    assert matmul_params(model) == sum(p.numel() for p in model.model.layers.parameters()) + 32 + embedding
+
+
+def test_no_peak_on_cpu():
+    assert peak_flops(torch.device("cpu")) is None
