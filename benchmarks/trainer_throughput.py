@@ -6,6 +6,8 @@ The plain loop is the floor the trainer's machinery (FSDP, micro-batch planning,
 close to: it runs the same packed micro-batches through an unsharded model with the same loss and AdamW.
 The trainer runs under torchrun at world size 1 and 2 on fake batches written through rl.protocol; its
 tokens/s (metrics.jsonl, forward/backward/optimizer time only) is averaged over steps after the first.
+The three run in turn for several rounds, and each step counts with its best time over the rounds: on a
+shared machine the same step varies by 15% or more from one run to the next.
 """
 
 from __future__ import annotations
@@ -46,12 +48,16 @@ def fake_samples(step: int, n: int, seq_len: int) -> list[Sample]:
     return samples
 
 
-def plain_loop(model_dir: str, steps: int, samples_per_step: int, seq_len: int) -> float:
-    """Tokens/s of an unsharded model on the same packed micro-batches (steps after the first)."""
+def step_tokens(steps: int, samples_per_step: int, seq_len: int) -> list[int]:
+    return [sum(len(s.input_ids) for s in fake_samples(step, samples_per_step, seq_len)) for step in range(steps)]
+
+
+def plain_loop(model_dir: str, steps: int, samples_per_step: int, seq_len: int) -> list[float]:
+    """Seconds per step of an unsharded model on the same packed micro-batches."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    tokens, seconds = 0, 0.0
+    seconds = []
     for step in range(steps):
         samples = fake_samples(step, samples_per_step, seq_len)
         n_tokens = sum(trained_tokens(s) for s in samples)
@@ -64,13 +70,12 @@ def plain_loop(model_dir: str, steps: int, samples_per_step: int, seq_len: int) 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step > 0:
-            seconds += time.perf_counter() - start
-            tokens += sum(len(s.input_ids) for s in samples)
-    return tokens / seconds
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
-def trainer_run(model_dir: str, steps: int, samples_per_step: int, seq_len: int, ranks: int) -> float:
+def trainer_run(model_dir: str, steps: int, samples_per_step: int, seq_len: int, ranks: int) -> list[float]:
+    """Seconds per step of the trainer (its train_s: forward/backward/optimizer, no waiting or publishing)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         for step in range(steps):
@@ -83,8 +88,14 @@ def trainer_run(model_dir: str, steps: int, samples_per_step: int, seq_len: int,
                str(port), "-m", "rl.trainer.main", "--model.name", model_dir, "--output-dir", str(out),
                "--max-steps", str(steps), "--seq-len", str(seq_len), "--optim.lr", "1e-5"]
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)  # inherits OMP_NUM_THREADS=1
-        rows = [m for m in read_metrics(RunPaths(out)) if m["process"] == "trainer" and m["step"] > 0]
-        return sum(m["tokens"] for m in rows) / sum(m["train_s"] for m in rows)
+        rows = sorted((m for m in read_metrics(RunPaths(out)) if m["process"] == "trainer"), key=lambda m: m["step"])
+        return [m["train_s"] for m in rows]
+
+
+def tokens_per_s(rounds: list[list[float]], tokens: list[int]) -> float:
+    """Each step's best time over the rounds (steps after the first, which warms up)."""
+    best = [min(times) for times in zip(*rounds)]
+    return sum(tokens[1:]) / sum(best[1:])
 
 
 def main() -> None:
@@ -93,13 +104,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--samples", type=int, default=32, help="samples per step (all ranks)")
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of plain loop, 1 rank, 2 ranks in turn")
     args = parser.parse_args()
-    plain = plain_loop(args.model, args.steps, args.samples, args.seq_len)
-    one = trainer_run(args.model, args.steps, args.samples, args.seq_len, 1)
-    two = trainer_run(args.model, args.steps, args.samples, args.seq_len, 2)
-    print(f"plain loop        {plain:10.0f} tokens/s")
-    print(f"trainer, 1 rank   {one:10.0f} tokens/s   ratio to plain {one / plain:.2f} (target >= 0.9)")
-    print(f"trainer, 2 ranks  {two:10.0f} tokens/s   ratio to 1 rank {two / one:.2f}")
+    shape = (args.model, args.steps, args.samples, args.seq_len)
+    tokens = step_tokens(args.steps, args.samples, args.seq_len)
+    plain, one, two = [], [], []
+    for r in range(args.rounds):  # in turn, so that a busy moment of the machine can hit every contender
+        plain.append(plain_loop(*shape))
+        one.append(trainer_run(*shape, 1))
+        two.append(trainer_run(*shape, 2))
+        print(f"round {r}: " + "  ".join(
+            f"{name} {tokens_per_s([times[-1]], tokens):6.0f}" for name, times in (("plain", plain), ("1 rank", one),
+                                                                                 ("2 ranks", two))
+        ) + " tokens/s", flush=True)
+    plain_tps, one_tps, two_tps = (tokens_per_s(times, tokens) for times in (plain, one, two))
+    print(f"best of {args.rounds} rounds per step:")
+    print(f"plain loop        {plain_tps:10.0f} tokens/s")
+    print(f"trainer, 1 rank   {one_tps:10.0f} tokens/s   ratio to plain {one_tps / plain_tps:.2f} (target >= 0.9)")
+    print(f"trainer, 2 ranks  {two_tps:10.0f} tokens/s   ratio to 1 rank {two_tps / one_tps:.2f}")
 
 
 if __name__ == "__main__":
