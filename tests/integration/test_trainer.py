@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from rl.protocol import RunPaths, Sample, read_metrics, write_batch
+from rl.trainer.flops import matmul_params, train_flops
 from tests.conftest import ROOT
 from tests.integration.launched import free_port
 
@@ -70,16 +72,24 @@ def test_two_ranks_train_like_one(tiny_model, tmp_path):
         assert torch.allclose(t, w2[name], atol=1e-6, rtol=0), name
     moved = max((w1[n] - base[n]).abs().max().item() for n in base)
     assert moved > 1e-4, "the step did not move the weights: the comparison above proves nothing"
+    # model FLOPs counted on the sharded model (tied head once, no embedding lookup) as on the unsharded one
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    expected = train_flops(matmul_params(model), model.config.num_hidden_layers, model.config.hidden_size,
+                           [len(s.input_ids) for s in fake_samples(0)])
+    for out in (one, two):
+        assert next(m["flops"] for m in read_metrics(RunPaths(out)) if m["process"] == "trainer") == expected
 
 
-def test_resume_from_checkpoint_is_bit_exact(tiny_model, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])  # one rank keeps the model as one FSDP group (trainer/model.py)
+def test_resume_from_checkpoint_is_bit_exact(tiny_model, tmp_path, ranks):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    # seq_len 48 with 8 samples of up to 30 tokens: several micro-batches per step, so gradients accumulate
     schedule = ("--optim.schedule", "cosine", "--optim.warmup-steps", "1", "--ckpt.interval", "2")
-    write_batches(straight, range(4), ranks=2)
-    train(tiny_model, straight, 2, 4, *schedule)
-    write_batches(resumed, range(2, 4), ranks=2)
+    write_batches(straight, range(4), ranks=ranks)
+    train(tiny_model, straight, ranks, 4, *schedule)
+    write_batches(resumed, range(2, 4), ranks=ranks)
     shutil.copytree(RunPaths(straight).checkpoint(2), RunPaths(resumed).checkpoint(2))
-    train(tiny_model, resumed, 2, 4, *schedule, "--resume-step", "2")
+    train(tiny_model, resumed, ranks, 4, *schedule, "--resume-step", "2")
     expected, got = losses(straight), losses(resumed)
     assert sorted(got) == [2, 3]
     assert [got[2], got[3]] == [expected[2], expected[3]]

@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from rl.protocol import Sample
 from rl.trainer.config import TrainerConfig
-from rl.trainer.data import build_micro_batches, empty_micro_batch, pack_rows, trained_tokens, truncate
-from rl.trainer.model import forward_logprobs, token_logprobs
+from rl.trainer.data import build_micro_batches, empty_micro_batch, pack_rows, packed_micro_batch, trained_tokens, truncate
+from rl.trainer.model import forward_logprobs, prepare_for_training, token_logprobs
 
 
 def sample(ids: list[int], prompt: int, advantage: float = 1.0) -> Sample:
@@ -50,16 +50,19 @@ def test_truncation_and_trained_tokens():
     assert s.input_ids == [1, 2, 3, 4] and trained_tokens(s) == 2
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", pytest.param("flex_attention", marks=pytest.mark.gpu)])
 def test_packed_forward_matches_separate_forwards(tiny_model, attention):
+    device = torch.device("cuda" if attention == "flex_attention" else "cpu")
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation=attention)
+    model.to(device)
     samples = [sample([5, 6, 7, 8, 9, 10], 2), sample([11, 12, 13], 1), sample([14, 15, 16, 17], 1)]
     (packed,) = build_micro_batches(samples, [1.0] * 3, row_tokens=16, micro_batch_size=1, packing=True, pad_id=0)
+    packed = packed.to(device)
     with torch.no_grad():
         packed_lp, _ = forward_logprobs(model, packed)  # [1, 13]
         order = sorted(samples, key=lambda s: -len(s.input_ids))
-        separate = [token_logprobs(model(input_ids=torch.tensor([s.input_ids])).logits, torch.tensor([s.input_ids]))[0]
-                    for s in order]
+        ids = [torch.tensor([s.input_ids], device=device) for s in order]
+        separate = [token_logprobs(model(input_ids=i).logits, i)[0] for i in ids]
     expected = torch.cat(separate, 1)  # [1, 13]
     mask = packed.loss_mask
     assert torch.allclose(packed_lp[mask], expected[mask], atol=1e-5)
@@ -95,3 +98,16 @@ def test_micro_batch_tokens_holds_at_least_one_longest_sample():
     assert TrainerConfig(seq_len=128, micro_batch_tokens=64).row_tokens == 128
     assert TrainerConfig(seq_len=128).row_tokens == 128
     assert TrainerConfig(seq_len=128, micro_batch_tokens=1024).row_tokens == 1024
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_checkpointing_recomputes_blocks_in_backward(tiny_model, checkpointing):
+    model = prepare_for_training(AutoModelForCausalLM.from_pretrained(tiny_model), checkpointing)
+    assert model.training  # from_pretrained gives eval mode, where transformers never recomputes
+    calls = []
+    # a pre-hook: recomputation stops as soon as the last saved tensor is back, before forward hooks
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    mb = packed_micro_batch([Sample(list(range(4, 20)), [1] * 16, [0.0] * 16, 1.0, 0.0, 0)], [1.0])
+    logprobs, _ = forward_logprobs(model, mb)
+    logprobs.sum().backward()
+    assert len(calls) == (2 if checkpointing else 1)

@@ -113,6 +113,11 @@ class TrainerConfig(Settings):
     activation_checkpointing: Annotated[
         bool, Field(description="recompute each transformer block's activations in backward (saves memory)")
     ] = False
+    attn_implementation: Annotated[
+        Literal["sdpa", "eager", "flex_attention"],
+        Field(description="transformers attention kernel; with packing, sdpa and eager compute every pair of a "
+                          "row's tokens under a block-diagonal mask, flex_attention skips the empty blocks (GPU)"),
+    ] = "sdpa"
     temperature: Annotated[
         float, Field(gt=0, description="sampling temperature of the rollouts (set by rl from the orchestrator's)")
     ] = 1.0

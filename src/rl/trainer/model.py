@@ -14,33 +14,51 @@ from rl.trainer.world import World
 
 
 def load_policy(config: TrainerConfig, world: World) -> torch.nn.Module:
-    return load_model(config.model.name, config.dtype, world, config.activation_checkpointing)
+    model = load_model(config.model.name, config.dtype, world, config.attn_implementation, policy=True)
+    return prepare_for_training(model, config.activation_checkpointing)
+
+
+def prepare_for_training(model: torch.nn.Module, activation_checkpointing: bool) -> torch.nn.Module:
+    """Training mode (from_pretrained returns eval mode, and transformers recomputes activations only in
+    training mode), optionally recomputing each block's activations in backward instead of keeping them."""
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
 
 
 def load_reference(config: TrainerConfig, world: World) -> torch.nn.Module | None:
     """The base model, frozen and sharded like the policy; only when the KL penalty is on."""
     if config.loss.beta == 0:
         return None
-    model = load_model(config.model.name, config.dtype, world)
+    model = load_model(config.model.name, config.dtype, world, config.attn_implementation)
     return model.requires_grad_(False).eval()
 
 
-def load_model(name: str, dtype: str, world: World, activation_checkpointing: bool = False) -> torch.nn.Module:
+def load_model(
+    name: str, dtype: str, world: World, attn_implementation: str = "sdpa", policy: bool = False
+) -> torch.nn.Module:
     """A Hugging Face causal LM with fp32 parameters, sharded over the world."""
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(world.device)
-    if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    shard(model, world, dtype)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation=attn_implementation)
+    model.to(world.device)
+    shard(model, world, dtype, whole=policy and world.world_size == 1)
     return model
 
 
-def shard(model: torch.nn.Module, world: World, dtype: str) -> None:
+def shard(model: torch.nn.Module, world: World, dtype: str, whole: bool) -> None:
     """fully_shard every transformer block, then the root; parameters stay fp32 (master weights) and the
-    world decides whether computation runs in bf16 with fp32 gradient reduction."""
-    policy = world.mixed_precision(dtype)
+    world decides whether computation runs in bf16 with fp32 gradient reduction.
+
+    `whole`: the policy on one rank. Per-block groups pay off by gathering one block at a time (memory) and
+    overlapping communication with compute; one rank has neither, only each group's hooks on every pass.
+    So the model is one group that stays gathered through the step (trainer/step.py reshards it after the
+    step's last backward)."""
+    mp_policy = world.mixed_precision(dtype)
+    if whole:
+        fully_shard(model, mesh=world.mesh, mp_policy=mp_policy, reshard_after_forward=False)
+        return
     for block in model.model.layers:
-        fully_shard(block, mesh=world.mesh, mp_policy=policy)
-    fully_shard(model, mesh=world.mesh, mp_policy=policy)
+        fully_shard(block, mesh=world.mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=world.mesh, mp_policy=mp_policy)
 
 
 def forward_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from rl.config import EnvConfig, ModelConfig, Settings, run_cli
 from rl.metrics import setup_logging
 from rl.protocol import Sample
 from rl.trainer.data import build_micro_batches, empty_micro_batch, trained_tokens, truncate
-from rl.trainer.model import forward_logprobs, load_model
+from rl.trainer.model import forward_logprobs, load_model, prepare_for_training
 from rl.trainer.config import OptimConfig
 from rl.trainer.optim import build_optimizer, build_scheduler, clip_gradients
 from rl.trainer.weights import gather_full_state_dict, save_hf_dir
@@ -117,7 +117,7 @@ def main() -> None:
     logger = setup_logging("sft")
     world = init_world()
     torch.manual_seed(config.seed)
-    model = load_model(config.model.name, config.dtype, world)
+    model = prepare_for_training(load_model(config.model.name, config.dtype, world), activation_checkpointing=False)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     examples = build_examples(config, tokenizer)
     optimizer = build_optimizer(model, optim_config(config))

@@ -26,7 +26,8 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     batches += [empty_micro_batch(pad_id, config.packing)] * (int(count) - len(batches))
     sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
     for i, mb in enumerate(batches):
-        set_gradient_sync(policy, world, last=i == len(batches) - 1)
+        if i in (0, len(batches) - 1):  # the setting changes only there; each call walks every module
+            set_gradient_sync(policy, world, last=i == len(batches) - 1)
         sums += forward_backward(policy, reference, mb.to(world.device), config, world)
     lr = scheduler.get_last_lr()[0]
     grad_norm = clip_gradients(policy, config.optim.max_grad_norm)
@@ -44,9 +45,12 @@ def step_totals(samples: list[Sample], world: World) -> StepTotals:
 
 
 def set_gradient_sync(policy, world: World, last: bool) -> None:
-    """Reduce gradients after every micro-batch (sharded accumulation, least memory), except with one rank:
-    there the unsharded gradient is no larger than the sharded one, so it is reduced once per step."""
-    policy.set_requires_gradient_sync(last or world.world_size > 1)
+    """Reduce gradients and reshard parameters after every micro-batch (sharded accumulation, least memory),
+    except with one rank: there unsharded gradients and parameters take no more memory than sharded ones,
+    so both stay unsharded until the step's last backward."""
+    sync = last or world.world_size > 1
+    policy.set_requires_gradient_sync(sync)
+    policy.set_reshard_after_backward(sync)
 
 
 def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, world: World) -> torch.Tensor:
