@@ -118,6 +118,11 @@ class TrainerConfig(Settings):
         Field(description="transformers attention kernel; with packing, sdpa and eager compute every pair of a "
                           "row's tokens under a block-diagonal mask, flex_attention skips the empty blocks (GPU)"),
     ] = "sdpa"
+    publish_in_background: Annotated[
+        bool,
+        Field(description="write weights/step_k/ in a writer thread while the next step trains (rank 0 holds one "
+                          "more copy of the weights); the directory still appears only once complete"),
+    ] = False
     temperature: Annotated[
         float, Field(gt=0, description="sampling temperature of the rollouts (set by rl from the orchestrator's)")
     ] = 1.0

@@ -20,7 +20,7 @@ from rl.trainer.flops import matmul_params, peak_flops, train_flops
 from rl.trainer.model import load_policy, load_reference
 from rl.trainer.optim import build_optimizer, build_scheduler
 from rl.trainer.step import train_step
-from rl.trainer.weights import gather_full_state_dict, publish_weights
+from rl.trainer.weights import WeightPublisher, gather_full_state_dict
 from rl.trainer.world import World, init_world
 
 LINE_KEYS = (
@@ -51,11 +51,11 @@ def batch_stats(samples: list[Sample], step: int, world: World, model_flops: Cal
     }
 
 
-def publish(model, paths: RunPaths, step: int, tokenizer, world: World) -> None:
-    """Collective: gather the full weights; rank 0 writes weights/step_{step}/."""
+def publish(model, step: int, publisher: WeightPublisher | None) -> None:
+    """Collective: gather the full weights; rank 0 (the one with a publisher) writes weights/step_{step}/."""
     state = gather_full_state_dict(model)
-    if world.is_main:
-        publish_weights(paths, step, state, model.config, tokenizer)
+    if publisher:
+        publisher.publish(step, state)
 
 
 def prune_run_files(paths: RunPaths, step: int, config: TrainerConfig) -> None:
@@ -103,6 +103,9 @@ def main() -> None:
     if config.resume_step is not None:
         checkpointer.load(config.resume_step, policy, optimizer, scheduler)
     metrics = MetricsLogger("trainer", paths, config.wandb, config.model_dump(mode="json"), logger) if world.is_main else None
+    publisher = None
+    if world.is_main:
+        publisher = WeightPublisher(paths, policy.config, tokenizer, config.publish_in_background)
     logger.info(
         f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}); "
         f"steps {first_step}..{config.max_steps - 1}"
@@ -114,14 +117,18 @@ def main() -> None:
         stats = train_step(policy, reference, optimizer, scheduler, samples, config, world, tokenizer.pad_token_id)
         stats |= batch_stats(samples, step, world, model_flops)
         train_s = time.perf_counter() - start
-        publish(policy, paths, step + 1, tokenizer, world)
+        publish(policy, step + 1, publisher)
         stats |= timing_stats(stats, start - wait_start, train_s, time.perf_counter() - start, world)
         if config.ckpt.due(step + 1, config.max_steps):
+            if publisher:
+                publisher.wait()  # a resume serves the checkpointed step's weights: they must be on disk
             checkpointer.save(step + 1, policy, optimizer, scheduler)
         if world.is_main:
             prune_run_files(paths, step, config)
         if metrics:
             metrics.log(step, stats, LINE_KEYS)
+    if publisher:
+        publisher.close()
     if metrics:
         metrics.close()
     world.close()

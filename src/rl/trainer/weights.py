@@ -1,11 +1,14 @@
 """Publish the trainer's weights as weights/step_k/ in Hugging Face layout.
 
 The full state dict is gathered from the FSDP shards; rank 0 writes safetensors, config and tokenizer
-into a temporary directory, renames it into place and marks it STABLE. `lm_head.weight` is always
+into a temporary directory, renames it into place and marks it STABLE, either at once or in a writer
+thread while the next step trains. `lm_head.weight` is always
 written, tied or not: vLLM's in-place reload leaves a tied head unloaded otherwise (install-facts).
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from safetensors.torch import save_file
@@ -40,3 +43,36 @@ def publish_weights(paths: RunPaths, step: int, state_dict: dict, model_config, 
     tmp = temp_path(final)
     save_hf_dir(tmp, state_dict, model_config, tokenizer)
     publish_dir(tmp, final)
+
+
+class WeightPublisher:
+    """Rank 0's writer of weights/step_k/. With `background`, each write runs in one writer thread while the
+    next step trains: at most one write is in flight, on a private copy of the tensors (the optimizer updates
+    the parameters in place), and a failed write is raised by the next publish, by `wait` or by `close`."""
+
+    def __init__(self, paths: RunPaths, model_config, tokenizer, background: bool):
+        self._args = (paths, model_config, tokenizer)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="publish-weights") if background else None
+        self._pending: Future | None = None
+
+    def publish(self, step: int, state_dict: dict[str, torch.Tensor]) -> None:
+        paths, model_config, tokenizer = self._args
+        if self._writer is None:
+            publish_weights(paths, step, state_dict, model_config, tokenizer)
+            return
+        self.wait()
+        private = {name: t.clone() for name, t in state_dict.items()}
+        self._pending = self._writer.submit(publish_weights, paths, step, private, model_config, tokenizer)
+
+    def wait(self) -> None:
+        """Block until the write in flight, if any, is on disk (raises its error)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown()

@@ -1,0 +1,35 @@
+"""Background weight publication: the written weights are those of the step (not of later in-place
+updates), the directory appears only complete, and a failed write is raised."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer
+
+from rl.protocol import RunPaths, verify_stable
+from rl.trainer.weights import WeightPublisher
+
+
+def test_background_write_keeps_the_step_weights_and_appears_complete(tiny_model, tmp_path):
+    paths = RunPaths(tmp_path)
+    publisher = WeightPublisher(paths, AutoConfig.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model),
+                                background=True)
+    weight = torch.ones(64, 64)
+    publisher.publish(1, {"model.embed_tokens.weight": weight})
+    weight.mul_(3)  # the optimizer's next in-place update, while the write may still be running
+    publisher.publish(2, {"model.embed_tokens.weight": weight})  # waits for step 1 first
+    publisher.close()
+    for step, value in ((1, 1.0), (2, 3.0)):
+        verify_stable(paths.weights(step))
+        written = load_file(str(paths.weights(step) / "model.safetensors"))
+        assert torch.equal(written["model.embed_tokens.weight"], torch.full((64, 64), value))
+        assert torch.equal(written["lm_head.weight"], torch.full((64, 64), value))  # tied head written too
+
+
+def test_a_failed_background_write_is_raised(tiny_model, tmp_path):
+    (tmp_path / "weights").write_text("a file where the weights directory belongs")
+    publisher = WeightPublisher(RunPaths(tmp_path), AutoConfig.from_pretrained(tiny_model),
+                                AutoTokenizer.from_pretrained(tiny_model), background=True)
+    publisher.publish(1, {"model.embed_tokens.weight": torch.ones(2, 2)})
+    with pytest.raises(OSError):
+        publisher.close()
