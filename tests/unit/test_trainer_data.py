@@ -7,7 +7,9 @@ from transformers import AutoModelForCausalLM
 
 from rl.protocol import Sample
 from rl.trainer.config import TrainerConfig
-from rl.trainer.data import build_micro_batches, empty_micro_batch, pack_rows, packed_micro_batch, trained_tokens, truncate
+from rl.trainer.data import (
+    build_micro_batches, empty_micro_batch, pack_rows, packed_micro_batch, trained_tokens, truncate,
+)
 from rl.trainer.model import forward_logprobs, prepare_for_training, token_logprobs
 
 

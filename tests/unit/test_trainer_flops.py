@@ -16,11 +16,10 @@ def test_matmul_params_count_the_head_once_and_not_the_embedding_lookup(tied):
     config = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=tied)
     model = Qwen3ForCausalLM(config)
-    unique = sum(p.numel() for p in model.parameters())
-    embedding = 50 * 32
-    assert unique == (embedding if tied else 2 * embedding) + sum(p.numel() for p in model.model.layers.parameters()) + 32
+    embedding, layers = 50 * 32, sum(p.numel() for p in model.model.layers.parameters())
+    assert sum(p.numel() for p in model.parameters()) == (embedding if tied else 2 * embedding) + layers + 32
     # the head's matmul counts (tied or not), the embedding lookup does not
-    assert matmul_params(model) == sum(p.numel() for p in model.model.layers.parameters()) + 32 + embedding
+    assert matmul_params(model) == layers + 32 + embedding
 
 
 def test_no_peak_on_cpu():

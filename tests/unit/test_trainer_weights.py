@@ -10,10 +10,14 @@ from rl.protocol import RunPaths, verify_stable
 from rl.trainer.weights import WeightPublisher
 
 
+def background_publisher(model_dir, paths: RunPaths) -> WeightPublisher:
+    config, tokenizer = AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    return WeightPublisher(paths, config, tokenizer, background=True)
+
+
 def test_background_write_keeps_the_step_weights_and_appears_complete(tiny_model, tmp_path):
     paths = RunPaths(tmp_path)
-    publisher = WeightPublisher(paths, AutoConfig.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model),
-                                background=True)
+    publisher = background_publisher(tiny_model, paths)
     weight = torch.ones(64, 64)
     publisher.publish(1, {"model.embed_tokens.weight": weight})
     weight.mul_(3)  # the optimizer's next in-place update, while the write may still be running
@@ -28,8 +32,7 @@ def test_background_write_keeps_the_step_weights_and_appears_complete(tiny_model
 
 def test_a_failed_background_write_is_raised(tiny_model, tmp_path):
     (tmp_path / "weights").write_text("a file where the weights directory belongs")
-    publisher = WeightPublisher(RunPaths(tmp_path), AutoConfig.from_pretrained(tiny_model),
-                                AutoTokenizer.from_pretrained(tiny_model), background=True)
+    publisher = background_publisher(tiny_model, RunPaths(tmp_path))
     publisher.publish(1, {"model.embed_tokens.weight": torch.ones(2, 2)})
     with pytest.raises(OSError):
         publisher.close()

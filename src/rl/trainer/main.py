@@ -71,7 +71,9 @@ def prune_run_files(paths: RunPaths, step: int, config: TrainerConfig) -> None:
             shutil.rmtree(paths.weights(old), ignore_errors=True)
 
 
-def timing_stats(stats: dict, wait_s: float, train_s: float, step_s: float, world: World) -> dict:
+def timing_stats(
+    stats: dict, wait_s: float, train_s: float, step_s: float, world: World, device_peak: float | None
+) -> dict:
     peak, = world.all_reduce([world.peak_memory_gib()], op="max")
     timing = {
         "wait_s": wait_s,
@@ -80,7 +82,7 @@ def timing_stats(stats: dict, wait_s: float, train_s: float, step_s: float, worl
         "tokens_per_s": stats["tokens"] / train_s,
         "peak_mem_gib": peak,
     }
-    if (device_peak := peak_flops(world.device)) is not None:  # GPUs with a known peak only
+    if device_peak is not None:  # GPUs with a known peak only
         timing["mfu"] = stats["flops"] / (train_s * device_peak * world.world_size)
     return timing
 
@@ -96,6 +98,7 @@ def main() -> None:
     model_flops = partial(
         train_flops, matmul_params(policy), policy.config.num_hidden_layers, policy.config.hidden_size
     )
+    device_peak = peak_flops(world.device)
     optimizer = build_optimizer(policy, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, config.max_steps)
     checkpointer = Checkpointer(paths, config.ckpt, world)
@@ -118,7 +121,7 @@ def main() -> None:
         stats |= batch_stats(samples, step, world, model_flops)
         train_s = time.perf_counter() - start
         publish(policy, step + 1, publisher)
-        stats |= timing_stats(stats, start - wait_start, train_s, time.perf_counter() - start, world)
+        stats |= timing_stats(stats, start - wait_start, train_s, time.perf_counter() - start, world, device_peak)
         if config.ckpt.due(step + 1, config.max_steps):
             if publisher:
                 publisher.wait()  # a resume serves the checkpointed step's weights: they must be on disk

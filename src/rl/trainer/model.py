@@ -14,7 +14,8 @@ from rl.trainer.world import World
 
 
 def load_policy(config: TrainerConfig, world: World) -> torch.nn.Module:
-    model = load_model(config.model.name, config.dtype, world, config.attn_implementation, policy=True)
+    whole = world.world_size == 1  # see shard()
+    model = load_model(config.model.name, config.dtype, world, config.attn_implementation, whole)
     return prepare_for_training(model, config.activation_checkpointing)
 
 
@@ -35,12 +36,12 @@ def load_reference(config: TrainerConfig, world: World) -> torch.nn.Module | Non
 
 
 def load_model(
-    name: str, dtype: str, world: World, attn_implementation: str = "sdpa", policy: bool = False
+    name: str, dtype: str, world: World, attn_implementation: str = "sdpa", whole: bool = False
 ) -> torch.nn.Module:
     """A Hugging Face causal LM with fp32 parameters, sharded over the world."""
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation=attn_implementation)
     model.to(world.device)
-    shard(model, world, dtype, whole=policy and world.world_size == 1)
+    shard(model, world, dtype, whole)
     return model
 
 
