@@ -138,7 +138,7 @@ class CorruptFileError(ValueError):
     """A file of a STABLE directory differs from what its marker recorded."""
 
 
-def file_crc32(path: Path, chunk_bytes: int = 16 << 20) -> int:
+def file_crc32(path: Path, chunk_bytes: int = 1 << 20) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(chunk_bytes):
