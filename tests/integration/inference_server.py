@@ -22,6 +22,7 @@ class Server:
             sys.executable, "-m", "rl.inference.main", "--model.name", str(model), "--port", str(self.port),
             "--weights-dir", str(weights_dir), "--admin-token", token, "--max-model-len", "512",
         ]
+        self.http = httpx.Client(timeout=120)  # one connection kept open, as the orchestrator's client does
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
         self._wait_healthy(timeout_s)
 
@@ -41,7 +42,7 @@ class Server:
 
     def admin(self, method: str, path: str, **kwargs) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.token}"} | kwargs.pop("headers", {})
-        return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=120, **kwargs)
+        return self.http.request(method, f"{self.url}{path}", headers=headers, **kwargs)
 
     def generate(self, token_ids: list[int], max_tokens: int = 8, seed: int = 0, temperature: float = 1.0) -> tuple[list[int], list[float]]:
         body = {
@@ -55,6 +56,7 @@ class Server:
         return choice["token_ids"], [entry["logprob"] for entry in choice["logprobs"]["content"]]
 
     def stop(self) -> None:
+        self.http.close()
         self.proc.terminate()
         try:
             self.proc.wait(30)

@@ -159,3 +159,32 @@ def test_idle_connection_outlives_the_clients_keep_alive(server):
     response.read()
     assert response.status == 200 and connection.sock is socket
     connection.close()
+
+
+def test_update_pauses_a_request_in_flight_which_then_finishes(server, run_dir):
+    """An update waits for nothing when the server is idle; a request already generating is frozen during the
+    reload (vLLM's pause, mode "keep") and then finishes; the in-flight count returns to zero."""
+    import threading
+    import time
+
+    import httpx
+
+    step = perturbed_step(run_dir, 5, seed=5)
+    body = {"model": str(server.model), "token_ids": PROMPTS[0],
+            "sampling_params": {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True, "seed": 0}}
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        response=httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=300)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while server.admin("GET", "/policy_step").json()["requests_in_flight"] == 0:
+        assert thread.is_alive() and time.monotonic() < deadline, "the long request was never seen in flight"
+        time.sleep(0.01)
+    response = server.admin("POST", "/update_weights", json={"step": 5, "path": str(step)})
+    thread.join(300)
+    assert response.status_code == 200 and response.json()["paused_requests"] == 1, response.text
+    assert result["response"].status_code == 200
+    assert len(result["response"].json()["choices"][0]["token_ids"]) == 400
+    assert server.admin("GET", "/policy_step").json() | {"weights_checksum": None} == {
+        "step": 5, "weights_checksum": None, "requests_in_flight": 0}
+    assert max_mismatch(server, step) < TOLERANCE

@@ -36,3 +36,19 @@ def test_a_failed_background_write_is_raised(tiny_model, tmp_path):
     publisher.publish(1, {"model.embed_tokens.weight": torch.ones(2, 2)})
     with pytest.raises(OSError):
         publisher.close()
+
+
+def test_a_published_step_is_a_hugging_face_directory_like_the_model(tiny_model, tmp_path):
+    """Config and tokenizer files are serialized once per run and written into every step."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    paths = RunPaths(tmp_path)
+    publisher = WeightPublisher(paths, AutoConfig.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model),
+                                background=False)
+    for step in (1, 2):
+        publisher.publish(step, {"model.embed_tokens.weight": torch.ones(2, 2)})
+        verify_stable(paths.weights(step))
+        config = lambda path: AutoConfig.from_pretrained(path).to_dict() | {"_name_or_path": None}  # noqa: E731
+        assert config(paths.weights(step)) == config(tiny_model)
+        text = "reverse this text"
+        assert AutoTokenizer.from_pretrained(paths.weights(step))(text) == AutoTokenizer.from_pretrained(tiny_model)(text)

@@ -3,11 +3,12 @@
 `serve()` builds vLLM's argument parser and runs vLLM's `run_server`, adding through vLLM's public
 hooks only:
 
-- `--worker-extension-cls rl.inference.worker.WeightSyncExtension`: in-place reload and
-  verification of weights, reached with `engine_client.collective_rpc`;
+- `--worker-extension-cls rl.inference.worker.WeightSyncExtension`: in-place reload and the
+  fingerprint of the served weights, reached with `engine_client.collective_rpc` (the files'
+  fingerprint is computed here, in the server's process, while the worker reloads);
 - `--middleware rl.inference.server.AdminMiddleware`: an ASGI middleware that answers
-  `POST /update_weights` and `GET /policy_step`, and rewrites the logprobs of
-  `/inference/v1/generate` into the shape verifiers' training client reads;
+  `POST /update_weights` and `GET /policy_step`, holds generation requests during an update, and
+  rewrites the logprobs of `/inference/v1/generate` into the shape verifiers' training client reads;
 - `--enable-scale-out` (vLLM serves `/inference/v1/generate` only with it) and
   `--logprobs-mode processed_logprobs` (logprobs of the distribution actually sampled from, which
   importance ratios at temperature != 1 need).
@@ -17,7 +18,7 @@ hooks only:
 Admin routes (JSON; errors are `{"detail": "..."}` with a 4xx status, or 500 when a reload failed):
 
     POST /update_weights {"step": k, "path": "step_k"}  -> {"step": k, "weights_checksum": "...", ...}
-    GET  /policy_step                                  -> {"step": k, "weights_checksum": "..."}
+    GET  /policy_step                    -> {"step": k, "weights_checksum": "...", "requests_in_flight": n}
 
 They need `Authorization: Bearer <admin_token>` when a token is set, and answer only loopback
 clients when none is.
@@ -33,10 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
+import torch
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from rl.inference.worker import Fingerprint, checkpoint_fingerprint, verified
 from rl.protocol import STABLE, CorruptFileError, verify_stable
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ ADMIN_PATHS = {"/update_weights", "/policy_step"}
 GENERATE_PATH = "/inference/v1/generate"
 GENERATION_PREFIXES = ("/v1/", "/inference/")
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
 KEEP_ALIVE_S = 75  # idle keep-alive on the server side; longer than clients' (httpx: 5 s)
 
 
@@ -78,6 +82,20 @@ class PolicyWeights:
         self.step, self.path, self.checksum = 0, str(Path(settings.base_model).resolve()), None
         self.broken: str | None = None
         self.lock = asyncio.Lock()
+        # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
+        # while the weights change, so only requests already in flight need vLLM to pause.
+        self.in_flight = 0
+        self.admitting = asyncio.Event()
+        self.admitting.set()
+        self.engine_paused = False
+        self.dtype, self.tied = None, False  # of the served model, known from the first verification
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # The files' fingerprint is this process's only tensor work and runs beside the reload; with
+            # more threads, OpenMP's spinning workers take the cores vLLM pinned its CPU worker to (a tiny
+            # model's reload went from 19 to 32 ms on 2 cores).
+            torch.set_num_threads(1)
 
     async def current(self) -> dict:
         if self.checksum is None:
@@ -85,7 +103,17 @@ class PolicyWeights:
                 await self._verify_base()
         if self.broken:
             raise HTTPException(503, self.broken)
-        return {"step": self.step, "weights_checksum": self.checksum}
+        return {"step": self.step, "weights_checksum": self.checksum, "requests_in_flight": self.in_flight}
+
+    async def admit(self) -> str | None:
+        """Wait while the weights change; None once a generation request may enter, else why it may not."""
+        deadline = time.monotonic() + ADMIT_TIMEOUT_S
+        while not self.admitting.is_set():  # re-checked on waking: another update may have begun since
+            try:
+                await asyncio.wait_for(self.admitting.wait(), max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                return f"waited {ADMIT_TIMEOUT_S} s for a weight update to finish"
+        return self.broken
 
     async def update(self, step: int, path: str) -> dict:
         target = self._resolve(path)
@@ -99,29 +127,45 @@ class PolicyWeights:
                 raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
             if step == self.step and not self.broken:
                 return {"step": self.step, "weights_checksum": self.checksum}  # a retried request
-            # Freeze in-flight requests so that no token is sampled between the reload and the new
-            # weight version: vLLM labels each output token with the version that sampled it.
-            start = time.perf_counter()
-            await self.engine.pause_generation(mode="keep", clear_cache=False)
-            paused = time.perf_counter()
+            start, frozen = time.perf_counter(), 0
+            self.admitting.clear()  # new generation requests wait in AdminMiddleware until the switch is done
             try:
-                return await self._switch(step, target)
+                frozen = await self._freeze_in_flight()
+                return await self._switch(step, target) | {"paused_requests": frozen}
             finally:
-                if self.broken:  # abort what was frozen; stay paused until a checkpoint verifies
-                    await self.engine.pause_generation(mode="abort", clear_cache=False)
-                else:
-                    await self.engine.resume_generation()
-                logger.info("update to step %d from %s: paused in %.3f s, switched in %.3f s; %s step %d",
-                            step, target, paused - start, time.perf_counter() - paused,
+                try:
+                    await self._release()
+                finally:
+                    self.admitting.set()
+                logger.info("update to step %d from %s in %.3f s (%d requests paused); %s step %d",
+                            step, target, time.perf_counter() - start, frozen,
                             "BROKEN, generation refused; last verified" if self.broken else "serving", self.step)
 
+    async def _freeze_in_flight(self) -> int:
+        """Freeze the requests vLLM is running, so that no token is sampled between the reload and the new
+        weight version (vLLM labels each output token with the version that sampled it). New requests
+        wait at `admitting`, so with none in flight there is nothing to pause."""
+        frozen = self.in_flight
+        if frozen and not self.engine_paused:
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            self.engine_paused = True
+        return frozen
+
+    async def _release(self) -> None:
+        """Resume what was frozen; if the weights are broken, abort it and keep vLLM paused instead."""
+        if self.broken:
+            await self.engine.pause_generation(mode="abort", clear_cache=False)
+            self.engine_paused = True
+        elif self.engine_paused:
+            await self.engine.resume_generation()
+            self.engine_paused = False
+
     async def _switch(self, step: int, target: str) -> dict:
-        """Load and verify `target` while generation is paused; needs the lock."""
-        report = await self._load(target)
+        """Load and verify `target` while generation is held; needs the lock."""
+        report = await self._load(target, step)
         if not report["ok"]:
             raise await self._refuse(step, target, report)
         self.step, self.path, self.checksum, self.broken = step, target, report["checksum"], None
-        await self.engine.update_weight_version(str(step))
         return {"step": step, "weights_checksum": self.checksum} | _timings(report)
 
     def _resolve(self, path: str) -> str:
@@ -142,19 +186,42 @@ class PolicyWeights:
         """Verify the weights loaded at start-up once, giving step 0 its checksum. Needs the lock."""
         if self.checksum is not None:
             return
-        report = _merge(await self.engine.collective_rpc("rl_verify_weights", args=(self.path,)))
+        reply = _merge(await self.engine.collective_rpc("rl_served_weights"))
+        files = None
+        if reply["ok"]:
+            self.dtype, self.tied = getattr(torch, reply["dtype"]), reply["tied"]
+            files, _ = await self._file_prints(self.path)
+        report = verified(reply, files, self.dtype)
         if not report["ok"]:
             raise HTTPException(500, f"the base model's served weights do not match {self.path}: {_why(report)}")
         self.checksum = report["checksum"]
         await self.engine.update_weight_version("0")
 
-    async def _load(self, path: str) -> dict:
-        report = _merge(await self.engine.collective_rpc("rl_load_weights", args=(path,)))
-        if report["reloaded"]:
-            # Drop KV computed with the old weights: running requests are preempted and their
-            # prompt and tokens so far recomputed with the new weights when generation resumes.
-            await self.engine.reset_prefix_cache(reset_running_requests=True)
+    async def _load(self, path: str, step: int) -> dict:
+        """Reload `path` on every worker; once it verifies, vLLM labels what it samples with `step`.
+
+        Needs generation held (no KV is computed until `_release`), so the prefix cache can be dropped
+        while the worker reloads: running requests are preempted and their prompts and tokens so far
+        recomputed with the new weights when generation resumes.
+        """
+        files = asyncio.create_task(self._file_prints(path))  # in this process, while the worker reloads
+        reset = asyncio.create_task(self.engine.reset_prefix_cache(reset_running_requests=True))
+        reply = _merge(await self.engine.collective_rpc("rl_load_weights", args=(path,)))
+        (prints, files_s), _ = await asyncio.gather(files, reset)
+        report = verified(reply, prints, self.dtype) | {"files_s": files_s}
+        if report["ok"]:
+            await self.engine.update_weight_version(str(step))
         return report
+
+    async def _file_prints(self, path: str) -> tuple[dict[str, Fingerprint] | Exception, float]:
+        """The fingerprint of the files in `path` (or the error that kept it from being computed) and its time."""
+        start = time.perf_counter()
+        try:
+            prints = await asyncio.to_thread(checkpoint_fingerprint, path, self.dtype, self.tied)
+        except Exception as error:  # noqa: BLE001 - reported as the reason the update is refused
+            logger.exception("fingerprinting the files in %s failed", path)
+            prints = error
+        return prints, round(time.perf_counter() - start, 3)
 
     async def _refuse(self, step: int, target: str, report: dict) -> HTTPException:
         """Answer a failed load, rolling back to the served step when weights were touched."""
@@ -162,7 +229,7 @@ class PolicyWeights:
             return HTTPException(400, f"step {step} at {target} does not fit the served model, "
                                       f"still serving step {self.step}: {_why(report)}")
         failure = f"step {step} at {target} failed after reload: {_why(report)}"
-        rollback = await self._load(self.path)
+        rollback = await self._load(self.path, self.step)
         if rollback["ok"]:
             return HTTPException(500, f"{failure}; rolled back to step {self.step}, which verifies")
         self.broken = (f"{failure}; rollback to step {self.step} failed too: {_why(rollback)}; "
@@ -223,10 +290,11 @@ def build_admin_app() -> FastAPI:
 class AdminMiddleware:
     """ASGI middleware, installed with vLLM's `--middleware`, in front of vLLM's app.
 
-    Sends the admin paths to `build_admin_app()`, refuses generation while the weights are broken,
-    and adds `"token": "token_id:<id>"` to every logprob entry of `/inference/v1/generate` JSON
-    responses (vLLM writes only `"token_id": <id>`; the `renderers` client of verifiers' training
-    client requires the string form). Everything else passes through untouched.
+    Sends the admin paths to `build_admin_app()`. Holds generation requests while the weights change,
+    counts those in flight (`PolicyWeights.admit`) and refuses them while the weights are broken.
+    Adds `"token": "token_id:<id>"` to every logprob entry of `/inference/v1/generate` JSON responses
+    (vLLM writes only `"token_id": <id>`; the `renderers` client of verifiers' training client
+    requires the string form). Everything else passes through untouched.
     """
 
     def __init__(self, app):
@@ -240,11 +308,16 @@ class AdminMiddleware:
         path = scope["path"]
         if path in ADMIN_PATHS:
             return await self.admin(scope, receive, send)
-        if weights.broken and path.startswith(GENERATION_PREFIXES):
-            return await JSONResponse({"detail": weights.broken}, status_code=503)(scope, receive, send)
-        if path == GENERATE_PATH:
-            return await self.app(scope, receive, TokenStringRewrite(send))
-        return await self.app(scope, receive, send)
+        if not path.startswith(GENERATION_PREFIXES):
+            return await self.app(scope, receive, send)
+        refused = await weights.admit()
+        if refused:
+            return await JSONResponse({"detail": refused}, status_code=503)(scope, receive, send)
+        weights.in_flight += 1  # no await since admit(): an update starting now sees this request
+        try:
+            return await self.app(scope, receive, TokenStringRewrite(send) if path == GENERATE_PATH else send)
+        finally:
+            weights.in_flight -= 1
 
     def _weights(self, vllm_state) -> PolicyWeights:
         """The one `PolicyWeights` of this app, made from vLLM's app state on the first request."""

@@ -18,13 +18,13 @@ model). So we fingerprint *what the kernels compute*:
 A fingerprint, keyed by checkpoint tensor name, is (exact: W[:, cols] or the whole 1-D tensor,
 dense: W @ x). The same fingerprint is computed from the safetensors files (`checkpoint_fingerprint`,
 no vLLM needed). Verification passes when the names match, every exact part is equal and every
-dense part agrees within rounding. `weights_checksum` hashes the exact parts, so the served and the
-file checksum are equal exactly when those are. What it proves: every tensor of the files reaches
-the kernel that serves it, K columns of each matrix are served bit for bit (so even a tiny training
-update that was not applied is caught), and W @ x agrees within rounding along a random x (a stale
-or garbage head, row, column or shard is caught; a small change confined to unsampled columns is not).
-Cost: one pass over the files plus a (K + 1)-row product per layer; the files are read once more by
-the reload itself.
+dense part agrees within rounding. `weights_checksum` hashes the served exact parts. What it proves:
+every tensor of the files reaches the kernel that serves it, K columns of each matrix are served bit
+for bit (so even a tiny training update that was not applied is caught), and W @ x agrees within
+rounding along a random x (a stale or garbage head, row, column or shard is caught; a small change
+confined to unsampled columns is not). Cost: one pass over the files plus a (K + 1)-row product per
+matrix, in the server's process while the worker reloads (the reload reads the files once more);
+then a (K + 1)-row product per served layer in the worker, after the reload.
 
 Tied embeddings: vLLM's Qwen3 loader does not skip `lm_head.weight`, and its in-place reload leaves
 the tied LM head's packed kernel stale when the files lack that tensor. `checkpoint_tensors` yields
@@ -34,6 +34,7 @@ checkpoint reloads correctly either way; the verification would catch it if it d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -60,15 +61,45 @@ class Fingerprint:
     shape: tuple[int, ...]  # of the tensor in checkpoint layout
     scale: float = 0.0  # max_i sum_j |W_ij x_j|: the size of the dense probe's terms (file side)
 
+    def to_wire(self) -> dict:
+        """Plain types, for a worker's reply to cross vLLM's process boundary (msgpack)."""
+        return {"exact": _tensor_to_wire(self.exact), "shape": list(self.shape), "scale": self.scale,
+                "dense": None if self.dense is None else _tensor_to_wire(self.dense)}
 
+    @classmethod
+    def from_wire(cls, wire: dict) -> Fingerprint:
+        dense = None if wire["dense"] is None else _tensor_from_wire(wire["dense"])
+        return cls(_tensor_from_wire(wire["exact"]), dense, tuple(wire["shape"]), wire["scale"])
+
+
+def _tensor_to_wire(t: torch.Tensor) -> list:
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes()]
+
+
+def _tensor_from_wire(wire: list) -> torch.Tensor:
+    dtype, shape, data = getattr(torch, wire[0]), wire[1], wire[2]
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+@functools.lru_cache(maxsize=64)
 def probe_inputs(n: int, dtype: torch.dtype, device="cpu") -> tuple[list[int], torch.Tensor]:
-    """K one-hot rows then one dense row, [K + 1, n]; the same for every matrix with n inputs."""
+    """K one-hot rows then one dense row, [K + 1, n]; the same for every matrix with n inputs (cached:
+    a model has a few input sizes; callers must not modify the tensor)."""
     generator = torch.Generator().manual_seed(n)
     cols = sorted(torch.randperm(n, generator=generator)[:PROBE_COLUMNS].tolist())
     x = torch.zeros(len(cols) + 1, n, dtype=dtype)
     x[torch.arange(len(cols)), cols] = 1
     x[-1] = torch.randn(n, generator=generator).to(dtype)
     return cols, x.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _file_probes(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`probe_inputs` as float32 columns [n, K + 1] and the dense probe's magnitudes |x| [n]."""
+    _, x = probe_inputs(n, torch.float32, device)
+    return x.T.contiguous(), x[-1].abs()
 
 
 def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype) -> Fingerprint:
@@ -79,15 +110,15 @@ def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype) -> Fingerprint:
     w = w.detach()
     if w.ndim == 1:
         return Fingerprint(exact=w.to("cpu", dtype).clone(), dense=None, shape=tuple(w.shape))
-    cols, x = probe_inputs(w.shape[1], dtype, w.device)
-    x = x[-1].float()
-    dense, scale = [], 0.0
+    probes, magnitudes = _file_probes(w.shape[1], w.device)
+    ys, scale = [], 0.0
     for rows in w.split(ROW_CHUNK):
         rows = rows.to(dtype).float()  # cast like the served copy, then compute in float32
-        dense.append(rows @ x)
-        scale = max(scale, (rows.abs() @ x.abs()).max().item())
-    exact = w[:, cols].to(dtype).T.contiguous().cpu()
-    return Fingerprint(exact=exact, dense=torch.cat(dense).cpu(), shape=tuple(w.shape), scale=scale)
+        ys.append(rows @ probes)  # [rows, K + 1]: one-hot columns are exact, as in the kernel's product
+        scale = max(scale, (rows.abs() @ magnitudes).max().item())
+    y = (ys[0] if len(ys) == 1 else torch.cat(ys)).cpu()
+    return Fingerprint(exact=y[:, :-1].T.to(dtype).contiguous(), dense=y[:, -1].contiguous(), shape=tuple(w.shape),
+                       scale=scale)
 
 
 def kernel_fingerprint(y: torch.Tensor, dtype: torch.dtype, in_features: int) -> Fingerprint:
@@ -96,13 +127,17 @@ def kernel_fingerprint(y: torch.Tensor, dtype: torch.dtype, in_features: int) ->
     return Fingerprint(exact=y[:-1].contiguous(), dense=y[-1].float(), shape=(y.shape[1], in_features))
 
 
-def checkpoint_tensors(path: str | Path, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the *.safetensors files in `path`, plus the tied LM head if it is missing."""
+def checkpoint_files(path: str | Path) -> list[Path]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def checkpoint_tensors(path: str | Path, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the *.safetensors files in `path`, plus the tied LM head if it is missing."""
     names, embedding = set(), None
-    for file in files:
+    for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 tensor = handle.get_tensor(name)
@@ -111,6 +146,26 @@ def checkpoint_tensors(path: str | Path, tied: bool) -> Iterator[tuple[str, torc
                 yield name, tensor
     if tied and TIED_HEAD not in names and embedding is not None:
         yield TIED_HEAD, embedding
+
+
+def checkpoint_shapes(path: str | Path, tied: bool) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in `path`, from the files' headers alone (no tensor is read)."""
+    shapes = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    if tied and TIED_HEAD not in shapes and EMBEDDING in shapes:
+        shapes[TIED_HEAD] = shapes[EMBEDDING]
+    return shapes
+
+
+def shape_mismatches(served: dict[str, tuple], files: dict[str, tuple]) -> list[str]:
+    """What keeps `files` from being a checkpoint of the served model: missing, extra or reshaped tensors."""
+    mismatched = [f"not served: {n}" for n in sorted(files.keys() - served.keys())]
+    mismatched += [f"not in the files: {n}" for n in sorted(served.keys() - files.keys())]
+    return mismatched + [f"{n}: served shape {served[n]}, files {files[n]}"
+                         for n in sorted(files.keys() & served.keys()) if served[n] != files[n]]
 
 
 def checkpoint_fingerprint(path: str | Path, dtype: torch.dtype, tied: bool) -> dict[str, Fingerprint]:
@@ -133,23 +188,20 @@ def compare(served: dict[str, Fingerprint], files: dict[str, Fingerprint], dtype
     `mismatched` lists tensors that differ in structure (missing, extra, other shape): the files
     are not a checkpoint of the served model. `differing` lists tensors whose values differ.
     """
-    mismatched = [f"not served: {n}" for n in sorted(files.keys() - served.keys())]
-    mismatched += [f"not in the files: {n}" for n in sorted(served.keys() - files.keys())]
+    mismatched = shape_mismatches({n: p.shape for n, p in served.items()}, {n: p.shape for n, p in files.items()})
     differing, max_exact, max_dense = [], 0.0, 0.0
     for name in sorted(files.keys() & served.keys()):
         s, f = served[name], files[name]
         if s.shape != f.shape:
-            mismatched.append(f"{name}: served shape {s.shape}, files {f.shape}")
             continue
-        exact = (s.exact.float() - f.exact.float()).abs().max().item()
+        exact = 0.0 if torch.equal(s.exact, f.exact) else (s.exact.float() - f.exact.float()).abs().max().item()
         dense = 0.0 if f.dense is None else (s.dense - f.dense).abs().max().item() / max(f.scale, 1e-30)
         max_exact, max_dense = max(max_exact, exact), max(max_dense, dense)
-        if exact > 0 or dense > DENSE_TOLERANCE.get(dtype, 2e-2):
+        if not (exact == 0 and dense <= DENSE_TOLERANCE.get(dtype, 2e-2)):  # NaN differs too
             differing.append(f"{name}: exact part differs by {exact:.3g}, dense probe by {dense:.3g}")
     return {
         "ok": not mismatched and not differing,
         "checksum": checksum(served),
-        "file_checksum": checksum(files),
         "tensors": len(files),
         "max_exact_diff": max_exact,
         "max_dense_rel_err": max_dense,
@@ -204,50 +256,58 @@ def _unfuse(prefix: str, module, y: torch.Tensor, packed: dict) -> list[tuple[st
     return [(f"{parent}.{shard}", part) for shard, part in zip(shards, parts, strict=True)]
 
 
+def verified(reply: dict, files: dict[str, Fingerprint] | Exception | None, dtype: torch.dtype | None) -> dict:
+    """A worker's reply (`rl_served_weights`, `rl_load_weights`) completed with the comparison of what it
+    serves against the files' fingerprint; the served fingerprint itself is dropped."""
+    served = reply.pop("served", None)
+    if not reply["ok"]:  # refused before loading, or failed
+        return reply
+    if isinstance(files, Exception) or files is None:
+        return reply | {"ok": False, "mismatched": [f"fingerprinting the files failed: {files!r}"], "differing": []}
+    start = time.perf_counter()
+    report = compare({name: Fingerprint.from_wire(w) for name, w in served.items()}, files, dtype)
+    return reply | report | {"verify_s": round(reply["verify_s"] + time.perf_counter() - start, 3)}
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker class, so `self` is the worker; reach methods with `collective_rpc`.
 
     Methods return plain dicts (they cross a process boundary) and report a failure in the dict, with
-    the traceback in this worker's log, so the server can roll back and answer with the reason.
+    the traceback in this worker's log, so the server can roll back and answer with the reason. The
+    files' fingerprint is computed by the server, in its own process while the worker reloads, and
+    compared there with the served fingerprint each reply carries (`verified`).
     """
 
-    def rl_verify_weights(self, path: str) -> dict:
-        """Compare what this worker serves with the safetensors files in `path`."""
+    def rl_served_weights(self) -> dict:
+        """The fingerprint of what this worker serves, with the served dtype and whether the head is tied."""
         try:
-            return self._rl_compare(self._rl_files(path))
+            start = time.perf_counter()
+            served = {name: p.to_wire() for name, p in self._rl_served().items()}
+            dtype, tied = self._rl_dtype_tied()
+            return {"ok": True, "served": served, "dtype": str(dtype).removeprefix("torch."), "tied": tied,
+                    "verify_s": time.perf_counter() - start}
         except Exception as error:
-            logger.exception("verifying weights against %s failed", path)
-            return {"ok": False, "mismatched": [f"verification failed: {error!r}"], "differing": []}
+            logger.exception("fingerprinting the served weights failed")
+            return {"ok": False, "mismatched": [f"fingerprinting the served weights failed: {error!r}"], "differing": []}
 
     def rl_load_weights(self, path: str) -> dict:
-        """Reload weights in place from `path`, then verify them against the files.
+        """Reload weights in place from `path`; reply with the fingerprint of what is then served.
 
-        The files must hold exactly the served model's tensors with its shapes, checked before
-        anything is loaded, so a wrong checkpoint is refused while the old weights keep serving.
+        A checkpoint that is not of the served model (a tensor missing, extra or of another shape, read
+        from the files' headers) is refused before anything is loaded, so the old weights keep serving.
         """
         reloaded = False
         try:
-            start = time.perf_counter()
-            files = self._rl_files(path)
-            files_s = time.perf_counter() - start
-            before = self._rl_compare(files)
-            if before["mismatched"]:
-                return before | {"ok": False, "reloaded": False}
+            mismatched = shape_mismatches(self._rl_shapes(), checkpoint_shapes(path, self._rl_dtype_tied()[1]))
+            if mismatched:
+                return {"ok": False, "reloaded": False, "mismatched": mismatched[:20], "differing": []}
             start, reloaded = time.perf_counter(), True
             self.reload_weights(weights_iterator=checkpoint_tensors(path, self._rl_dtype_tied()[1]))
             reload_s = time.perf_counter() - start
-            return self._rl_compare(files) | {"reloaded": True, "reload_s": round(reload_s, 3), "files_s": round(files_s, 3)}
         except Exception as error:
             logger.exception("reloading weights from %s failed", path)
             return {"ok": False, "reloaded": reloaded, "mismatched": [f"reload failed: {error!r}"], "differing": []}
-
-    def _rl_files(self, path: str) -> dict[str, Fingerprint]:
-        return checkpoint_fingerprint(path, *self._rl_dtype_tied())
-
-    def _rl_compare(self, files: dict[str, Fingerprint]) -> dict:
-        start = time.perf_counter()
-        report = compare(self._rl_served(), files, self._rl_dtype_tied()[0])
-        return report | {"verify_s": round(time.perf_counter() - start, 3)}
+        return self.rl_served_weights() | {"reloaded": True, "reload_s": round(reload_s, 3)}
 
     def _rl_served(self) -> dict[str, Fingerprint]:
         config = self.vllm_config
@@ -255,7 +315,15 @@ class WeightSyncExtension:
             raise NotImplementedError("weight verification supports tensor_parallel_size=1 only")
         with torch.inference_mode():
             model = self.model_runner.get_model()
-            return served_fingerprint(model, config.model_config.dtype, config.model_config.get_vocab_size(), self.device)
+            prints = served_fingerprint(model, config.model_config.dtype, config.model_config.get_vocab_size(), self.device)
+        self._rl_served_shapes = {name: p.shape for name, p in prints.items()}  # fixed: reloads are in place
+        return prints
+
+    def _rl_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint name -> shape of every served tensor, from the first fingerprint of the served model."""
+        if getattr(self, "_rl_served_shapes", None) is None:
+            self._rl_served()
+        return self._rl_served_shapes
 
     def _rl_dtype_tied(self) -> tuple[torch.dtype, bool]:
         model_config = self.vllm_config.model_config
