@@ -11,7 +11,12 @@ inference server and, several times in turn:
 It prints the medians and their ratio (target: publish-to-served <= 1.5x the lower bound), then the
 raw generation tokens/s of a fixed request set (64 prompts x 64 tokens, all in flight) on the tiny model.
 
-    uv run python benchmarks/weight_sync.py [--repeats 5] [--skip-large]
+Files are written to a tmpfs (/dev/shm) by default: on this VM's ext4 disk the same 400 MB `save_file`
+takes 0.3-1.0 s from one write to the next, which swamps the difference being measured; `--dir` picks
+another filesystem (both sides always write to the same one). Before each timed write the files it
+replaces are deleted (see `measure_sync`).
+
+    uv run python benchmarks/weight_sync.py [--repeats 5] [--skip-large] [--dir PATH]
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -60,17 +66,21 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
     base = load_file(str(model_dir / "model.safetensors"))
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}.log", timeout_s=900)
     totals, bounds, parts = [], [], []
+    bound_file = root / f"bound_{name}.safetensors"
     try:
         for step in range(1, repeats + 1):
             state = perturbed(base, step)
-            # Each timed write starts with no dirty pages left by the one before (in a run, the last step's
-            # weights have a whole step to reach the disk); otherwise whichever write comes second pays for
-            # flushing the first (a 100M model's publish: 0.3 s after a sync, 1.0 s right after another write).
-            bound_file = root / f"bound_{name}_{step}.safetensors"  # a new file, as publish writes one
+            # Each write first frees the memory of the one it replaces (a new file each time, as publish writes
+            # one): on this VM a write into memory not used lately can take 5x longer (a 400 MB save_file:
+            # 0.13 s or up to 1.1 s, either side, at random), which swamps the difference measured. A sync
+            # before each write: on a disk, neither write pays for flushing the other.
+            bound_file.unlink(missing_ok=True)
             os.sync()
             write_start = time.perf_counter()
             save_file(state, str(bound_file))
             bound_write = time.perf_counter() - write_start
+            if step > 1:  # as the trainer prunes old steps
+                shutil.rmtree(paths.weights(step - 1))
             os.sync()
             start = time.perf_counter()
             publisher.publish(step, state)
@@ -82,7 +92,6 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
             served = response.json()
             reload_s = served["reload_s"]
             bounds.append(bound_write + reload_s)
-            bound_file.unlink()
             timed = {"publish": published - start, "files": served["files_s"], "reload": reload_s, "verify": served["verify_s"]}
             overlapped = max(timed["files"], reload_s)  # the server fingerprints the files while the worker reloads
             parts.append(timed | {"rest": totals[-1] - timed["publish"] - overlapped - timed["verify"]})
@@ -115,9 +124,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-large", action="store_true", help="only the tiny model")
+    parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
+                        help="where the models, weights and bound files are written (default: /dev/shm)")
     args = parser.parse_args()
     names = ["tiny"] if args.skip_large else ["tiny", "100M"]
-    with tempfile.TemporaryDirectory() as tmp:
+    print(f"writing under {args.dir or tempfile.gettempdir()}")
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         results = [measure_sync(root, name, args.repeats) for name in names]
         print("\nweight publish -> served (median of %d)" % args.repeats)

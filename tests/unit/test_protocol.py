@@ -1,5 +1,6 @@
 import threading
 import time
+import zlib
 
 import pytest
 
@@ -8,6 +9,7 @@ from rl.protocol import (
     CorruptFileError,
     RunPaths,
     Sample,
+    file_crc32,
     mark_stable,
     read_batch,
     stable_steps,
@@ -19,6 +21,14 @@ from rl.protocol import (
 
 def sample(n: int, version: int = 0) -> Sample:
     return Sample(list(range(n)), [0] * (n - 2) + [1, 1], [0.0] * (n - 2) + [-0.5, -1.5], 0.25, 1.0, version)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 3 << 20])
+def test_file_crc32_is_the_standard_crc32(tmp_path, size):
+    """Markers record CRC-32 as zlib computes it, whatever computes it here (any reader can check them)."""
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    (tmp_path / "f").write_bytes(data)
+    assert file_crc32(tmp_path / "f") == zlib.crc32(data)
 
 
 def test_batch_round_trip(tmp_path):

