@@ -186,12 +186,11 @@ class PolicyWeights:
         """Verify the weights loaded at start-up once, giving step 0 its checksum. Needs the lock."""
         if self.checksum is not None:
             return
-        reply = _merge(await self.engine.collective_rpc("rl_served_weights"))
-        files = None
-        if reply["ok"]:
-            self.dtype, self.tied = getattr(torch, reply["dtype"]), reply["tied"]
+        report = _merge(await self.engine.collective_rpc("rl_served_weights"))
+        if report["ok"]:
+            self.dtype, self.tied = getattr(torch, report["dtype"]), report["tied"]
             files, _ = await self._file_prints(self.path)
-        report = verified(reply, files, self.dtype)
+            report = verified(report, files, self.dtype)
         if not report["ok"]:
             raise HTTPException(500, f"the base model's served weights do not match {self.path}: {_why(report)}")
         self.checksum = report["checksum"]

@@ -257,13 +257,13 @@ def _unfuse(prefix: str, module, y: torch.Tensor, packed: dict) -> list[tuple[st
     return [(f"{parent}.{shard}", part) for shard, part in zip(shards, parts, strict=True)]
 
 
-def verified(reply: dict, files: dict[str, Fingerprint] | Exception | None, dtype: torch.dtype | None) -> dict:
+def verified(reply: dict, files: dict[str, Fingerprint] | Exception, dtype: torch.dtype) -> dict:
     """A worker's reply (`rl_served_weights`, `rl_load_weights`) completed with the comparison of what it
     serves against the files' fingerprint; the served fingerprint itself is dropped."""
     served = reply.pop("served", None)
     if not reply["ok"]:  # refused before loading, or failed
         return reply
-    if isinstance(files, Exception) or files is None:
+    if isinstance(files, Exception):
         return reply | {"ok": False, "mismatched": [f"fingerprinting the files failed: {files!r}"], "differing": []}
     start = time.perf_counter()
     report = compare({name: Fingerprint.from_wire(w) for name, w in served.items()}, files, dtype)
