@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from rl.orchestrator.rollouts import InferenceClient, Sampling, load_environment, run_group
+from rl.orchestrator.rollouts import InferenceClient, Sampling, freeze_startup_objects, load_environment, run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,6 +99,7 @@ async def measure(args, base_url: str) -> None:
     prompts = rendered_prompts(env, tokenizer, args.groups)
     client = InferenceClient(base_url, args.model, args.model)
     async with env.serving():
+        freeze_startup_objects()  # as the orchestrator does once its environments serve
         await orchestrator_side(args, env, client)  # warm-up both paths
         await raw_side(args, prompts, base_url)
         rates = {"orchestrator": [], "raw": []}

@@ -29,3 +29,32 @@ def test_balance_by_tokens_equal_counts_and_close_tokens():
     assert abs(tokens[0] - tokens[1]) <= 10
     with pytest.raises(ValueError):
         balance_by_tokens(samples[:5], 2)
+
+
+class _UnhashableFactory:
+    __hash__ = None
+
+    def __call__(self) -> list:
+        return ["made"]
+
+
+def test_default_factories_behave_the_same_with_their_inspection_cached():
+    """rollouts caches pydantic's per-construct inspection of default factories (a CPU hot spot); every
+    kind of factory must still give what pydantic gives."""
+    from pydantic import BaseModel, Field
+    from pydantic._internal import _fields
+
+    import rl.orchestrator.rollouts  # noqa: F401 - installs the cache
+
+    class Model(BaseModel):
+        a: int = 1
+        plain: list = Field(default_factory=list)
+        from_data: int = Field(default_factory=lambda data: data["a"] * 2)
+        odd: list = Field(default_factory=_UnhashableFactory())
+
+    hits = _fields.takes_validated_data_argument.cache_info().hits
+    for _ in range(3):
+        made = Model.model_construct(a=5)
+        assert (made.plain, made.from_data, made.odd) == ([], 10, ["made"])
+    assert Model(a=4).from_data == 8
+    assert _fields.takes_validated_data_argument.cache_info().hits > hits

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import gc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import verifiers.v1 as vf
 from pydantic import ValidationError
+from pydantic._internal import _fields as pydantic_fields
 from renderers import DefaultRendererConfig
 from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.runtimes import runtime_is_local
@@ -31,6 +34,38 @@ INTERCEPTION = {"type": "elastic", "multiplex": 8}
 """verifiers' interception servers, one per 8 concurrent rollouts (its default: 32). Each server has its
 own connection pool to vLLM, and httpx scans every pooled connection on each request: small pools
 took the orchestrator from ~0.53x to ~0.63x raw vLLM tokens/s (benchmarks/orchestrator_throughput.py)."""
+
+
+def _cache_default_factory_inspection() -> None:
+    """pydantic (2.14) inspects a field's `default_factory` signature on every `model_construct`; for a
+    builtin factory (`list`) `inspect` copies `sys.modules` (5000+ modules once verifiers is imported), and
+    verifiers constructs several such models per turn: 26% of the orchestrator's CPU in a py-spy profile
+    of benchmarks/orchestrator_throughput.py. The answer depends only on the factory, so it is cached
+    (pydantic/pydantic#13376 fixed the same for private attributes only)."""
+    inspect_factory = pydantic_fields.takes_validated_data_argument
+    if hasattr(inspect_factory, "cache_info"):
+        return
+    cached = functools.lru_cache(maxsize=4096)(inspect_factory)
+
+    @functools.wraps(inspect_factory)
+    def takes_validated_data_argument(default_factory) -> bool:
+        try:
+            return cached(default_factory)
+        except TypeError:  # an unhashable callable
+            return inspect_factory(default_factory)
+
+    takes_validated_data_argument.cache_info = cached.cache_info
+    pydantic_fields.takes_validated_data_argument = takes_validated_data_argument
+
+
+_cache_default_factory_inspection()
+
+
+def freeze_startup_objects() -> None:
+    """Keep the objects that live for the whole run (modules, environments, their tasks: ~700k) out of the
+    cyclic GC: one full collection over them took 0.5 s, during which no rollout progressed."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass(frozen=True)
