@@ -1,9 +1,14 @@
 """The offline environment packages: tasks from a seed, the env's replies, the tool protocol, and
 clear start-up errors for unknown ids and bad args."""
 
-import pytest
+import asyncio
 
+import pytest
+from aiohttp import web
+
+import in_process_chat
 from guess_number import feedback, parse_guess
+from in_process_chat import ModelCallError, SharedChatSession, complete
 from rl.orchestrator.rollouts import load_environment
 from tool_calc import find_call, last_number, run_call
 
@@ -48,3 +53,57 @@ def test_interception_servers_hold_few_rollouts_unless_overridden():
     assert load_environment("reverse-text", {"num_examples": 2}).env.config.interception.multiplex == 8
     own = {"interception": {"type": "elastic", "multiplex": 2}}
     assert load_environment("reverse-text", {"num_examples": 2}, own).env.config.interception.multiplex == 2
+
+
+class EnvHooks:
+    """Stands in for `vf.Env`'s start/stop hooks (no-ops there too)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class FakeEnv(SharedChatSession, EnvHooks):
+    pass
+
+
+async def chat_server(peers: list) -> web.AppRunner:
+    """A chat endpoint that answers "ok", or 400 when the model is "too-long", recording each peer."""
+
+    async def chat(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername"))
+        if (await request.json())["model"] == "too-long":
+            return web.Response(status=400, text="prompt is longer than the context")
+        return web.json_response({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+def test_model_calls_share_one_connection_while_environments_serve():
+    async def scenario() -> None:
+        peers: list = []
+        runner = await chat_server(peers)
+        port = runner.addresses[0][1]
+        endpoint = f"http://127.0.0.1:{port}/v1"
+        first, second = FakeEnv(), FakeEnv()
+        await first.start()
+        await second.start()  # env mixing: both hold the loop's one session
+        for _ in range(3):
+            assert await complete(endpoint, "secret", "m", [{"role": "user", "content": "hi"}]) == "ok"
+        with pytest.raises(ModelCallError, match="400: prompt is longer than the context"):
+            await complete(endpoint, "secret", "too-long", [])
+        await first.stop()
+        assert await complete(endpoint, "secret", "m", []) == "ok"  # still shared: `second` serves
+        session = in_process_chat._shared[asyncio.get_running_loop()][0]
+        await second.stop()
+        assert session.closed and not in_process_chat._shared
+        assert await complete(endpoint, "secret", "m", []) == "ok"  # outside serving: its own session
+        await runner.cleanup()
+        assert len(peers) == 6 and len(set(peers[:5])) == 1 and peers[5] != peers[0]
+
+    asyncio.run(scenario())

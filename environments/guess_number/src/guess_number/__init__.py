@@ -7,7 +7,7 @@ replies. verifiers keeps the whole exchange in one trace, the environment's turn
 
 import verifiers.v1 as vf
 
-from guess_number.harness import GuessChatConfig, GuessChatHarness
+from in_process_chat import InProcessChatConfig, InProcessChatHarness, SharedChatSession
 from guess_number.taskset import (
     GuessNumberConfig,
     GuessNumberData,
@@ -22,7 +22,7 @@ class GuessNumberEnvConfig(vf.EnvConfig):
     agent: vf.AgentConfig = vf.AgentConfig(runtime=vf.SubprocessConfig())
 
 
-class GuessNumberEnv(vf.Env[GuessNumberEnvConfig]):
+class GuessNumberEnv(SharedChatSession, vf.Env[GuessNumberEnvConfig]):
     async def run(self, task: vf.Task, agents: vf.Agents) -> None:
         data = task.data
         async with agents.agent.interaction(task) as game:
@@ -37,8 +37,8 @@ class GuessNumberEnv(vf.Env[GuessNumberEnvConfig]):
 
 
 __all__ = [
-    "GuessChatConfig",
-    "GuessChatHarness",
+    "InProcessChatConfig",
+    "InProcessChatHarness",
     "GuessNumberConfig",
     "GuessNumberData",
     "GuessNumberEnv",

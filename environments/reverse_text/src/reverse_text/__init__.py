@@ -7,7 +7,7 @@ harness) and the `Env` (whose `agent` seat defaults to the local subprocess runt
 
 import verifiers.v1 as vf
 
-from reverse_text.harness import InProcessChatConfig, InProcessChatHarness
+from in_process_chat import InProcessChatConfig, InProcessChatHarness, SharedChatSession
 from reverse_text.taskset import (
     ReverseTextConfig,
     ReverseTextData,
@@ -23,7 +23,7 @@ class ReverseTextEnvConfig(vf.EnvConfig):
     agent: vf.AgentConfig = vf.AgentConfig(runtime=vf.SubprocessConfig())
 
 
-class ReverseTextEnv(vf.Env[ReverseTextEnvConfig]):
+class ReverseTextEnv(SharedChatSession, vf.Env[ReverseTextEnvConfig]):
     """The single-agent episode: the one seat plays the task."""
 
     async def run(self, task: vf.Task, agents: vf.Agents) -> None:

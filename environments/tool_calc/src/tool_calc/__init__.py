@@ -1,6 +1,7 @@
 """tool-calc: an offline tool-use verifiers environment with an in-process tool loop (see README)."""
 
 import verifiers.v1 as vf
+from in_process_chat import SharedChatSession
 
 from tool_calc.harness import ToolCalcHarness, ToolCalcHarnessConfig
 from tool_calc.taskset import ToolCalcConfig, ToolCalcData, ToolCalcTask, ToolCalcTaskset, last_number
@@ -11,7 +12,7 @@ class ToolCalcEnvConfig(vf.EnvConfig):
     agent: vf.AgentConfig = vf.AgentConfig(runtime=vf.SubprocessConfig())
 
 
-class ToolCalcEnv(vf.Env[ToolCalcEnvConfig]):
+class ToolCalcEnv(SharedChatSession, vf.Env[ToolCalcEnvConfig]):
     async def run(self, task: vf.Task, agents: vf.Agents) -> None:
         await agents.agent.run(task)
 
