@@ -51,10 +51,11 @@ class SharedChatSession:
             await super().stop()
         finally:
             loop = asyncio.get_running_loop()
-            session, holders = _shared.pop(loop)
+            session, holders = _shared[loop]
             if holders > 1:
                 _shared[loop] = (session, holders - 1)
             else:
+                del _shared[loop]
                 await session.close()
 
 
