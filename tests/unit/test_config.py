@@ -1,11 +1,14 @@
+import sys
 from pathlib import Path
 
 import pytest
 
 from rl.config import ConfigError, parse_argv, parse_config
 from rl.launcher.config import RLConfig, resolve
-from rl.launcher.devices import cpu_plan
-from rl.launcher.main import load, plan_devices
+from rl.launcher.devices import DevicePlan, cpu_plan
+from rl.launcher.main import child_specs, load, plan_devices
+from rl.launcher.supervisor import ChildSpec, Supervisor
+from rl.protocol import RunPaths
 from rl.trainer.config import TrainerConfig
 
 
@@ -117,3 +120,26 @@ def test_trainer_takes_the_sampling_temperature():
     assert config.trainer.temperature == 0.7
     with pytest.raises(ConfigError, match="contradicts trainer.temperature"):
         load(["--orchestrator.sampling.temperature", "0.7", "--trainer.temperature", "0.5"])
+
+
+def test_cpu_host_defaults_to_one_trainer_process_whose_openmp_workers_sleep(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    config, plan = load(["--output-dir", str(tmp_path)])
+    assert plan.trainer_processes == 1 and config.orchestrator.trainer_world_size == 1
+    envs = {spec.name: spec.env for spec in child_specs(config, plan, RunPaths(tmp_path))}
+    assert envs == {"inference": {}, "orchestrator": {}, "trainer": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    gpu_plan = DevicePlan(2, [2, 3], [[0], [1]])
+    assert all(spec.env == {} for spec in child_specs(config, gpu_plan, RunPaths(tmp_path)))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
+    assert all(spec.env == {} for spec in child_specs(config, plan, RunPaths(tmp_path)))
+
+
+def test_child_gets_its_spec_environment_over_the_launchers(tmp_path, monkeypatch):
+    monkeypatch.setenv("RL_TEST_A", "launcher")
+    monkeypatch.setenv("RL_TEST_B", "launcher")
+    code = "import os; print(os.environ['RL_TEST_A'], os.environ['RL_TEST_B'])"
+    spec = ChildSpec("child", [sys.executable, "-c", code], None, tmp_path / "child.log", {"RL_TEST_A": "spec"})
+    supervisor = Supervisor(RunPaths(tmp_path), tail_lines=5, shutdown_timeout_s=5)
+    supervisor.start(spec)
+    assert supervisor.procs["child"].wait(timeout=30) == 0
+    assert spec.log.read_text().split() == ["spec", "launcher"]

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -27,6 +27,7 @@ class ChildSpec:
     cmd: list[str]
     gpus: list[int] | None  # CUDA_VISIBLE_DEVICES for the child; None leaves it as it is
     log: Path
+    env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
 
 
 def _die_with_parent() -> None:
@@ -57,7 +58,7 @@ class Supervisor:
         self.descendants: dict[str, dict[int, psutil.Process]] = {}
 
     def start(self, spec: ChildSpec) -> None:
-        env = dict(os.environ)
+        env = dict(os.environ) | spec.env
         if spec.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpus))
         env["PYTHONUNBUFFERED"] = "1"
