@@ -99,8 +99,7 @@ def print_dry_run(config: RLConfig, specs: list[ChildSpec]) -> None:
         print(to_toml(getattr(config, name)))
     print("# ---- commands ----")
     for spec in specs:
-        env = spec.env | ({"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.gpus))} if spec.gpus is not None else {})
-        prefix = "".join(f"{k}={v} " for k, v in env.items())
+        prefix = "".join(f"{k}={v} " for k, v in spec.extra_env.items())
         print(f"{spec.name}: {prefix}{shlex.join(spec.cmd)}  > {spec.log}")
 
 

@@ -29,6 +29,12 @@ class ChildSpec:
     log: Path
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
 
+    @property
+    def extra_env(self) -> dict[str, str]:
+        """What the child's environment adds to or changes in the launcher's."""
+        gpus = {} if self.gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))}
+        return self.env | gpus
+
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it if the launcher dies, even by SIGKILL."""
@@ -58,10 +64,7 @@ class Supervisor:
         self.descendants: dict[str, dict[int, psutil.Process]] = {}
 
     def start(self, spec: ChildSpec) -> None:
-        env = dict(os.environ) | spec.env
-        if spec.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpus))
-        env["PYTHONUNBUFFERED"] = "1"
+        env = dict(os.environ) | spec.extra_env | {"PYTHONUNBUFFERED": "1"}
         spec.log.parent.mkdir(parents=True, exist_ok=True)
         with open(spec.log, "ab") as log:
             self.procs[spec.name] = subprocess.Popen(
