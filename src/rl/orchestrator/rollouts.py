@@ -26,6 +26,8 @@ from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.runtimes import runtime_is_local
 from verifiers.v1.utils.loaders import builtin_harness_ids
 
+from rl.orchestrator.engine_client import use_engine_client
+
 API_KEY_VAR = "RL_INFERENCE_API_KEY"
 """Environment variable holding the inference API key (unset sends "EMPTY"). Naming our own keeps
 verifiers from reading the Prime CLI config it falls back to for its default variable."""
@@ -59,6 +61,7 @@ def _cache_default_factory_inspection() -> None:
 
 
 _cache_default_factory_inspection()
+use_engine_client()
 
 
 def freeze_startup_objects() -> None:
