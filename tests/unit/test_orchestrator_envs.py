@@ -49,6 +49,14 @@ def test_bad_environments_fail_at_start_up_naming_the_problem(env_id, args, name
         load_environment(env_id, args)
 
 
+def test_task_keys_are_the_durable_data_ids_else_the_content_hash():
+    for env_id in ("reverse-text", "guess-number", "tool-calc"):
+        tasks = load_environment(env_id, {"num_examples": 3, "seed": 4}).tasks
+        assert [t.key for t in tasks] == ["s4-0", "s4-1", "s4-2"]
+    without_id = tasks[0].with_data(id=None)
+    assert without_id.key == without_id.hash and len(without_id.hash) == 64
+
+
 def test_interception_servers_hold_few_rollouts_unless_overridden():
     assert load_environment("reverse-text", {"num_examples": 2}).env.config.interception.multiplex == 8
     own = {"interception": {"type": "elastic", "multiplex": 2}}

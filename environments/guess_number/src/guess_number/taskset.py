@@ -7,6 +7,7 @@ import re
 from typing import Self
 
 import verifiers.v1 as vf
+from in_process_chat import DataIdKey
 from pydantic import Field, model_validator
 
 PROMPT = "I am thinking of a whole number from {low} to {high}. Guess it: reply with one number."
@@ -49,7 +50,7 @@ def feedback(guess: int | None, target: int) -> str:
     return "higher" if guess < target else "lower"
 
 
-class GuessNumberTask(vf.Task[GuessNumberData, vf.State, vf.TaskConfig]):
+class GuessNumberTask(DataIdKey, vf.Task[GuessNumberData, vf.State, vf.TaskConfig]):
     @vf.reward
     async def closeness(self, task: GuessNumberData, trace: vf.Trace) -> float:
         guess = parse_guess(trace.last_reply)

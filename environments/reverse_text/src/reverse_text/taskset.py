@@ -11,6 +11,7 @@ import string
 from typing import Self
 
 import verifiers.v1 as vf
+from in_process_chat import DataIdKey
 from pydantic import Field, model_validator
 
 
@@ -38,7 +39,7 @@ class ReverseTextData(vf.TaskData):
     answer: str
 
 
-class ReverseTextTask(vf.Task[ReverseTextData, vf.State, vf.TaskConfig]):
+class ReverseTextTask(DataIdKey, vf.Task[ReverseTextData, vf.State, vf.TaskConfig]):
     @vf.reward
     async def lcs_ratio(self, task: ReverseTextData, trace: vf.Trace) -> float:
         """Partial credit, so a tiny model gets a signal before it is ever exactly right."""

@@ -6,6 +6,7 @@ import random
 import re
 
 import verifiers.v1 as vf
+from in_process_chat import DataIdKey
 from pydantic import Field
 
 from tool_calc.tools import tools_prompt
@@ -38,7 +39,7 @@ def tool_responses(trace: vf.Trace) -> list[str]:
     ]
 
 
-class ToolCalcTask(vf.Task[ToolCalcData, vf.State, vf.TaskConfig]):
+class ToolCalcTask(DataIdKey, vf.Task[ToolCalcData, vf.State, vf.TaskConfig]):
     @vf.reward
     async def correct(self, task: ToolCalcData, trace: vf.Trace) -> float:
         return float(last_number(trace.last_reply) == task.answer)
