@@ -58,3 +58,18 @@ def test_default_factories_behave_the_same_with_their_inspection_cached():
         assert (made.plain, made.from_data, made.odd) == ([], 10, ["made"])
     assert Model(a=4).from_data == 8
     assert _fields.takes_validated_data_argument.cache_info().hits > hits
+
+
+def test_gc_tuned_for_serving_freezes_the_startup_heap_and_collects_young_objects_less_often():
+    import gc
+
+    from rl.orchestrator.rollouts import YOUNG_GC_THRESHOLD, tune_gc_for_serving
+
+    before = gc.get_threshold()
+    try:
+        tune_gc_for_serving()
+        assert gc.get_threshold() == (YOUNG_GC_THRESHOLD, *before[1:]) and YOUNG_GC_THRESHOLD > before[0]
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -22,9 +22,9 @@ from rl.orchestrator.rollouts import (
     InferenceClient,
     RolloutResult,
     TokenSegment,
-    freeze_startup_objects,
     load_environment,
     run_group,
+    tune_gc_for_serving,
 )
 from rl.orchestrator.sampler import TaskSampler
 from rl.orchestrator.state import load_state, restore_samplers, save_state
@@ -91,7 +91,7 @@ class Orchestrator:
         async with contextlib.AsyncExitStack() as stack:
             for env in {id(e): e for e in self.envs + self.eval_envs}.values():
                 await stack.enter_async_context(env.serving())
-            freeze_startup_objects()
+            tune_gc_for_serving()
             if self.start_step and stable_steps(self.paths.weights_root):
                 await self.load_newest_policy()
             for step in range(self.start_step, self.config.max_steps):
