@@ -51,7 +51,7 @@ GENERATE_PATH = "/inference/v1/generate"
 GENERATION_PREFIXES = ("/v1/", "/inference/")
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
-KEEP_ALIVE_S = 75  # idle keep-alive on the server side; longer than clients' (httpx: 5 s)
+KEEP_ALIVE_S = 75  # idle keep-alive on the server side; longer than clients' (httpx: 5 s, the orchestrator's aiohttp: 15 s)
 
 
 @dataclass(frozen=True)

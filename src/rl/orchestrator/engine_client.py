@@ -25,6 +25,8 @@ from verifiers.v1.configs.client import BaseClientConfig, resolve_api_key, resol
 
 logger = logging.getLogger(__name__)
 
+IDLE_CONNECTION_S = 15.0
+
 
 class EngineClient:
     """`base_url`, `post`, `get` and `close` of `openai.AsyncOpenAI`, as the training client uses them."""
@@ -46,9 +48,13 @@ class EngineClient:
     def _session(self) -> aiohttp.ClientSession:
         if self.session is None:
             # trust_env=False: the engine is reached directly (aiohttp would re-read proxies and ~/.netrc
-            # on every request otherwise); limit=0: the rollouts multiplexed here bound the connections.
+            # on every request otherwise); limit=0: the rollouts multiplexed here bound the connections;
+            # idle connections close well before the inference server's (75 s), so none is closed under
+            # a request being sent on it.
             self.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout, trust_env=False
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S),
+                timeout=self.timeout,
+                trust_env=False,
             )
         return self.session
 

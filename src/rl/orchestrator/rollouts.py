@@ -33,9 +33,10 @@ API_KEY_VAR = "RL_INFERENCE_API_KEY"
 verifiers from reading the Prime CLI config it falls back to for its default variable."""
 
 INTERCEPTION = {"type": "elastic", "multiplex": 8}
-"""verifiers' interception servers, one per 8 concurrent rollouts (its default: 32). Each server has its
-own connection pool to vLLM, and httpx scans every pooled connection on each request: small pools
-took the orchestrator from ~0.53x to ~0.63x raw vLLM tokens/s (benchmarks/orchestrator_throughput.py)."""
+"""verifiers' interception servers, one per 8 concurrent rollouts (its default: 32). Chosen when the
+training client used the OpenAI SDK over httpx, which scans every pooled connection on each request: small
+pools took the orchestrator from ~0.53x to ~0.63x raw vLLM tokens/s (benchmarks/orchestrator_throughput.py).
+With `EngineClient` (aiohttp) 8 and 32 measured alike within the machine's noise."""
 
 
 def _cache_default_factory_inspection() -> None:
