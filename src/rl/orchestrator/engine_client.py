@@ -39,7 +39,8 @@ class EngineClient:
             **resolve_headers(config),
         }
         timeout = config.timeout
-        # aiohttp has no write timeout; the orchestrator's per-rollout deadline bounds the whole turn.
+        # aiohttp's `connect` covers waiting for a pooled connection (the SDK's `pool`) and has no write
+        # timeout; the orchestrator's per-rollout deadline bounds the whole turn either way.
         self.timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
         )
