@@ -1,5 +1,6 @@
 """An `rl` launcher run for tests: its command line, its output collected line by line, and its processes."""
 
+import random
 import re
 import signal
 import socket
@@ -15,9 +16,18 @@ from tests.conftest import ROOT
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. A port from that range (what binding port 0 gives)
+    can be taken before the server binds it: by any outgoing connection, or by a health check connecting
+    to it while nothing listens yet, which Linux may pair with itself (seen: vLLM failing with EADDRINUSE)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(10_000, low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000-{low - 1} after 200 tries")
 
 
 def rl_command(model: Path, out: Path, max_steps: int, *extra: str) -> list[str]:

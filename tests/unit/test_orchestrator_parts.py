@@ -67,8 +67,9 @@ def test_gc_tuned_for_serving_freezes_the_startup_heap_and_collects_young_object
 
     before = gc.get_threshold()
     try:
+        gc.set_threshold(700, *before[1:])  # CPython's default; an in-process orchestrator test may have tuned it
         tune_gc_for_serving()
-        assert gc.get_threshold() == (YOUNG_GC_THRESHOLD, *before[1:]) and YOUNG_GC_THRESHOLD > before[0]
+        assert gc.get_threshold() == (YOUNG_GC_THRESHOLD, *before[1:])
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
