@@ -91,7 +91,7 @@ def chat_messages(system: str | None, prompt: str | vf.Messages | None) -> list[
 class DataIdKey:
     """`Task` mixin: the task's key is its data's durable `id` when it has one, as verifiers suggests for
     datasets that provide one. The default key, a sha256 of the task's JSON, is recomputed on every read
-    (twice per rollout): ~3% of the orchestrator's CPU in benchmarks/orchestrator_throughput.py."""
+    (twice per rollout): ~2.5% of the orchestrator's CPU in benchmarks/orchestrator_throughput.py (py-spy)."""
 
     @property
     def key(self) -> str:
