@@ -63,14 +63,13 @@ class EngineClient:
         return path if path.startswith(("http://", "https://")) else f"{self.base_url}/{path.lstrip('/')}"
 
     async def post(self, path: str, *, cast_to: type, body: Any = None, options: dict | None = None) -> Any:
-        headers = self.headers | dict((options or {}).get("headers") or {})
-        return await self._request("POST", self._url(path), cast_to, headers, json.dumps(body))
+        return await self._request("POST", self._url(path), cast_to, options, json.dumps(body))
 
     async def get(self, path: str, *, cast_to: type, options: dict | None = None) -> Any:
-        headers = self.headers | dict((options or {}).get("headers") or {})
-        return await self._request("GET", self._url(path), cast_to, headers, None)
+        return await self._request("GET", self._url(path), cast_to, options, None)
 
-    async def _request(self, method: str, url: str, cast_to: type, headers: dict, data: str | None) -> Any:
+    async def _request(self, method: str, url: str, cast_to: type, options: dict | None, data: str | None) -> Any:
+        headers = self.headers | dict((options or {}).get("headers") or {})  # per-request headers, as the SDK's
         try:
             async with self._session().request(method, url, data=data, headers=headers) as response:
                 content = await response.read()
