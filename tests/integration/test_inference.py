@@ -1,12 +1,20 @@
 """The inference server on the tiny model: logprob parity with Hugging Face, verified in-place reloads,
 and admin requests that must be refused."""
 
+import contextlib
 import shutil
+import signal
+import subprocess
+import threading
+import time
 
+import httpx
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from rl.inference.server import SHUTDOWN_GRACE_S
 from rl.protocol import mark_stable
 from rl.tiny_model import build_tiny_model
 from tests.integration.inference_server import Server
@@ -164,11 +172,6 @@ def test_idle_connection_outlives_the_clients_keep_alive(server):
 def test_update_pauses_a_request_in_flight_which_then_finishes(server, run_dir):
     """An update waits for nothing when the server is idle; a request already generating is frozen during the
     reload (vLLM's pause, mode "keep") and then finishes; the in-flight count returns to zero."""
-    import threading
-    import time
-
-    import httpx
-
     step = perturbed_step(run_dir, 5, seed=5)
     body = {"model": str(server.model), "token_ids": PROMPTS[0],
             "sampling_params": {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True, "seed": 0}}
@@ -188,3 +191,35 @@ def test_update_pauses_a_request_in_flight_which_then_finishes(server, run_dir):
     assert server.admin("GET", "/policy_step").json() | {"weights_checksum": None} == {
         "step": 5, "weights_checksum": None, "requests_in_flight": 0}
     assert max_mismatch(server, step) < TOLERANCE
+
+
+
+def test_sigterm_ends_the_server_while_an_update_waits_on_a_stalled_engine(tmp_path):
+    """vLLM stops its engine before its HTTP server, so an update still waiting for the engine's reply can never
+    finish; the server must exit anyway. A launcher killed by SIGKILL leaves only this SIGTERM (its children's
+    parent-death signal) to end the server, and nobody to escalate."""
+    build_tiny_model(tmp_path / "model")
+    (tmp_path / "weights").mkdir()
+    server = Server(tmp_path / "model", tmp_path / "weights", tmp_path / "inference.log")
+    engine = psutil.Process(server.proc.pid).children(recursive=True)  # engine core, its worker, resource tracker
+    try:
+        assert server.admin("GET", "/policy_step").status_code == 200  # verifies the base model first
+        step = perturbed_step(tmp_path, 1, seed=1)
+        for process in engine:
+            process.suspend()
+        update = threading.Thread(target=lambda: server.admin(
+            "POST", "/update_weights", json={"step": 1, "path": str(step)}, timeout=120), daemon=True)
+        update.start()
+        time.sleep(2)
+        assert update.is_alive(), "the update finished with the engine stopped"
+        server.proc.send_signal(signal.SIGTERM)
+        limit_s = SHUTDOWN_GRACE_S + 25
+        try:
+            server.proc.wait(limit_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server still runs {limit_s} s after SIGTERM:\n{server.log.read_text()[-2000:]}")
+    finally:
+        for process in engine:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        server.stop()  # SIGKILL if SIGTERM did not end it

@@ -51,6 +51,9 @@ GENERATE_PATH = "/inference/v1/generate"
 GENERATION_PREFIXES = ("/v1/", "/inference/")
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
+# On SIGTERM vLLM stops its engine first, so a request still open cannot finish (an update awaiting the
+# engine's reply would wait forever), and uvicorn by default waits for every open request.
+SHUTDOWN_GRACE_S = 5
 KEEP_ALIVE_S = 75  # idle keep-alive on the server side; longer than clients' (httpx: 5 s, the orchestrator's aiohttp: 15 s)
 
 
@@ -438,4 +441,4 @@ def serve(
     _log_to_stderr()
     validate_parsed_serve_args(args)
     args.rl_admin = AdminSettings(base_model=model, weights_dir=weights_dir, admin_token=admin_token)
-    uvloop.run(run_server(args))
+    uvloop.run(run_server(args, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
