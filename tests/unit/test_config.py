@@ -143,3 +143,16 @@ def test_child_gets_its_spec_environment_over_the_launchers(tmp_path, monkeypatc
     supervisor.start(spec)
     assert supervisor.procs["child"].wait(timeout=30) == 0
     assert spec.log.read_text().split() == ["spec", "launcher"]
+
+
+def test_a_child_killed_by_a_signal_is_named_as_the_cause_of_the_others_exit(tmp_path, capsys):
+    """Ended in the same poll: the orchestrator's exit (code 1) follows the inference server's death."""
+    supervisor = Supervisor(RunPaths(tmp_path), tail_lines=5, shutdown_timeout_s=5)
+    for name, code in [("orchestrator", "raise SystemExit(1)"), ("inference", "import os; os.kill(os.getpid(), 9)")]:
+        supervisor.start(ChildSpec(name, [sys.executable, "-c", code], None, tmp_path / f"{name}.log"))
+    for proc in supervisor.procs.values():
+        proc.wait(timeout=30)
+    assert supervisor._watch() == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("rl: inference was killed by SIGKILL; last lines of")
+    assert err[-1].startswith("rl: orchestrator exited with code 1 too")

@@ -105,16 +105,13 @@ class Supervisor:
         while True:
             self._remember_descendants()
             self._show_new_metrics()
-            for name, proc in self.procs.items():
-                code = proc.poll()
-                if code is None or name in done:
-                    continue
-                if code != 0:
-                    self._report_failure(name, code)
-                    return 1
-                if name.startswith("inference"):
-                    self._report_failure(name, code, "exited while the run still needed it")
-                    return 1
+            polled = {name: proc.poll() for name, proc in self.procs.items() if name not in done}
+            ended = {name: code for name, code in polled.items() if code is not None}
+            failed = {name: code for name, code in ended.items() if code != 0 or name.startswith("inference")}
+            if failed:
+                self._report_failures(failed)
+                return 1
+            for name in ended:
                 done.add(name)
                 print(f"rl: {name} finished", flush=True)
             if {"trainer", "orchestrator"} <= done:
@@ -122,13 +119,20 @@ class Supervisor:
                 return 0
             time.sleep(POLL_S)
 
-    def _report_failure(self, name: str, code: int, why: str | None = None) -> None:
-        why = why or (f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
-        log = self.specs[name].log
+    def _report_failures(self, failed: dict[str, int]) -> None:
+        """Name the cause with the end of its log, then the others that ended with it.
+
+        Children ended since the last poll are seen together: one killed by a signal is the cause of the
+        others' exits (an orchestrator whose inference server was killed exits within a second)."""
+        cause = next((name for name, code in failed.items() if code < 0), next(iter(failed)))
+        log = self.specs[cause].log
         lines = log.read_text(errors="replace").splitlines()[-self.tail_lines :] if log.exists() else []
-        print(f"rl: {name} {why}; last lines of {log}:", file=sys.stderr)
+        print(f"rl: {cause} {_why_ended(failed[cause])}; last lines of {log}:", file=sys.stderr)
         for line in lines:
             print(f"  | {line}", file=sys.stderr)
+        for name, code in failed.items():
+            if name != cause:
+                print(f"rl: {name} {_why_ended(code)} too; log {self.specs[name].log}", file=sys.stderr)
         sys.stderr.flush()
 
     def _show_new_metrics(self) -> None:
@@ -180,6 +184,14 @@ class Supervisor:
             _signal_process(p, signal.SIGKILL)
         for p in self.procs.values():
             p.wait()
+
+
+def _why_ended(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    if code == 0:  # only an inference server's exit is a failure with code 0
+        return "exited while the run still needed it"
+    return f"exited with code {code}"
 
 
 def _signal_process(process: psutil.Process, sig: int) -> None:
