@@ -115,11 +115,11 @@ class Publisher:
         (out / STABLE).write_text(json.dumps({"step": step}))
 
 
-def orchestrator_config(server, out, async_level: int, **extra) -> OrchestratorConfig:
+def orchestrator_config(server, out, async_level: int, max_steps: int = 3, **extra) -> OrchestratorConfig:
     return OrchestratorConfig(
         model={"name": str(server.model)},
         output_dir=out,
-        max_steps=3,
+        max_steps=max_steps,
         async_level=async_level,
         seq_len=512,
         env=[
@@ -160,6 +160,16 @@ def test_env_mixing_and_staleness_bound(server, model_dir, tmp_path, async_level
         assert {"reward/reverse-text", "reward/guess-number", "reward/guess-number/closeness"} <= set(m)
     if async_level == 0:
         assert [m["policy_step"] for m in metrics] == [0, 1, 2]  # on-policy: inference moved every step
+
+
+def test_a_step_is_logged_before_its_state_is_saved(server, tmp_path):
+    """A resume from checkpoint k never runs step k - 1 again, so its metrics record must be written before the
+    state is: here the record cannot be written (metrics.jsonl is a directory), and no state may follow."""
+    config = orchestrator_config(server, tmp_path / "run", 0, max_steps=1, ckpt={"interval": 1})
+    RunPaths(config.output_dir).metrics.mkdir(parents=True)
+    with pytest.raises(IsADirectoryError):
+        run_orchestrator(config, server.model)
+    assert RunPaths(config.output_dir).checkpoint_steps("orchestrator") == []
 
 
 def test_eval_and_wandb_offline(server, tmp_path):

@@ -40,14 +40,18 @@ def write_batches(out: Path, steps: range, ranks: int) -> None:
         write_batch(RunPaths(out), step, per_rank)
 
 
-def train(model: Path, out: Path, ranks: int, max_steps: int, *extra: str) -> None:
+def run_trainer(model: Path, out: Path, ranks: int, max_steps: int, *extra: str) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
         "--master-port", str(free_port()), "-m", "rl.trainer.main", "--model.name", str(model),
         "--output-dir", str(out), "--max-steps", str(max_steps),
         "--seq-len", "48", "--optim.lr", "1e-3", "--rollout-timeout-s", "60", *extra,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def train(model: Path, out: Path, ranks: int, max_steps: int, *extra: str) -> None:
+    proc = run_trainer(model, out, ranks, max_steps, *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -98,6 +102,16 @@ def test_resume_from_checkpoint_is_bit_exact(tiny_model, tmp_path, ranks):
     assert lrs[2] == next(m["lr"] for m in read_metrics(RunPaths(straight)) if m["step"] == 2)
     for name, t in weights(straight, 4).items():
         assert torch.equal(t, weights(resumed, 4)[name]), name
+
+
+def test_a_step_is_logged_before_its_checkpoint(tiny_model, tmp_path):
+    """A resume from checkpoint k never runs step k - 1 again, so its metrics record must be written before the
+    checkpoint is: here the record cannot be written (metrics.jsonl is a directory), and no checkpoint may follow."""
+    write_batches(tmp_path, range(2), ranks=1)
+    RunPaths(tmp_path).metrics.mkdir()
+    proc = run_trainer(tiny_model, tmp_path, 1, 2, "--ckpt.interval", "1")
+    assert proc.returncode != 0 and "IsADirectoryError" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert RunPaths(tmp_path).checkpoint_steps("trainer") == []
 
 
 @pytest.mark.gpu

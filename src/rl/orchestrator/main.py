@@ -107,8 +107,6 @@ class Orchestrator:
         gen_time = time.perf_counter() - gen_start
         batch = self.build_batch(outcomes)
         write_batch(self.paths, step, balance_by_tokens(batch.samples, self.config.trainer_world_size))
-        if self.config.ckpt.due(step + 1, self.config.max_steps):
-            save_state(self.paths, step + 1, self.policy_step, self.samplers, self.config.ckpt.keep)
         stats = self.step_stats(batch, outcomes) | {
             "policy_step": self.policy_step,
             "staleness": step - min(s.policy_version for s in batch.samples),
@@ -122,6 +120,9 @@ class Orchestrator:
             stats |= await self.run_eval()
         self.metrics.log(step, stats, LINE_KEYS)
         self.log_samples(step, batch)
+        # after the log: a resume from step + 1 never logs this step again
+        if self.config.ckpt.due(step + 1, self.config.max_steps):
+            save_state(self.paths, step + 1, self.policy_step, self.samplers, self.config.ckpt.keep)
 
     async def ensure_policy(self, step: int) -> list[dict] | None:
         """Batch `step` may only use policies v_j with j >= step - async_level: wait for and load one."""

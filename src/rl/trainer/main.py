@@ -1,5 +1,5 @@
 """Trainer entrypoint (run under torchrun): wait for batch -> forward/backward -> optimizer step ->
-publish weights -> checkpoint -> log, once per step."""
+publish weights -> log -> checkpoint, once per step."""
 
 from __future__ import annotations
 
@@ -122,14 +122,14 @@ def main() -> None:
         train_s = time.perf_counter() - start
         publish(policy, step + 1, publisher)
         stats |= timing_stats(stats, start - wait_start, train_s, time.perf_counter() - start, world, device_peak)
+        if metrics:  # before the checkpoint: a resume from step + 1 never logs this step again
+            metrics.log(step, stats, LINE_KEYS)
         if config.ckpt.due(step + 1, config.max_steps):
             if publisher:
                 publisher.wait()  # a resume serves the checkpointed step's weights: they must be on disk
             checkpointer.save(step + 1, policy, optimizer, scheduler)
         if world.is_main:
             prune_run_files(paths, step, config)
-        if metrics:
-            metrics.log(step, stats, LINE_KEYS)
     if publisher:
         publisher.close()
     if metrics:
