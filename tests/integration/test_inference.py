@@ -1,5 +1,5 @@
 """The inference server on the tiny model: logprob parity with Hugging Face, verified in-place reloads,
-and admin requests that must be refused."""
+admin requests that must be refused, and a bounded exit on SIGTERM."""
 
 import contextlib
 import shutil
@@ -191,7 +191,6 @@ def test_update_pauses_a_request_in_flight_which_then_finishes(server, run_dir):
     assert server.admin("GET", "/policy_step").json() | {"weights_checksum": None} == {
         "step": 5, "weights_checksum": None, "requests_in_flight": 0}
     assert max_mismatch(server, step) < TOLERANCE
-
 
 
 def test_sigterm_ends_the_server_while_an_update_waits_on_a_stalled_engine(tmp_path):
