@@ -200,11 +200,11 @@ def test_sigterm_ends_the_server_while_an_update_waits_on_a_stalled_engine(tmp_p
     build_tiny_model(tmp_path / "model")
     (tmp_path / "weights").mkdir()
     server = Server(tmp_path / "model", tmp_path / "weights", tmp_path / "inference.log")
-    engine = psutil.Process(server.proc.pid).children(recursive=True)  # engine core, its worker, resource tracker
+    children = psutil.Process(server.proc.pid).children(recursive=True)  # engine core, its worker, resource tracker
     try:
         assert server.admin("GET", "/policy_step").status_code == 200  # verifies the base model first
         step = perturbed_step(tmp_path, 1, seed=1)
-        for process in engine:
+        for process in children:
             process.suspend()
         update = threading.Thread(target=lambda: server.admin(
             "POST", "/update_weights", json={"step": 1, "path": str(step)}, timeout=120), daemon=True)
@@ -218,7 +218,7 @@ def test_sigterm_ends_the_server_while_an_update_waits_on_a_stalled_engine(tmp_p
         except subprocess.TimeoutExpired:
             pytest.fail(f"the server still runs {limit_s} s after SIGTERM:\n{server.log.read_text()[-2000:]}")
     finally:
-        for process in engine:
+        for process in children:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         server.stop()  # SIGKILL if SIGTERM did not end it

@@ -54,7 +54,8 @@ ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update 
 # On SIGTERM vLLM stops its engine first, so a request still open cannot finish (an update awaiting the
 # engine's reply would wait forever), and uvicorn by default waits for every open request.
 SHUTDOWN_GRACE_S = 5
-KEEP_ALIVE_S = 75  # idle keep-alive on the server side; longer than clients' (httpx: 5 s, the orchestrator's aiohttp: 15 s)
+# Idle keep-alive on the server side; longer than clients' (httpx: 5 s, the orchestrator's aiohttp: 15 s).
+KEEP_ALIVE_S = 75
 
 
 @dataclass(frozen=True)
