@@ -17,5 +17,5 @@ uv run rl \
   --trainer @ configs/reverse_text/train.toml \
   --orchestrator @ configs/reverse_text/orch.toml \
   --inference @ configs/reverse_text/infer.toml \
-  --model.name "$out/model-sft" --max-steps 40 --seq-len 128 --async-level 1 \
+  --model.name "$out/model-sft" --max-steps 60 --seq-len 128 --async-level 1 \
   --output-dir "$out/run"
