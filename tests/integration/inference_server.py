@@ -1,5 +1,6 @@
 """A real inference server (`python -m rl.inference.main`) for tests, started once per module."""
 
+import os
 import subprocess
 import sys
 import time
@@ -12,7 +13,8 @@ from tests.integration.launched import free_port
 
 
 class Server:
-    def __init__(self, model: Path, weights_dir: Path, log: Path, token: str = "test-token", timeout_s: float = 300):
+    def __init__(self, model: Path, weights_dir: Path, log: Path, token: str = "test-token", timeout_s: float = 300,
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
@@ -23,7 +25,8 @@ class Server:
             "--weights-dir", str(weights_dir), "--admin-token", token, "--max-model-len", "512",
         ]
         self.http = httpx.Client(timeout=120)  # one connection kept open, as the orchestrator's client does
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                                     env=os.environ | (env or {}))
         self._wait_healthy(timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:

@@ -1,12 +1,14 @@
 """The inference server on the tiny model: logprob parity with Hugging Face, verified in-place reloads,
-admin requests that must be refused, and a bounded exit on SIGTERM."""
+admin requests that must be refused, and a bounded, clean exit on SIGTERM."""
 
 import contextlib
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -222,3 +224,23 @@ def test_sigterm_ends_the_server_while_an_update_waits_on_a_stalled_engine(tmp_p
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         server.stop()  # SIGKILL if SIGTERM did not end it
+
+
+def test_a_stopped_server_leaves_no_sockets_in_the_temp_directory(tmp_path, monkeypatch):
+    """vLLM's processes talk over ZMQ sockets in the temp directory and leave them there at exit; the server
+    gives them a directory of its own and removes it when SIGTERM ends it."""
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    build_tiny_model(tmp_path / "model")
+    (tmp_path / "weights").mkdir()
+    temp = Path(tempfile.mkdtemp(prefix="ipc-test-"))  # short: pytest's tmp_path is too long for a socket path
+    try:
+        server = Server(tmp_path / "model", tmp_path / "weights", tmp_path / "inference.log", env={"TMPDIR": str(temp)})
+        try:
+            assert server.generate(PROMPTS[0])[0]
+            serving = [p for p in temp.rglob("*") if p.is_socket()]
+        finally:
+            server.stop()
+        assert serving, "vLLM made no sockets under TMPDIR: the test no longer looks where they are"
+        assert [p for p in temp.rglob("*") if p.is_socket()] == []
+    finally:
+        shutil.rmtree(temp)

@@ -25,10 +25,13 @@ clients when none is.
 """
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +59,8 @@ ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update 
 SHUTDOWN_GRACE_S = 5
 # Idle keep-alive on the server side; longer than clients' (httpx: 5 s, the orchestrator's aiohttp: 15 s).
 KEEP_ALIVE_S = 75
+SOCKET_PATH_MAX = 107  # a unix socket's path in bytes (sockaddr_un.sun_path, less its NUL)
+UUID_CHARS = 36  # vLLM names each socket by a uuid4
 
 
 @dataclass(frozen=True)
@@ -400,6 +405,35 @@ def _log_to_stderr() -> None:
         package.setLevel(logging.INFO)
 
 
+def _own_socket_dir() -> str | None:
+    """A new directory for vLLM's sockets; None where the user chose one (VLLM_RPC_BASE_PATH) or where a socket's
+    path in it would pass the 107 bytes a unix socket allows (vLLM then keeps its default)."""
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        return None
+    path = tempfile.mkdtemp(prefix="vllm-")
+    if len(os.fsencode(path)) + 1 + UUID_CHARS <= SOCKET_PATH_MAX:
+        return path
+    os.rmdir(path)
+    return None
+
+
+@contextlib.contextmanager
+def private_ipc_dir():
+    """vLLM's processes talk over ZMQ sockets named by uuid in VLLM_RPC_BASE_PATH (the system temp directory by
+    default) and leave them there at exit: 7 files per server. The server gets a directory of its own for them,
+    removed when it ends (a SIGKILLed server still leaves its directory)."""
+    path = _own_socket_dir()
+    if path is None:
+        yield
+        return
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_RPC_BASE_PATH"]
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def serve(
     model: str,
     host: str = "127.0.0.1",
@@ -442,4 +476,5 @@ def serve(
     _log_to_stderr()
     validate_parsed_serve_args(args)
     args.rl_admin = AdminSettings(base_model=model, weights_dir=weights_dir, admin_token=admin_token)
-    uvloop.run(run_server(args, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    with private_ipc_dir():
+        uvloop.run(run_server(args, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
