@@ -13,6 +13,9 @@ hooks only:
   `--logprobs-mode processed_logprobs` (logprobs of the distribution actually sampled from, which
   importance ratios at temperature != 1 need).
 
+On CPU hosts it also sets `RL_VLLM_SHM_POLL_S`, which our vLLM plugin (`inference/shm_polling.py`) reads
+in each vLLM process: vLLM's inter-process queues then sleep between polls instead of spinning.
+
     python -m rl.inference.main @ infer.toml --port 8000     (the entrypoint; see inference/main.py)
 
 Admin routes (JSON; errors are `{"detail": "..."}` with a 4xx status, or 500 when a reload failed):
@@ -42,6 +45,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from rl.inference import shm_polling
 from rl.inference.worker import Fingerprint, checkpoint_fingerprint, verified
 from rl.protocol import STABLE, CorruptFileError, verify_stable
 
@@ -458,6 +462,7 @@ def serve(
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
+    from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     if not Path(model).is_dir():
@@ -476,5 +481,10 @@ def serve(
     _log_to_stderr()
     validate_parsed_serve_args(args)
     args.rl_admin = AdminSettings(base_model=model, weights_dir=weights_dir, admin_token=admin_token)
+    if current_platform.is_cpu():
+        os.environ.setdefault(shm_polling.POLL_ENV, str(shm_polling.CPU_POLL_S))
+    poll_s = shm_polling.poll_interval()  # a bad value fails here, before vLLM starts its processes
+    if poll_s is not None:
+        logger.info("vLLM's shared-memory queues sleep %s s per poll (%s)", poll_s, shm_polling.POLL_ENV)
     with private_ipc_dir():
         uvloop.run(run_server(args, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
