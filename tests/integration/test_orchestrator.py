@@ -1,6 +1,6 @@
-"""The orchestrator against one real inference server per module: every environment kind, env mixing,
-the staleness bound at async_level 0 and 2 (weights published by copying the model, no trainer),
-eval, and W&B offline files."""
+"""The orchestrator against one real inference server per module: every environment kind, env mixing, each
+advantage type, the staleness bound at async_level 0 and 2 (weights published by copying the model, no
+trainer), eval, and W&B offline files."""
 
 import asyncio
 import json
@@ -13,6 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
+from rl.orchestrator.advantage import compute_advantages
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.main import Orchestrator
 from rl.orchestrator.rollouts import InferenceClient, Sampling, load_environment, run_group
@@ -116,23 +117,23 @@ class Publisher:
 
 
 def orchestrator_config(server, out, async_level: int, max_steps: int = 3, **extra) -> OrchestratorConfig:
-    return OrchestratorConfig(
-        model={"name": str(server.model)},
-        output_dir=out,
-        max_steps=max_steps,
-        async_level=async_level,
-        seq_len=512,
-        env=[
+    """Two environments mixed, groups of 2, 8 samples a step; `extra` sets or replaces fields."""
+    return OrchestratorConfig(**{
+        "model": {"name": str(server.model)},
+        "output_dir": out,
+        "max_steps": max_steps,
+        "async_level": async_level,
+        "seq_len": 512,
+        "env": [
             {"id": "reverse-text", "args": ENVS["reverse-text"], "ratio": 1.0},
             {"id": "guess-number", "args": ENVS["guess-number"], "ratio": 1.0},
         ],
-        batch_size=8,
-        rollouts_per_example=2,
-        sampling={"max_tokens": 12},
-        client={"base_urls": [server.url], "admin_token": server.token, "startup_timeout_s": 60},
-        weights_timeout_s=120,
-        **extra,
-    )
+        "batch_size": 8,
+        "rollouts_per_example": 2,
+        "sampling": {"max_tokens": 12},
+        "client": {"base_urls": [server.url], "admin_token": server.token, "startup_timeout_s": 60},
+        "weights_timeout_s": 120,
+    } | extra)
 
 
 def run_orchestrator(config: OrchestratorConfig, model_dir) -> list[dict]:
@@ -160,6 +161,25 @@ def test_env_mixing_and_staleness_bound(server, model_dir, tmp_path, async_level
         assert {"reward/reverse-text", "reward/guess-number", "reward/guess-number/closeness"} <= set(m)
     if async_level == 0:
         assert [m["policy_step"] for m in metrics] == [0, 1, 2]  # on-policy: inference moved every step
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo"])
+def test_each_advantage_type_reaches_the_batch(server, tmp_path, kind):
+    """The batch's advantages are the configured estimator's of each group's rewards. Single-turn rollouts give
+    one sample each, and a group's samples share their prompt, which identifies the group in the batch."""
+    config = orchestrator_config(
+        server, tmp_path / "run", 0, max_steps=1, advantage={"type": kind}, batch_size=16, rollouts_per_example=4,
+        env=[{"id": "reverse-text", "args": ENVS["reverse-text"]}],
+    )
+    run_orchestrator(config, server.model)
+    groups: dict[tuple[int, ...], list] = {}
+    for sample in read_batch(RunPaths(config.output_dir), 0, 0):
+        groups.setdefault(tuple(sample.input_ids[:sample.loss_mask.index(1)]), []).append(sample)
+    assert sorted(len(group) for group in groups.values()) == [4, 4, 4, 4]
+    assert any(len({s.reward for s in group}) > 1 for group in groups.values()), "every group scored alike"
+    for group in groups.values():
+        expected = compute_advantages(kind, [s.reward for s in group])
+        assert [s.advantage for s in group] == pytest.approx(expected, rel=1e-3, abs=1e-6), kind  # rewards are stored as float32
 
 
 def test_a_step_is_logged_before_its_state_is_saved(server, tmp_path):
