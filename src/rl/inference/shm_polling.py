@@ -24,7 +24,7 @@ POLL_ENV = "RL_VLLM_SHM_POLL_S"
 CPU_POLL_S = 0.0005
 """Latency added per wait at most; a decode step of the tiny model takes ~15 ms. 0.1, 0.2, 0.5 and 1 ms
 measured alike within the machine's noise. Ending vLLM's busy period at once instead (every wait on the
-socket) stalled generation: 200-1,100 tokens/s with every process idle, against ~3,800."""
+socket) stalled generation: 190-1,100 tokens/s with every process idle, against ~3,800."""
 
 
 def poll_interval() -> float | None:
