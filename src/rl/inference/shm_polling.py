@@ -1,7 +1,7 @@
 """A vLLM general plugin: vLLM's shared-memory queues sleep between polls instead of spinning.
 
-vLLM's engine core and worker processes pass each step through shared-memory queues whose readers (and a
-writer waiting for readers) spin on `sched_yield` for 1 s after each message. On a CPU host the engine
+vLLM's engine core and worker processes pass each step through shared-memory queues: a reader spins on
+`sched_yield` for 1 s after each message it reads, a writer whenever the queue is full. On a CPU host the engine
 core spun at 0.6-0.8 of a core while the worker computed, CPU taken from the model itself, the
 orchestrator and the trainer (benchmarks/orchestrator_throughput.py). With `POLL_ENV` set, each poll
 sleeps that many seconds instead; idle waits (1 s without a message) block on a socket as before.
