@@ -25,7 +25,9 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from rl.orchestrator.rollouts import InferenceClient, Sampling, load_environment, run_group, tune_gc_for_serving
+from rl.config import EnvConfig
+from rl.orchestrator.environment import load_environment
+from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group, tune_gc_for_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +98,7 @@ def rendered_prompts(env, tokenizer, groups: int) -> list[list[int]]:
 
 async def measure(args, base_url: str) -> None:
     env_args = {"num_examples": args.groups} | ({"max_tool_calls": 0} if args.env == "tool-calc" else {})
-    env = load_environment(args.env, env_args)
+    env = load_environment(EnvConfig(id=args.env, args=env_args))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = rendered_prompts(env, tokenizer, args.groups)
     client = InferenceClient(base_url, args.model, args.model)

@@ -74,9 +74,41 @@ class CkptConfig(Section):
 
 
 class EnvConfig(Section):
-    id: Annotated[str, Field(description="verifiers environment id (an installed package), e.g. reverse-text")]
-    args: Annotated[dict[str, Any], Field(description="keyword arguments passed to the environment")] = {}
+    """One verifiers environment: its taskset (`id`, `args`) and how its seats run (`harness`, `runtime`,
+    `overrides`, all validated by verifiers itself when the environment loads)."""
+
+    id: Annotated[str, Field(min_length=1, description="verifiers environment id (an installed package), e.g. reverse-text")]
+    name: Annotated[
+        str | None, Field(min_length=1, description="label in metrics and logs (default: the id); unique per run")
+    ] = None
+    args: Annotated[dict[str, Any], Field(description="taskset arguments (verifiers' taskset config fields)")] = {}
     ratio: Annotated[float, Field(gt=0, description="share of each batch drawn from this environment")] = 1.0
+    harness: Annotated[
+        dict[str, Any] | None,
+        Field(description="verifiers harness of every seat, e.g. {id = 'bash'}; unset: the environment's own, "
+                          "else rl's in-process chat harness"),
+    ] = None
+    runtime: Annotated[
+        dict[str, Any] | None,
+        Field(description="verifiers runtime of every seat, e.g. {type = 'docker'}; unset: the environment's own "
+                          "if it runs on this host, else {type = 'subprocess'}"),
+    ] = None
+    overrides: Annotated[
+        dict[str, Any],
+        Field(description="further verifiers EnvConfig fields, e.g. {agent = {max_turns = 4}, timeout = {episode = 60}}"),
+    ] = {}
+
+    @property
+    def label(self) -> str:
+        return self.name or self.id
+
+
+def check_env_labels(envs: list[EnvConfig], where: str) -> None:
+    """Metrics are keyed by label, so two [[env]] tables of one list must not share one."""
+    labels = [env.label for env in envs]
+    for label in labels:
+        if labels.count(label) > 1:
+            raise ValueError(f"{where}: two environments are labelled {label!r}; give each a distinct `name`")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ from transformers import AutoTokenizer
 from rl.orchestrator.advantage import compute_advantages
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.main import Orchestrator
-from rl.orchestrator.rollouts import InferenceClient, Sampling, load_environment, run_group
+from rl.config import EnvConfig
+from rl.orchestrator.environment import load_environment
+from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group
 from rl.protocol import STABLE, RunPaths, is_stable, read_batch, read_metrics
 from rl.tiny_model import build_tiny_model
 from tests.integration.inference_server import Server
@@ -50,7 +52,7 @@ def client(server) -> InferenceClient:
 
 @pytest.mark.parametrize("env_id", list(ENVS))
 def test_each_environment_returns_scored_token_samples(server, env_id):
-    env = load_environment(env_id, ENVS[env_id])
+    env = load_environment(EnvConfig(id=env_id, args=ENVS[env_id]))
 
     async def go():
         async with env.serving():

@@ -122,11 +122,22 @@ FILE_CASES = [
     ("env-zero-ratio", "[[env]]\nid = 'reverse-text'\nratio = 0\n", "ratio"),
     ("env-without-id", "[[env]]\nargs = { min_len = 3 }\n", "env.0.id"),
     ("eval-env-not-installed", "[eval]\ninterval = 2\n[[eval.env]]\nid = 'nope-env'\n", "eval.env[0]"),
+    ("env-not-installed-says-how", "[[env]]\nid = 'no-such-env'\n", "uv pip install"),
+    ("env-unknown-harness", "[[env]]\nid = 'reverse-text'\nharness = { id = 'no-such-harness' }\n",
+     "orchestrator.env[0]: environment 'reverse-text': harness.id: harness 'no-such-harness' not found"),
+    ("env-harness-field", "[[env]]\nid = 'reverse-text'\nharness = { id = 'null', colour = 1 }\n", "harness.colour"),
+    ("env-unknown-runtime", "[[env]]\nid = 'reverse-text'\nruntime = { type = 'cloud' }\n", "runtime: Input tag 'cloud'"),
+    ("env-remote-runtime-offline", "[[env]]\nid = 'reverse-text'\nruntime = { type = 'prime' }\n", "Prime credentials"),
+    ("env-unknown-seat", "[[env]]\nid = 'reverse-text'\n[env.overrides.solver]\nmax_turns = 2\n", "overrides.solver"),
+    ("env-duplicate-label", "[[env]]\nid = 'reverse-text'\n[[env]]\nid = 'reverse-text'\n", "distinct `name`"),
+    ("eval-greedy-pass-at-k", "[eval]\ninterval = 2\nrollouts_per_example = 4\n", "set sampling.temperature > 0"),
 ]
 
 
 @pytest.mark.parametrize("text, named", [c[1:] for c in FILE_CASES], ids=[c[0] for c in FILE_CASES])
-def test_bad_orchestrator_files(text, named, model, tmp_path, capsys, refuse_to_start):
+def test_bad_orchestrator_files(text, named, model, tmp_path, capsys, refuse_to_start, monkeypatch):
+    monkeypatch.delenv("PRIME_API_KEY", raising=False)  # a remote sandbox is refused for want of credentials
+    monkeypatch.setenv("HOME", str(tmp_path))
     orch = str(tmp_path / "missing.toml") if text is None else write(tmp_path, "orch.toml", text)
     out = tmp_path / "run"
     assert named in fails(rl_argv(model, out, orch=orch), capsys)

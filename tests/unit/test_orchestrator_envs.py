@@ -9,8 +9,13 @@ from aiohttp import web
 import in_process_chat
 from guess_number import feedback, parse_guess
 from in_process_chat import ModelCallError, SharedChatSession, complete
-from rl.orchestrator.rollouts import load_environment
+from rl.config import EnvConfig
+from rl.orchestrator.environment import load_environment as load_spec
 from tool_calc import find_call, last_number, run_call
+
+
+def load_environment(env_id: str, args: dict, overrides: dict | None = None):
+    return load_spec(EnvConfig(id=env_id, args=args, overrides=overrides or {}))
 
 
 def test_guess_number_tasks_and_feedback():

@@ -74,3 +74,40 @@ def test_gc_tuned_for_serving_freezes_the_startup_heap_and_collects_young_object
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def rollout(reward: float, metrics: dict | None = None, rewards: dict | None = None):
+    from rl.orchestrator.rollouts import RolloutResult, TokenSegment
+
+    segment = TokenSegment([1, 2], [3, 4], [1, 1], [-0.1, -0.2])
+    return RolloutResult(0, "t", [segment], reward, rewards or {"r": reward}, metrics or {}, False, 1)
+
+
+def test_step_stats_carry_each_environments_metrics_components_and_counts():
+    from rl.orchestrator.stats import rollout_stats
+
+    stats = rollout_stats({
+        "echo": [rollout(1.0, {"exact": 1.0}), rollout(0.0, {"exact": 0.0, "chars": 4.0})],
+        "calc": [rollout(0.5, {"tool_calls": 2.0}, {"correct": 0.0, "tool_use": 1.0})],
+    })
+    assert stats["rollouts/echo"] == 2 and stats["rollouts/calc"] == 1
+    assert stats["metric/echo/exact"] == 0.5 and stats["metric/echo/chars"] == 4.0  # over the rollouts that have it
+    assert stats["metric/calc/tool_calls"] == 2.0 and "metric/calc/exact" not in stats
+    assert stats["reward/calc/tool_use"] == 1.0 and stats["reward/echo"] == 0.5
+    assert stats["reward"] == pytest.approx(0.5)
+
+
+def test_pass_at_k_is_the_unbiased_estimate_and_avg_at_n_the_mean_reward():
+    from rl.orchestrator.eval import eval_stats, group_scores, ks, pass_at_k
+
+    assert ks(1) == [1] and ks(4) == [1, 2, 4] and ks(6) == [1, 2, 4, 6]
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 2) == 0.5 and pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    one_right = [rollout(1.0), rollout(0.2), rollout(0.2), rollout(0.2)]
+    none_right = [rollout(0.9)] * 4
+    scores = group_scores([one_right, none_right], pass_threshold=1.0)
+    assert scores == pytest.approx({"pass@1": 0.125, "pass@2": 0.25, "pass@4": 0.5, "avg@4": (0.4 + 0.9) / 2})
+    assert group_scores([none_right], pass_threshold=0.9)["pass@1"] == 1.0  # the threshold decides
+    stats = eval_stats({"a": [one_right], "b": [none_right]}, 1.0)
+    assert stats["eval/pass@4"] == 0.5 and stats["eval/pass@4/a"] == 1.0 and stats["eval/pass@4/b"] == 0.0
+    assert stats["eval/rollouts/a"] == 4

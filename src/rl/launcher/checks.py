@@ -30,14 +30,13 @@ def check_model(name: str) -> None:
 
 def check_environments(config: OrchestratorConfig) -> None:
     """Load every training and eval environment once, as the orchestrator will."""
-    from rl.orchestrator.rollouts import load_environment
+    from rl.orchestrator.environment import EnvLoadError, load_environments
 
-    for where, envs in (("env", config.env), ("eval.env", config.eval.env)):
-        for i, env in enumerate(envs):
-            try:
-                load_environment(env.id, env.args)
-            except ValueError as e:
-                raise ConfigError(f"orchestrator {where}[{i}]: {e}") from None
+    for where, envs in (("orchestrator.env", config.env), ("orchestrator.eval.env", config.eval.env)):
+        try:
+            load_environments(envs, where)
+        except EnvLoadError as e:
+            raise ConfigError(str(e)) from None
 
 
 def check_output_dir(paths: RunPaths, resuming: bool) -> None:

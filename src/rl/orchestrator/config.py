@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import CkptConfig, EnvConfig, ModelConfig, Section, Settings, WandbConfig
+from rl.config import CkptConfig, EnvConfig, ModelConfig, Section, Settings, WandbConfig, check_env_labels
 
 
 class SamplingConfig(Section):
@@ -85,7 +85,28 @@ class EvalSamplingConfig(SamplingConfig):
     temperature: Annotated[float, Field(ge=0, description="sampling temperature (eval default: greedy)")] = 0.0
 
 
-class EvalConfig(Section):
+class EvalSettings(Section):
+    """How an evaluation samples and scores: shared by the orchestrator's periodic eval and `eval`."""
+
+    rollouts_per_example: Annotated[
+        int, Field(ge=1, description="rollouts per eval task (the n of pass@k and avg@n)")
+    ] = 1
+    sampling: EvalSamplingConfig = EvalSamplingConfig()
+    pass_threshold: Annotated[
+        float, Field(description="a rollout passes (for pass@k) when its reward is at least this")
+    ] = 1.0
+
+    @model_validator(mode="after")
+    def _check_sampling(self):
+        if self.rollouts_per_example > 1 and self.sampling.temperature == 0:
+            raise ValueError(
+                f"rollouts_per_example = {self.rollouts_per_example} with greedy sampling gives identical rollouts; "
+                "set sampling.temperature > 0 (e.g. 1.0) or rollouts_per_example = 1"
+            )
+        return self
+
+
+class EvalConfig(EvalSettings):
     interval: Annotated[
         int | None, Field(ge=1, description="evaluate every N steps and at the end; unset: no evaluation")
     ] = None
@@ -94,8 +115,6 @@ class EvalConfig(Section):
         Field(description="eval environments ([[eval.env]]); empty: the training envs with the same args"),
     ] = []
     num_examples: Annotated[int, Field(ge=1, description="tasks evaluated per environment (the first N)")] = 16
-    rollouts_per_example: Annotated[int, Field(ge=1, description="rollouts per eval task")] = 1
-    sampling: EvalSamplingConfig = EvalSamplingConfig()
 
 
 class OrchestratorConfig(Settings):
@@ -138,6 +157,8 @@ class OrchestratorConfig(Settings):
 
     @model_validator(mode="after")
     def _check(self):
+        check_env_labels(self.env, "env")
+        check_env_labels(self.eval.env, "eval.env")
         if self.batch_size % self.rollouts_per_example:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_example "

@@ -1,13 +1,27 @@
-"""Evaluation: the first `num_examples` tasks of each eval environment, with eval sampling settings,
-scored like training rollouts and logged as eval/reward/<env>."""
+"""Evaluation: the first `num_examples` tasks of each eval environment, `rollouts_per_example` rollouts each
+with eval sampling settings, scored like training rollouts. Shared by the orchestrator's periodic eval
+(`eval/...` in metrics.jsonl) and the `eval` command.
+
+pass@k is the unbiased estimate over a task's n rollouts of which c pass (reward >= pass_threshold),
+averaged over tasks (Chen et al., 2021):
+
+    pass@k = 1 - C(n - c, k) / C(n, k)            for k in 1, 2, 4, ... <= n, and n
+
+avg@n is the mean over tasks of the mean reward of the task's n rollouts.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from math import comb
 
-from rl.orchestrator.config import EvalConfig, SamplingConfig
-from rl.orchestrator.rollouts import Environment, InferenceClient, RolloutResult, Sampling, run_group
-from rl.orchestrator.stats import rollout_stats
+from rl.orchestrator.config import EvalConfig, EvalSettings, SamplingConfig
+from rl.orchestrator.environment import Environment
+from rl.orchestrator.rollouts import InferenceClient, RolloutResult, Sampling, run_group
+from rl.orchestrator.stats import mean, rollout_stats
+
+Groups = dict[str, list[list[RolloutResult]]]
+"""Per environment name, one group of rollouts per evaluated task."""
 
 
 def to_sampling(config: SamplingConfig, seed: int | None = None) -> Sampling:
@@ -25,6 +39,61 @@ def eval_due(config: EvalConfig, step: int, max_steps: int) -> bool:
     return config.interval is not None and ((step + 1) % config.interval == 0 or step + 1 == max_steps)
 
 
+async def run_eval_groups(
+    settings: EvalSettings,
+    envs: list[Environment],
+    num_examples: int | None,
+    clients: list[InferenceClient],
+    semaphore: asyncio.Semaphore,
+    timeout_s: float | None,
+) -> Groups:
+    """Every eval task (the first `num_examples` of each env; all if None) once, as one group; a failed
+    rollout raises."""
+    sampling = to_sampling(settings.sampling, settings.sampling.seed)
+    jobs, owners = [], []
+    for env in envs:
+        for index in range(min(num_examples or env.num_tasks, env.num_tasks)):
+            client = clients[len(jobs) % len(clients)]
+            jobs.append(run_group(env, index, settings.rollouts_per_example, client, sampling, semaphore, timeout_s))
+            owners.append(env.name)
+    groups: Groups = {env.name: [] for env in envs}
+    for name, group in zip(owners, await asyncio.gather(*jobs)):
+        groups[name].append(group)
+    return groups
+
+
+def pass_at_k(n: int, passed: int, k: int) -> float:
+    """Chance that at least one of k rollouts drawn from n, of which `passed` pass, passes."""
+    return 1.0 - comb(n - passed, k) / comb(n, k)
+
+
+def ks(n: int) -> list[int]:
+    return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+
+
+def group_scores(groups: list[list[RolloutResult]], pass_threshold: float) -> dict[str, float]:
+    """pass@k for k in 1, 2, 4, ... <= n and n, and avg@n, over groups of n rollouts (n: the smallest group)."""
+    if not groups:
+        return {}
+    n = min(len(g) for g in groups)
+    scores = {
+        f"pass@{k}": mean([pass_at_k(len(g), sum(r.reward >= pass_threshold for r in g), k) for g in groups])
+        for k in ks(n)
+    }
+    scores[f"avg@{n}"] = mean([mean([r.reward for r in g]) for g in groups])
+    return scores
+
+
+def eval_stats(groups: Groups, pass_threshold: float, prefix: str = "eval/") -> dict:
+    """rollout_stats of every rollout, plus pass@k and avg@n overall and per environment (`pass@1/<env>`)."""
+    stats = rollout_stats({name: [r for g in gs for r in g] for name, gs in groups.items()}, prefix)
+    every_group = [g for gs in groups.values() for g in gs]
+    stats |= {f"{prefix}{key}": value for key, value in group_scores(every_group, pass_threshold).items()}
+    for name, env_groups in groups.items():
+        stats |= {f"{prefix}{key}/{name}": value for key, value in group_scores(env_groups, pass_threshold).items()}
+    return stats
+
+
 async def evaluate(
     config: EvalConfig,
     envs: list[Environment],
@@ -32,16 +101,6 @@ async def evaluate(
     semaphore: asyncio.Semaphore,
     timeout_s: float | None,
 ) -> dict:
-    """Run every eval task of every env once (x rollouts_per_example); a failed eval rollout raises."""
-    sampling = to_sampling(config.sampling, config.sampling.seed)
-    jobs, owners = [], []
-    for env in envs:
-        for index in range(min(config.num_examples, env.num_tasks)):
-            client = clients[len(jobs) % len(clients)]
-            jobs.append(run_group(env, index, config.rollouts_per_example, client, sampling, semaphore, timeout_s))
-            owners.append(env.env_id)
-    groups = await asyncio.gather(*jobs)
-    by_env: dict[str, list[RolloutResult]] = {}
-    for env_id, results in zip(owners, groups):
-        by_env.setdefault(env_id, []).extend(results)
-    return rollout_stats(by_env, prefix="eval/")
+    """The orchestrator's periodic eval: eval/... metrics of one pass over the eval tasks."""
+    groups = await run_eval_groups(config, envs, config.num_examples, clients, semaphore, timeout_s)
+    return eval_stats(groups, config.pass_threshold)

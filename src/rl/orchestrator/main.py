@@ -4,8 +4,8 @@ of rollouts, compute advantages and write the step's batch for the trainer."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -15,17 +15,10 @@ from rl.metrics import MetricsLogger, setup_logging
 from rl.orchestrator.advantage import group_advantages
 from rl.orchestrator.batch import balance_by_tokens
 from rl.orchestrator.config import OrchestratorConfig
+from rl.orchestrator.environment import Environment, EnvLoadError, load_environments, serving
 from rl.orchestrator.eval import eval_due, evaluate, to_sampling
 from rl.orchestrator.inference_pool import InferencePool
-from rl.orchestrator.rollouts import (
-    Environment,
-    InferenceClient,
-    RolloutResult,
-    TokenSegment,
-    load_environment,
-    run_group,
-    tune_gc_for_serving,
-)
+from rl.orchestrator.rollouts import InferenceClient, RolloutResult, TokenSegment, run_group, tune_gc_for_serving
 from rl.orchestrator.sampler import TaskSampler
 from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
@@ -46,9 +39,10 @@ def groups_per_env(total: int, ratios: list[float]) -> list[int]:
 
 @dataclass
 class GroupOutcome:
-    env_id: str
+    env: Environment
     results: list[RolloutResult] | None
-    error: str | None = None  # why the group was dropped after its last attempt
+    error: str | None = None  # why the group was dropped after its last attempt: the error's type
+    message: str = ""  # and its text
     retries: int = 0
     policy_step: int = 0  # the policy served while the group was generated
 
@@ -56,8 +50,9 @@ class GroupOutcome:
 @dataclass
 class StepBatch:
     samples: list[Sample]
-    kept: dict[str, list[RolloutResult]] = field(default_factory=dict)  # scored results by env id
+    kept: dict[str, list[RolloutResult]] = field(default_factory=dict)  # scored results by env name
     dropped: Counter = field(default_factory=Counter)  # rollouts dropped, by reason
+    dropped_by_env: Counter = field(default_factory=Counter)
 
 
 class Orchestrator:
@@ -67,8 +62,10 @@ class Orchestrator:
         self.paths = RunPaths(config.output_dir)
         self.pool = InferencePool(config.client.base_urls, config.client.admin_token, config.client.timeout_s)
         self.clients = [InferenceClient(url, config.model.name, config.model.name) for url in config.client.base_urls]
-        self.envs: list[Environment] = [load_environment(e.id, e.args) for e in config.env]
-        self.eval_envs: list[Environment] = [load_environment(e.id, e.args) for e in config.eval.env] or self.envs
+        self.envs: list[Environment] = load_environments(config.env, "env")
+        self.eval_envs: list[Environment] = load_environments(config.eval.env, "eval.env") or self.envs
+        for env in {id(e): e for e in self.envs + self.eval_envs}.values():
+            logger.info(env.describe())
         self.samplers = [TaskSampler(env.num_tasks, config.seed + i) for i, env in enumerate(self.envs)]
         self.semaphore = asyncio.Semaphore(config.max_concurrent)
         self.policy_step = 0
@@ -88,9 +85,7 @@ class Orchestrator:
     async def run(self) -> None:
         self.logger.info(f"waiting for inference servers {self.config.client.base_urls}")
         await self.pool.wait_healthy(self.config.client.startup_timeout_s)
-        async with contextlib.AsyncExitStack() as stack:
-            for env in {id(e): e for e in self.envs + self.eval_envs}.values():
-                await stack.enter_async_context(env.serving())
+        async with serving(self.envs + self.eval_envs):
             tune_gc_for_serving()
             if self.start_step and stable_steps(self.paths.weights_root):
                 await self.load_newest_policy()
@@ -163,22 +158,24 @@ class Orchestrator:
                 results = await run_group(
                     env, task_index, n, client, to_sampling(s, seed), self.semaphore, self.config.rollout.timeout_s
                 )
-                return GroupOutcome(env.env_id, results, retries=attempt, policy_step=policy_step)
+                return GroupOutcome(env, results, retries=attempt, policy_step=policy_step)
             except Exception as e:  # noqa: BLE001 - retried, then dropped and counted by reason, never silently
-                self.logger.warning(f"group of task {task_index} of {env.env_id} failed (attempt {attempt + 1}): {e!r}")
-                error = type(e).__name__
-        return GroupOutcome(env.env_id, None, error, retries=self.config.rollout.max_retries, policy_step=policy_step)
+                self.logger.warning(f"group of task {task_index} of {env.name} failed (attempt {attempt + 1}): {e!r}")
+                error = e
+        retries = self.config.rollout.max_retries
+        return GroupOutcome(env, None, type(error).__name__, str(error), retries=retries, policy_step=policy_step)
 
     def build_batch(self, outcomes: list[GroupOutcome]) -> StepBatch:
         batch = StepBatch([])
         for outcome in outcomes:
             if outcome.results is None:
                 batch.dropped[f"group_failed:{outcome.error}"] += self.config.rollouts_per_example
+                batch.dropped_by_env[outcome.env.name] += self.config.rollouts_per_example
                 continue
-            batch.kept.setdefault(outcome.env_id, []).extend(outcome.results)
+            batch.kept.setdefault(outcome.env.name, []).extend(outcome.results)
             batch.samples.extend(self.group_samples(outcome, batch.dropped))
         if not batch.samples:
-            raise RuntimeError(f"no rollout of the step is trainable ({dict(batch.dropped)}); see the log above")
+            raise RuntimeError(f"no rollout of the step is trainable ({dict(batch.dropped)}){failures(outcomes)}")
         keep = len(batch.samples) - len(batch.samples) % self.config.trainer_world_size
         batch.dropped["uneven_for_ranks"] += len(batch.samples) - keep
         batch.samples = batch.samples[:keep]
@@ -206,6 +203,7 @@ class Orchestrator:
             "samples": len(batch.samples),
             "dropped": sum(batch.dropped.values()),
             "dropped_by_reason": {k: v for k, v in batch.dropped.items() if v},
+            **{f"dropped/{name}": count for name, count in batch.dropped_by_env.items()},
             "group_retries": sum(o.retries for o in outcomes if o.results is not None),
             "completion_tokens": sum(r.sampled_tokens for rs in batch.kept.values() for r in rs),
         }
@@ -228,11 +226,25 @@ class Orchestrator:
             self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.name)
         decode = self.tokenizer.decode
         rows = [
-            [step, env_id, decode(r.segments[-1].prompt_ids), decode(r.segments[-1].completion_ids), r.reward]
-            for env_id, results in batch.kept.items()
+            [step, name, decode(r.segments[-1].prompt_ids), decode(r.segments[-1].completion_ids), r.reward]
+            for name, results in batch.kept.items()
             for r in results[:count]
         ]
         self.metrics.log_table("samples", ["step", "env", "prompt", "completion", "reward"], rows, step)
+
+
+def failures(outcomes: list[GroupOutcome]) -> str:
+    """Per environment, how many groups failed and the first error, with where its seats run."""
+    failed: dict[str, list[GroupOutcome]] = {}
+    for outcome in outcomes:
+        if outcome.results is None:
+            failed.setdefault(outcome.env.name, []).append(outcome)
+    lines = []
+    for name, dropped in failed.items():
+        env, first = dropped[0].env, dropped[0]
+        total = sum(o.env is env for o in outcomes)
+        lines.append(f"\n  {env.describe()}\n    {len(dropped)} of {total} groups failed, first: {first.error}: {first.message}")
+    return "".join(lines)
 
 
 def to_sample(
@@ -256,7 +268,12 @@ def main() -> None:
     logger = setup_logging("orchestrator")
     for noisy in ("verifiers", "httpx", "aiohttp.access"):  # one line per rollout or request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    asyncio.run(Orchestrator(config, logger).run())
+    try:
+        orchestrator = Orchestrator(config, logger)
+    except EnvLoadError as e:
+        logger.error(str(e))
+        sys.exit(2)
+    asyncio.run(orchestrator.run())
 
 
 if __name__ == "__main__":

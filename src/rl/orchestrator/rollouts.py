@@ -2,9 +2,9 @@
 
 verifiers does the rollout: its training client (`TrainClientConfig`) renders the prompt with the
 model's chat template, calls vLLM's `/inference/v1/generate`, and records token ids, the sampled-token
-mask and the sampling logprobs on the trace; the task scores the trace. This module only loads an
-environment by id, runs `n` episodes of one task, and flattens each episode's trace into a plain
-`RolloutResult`. Task order is the environment's own and indexable, so the orchestrator owns the
+mask and the sampling logprobs on the trace; the task scores the trace. This module only runs `n`
+episodes of one task of a loaded environment (`environment.py`), and flattens each episode's trace into
+a plain `RolloutResult`. Task order is the environment's own and indexable, so the orchestrator owns the
 sampler position (and can resume it).
 """
 
@@ -14,30 +14,19 @@ import asyncio
 import contextlib
 import functools
 import gc
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import verifiers.v1 as vf
-from pydantic import ValidationError
 from pydantic._internal import _fields as pydantic_fields
 from renderers import DefaultRendererConfig
-from verifiers.v1.configs.agent import agent_config_fields
-from verifiers.v1.runtimes import runtime_is_local
-from verifiers.v1.utils.loaders import builtin_harness_ids
 
 from rl.orchestrator.engine_client import use_engine_client
+from rl.orchestrator.environment import Environment
 
 API_KEY_VAR = "RL_INFERENCE_API_KEY"
 """Environment variable holding the inference API key (unset sends "EMPTY"). Naming our own keeps
 verifiers from reading the Prime CLI config it falls back to for its default variable."""
-
-INTERCEPTION = {"type": "elastic", "multiplex": 8}
-"""verifiers' interception servers, one per 8 concurrent rollouts (its default: 32). Chosen when the
-training client used the OpenAI SDK over httpx, which scans every pooled connection on each request: small
-pools took the orchestrator from ~0.53x to ~0.63x raw vLLM tokens/s (benchmarks/orchestrator_throughput.py).
-With `EngineClient` (aiohttp) 8 and 32 measured alike within the machine's noise."""
-
 
 def _cache_default_factory_inspection() -> None:
     """pydantic (2.14) inspects a field's `default_factory` signature on every `model_construct`; for a
@@ -136,68 +125,6 @@ class RolloutResult:
 
 class RolloutError(RuntimeError):
     """A rollout failed (inference unreachable, harness or scoring error): no sample to train on."""
-
-
-class Environment:
-    """A loaded verifiers environment with its tasks materialized for deterministic index access."""
-
-    def __init__(self, env_id: str, env: vf.Env, tasks: list[vf.Task]) -> None:
-        self.env_id = env_id
-        self.env = env
-        self.tasks = tasks
-
-    @property
-    def num_tasks(self) -> int:
-        return len(self.tasks)
-
-    def task(self, index: int) -> vf.Task:
-        if not 0 <= index < len(self.tasks):
-            raise IndexError(f"environment {self.env_id!r} has {len(self.tasks)} tasks, no task {index}")
-        return self.tasks[index]
-
-    @contextlib.asynccontextmanager
-    async def serving(self) -> AsyncIterator[None]:
-        """Keep verifiers' interception server up across groups (otherwise each rollout starts one)."""
-        async with self.env.serving():
-            yield
-
-
-def load_environment(
-    env_id: str, args: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
-) -> Environment:
-    """Load environment `env_id` (an installed package) with taskset `args`.
-
-    `overrides` are further verifiers `EnvConfig` fields, e.g. `{"agent": {"harness": {"id": ...}}}`.
-    Raises ValueError naming the id when it is not installed, the args do not validate, or the env
-    would need the network (a remote runtime, or a built-in harness that installs its program).
-    """
-    data = {"interception": INTERCEPTION, **(overrides or {}), "taskset": {**(args or {}), "id": env_id}}
-    try:
-        env = vf.load_environment(vf.resolve_env_config(data))
-    except (ModuleNotFoundError, ValidationError, TypeError, ValueError) as e:
-        raise ValueError(f"environment {env_id!r} with args {args or {}}: {e}") from e
-    require_offline(env_id, env)
-    if not env.taskset.bounded:
-        raise ValueError(f"environment {env_id!r} has an infinite taskset; bound it with its args")
-    return Environment(env_id, env, list(env.taskset))
-
-
-def require_offline(env_id: str, env: vf.Env) -> None:
-    """Fail fast on what would reach for the network: a remote runtime, or uv-installed harnesses."""
-    builtin = set(builtin_harness_ids())
-    harnesses = env.config.agent_harnesses()
-    for role, agent in agent_config_fields(env.config).items():
-        if not runtime_is_local(agent.runtime):
-            raise ValueError(
-                f"environment {env_id!r}: seat {role!r} uses the remote runtime {agent.runtime.type!r}; "
-                f"pass overrides={{{role!r}: {{'runtime': {{'type': 'subprocess'}}}}}}"
-            )
-        if harnesses[role].id in builtin:
-            raise ValueError(
-                f"environment {env_id!r}: seat {role!r} uses verifiers' built-in harness "
-                f"{harnesses[role].id!r}, which installs its program with uv (network); ship an "
-                f"in-process harness in the environment package or set overrides={{{role!r}: {{'harness': ...}}}}"
-            )
 
 
 async def run_group(

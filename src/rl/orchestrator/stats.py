@@ -1,5 +1,5 @@
-"""Per-step numbers of the rollouts: reward overall, per environment and per reward component, and
-completion lengths."""
+"""Per-step numbers of the rollouts: reward overall and per environment, each environment's reward components
+and own metrics, rollout counts, and completion lengths."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def mean(values: list[float]) -> float:
 
 
 def rollout_stats(results_by_env: dict[str, list[RolloutResult]], prefix: str = "") -> dict:
-    """reward, reward/<env>, reward/<env>/<component>, completion_len(_max), truncated (fraction)."""
+    """reward, completion_len(_max), truncated (fraction), num_turns, segments over every rollout; per environment
+    `reward/<env>`, `reward/<env>/<component>`, `metric/<env>/<metric>` (its own metrics) and `rollouts/<env>`."""
     everything = [r for rs in results_by_env.values() for r in rs]
     if not everything:
         return {}
@@ -27,11 +28,18 @@ def rollout_stats(results_by_env: dict[str, list[RolloutResult]], prefix: str = 
         f"{prefix}num_turns": mean([r.num_turns for r in everything]),
         f"{prefix}segments": mean([len(r.segments) for r in everything]),
     }
-    for env_id, results in results_by_env.items():
-        stats[f"{prefix}reward/{env_id}"] = mean([r.reward for r in results])
-        components: dict[str, list[float]] = defaultdict(list)
-        for result in results:
-            for name, score in result.rewards.items():
-                components[name].append(score)
-        stats |= {f"{prefix}reward/{env_id}/{name}": mean(scores) for name, scores in components.items()}
+    for name, results in results_by_env.items():
+        stats[f"{prefix}reward/{name}"] = mean([r.reward for r in results])
+        stats[f"{prefix}rollouts/{name}"] = len(results)
+        stats |= {f"{prefix}reward/{name}/{key}": value for key, value in means(r.rewards for r in results).items()}
+        stats |= {f"{prefix}metric/{name}/{key}": value for key, value in means(r.metrics for r in results).items()}
     return stats
+
+
+def means(records) -> dict[str, float]:
+    """The mean of each key over the records that have it."""
+    values: dict[str, list[float]] = defaultdict(list)
+    for record in records:
+        for key, value in record.items():
+            values[key].append(value)
+    return {key: mean(vs) for key, vs in values.items()}

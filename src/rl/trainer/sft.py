@@ -56,9 +56,9 @@ class SFTConfig(Settings):
 
 def build_examples(config: SFTConfig, tokenizer) -> list[Sample]:
     """One prompt + answer example per task of the environment."""
-    from rl.orchestrator.rollouts import load_environment
+    from rl.orchestrator.environment import load_environment
 
-    env = load_environment(config.env.id, config.env.args)
+    env = load_environment(config.env)
     examples = []
     for task in env.tasks:
         answer = getattr(task.data, config.answer_field, None)

@@ -6,15 +6,18 @@ install it. verifiers only requires that every model call goes through the rollo
 the rollout's own process, and returns a synthetic success. Token ids and logprobs are recorded by
 verifiers on the trace as usual.
 
-Model calls share one kept-alive HTTP session per event loop while an environment with the
-`SharedChatSession` mixin serves: a new client per rollout cost a TCP handshake on both ends of localhost
-and ~1 ms of orchestrator CPU per rollout (py-spy, benchmarks/orchestrator_throughput.py).
+Model calls share one kept-alive HTTP session per event loop while `shared_session()` is held: rl's
+orchestrator holds it while an environment serves, and the `SharedChatSession` mixin does for an `Env` run
+by other tools. A new client per rollout cost a TCP handshake on both ends of localhost and ~1 ms of
+orchestrator CPU per rollout (py-spy, benchmarks/orchestrator_throughput.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import aiohttp
 import verifiers.v1 as vf
@@ -37,26 +40,44 @@ def new_session() -> aiohttp.ClientSession:
     )
 
 
+async def _hold() -> None:
+    loop = asyncio.get_running_loop()
+    session, holders = _shared.get(loop) or (new_session(), 0)
+    _shared[loop] = (session, holders + 1)
+
+
+async def _release() -> None:
+    loop = asyncio.get_running_loop()
+    session, holders = _shared[loop]
+    if holders > 1:
+        _shared[loop] = (session, holders - 1)
+    else:
+        del _shared[loop]
+        await session.close()
+
+
+@contextlib.asynccontextmanager
+async def shared_session() -> AsyncIterator[None]:
+    """While held, model calls on this event loop share one kept-alive session (holders nest)."""
+    await _hold()
+    try:
+        yield
+    finally:
+        await _release()
+
+
 class SharedChatSession:
     """`Env` mixin: hold the event loop's shared session while the environment serves."""
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        session, holders = _shared.get(loop) or (new_session(), 0)
-        _shared[loop] = (session, holders + 1)
+        await _hold()
         await super().start()
 
     async def stop(self) -> None:
         try:
             await super().stop()
         finally:
-            loop = asyncio.get_running_loop()
-            session, holders = _shared[loop]
-            if holders > 1:
-                _shared[loop] = (session, holders - 1)
-            else:
-                del _shared[loop]
-                await session.close()
+            await _release()
 
 
 async def complete(endpoint: str, secret: str, model: str, messages: list[dict]) -> str:
@@ -124,4 +145,5 @@ __all__ = [
     "SharedChatSession",
     "chat_messages",
     "complete",
+    "shared_session",
 ]
