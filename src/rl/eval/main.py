@@ -1,0 +1,213 @@
+"""`eval`: evaluate a model on verifiers environments.
+
+    uv run eval @ eval.toml --model.name outputs/run/weights/step_60 --rollouts-per-example 4
+
+The model is a Hugging Face directory (a run's `weights/step_k` is one), served by a vLLM server that eval
+starts (`[inference]`) or one already running (`--client.base-url`). Every task of every `[[env]]` (the first
+`num_examples`) gets `rollouts_per_example` rollouts, scored by the environment. Written to `output_dir`:
+`results.jsonl` (one line per rollout: reward, components, metrics, pass, prompt and completion text) and
+`summary.json` (per environment and overall: mean reward, components, metrics, pass@k, avg@n).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+
+from rl.config import ConfigError, run_cli, write_config
+from rl.eval.config import EvalCommandConfig
+from rl.launcher.checks import check_model
+from rl.launcher.supervisor import ChildSpec, Supervisor
+from rl.metrics import setup_logging
+from rl.orchestrator.environment import EnvLoadError, Environment, load_environments, serving
+from rl.orchestrator.eval import Groups, eval_stats, group_scores, run_eval_groups
+from rl.orchestrator.rollouts import InferenceClient, RolloutResult
+from rl.orchestrator.stats import means
+from rl.protocol import STABLE, CorruptFileError, RunPaths, atomic_write_text, verify_stable
+
+RESULTS = "results.jsonl"
+SUMMARY = "summary.json"
+
+
+def output_dir(config: EvalCommandConfig) -> Path:
+    """The results directory: a new one, or one that holds no results yet (nothing is overwritten)."""
+    out = config.output_dir or Path("outputs") / f"eval-{datetime.now():%Y%m%d-%H%M%S}"
+    taken = [name for name in (RESULTS, SUMMARY) if (out / name).exists()]
+    if taken:
+        raise ConfigError(f"output_dir {out} already holds {taken[0]}; choose another --output-dir or delete it")
+    return out
+
+
+def check_weights(model: str) -> None:
+    """A run's `weights/step_k` carries a STABLE marker: refuse files that were truncated or changed."""
+    path = Path(model)
+    if (path / STABLE).is_file():
+        try:
+            verify_stable(path)
+        except CorruptFileError as e:
+            raise ConfigError(f"model {model}: {e}") from None
+
+
+def start_server(config: EvalCommandConfig, out: Path) -> tuple[Supervisor, str]:
+    """rl's inference server for the model, logging to <out>/logs/inference.log."""
+    inference = config.inference.model_copy(update={"model": config.model})
+    write_config(inference, out / "configs" / "inference.toml")
+    cmd = [sys.executable, "-m", "rl.inference.main", "@", str((out / "configs" / "inference.toml").absolute())]
+    supervisor = Supervisor(RunPaths(out), tail_lines=40, shutdown_timeout_s=10)
+    supervisor.start(ChildSpec("inference", cmd, None, out / "logs" / "inference.log"))
+    host = "127.0.0.1" if inference.host in ("0.0.0.0", "::", "") else inference.host
+    return supervisor, f"http://{host}:{inference.port}"
+
+
+def wait_healthy(url: str, timeout_s: float, supervisor: Supervisor | None) -> None:
+    """Poll <url>/health; fail at the deadline, or as soon as the server eval started has exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if supervisor is not None and (code := supervisor.procs["inference"].poll()) is not None:
+            log = supervisor.specs["inference"].log
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"the inference server exited with code {code} before it was healthy; {log}:\n{tail}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"inference server {url} was not healthy after {timeout_s:.0f}s")
+
+
+async def run(config: EvalCommandConfig, envs: list[Environment], client: InferenceClient) -> Groups:
+    semaphore = asyncio.Semaphore(config.max_concurrent)
+    async with serving(envs):
+        return await run_eval_groups(config, envs, config.num_examples, [client], semaphore, config.rollout_timeout_s)
+
+
+def rollout_records(groups: Groups, envs: list[Environment], threshold: float, decode) -> list[dict]:
+    by_name = {env.name: env for env in envs}
+    records = []
+    for name, env_groups in groups.items():
+        for task_index, group in enumerate(env_groups):
+            for j, result in enumerate(group):
+                records.append(rollout_record(name, by_name[name], task_index, j, result, threshold, decode))
+    return records
+
+
+def rollout_record(name: str, env: Environment, task_index: int, j: int, r: RolloutResult, threshold: float, decode) -> dict:
+    return {
+        "env": name,
+        "task_index": task_index,
+        "task_id": r.task_id,
+        "rollout": j,
+        "reward": r.reward,
+        "passed": r.reward >= threshold,
+        "rewards": r.rewards,
+        "metrics": r.metrics,
+        "num_turns": r.num_turns,
+        "truncated": r.is_truncated,
+        "completion_tokens": r.sampled_tokens,
+        "prompt": decode(r.segments[0].prompt_ids),
+        "completion": decode(r.segments[-1].completion_ids),
+    }
+
+
+def summarize(groups: Groups, config: EvalCommandConfig, elapsed_s: float) -> dict:
+    """Per environment and overall: tasks, rollouts, mean reward, components, metrics, pass@k, avg@n."""
+    per_env = {}
+    for name, env_groups in groups.items():
+        results = [r for g in env_groups for r in g]
+        per_env[name] = {
+            "tasks": len(env_groups),
+            "rollouts": len(results),
+            "reward": sum(r.reward for r in results) / len(results),
+            **group_scores(env_groups, config.pass_threshold),
+            **{f"reward/{k}": v for k, v in means(r.rewards for r in results).items()},
+            **{f"metric/{k}": v for k, v in means(r.metrics for r in results).items()},
+        }
+    overall = eval_stats(groups, config.pass_threshold, prefix="")
+    return {
+        "model": config.model.name,
+        "rollouts_per_example": config.rollouts_per_example,
+        "pass_threshold": config.pass_threshold,
+        "sampling": config.sampling.model_dump(mode="json"),
+        "time_s": elapsed_s,
+        "envs": per_env,
+        "overall": {k: v for k, v in overall.items() if "/" not in k},
+    }
+
+
+def format_table(summary: dict) -> str:
+    rows = [("env", "tasks", "rollouts", "reward", *score_keys(summary))]
+    for name, env in summary["envs"].items():
+        rows.append((name, env["tasks"], env["rollouts"], env["reward"], *(env[k] for k in score_keys(summary))))
+    widths = [max(len(_cell(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(_cell(v).ljust(w) for v, w in zip(row, widths)) for row in rows)
+
+
+def score_keys(summary: dict) -> list[str]:
+    first = next(iter(summary["envs"].values()))
+    return [k for k in first if k.startswith(("pass@", "avg@"))]
+
+
+def _cell(value) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def write_results(out: Path, records: list[dict], summary: dict) -> None:
+    atomic_write_text(out / RESULTS, "".join(json.dumps(r) + "\n" for r in records))
+    atomic_write_text(out / SUMMARY, json.dumps(summary, indent=2) + "\n")
+
+
+def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logger) -> dict:
+    supervisor, url = (None, config.client.base_url) if config.client.base_url else start_server(config, out)
+    try:
+        logger.info(f"waiting for inference server {url}")
+        wait_healthy(url.rstrip("/"), config.client.startup_timeout_s, supervisor)
+        client = InferenceClient(url, config.client.served_model or config.model.name, config.model.name)
+        start = time.perf_counter()
+        groups = asyncio.run(run(config, envs, client))
+        elapsed = time.perf_counter() - start
+    finally:
+        if supervisor is not None:
+            supervisor.stop_all()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
+    records = rollout_records(groups, envs, config.pass_threshold, tokenizer.decode)
+    summary = summarize(groups, config, elapsed)
+    write_results(out, records, summary)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = run_cli(EvalCommandConfig, argv)
+    logger = setup_logging("eval")
+    for noisy in ("verifiers", "httpx", "aiohttp.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        out = output_dir(config)
+        if config.client.base_url is None:
+            check_model(config.model.name)
+            check_weights(config.model.name)
+        envs = load_environments(config.env, "env")
+    except (ConfigError, EnvLoadError) as e:
+        print(f"eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    out.mkdir(parents=True, exist_ok=True)
+    write_config(config, out / "configs" / "eval.toml")
+    for env in envs:
+        logger.info(env.describe())
+    summary = evaluate(config, envs, out, logger)
+    print(format_table(summary))
+    print(f"eval: {sum(e['rollouts'] for e in summary['envs'].values())} rollouts in {summary['time_s']:.0f}s; "
+          f"{out / RESULTS}, {out / SUMMARY}")
+
+
+if __name__ == "__main__":
+    main()
