@@ -21,6 +21,7 @@ from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group
 from rl.protocol import STABLE, RunPaths, is_stable, read_batch, read_metrics
 from rl.tiny_model import build_tiny_model
+from tests.conftest import ROOT
 from tests.integration.inference_server import Server
 
 pytestmark = pytest.mark.integration
@@ -28,6 +29,7 @@ ENVS = {
     "reverse-text": {"num_examples": 50},
     "guess-number": {"num_examples": 50, "max_guesses": 2},
     "tool-calc": {"num_examples": 50, "max_tool_calls": 2},
+    "reasoning-gym-env": {"dataset": "basic_arithmetic", "num_examples": 50, "dataset_args": {"max_terms": 2}},
 }
 
 
@@ -73,6 +75,8 @@ def test_each_environment_returns_scored_token_samples(server, env_id):
         assert_env_turns_masked(server, results)
     if env_id == "tool-calc":
         assert set(results[0].rewards) == {"correct", "tool_use"}
+    if env_id == "reasoning-gym-env":  # a Taskset-only package: scored by its own reward and metric
+        assert set(results[0].rewards) == {"dataset_score"} and set(results[0].metrics) == {"exact"}
 
 
 def assert_env_turns_masked(server, results):
@@ -217,3 +221,16 @@ def test_eval_and_wandb_offline(server, tmp_path):
         time.sleep(1)
     content = log.read_bytes()
     assert all(key in content for key in expected), f"{log} ({len(content)} bytes) lacks {expected}"
+
+
+def test_a_harness_that_cannot_start_is_named_with_its_reason(server, tmp_path, monkeypatch):
+    """Every group of a step fails: the orchestrator stops naming the environment, how its seat runs, and the error."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "fixtures" / "environments"))
+    env = {"id": "taskset-only", "harness": {"id": "failing-harness"}}
+    config = orchestrator_config(server, tmp_path / "run", 0, max_steps=1, env=[env], rollout={"max_retries": 0})
+    with pytest.raises(RuntimeError) as error:
+        run_orchestrator(config, server.model)
+    message = str(error.value)
+    assert "no rollout of the step is trainable" in message
+    assert "seat 'agent': harness 'failing-harness' (as configured), runtime 'subprocess'" in message
+    assert "4 of 4 groups failed, first: RolloutError" in message and "the network is unreachable" in message

@@ -120,3 +120,21 @@ def test_model_calls_share_one_connection_while_environments_serve():
         assert len(peers) == 6 and len(set(peers[:5])) == 1 and peers[5] != peers[0]
 
     asyncio.run(scenario())
+
+
+def test_reasoning_gym_tasks_are_reproducible_and_scored_by_the_dataset():
+    from reasoning_gym_env import entry_score
+
+    args = {"dataset": "basic_arithmetic", "num_examples": 6, "seed": 2,
+            "dataset_args": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}
+    env = load_environment("reasoning-gym-env", args)
+    again = load_environment("reasoning-gym-env", args)
+    assert [t.data.prompt for t in env.tasks] == [t.data.prompt for t in again.tasks]
+    assert "rl's default" in env.describe()  # a Taskset-only package: rl's harness and the local runtime
+    task = env.tasks[0].data
+    assert entry_score(task, task.answer) == 1.0 and entry_score(task, f"<answer>{task.answer}</answer>") == 1.0
+    assert entry_score(task, "no idea") == 0.0
+    with pytest.raises(ValueError, match="args: Value error, reasoning-gym dataset 'no_such_dataset'.*not registered"):
+        load_environment("reasoning-gym-env", {"dataset": "no_such_dataset"})
+    with pytest.raises(ValueError, match="args: .*max_terms must be >= min_terms"):
+        load_environment("reasoning-gym-env", args | {"dataset_args": {"min_terms": 3, "max_terms": 2}})

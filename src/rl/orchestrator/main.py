@@ -51,8 +51,12 @@ class GroupOutcome:
 class StepBatch:
     samples: list[Sample]
     kept: dict[str, list[RolloutResult]] = field(default_factory=dict)  # scored results by env name
-    dropped: Counter = field(default_factory=Counter)  # rollouts dropped, by reason
-    dropped_by_env: Counter = field(default_factory=Counter)
+    dropped: Counter = field(default_factory=Counter)  # rollouts (samples, once split) dropped, by reason
+    dropped_by_env: Counter = field(default_factory=Counter)  # the same, by env name
+
+    def drop(self, reason: str, env: str, count: int) -> None:
+        self.dropped[reason] += count
+        self.dropped_by_env[env] += count
 
 
 class Orchestrator:
@@ -169,11 +173,10 @@ class Orchestrator:
         batch = StepBatch([])
         for outcome in outcomes:
             if outcome.results is None:
-                batch.dropped[f"group_failed:{outcome.error}"] += self.config.rollouts_per_example
-                batch.dropped_by_env[outcome.env.name] += self.config.rollouts_per_example
+                batch.drop(f"group_failed:{outcome.error}", outcome.env.name, self.config.rollouts_per_example)
                 continue
             batch.kept.setdefault(outcome.env.name, []).extend(outcome.results)
-            batch.samples.extend(self.group_samples(outcome, batch.dropped))
+            batch.samples.extend(self.group_samples(outcome, batch))
         if not batch.samples:
             raise RuntimeError(f"no rollout of the step is trainable ({dict(batch.dropped)}){failures(outcomes)}")
         keep = len(batch.samples) - len(batch.samples) % self.config.trainer_world_size
@@ -181,19 +184,19 @@ class Orchestrator:
         batch.samples = batch.samples[:keep]
         return batch
 
-    def group_samples(self, outcome: GroupOutcome, dropped: Counter) -> list[Sample]:
-        results = outcome.results
+    def group_samples(self, outcome: GroupOutcome, batch: StepBatch) -> list[Sample]:
+        results, env = outcome.results, outcome.env.name
         computed = group_advantages(
             self.config.advantage, [r.reward for r in results], [r.is_truncated for r in results]
         )
         if computed is None:
-            dropped["zero_variance_group"] += len(results)
+            batch.drop("zero_variance_group", env, len(results))
             return []
         samples = []
         for result, advantage, trainable in zip(results, *computed):
             for segment in result.segments:
                 if len(segment.prompt_ids) + len(segment.completion_ids) > self.config.seq_len:
-                    dropped["longer_than_seq_len"] += 1
+                    batch.drop("longer_than_seq_len", env, 1)
                     continue
                 samples.append(to_sample(segment, result.reward, advantage, outcome.policy_step, trainable))
         return samples
@@ -234,16 +237,13 @@ class Orchestrator:
 
 
 def failures(outcomes: list[GroupOutcome]) -> str:
-    """Per environment, how many groups failed and the first error, with where its seats run."""
-    failed: dict[str, list[GroupOutcome]] = {}
-    for outcome in outcomes:
-        if outcome.results is None:
-            failed.setdefault(outcome.env.name, []).append(outcome)
+    """Per environment with failed groups: how its seats run, how many groups failed, and the first error."""
     lines = []
-    for name, dropped in failed.items():
-        env, first = dropped[0].env, dropped[0]
+    for env in {id(o.env): o.env for o in outcomes if o.results is None}.values():
+        failed = [o for o in outcomes if o.env is env and o.results is None]
         total = sum(o.env is env for o in outcomes)
-        lines.append(f"\n  {env.describe()}\n    {len(dropped)} of {total} groups failed, first: {first.error}: {first.message}")
+        first = failed[0]
+        lines.append(f"\n  {env.describe()}\n    {len(failed)} of {total} groups failed, first: {first.error}: {first.message}")
     return "".join(lines)
 
 
