@@ -156,3 +156,21 @@ def test_a_child_killed_by_a_signal_is_named_as_the_cause_of_the_others_exit(tmp
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("rl: inference was killed by SIGKILL; last lines of")
     assert err[-1].startswith("rl: orchestrator exited with code 1 too")
+
+
+@pytest.mark.parametrize("orch", ["reverse_text", "mixed"])
+def test_example_configs_pass_every_start_up_check(orch, tmp_path, capsys):
+    """`rl --dry-run` with the example configs: configs resolve and every environment loads."""
+    from rl.launcher import main as launcher
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    launcher.main([
+        "--trainer", "@", str(configs / "reverse_text" / "train.toml"),
+        "--orchestrator", "@", str(configs / orch / "orch.toml"),
+        "--inference", "@", str(configs / "reverse_text" / "infer.toml"),
+        "--model.name", str(model), "--output-dir", str(tmp_path / "run"), "--dry-run",
+    ])
+    assert "# ---- commands ----" in capsys.readouterr().out

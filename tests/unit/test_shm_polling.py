@@ -6,7 +6,7 @@ from importlib.metadata import entry_points
 import pytest
 from vllm.distributed.device_communicators import shm_broadcast
 
-from rl.inference import shm_polling
+from rl import patches
 
 
 @pytest.fixture
@@ -18,12 +18,12 @@ def vllm_yield(monkeypatch):
 
 def test_vllm_finds_the_plugin():
     plugins = {plugin.name: plugin.value for plugin in entry_points(group="vllm.general_plugins")}
-    assert plugins.get("rl-shm-polling") == "rl.inference.shm_polling:register"
+    assert plugins.get("rl-shm-polling") == "rl.patches:vllm_shm_polling"
 
 
 def test_a_poll_sleeps_the_interval_asked_for(monkeypatch, vllm_yield):
-    monkeypatch.setenv(shm_polling.POLL_ENV, "0.05")
-    shm_polling.register()
+    monkeypatch.setenv(patches.POLL_ENV, "0.05")
+    patches.vllm_shm_polling()
     start = time.perf_counter()
     shm_broadcast.sched_yield()
     assert time.perf_counter() - start >= 0.05
@@ -32,16 +32,16 @@ def test_a_poll_sleeps_the_interval_asked_for(monkeypatch, vllm_yield):
 @pytest.mark.parametrize("value", [None, ""])
 def test_unset_or_empty_keeps_vllms_spinning(monkeypatch, vllm_yield, value):
     if value is None:
-        monkeypatch.delenv(shm_polling.POLL_ENV, raising=False)
+        monkeypatch.delenv(patches.POLL_ENV, raising=False)
     else:
-        monkeypatch.setenv(shm_polling.POLL_ENV, value)
-    shm_polling.register()
+        monkeypatch.setenv(patches.POLL_ENV, value)
+    patches.vllm_shm_polling()
     assert shm_broadcast.sched_yield is vllm_yield
 
 
 @pytest.mark.parametrize("value", ["fast", "-0.001", "5", "nan"])
 def test_a_bad_interval_is_refused_by_name(monkeypatch, vllm_yield, value):
-    monkeypatch.setenv(shm_polling.POLL_ENV, value)
-    with pytest.raises(ValueError, match=shm_polling.POLL_ENV):
-        shm_polling.register()
+    monkeypatch.setenv(patches.POLL_ENV, value)
+    with pytest.raises(ValueError, match=patches.POLL_ENV):
+        patches.vllm_shm_polling()
     assert shm_broadcast.sched_yield is vllm_yield

@@ -13,7 +13,7 @@ hooks only:
   `--logprobs-mode processed_logprobs` (logprobs of the distribution actually sampled from, which
   importance ratios at temperature != 1 need).
 
-On CPU hosts it also sets `RL_VLLM_SHM_POLL_S`, which our vLLM plugin (`inference/shm_polling.py`) reads
+On CPU hosts it also sets `RL_VLLM_SHM_POLL_S`, which our vLLM plugin (`rl/patches.py`) reads
 in each vLLM process: vLLM's inter-process queues then sleep between polls instead of spinning.
 
     python -m rl.inference.main @ infer.toml --port 8000     (the entrypoint; see inference/main.py)
@@ -45,7 +45,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from rl.inference import shm_polling
+from rl import patches
 from rl.inference.worker import Fingerprint, checkpoint_fingerprint, verified
 from rl.protocol import STABLE, CorruptFileError, verify_stable
 
@@ -482,9 +482,9 @@ def serve(
     validate_parsed_serve_args(args)
     args.rl_admin = AdminSettings(base_model=model, weights_dir=weights_dir, admin_token=admin_token)
     if current_platform.is_cpu():
-        os.environ.setdefault(shm_polling.POLL_ENV, str(shm_polling.CPU_POLL_S))
-    poll_s = shm_polling.poll_interval()  # a bad value fails here, before vLLM starts its processes
+        os.environ.setdefault(patches.POLL_ENV, str(patches.CPU_POLL_S))
+    poll_s = patches.poll_interval()  # a bad value fails here, before vLLM starts its processes
     if poll_s is not None:
-        logger.info("vLLM's shared-memory queues sleep %s s per poll (%s)", poll_s, shm_polling.POLL_ENV)
+        logger.info("vLLM's shared-memory queues sleep %s s per poll (%s)", poll_s, patches.POLL_ENV)
     with private_ipc_dir():
         uvloop.run(run_server(args, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))

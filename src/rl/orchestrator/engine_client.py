@@ -14,16 +14,12 @@ so none are lost.
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 import aiohttp
 import httpx
 import openai
-import verifiers.v1.clients.train as verifiers_train
 from verifiers.v1.configs.client import BaseClientConfig, resolve_api_key, resolve_headers
-
-logger = logging.getLogger(__name__)
 
 IDLE_CONNECTION_S = 15.0
 
@@ -100,11 +96,3 @@ def status_error(method: str, url: str, status: int, content: bytes) -> openai.A
         body = text
     response = httpx.Response(status, content=content, request=httpx.Request(method, url))
     return openai.APIStatusError(f"Error code: {status} - {text[:2000]}", response=response, body=body)
-
-
-def use_engine_client() -> None:
-    """Make verifiers' training client build an `EngineClient` in place of the OpenAI SDK client."""
-    if not hasattr(verifiers_train, "build_async_openai"):
-        logger.warning("verifiers.v1.clients.train has no build_async_openai: its training client keeps the SDK")
-        return
-    verifiers_train.build_async_openai = EngineClient

@@ -12,46 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import verifiers.v1 as vf
-from pydantic._internal import _fields as pydantic_fields
 from renderers import DefaultRendererConfig
 
-from rl.orchestrator.engine_client import use_engine_client
 from rl.orchestrator.environment import Environment
+from rl.patches import apply_orchestrator_patches
 
 API_KEY_VAR = "RL_INFERENCE_API_KEY"
 """Environment variable holding the inference API key (unset sends "EMPTY"). Naming our own keeps
 verifiers from reading the Prime CLI config it falls back to for its default variable."""
 
-def _cache_default_factory_inspection() -> None:
-    """pydantic (2.14) inspects a field's `default_factory` signature on every `model_construct`; for a
-    builtin factory (`list`) `inspect` copies `sys.modules` (5000+ modules once verifiers is imported), and
-    verifiers constructs several such models per turn: 26% of the orchestrator's CPU in a py-spy profile
-    of benchmarks/orchestrator_throughput.py. The answer depends only on the factory, so it is cached
-    (pydantic/pydantic#13376 fixed the same for private attributes only)."""
-    inspect_factory = pydantic_fields.takes_validated_data_argument
-    if hasattr(inspect_factory, "cache_info"):
-        return
-    cached = functools.lru_cache(maxsize=4096)(inspect_factory)
-
-    @functools.wraps(inspect_factory)
-    def takes_validated_data_argument(default_factory) -> bool:
-        try:
-            return cached(default_factory)
-        except TypeError:  # an unhashable callable
-            return inspect_factory(default_factory)
-
-    takes_validated_data_argument.cache_info = cached.cache_info
-    pydantic_fields.takes_validated_data_argument = takes_validated_data_argument
-
-
-_cache_default_factory_inspection()
-use_engine_client()
+apply_orchestrator_patches()  # verifiers' per-turn costs: see rl/patches.py
 
 
 YOUNG_GC_THRESHOLD = 10_000

@@ -1,0 +1,118 @@
+"""Every change rl makes to another library's code at run time, in one place. Nothing else in rl assigns into
+another library's modules. Each patch says what it replaces, why, and who applies it; what each was measured to save is in
+docs/architecture.md ("Patches of other libraries"):
+
+- pydantic: its inspection of default factories is cached (`cache_default_factory_inspection`);
+- verifiers: its training client sends requests through our `EngineClient` (`use_engine_client`);
+  both applied by the orchestrator's rollouts module when it is imported (`apply_orchestrator_patches`);
+- vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
+  general plugin that vLLM runs in each of its processes, active only where `RL_VLLM_SHM_POLL_S` is set
+  (the inference server sets it on CPU hosts).
+
+The imports of the patched libraries stay inside the functions: vLLM loads this module in every process
+it starts, where neither pydantic's internals nor verifiers are needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------------
+# pydantic
+# --------------------------------------------------------------------------------------------------
+
+
+def cache_default_factory_inspection() -> None:
+    """pydantic (2.14) inspects a field's `default_factory` signature on every `model_construct`; for a
+    builtin factory (`list`) `inspect` copies `sys.modules` (thousands of modules once verifiers is imported),
+    and verifiers constructs several such models per turn: the orchestrator's largest CPU cost. The answer
+    depends only on the factory, so it is cached (pydantic/pydantic#13376 fixed the same for private
+    attributes only)."""
+    from pydantic._internal import _fields as pydantic_fields
+
+    inspect_factory = pydantic_fields.takes_validated_data_argument
+    if hasattr(inspect_factory, "cache_info"):
+        return
+    cached = functools.lru_cache(maxsize=4096)(inspect_factory)
+
+    @functools.wraps(inspect_factory)
+    def takes_validated_data_argument(default_factory) -> bool:
+        try:
+            return cached(default_factory)
+        except TypeError:  # an unhashable callable
+            return inspect_factory(default_factory)
+
+    takes_validated_data_argument.cache_info = cached.cache_info
+    pydantic_fields.takes_validated_data_argument = takes_validated_data_argument
+
+
+# --------------------------------------------------------------------------------------------------
+# verifiers
+# --------------------------------------------------------------------------------------------------
+
+
+def use_engine_client() -> None:
+    """verifiers' training client builds an OpenAI SDK client for vLLM's generate route; it builds our
+    `EngineClient` (orchestrator/engine_client.py: the members it uses, over aiohttp, at a fraction of the
+    SDK's CPU per request) instead."""
+    import verifiers.v1.clients.train as verifiers_train
+
+    from rl.orchestrator.engine_client import EngineClient
+
+    if not hasattr(verifiers_train, "build_async_openai"):
+        logger.warning("verifiers.v1.clients.train has no build_async_openai: its training client keeps the SDK")
+        return
+    verifiers_train.build_async_openai = EngineClient
+
+
+def apply_orchestrator_patches() -> None:
+    cache_default_factory_inspection()
+    use_engine_client()
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM
+# --------------------------------------------------------------------------------------------------
+
+POLL_ENV = "RL_VLLM_SHM_POLL_S"
+CPU_POLL_S = 0.0005
+"""Latency added per wait at most, small beside a decode step; shorter and longer intervals measured alike."""
+
+
+def poll_interval() -> float | None:
+    """Seconds per poll that `POLL_ENV` asks for; None where it is unset or empty (vLLM keeps spinning)."""
+    value = os.environ.get(POLL_ENV, "")
+    if not value:
+        return None
+    try:
+        poll_s = float(value)
+    except ValueError:
+        poll_s = -1.0
+    if not 0 <= poll_s <= 1:
+        raise ValueError(f"{POLL_ENV}={value!r}: give seconds from 0 to 1, or leave it empty to keep vLLM's spinning")
+    return poll_s
+
+
+def vllm_shm_polling() -> None:
+    """A vLLM general plugin (pyproject.toml's `vllm.general_plugins` entry point), called by vLLM in each of
+    its processes, maybe more than once. vLLM's engine core and worker pass each step through shared-memory
+    queues: a reader spins on `sched_yield` for 1 s after each message, a writer whenever the queue is full.
+    On a CPU host the engine core spun through most of a core while the worker computed, CPU taken from the
+    model itself, the orchestrator and the trainer. With `POLL_ENV` set each poll sleeps that long instead;
+    idle waits (1 s without a message) block on a socket as before. The variable, inherited by vLLM's
+    processes, is the switch, so other vLLM runs in this environment are untouched."""
+    poll_s = poll_interval()
+    if poll_s is None:
+        return
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    if not hasattr(shm_broadcast, "sched_yield"):
+        logger.warning("vllm's shm_broadcast has no sched_yield: %s has no effect", POLL_ENV)
+        return
+    shm_broadcast.sched_yield = functools.partial(time.sleep, poll_s)
