@@ -138,8 +138,8 @@ def load_toml(path: str | Path) -> dict:
 
 
 def _parse_value(text: str) -> Any:
-    """Lists and tables come as JSON; everything else stays a string for pydantic to coerce."""
-    if text[:1] in "[{":
+    """Lists and tables come as JSON; everything else (an empty value too) stays a string for pydantic to coerce."""
+    if text.startswith(("[", "{")):
         try:
             return json.loads(text)
         except json.JSONDecodeError as e:
@@ -253,13 +253,29 @@ def run_cli(cls: type[C], argv: list[str] | None = None) -> C:
         sys.exit(2)
 
 
-def to_toml(config: BaseModel) -> str:
-    """Serialise a config so that `@ file.toml` reproduces it (None fields are left out)."""
-    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))
+SECRET_FIELDS = ("admin_token",)
+
+
+def to_toml(config: BaseModel, mask_secrets: bool = False) -> str:
+    """Serialise a config so that `@ file.toml` reproduces it (None fields are left out); `mask_secrets`
+    replaces the value of every secret field, for printing."""
+    data = config.model_dump(mode="json", exclude_none=True)
+    return tomli_w.dumps(_masked(data) if mask_secrets else data)
+
+
+def _masked(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: "<hidden>" if k in SECRET_FIELDS and v is not None else _masked(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_masked(v) for v in data]
+    return data
 
 
 def write_config(config: BaseModel, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write the config readable by its owner only: resolved configs carry the admin token."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(to_toml(config))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(to_toml(config))
     tmp.replace(path)

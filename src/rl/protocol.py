@@ -161,23 +161,51 @@ def mark_stable(directory: Path, **info) -> None:
 
 def stable_info(directory: Path) -> dict:
     """The STABLE marker's contents ({} for an empty marker); raises CorruptFileError if it is unreadable."""
-    text = (directory / STABLE).read_text()
+    marker = directory / STABLE
+    if not marker.is_file():
+        raise CorruptFileError(f"{marker} is not a file")
+    try:
+        text = marker.read_bytes().decode()
+    except UnicodeDecodeError as e:
+        raise CorruptFileError(f"{marker} is not UTF-8: {e}") from None
     if not text.strip():
         return {}
     try:
         info = json.loads(text)
     except json.JSONDecodeError as e:
-        raise CorruptFileError(f"{directory / STABLE} is not valid JSON: {e}") from None
+        raise CorruptFileError(f"{marker} is not valid JSON: {e}") from None
     if not isinstance(info, dict):
-        raise CorruptFileError(f"{directory / STABLE} holds {type(info).__name__}, not a JSON object")
+        raise CorruptFileError(f"{marker} holds {type(info).__name__}, not a JSON object")
     return info
+
+
+def recorded_files(directory: Path) -> dict[str, dict] | None:
+    """The marker's file list, checked for shape: name -> {bytes, crc32}, every name inside `directory`
+    (a name that points elsewhere would have a reader stat and hash a file outside). None for a marker
+    made by hand, which lists no files."""
+    marker = directory / STABLE
+    files = stable_info(directory).get("files")
+    if files is None:
+        return None
+    if not isinstance(files, dict):
+        raise CorruptFileError(f"{marker}: `files` is {type(files).__name__}, not an object")
+    for name, entry in files.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts or not name:
+            raise CorruptFileError(f"{marker} lists {name!r}, which is outside {directory}")
+        if not isinstance(entry, dict):
+            raise CorruptFileError(f"{marker}: entry {name!r} is not an object")
+        for key in ("bytes", "crc32"):
+            if not isinstance(entry.get(key), int) or isinstance(entry.get(key), bool):
+                raise CorruptFileError(f"{marker}: entry {name!r} lacks an integer `{key}`")
+    return files
 
 
 def verify_stable(directory: Path, names: list[str] | None = None) -> None:
     """Check the files the STABLE marker lists (or only `names`) against their recorded size and CRC-32.
 
-    Raises CorruptFileError naming the first file that is missing, truncated or changed."""
-    recorded = stable_info(directory).get("files")
+    Raises CorruptFileError naming the first file that is missing, truncated or changed, or the marker
+    itself if it is malformed."""
+    recorded = recorded_files(directory)
     if recorded is None:
         return  # a marker made by hand lists no files
     for name in names if names is not None else list(recorded):
@@ -185,8 +213,8 @@ def verify_stable(directory: Path, names: list[str] | None = None) -> None:
         if name not in recorded:
             raise CorruptFileError(f"{path} is not listed in {directory / STABLE}")
         expected = recorded[name]
-        if not path.is_file():
-            raise CorruptFileError(f"{path} is listed in {directory / STABLE} but missing")
+        if path.is_symlink() or not path.is_file():
+            raise CorruptFileError(f"{path} is listed in {directory / STABLE} but missing (or not a plain file)")
         size = path.stat().st_size
         if size != expected["bytes"]:
             raise CorruptFileError(f"{path} has {size} bytes, {expected['bytes']} were written: truncated or changed")
@@ -255,10 +283,41 @@ def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
     }
 
 
+BATCH_FIELDS = {  # name -> (dtype, counted per token or per sample)
+    "input_ids": (torch.int64, "token"),
+    "loss_mask": (torch.bool, "token"),
+    "logprobs": (torch.float32, "token"),
+    "lengths": (torch.int64, "sample"),
+    "advantages": (torch.float32, "sample"),
+    "rewards": (torch.float32, "sample"),
+    "policy_versions": (torch.int64, "sample"),
+}
+
+
+def check_batch(tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError naming the first field that does not fit the batch format."""
+    for name, (dtype, _) in BATCH_FIELDS.items():
+        if name not in tensors:
+            raise ValueError(f"the batch lacks {name}")
+        tensor = tensors[name]
+        if tensor.dtype != dtype:
+            raise ValueError(f"{name} must be {str(dtype).removeprefix('torch.')}, not {tensor.dtype}")
+        if tensor.ndim != 1:
+            raise ValueError(f"{name} must be one-dimensional, not of shape {list(tensor.shape)}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{name} holds NaN or infinity")
+    lengths = tensors["lengths"]
+    if (lengths <= 0).any():
+        raise ValueError(f"lengths must be positive: {lengths.tolist()[:10]}")
+    counts = {"token": int(lengths.sum()), "sample": lengths.numel()}
+    for name, (_, per) in BATCH_FIELDS.items():
+        if tensors[name].numel() != counts[per]:
+            raise ValueError(f"{name} has {tensors[name].numel()} entries for {counts[per]} {per}s")
+
+
 def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
+    check_batch(tensors)
     lengths = tensors["lengths"].tolist()
-    if sum(lengths) != tensors["input_ids"].numel():
-        raise ValueError(f"batch is inconsistent: lengths sum to {sum(lengths)}, {tensors['input_ids'].numel()} tokens")
     ids, mask, lps = (tensors[k].split(lengths) for k in ("input_ids", "loss_mask", "logprobs"))
     return [
         Sample(i.tolist(), m.int().tolist(), lp.tolist(), a, r, v)
@@ -269,6 +328,7 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
             tensors["advantages"].tolist(),
             tensors["rewards"].tolist(),
             tensors["policy_versions"].tolist(),
+            strict=True,
         )
     ]
 

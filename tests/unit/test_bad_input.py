@@ -2,6 +2,7 @@
 run directories as they were. (Bad admin requests to inference are in tests/integration/test_inference.py.)"""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,142 @@ def test_damaged_checkpoint_is_refused_and_untouched(model, existing_run, capsys
     before = snapshot(existing_run)
     assert "state.bin has 4 bytes" in fails(rl_argv(model, existing_run) + ["--resume"], capsys)
     assert snapshot(existing_run) == before
+
+
+# ---- STABLE markers a reader must refuse, not crash on (run as the inference server, trainer, orchestrator
+# and `rl --resume` read them) ----
+
+MARKER_CASES = [
+    ("not-json", b"{oops", "not valid JSON"),
+    ("not-utf8", b'{"files": "\xff\xfe"}', "not UTF-8"),
+    ("not-an-object", b"[1, 2]", "not a JSON object"),
+    ("files-not-an-object", b'{"files": [["state.bin", 64]]}', "`files` is list, not an object"),
+    ("entry-not-an-object", b'{"files": {"state.bin": 64}}', "entry 'state.bin' is not an object"),
+    ("entry-without-bytes", b'{"files": {"state.bin": {"crc32": 1}}}', "entry 'state.bin' lacks an integer `bytes`"),
+    ("bytes-not-an-int", b'{"files": {"state.bin": {"bytes": "64", "crc32": 1}}}', "lacks an integer `bytes`"),
+    ("absolute-name", b'{"files": {"/etc/hostname": {"bytes": 1, "crc32": 1}}}', "lists '/etc/hostname', which is outside"),
+    ("parent-name", b'{"files": {"../../outside.bin": {"bytes": 1, "crc32": 1}}}', "lists '../../outside.bin', which is outside"),
+]
+
+
+@pytest.mark.parametrize("content, named", [c[1:] for c in MARKER_CASES], ids=[c[0] for c in MARKER_CASES])
+def test_a_malformed_marker_is_a_corrupt_directory(content, named, tmp_path):
+    from rl.protocol import CorruptFileError, verify_stable
+
+    (tmp_path / "outside.bin").write_bytes(b"x")
+    directory = tmp_path / "a" / "b"
+    directory.mkdir(parents=True)
+    (directory / "state.bin").write_bytes(bytes(64))
+    (directory / "STABLE").write_bytes(content)
+    with pytest.raises(CorruptFileError, match=re.escape(named)):
+        verify_stable(directory)
+
+
+def test_a_marker_that_is_a_directory_is_a_corrupt_directory(tmp_path):
+    from rl.protocol import CorruptFileError, verify_stable
+
+    (tmp_path / "STABLE").mkdir()
+    with pytest.raises(CorruptFileError, match="STABLE is not a file"):
+        verify_stable(tmp_path)
+
+
+@pytest.mark.parametrize("content", [c[1] for c in MARKER_CASES], ids=[c[0] for c in MARKER_CASES])
+def test_resume_skips_a_checkpoint_with_a_malformed_marker(content, model, existing_run, capsys, refuse_to_start):
+    paths = RunPaths(existing_run)
+    for part in ("trainer", "orchestrator"):  # a newer checkpoint, step 4, whose trainer marker is malformed
+        (paths.checkpoint(4) / part).mkdir(parents=True)
+        (paths.checkpoint(4) / part / "state.bin").write_bytes(b"state")
+        mark_stable(paths.checkpoint(4) / part, step=4)
+    (paths.checkpoint(4) / "trainer" / "STABLE").write_bytes(content)
+    argv = rl_argv(model, existing_run)[:-2] + ["--max-steps", "6", "--resume"]
+    with pytest.raises(AssertionError, match="started despite"):  # the fixture stops it once a checkpoint is chosen
+        launcher.main(argv)
+    out = capsys.readouterr().out
+    assert "resuming from step 2" in out and "skipped damaged checkpoints: step 4" in out, out
+
+
+# ---- Rollout batches the trainer must refuse, naming the field ----
+
+def batch_tensors():
+    import torch
+
+    return {
+        "input_ids": torch.arange(7, dtype=torch.int64), "loss_mask": torch.ones(7, dtype=torch.bool),
+        "logprobs": torch.full((7,), -0.5), "lengths": torch.tensor([3, 4]), "advantages": torch.tensor([0.5, -0.5]),
+        "rewards": torch.tensor([1.0, 0.0]), "policy_versions": torch.tensor([0, 0]),
+    }
+
+
+def replaced(field: str, make):
+    tensors = batch_tensors()
+    tensors[field] = make(tensors[field])
+    return tensors
+
+
+BATCH_CASES = [
+    ("short-advantages", "advantages", lambda t: t[:1], "advantages has 1 entries for 2 samples"),
+    ("long-rewards", "rewards", lambda t: t.repeat(2), "rewards has 4 entries for 2 samples"),
+    ("short-versions", "policy_versions", lambda t: t[:1], "policy_versions has 1 entries for 2 samples"),
+    ("nan-advantage", "advantages", lambda t: t.index_fill(0, t.new_tensor([0], dtype=int), float("nan")), "advantages holds NaN or infinity"),
+    ("inf-reward", "rewards", lambda t: t.index_fill(0, t.new_tensor([1], dtype=int), float("inf")), "rewards holds NaN or infinity"),
+    ("nan-logprob", "logprobs", lambda t: t.index_fill(0, t.new_tensor([2], dtype=int), float("nan")), "logprobs holds NaN or infinity"),
+    ("float-input-ids", "input_ids", lambda t: t.float(), "input_ids must be int64, not torch.float32"),
+    ("float-versions", "policy_versions", lambda t: t.float(), "policy_versions must be int64"),
+    ("negative-length", "lengths", lambda t: t.new_tensor([-1, 8]), "lengths must be positive"),
+    ("short-mask", "loss_mask", lambda t: t[:6], "loss_mask has 6 entries for 7 tokens"),
+    ("missing-field", "rewards", None, "lacks rewards"),
+    ("two-dimensional", "input_ids", lambda t: t.reshape(1, 7), "input_ids must be one-dimensional"),
+]
+
+
+@pytest.mark.parametrize("field, make, named", [c[1:] for c in BATCH_CASES], ids=[c[0] for c in BATCH_CASES])
+def test_a_malformed_batch_is_refused_naming_the_field(field, make, named, tmp_path):
+    from safetensors.torch import save_file
+
+    from rl.protocol import decode_samples, read_batch
+
+    tensors = batch_tensors()
+    if make is None:
+        del tensors[field]
+    else:
+        tensors = replaced(field, make)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        decode_samples(tensors)
+    paths = RunPaths(tmp_path)
+    paths.rollouts(0).mkdir(parents=True)
+    save_file(tensors, str(paths.rollout_file(0, 0)))
+    mark_stable(paths.rollouts(0))
+    with pytest.raises(ValueError, match=f"rollout batch .* is missing or corrupt: .*{re.escape(named)}"):
+        read_batch(paths, 0, 0)
+
+
+# ---- The admin token and other config gaps ----
+
+TOKEN_CASES = [
+    ("empty-admin-token", ["--inference.admin-token", ""], "admin_token"),
+    ("empty-client-token", ["--orchestrator.client.admin-token", ""], "admin_token"),
+    ("replica-ports-past-65535", ["--inference.port", "65535", "--inference-replicas", "2"], "65536"),
+    ("tensor-parallel-above-one", ["--inference.tensor-parallel-size", "2"], "tensor_parallel_size"),
+    ("empty-value", ["--max-steps="], "max_steps: Input should be a valid integer"),
+]
+
+
+@pytest.mark.parametrize("extra, named", [c[1:] for c in TOKEN_CASES], ids=[c[0] for c in TOKEN_CASES])
+def test_config_gaps(extra, named, model, tmp_path, capsys, refuse_to_start):
+    err = fails(rl_argv(model, tmp_path / "run") + extra, capsys)
+    assert named in err and "JSON" not in err, err
+
+
+def test_dry_run_checks_the_output_dir_and_masks_the_admin_token(model, existing_run, tmp_path, capsys):
+    assert "already holds a run" in fails(rl_argv(model, existing_run) + ["--dry-run"], capsys)
+    launcher.main(rl_argv(model, tmp_path / "new") + ["--dry-run", "--inference.admin-token", "s3cret-token-value"])
+    out = capsys.readouterr().out
+    assert "admin_token" in out and "s3cret-token-value" not in out, out
+
+
+def test_resolved_configs_are_readable_by_their_owner_only(model, tmp_path, capsys, refuse_to_start):
+    with pytest.raises(AssertionError, match="started despite"):
+        launcher.main(rl_argv(model, tmp_path / "run") + ["--inference.admin-token", "s3cret-token-value"])
+    configs = list((tmp_path / "run" / "configs").glob("*.toml"))
+    assert len(configs) == 4 and any("s3cret-token-value" in p.read_text() for p in configs)
+    assert {oct(p.stat().st_mode & 0o777) for p in configs} == {"0o600"}

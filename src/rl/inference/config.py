@@ -23,7 +23,10 @@ class InferenceConfig(Settings):
         Literal["float32", "bfloat16", "float16", "auto"], Field(description="weights dtype (float32 on CPU hosts)")
     ] = "float32"
     max_model_len: Annotated[int, Field(ge=16, description="longest sequence the server accepts")] = 2048
-    tensor_parallel_size: Annotated[int, Field(ge=1, description="GPUs per replica")] = 1
+    tensor_parallel_size: Annotated[
+        int, Field(ge=1, le=1, description="GPUs per replica: 1 (weight verification reads unsharded layers); "
+                                           "use more replicas instead")
+    ] = 1
     gpu_memory_utilization: Annotated[
         float | None,
         Field(gt=0, le=1, description="share of GPU memory vLLM may use (CPU: of the NUMA node); unset: 0.9 GPU, 0.2 CPU"),
@@ -33,5 +36,7 @@ class InferenceConfig(Settings):
     weights_dir: Annotated[
         Path | None, Field(description="only weights inside this directory may be loaded by /update_weights")
     ] = None
-    admin_token: Annotated[str | None, Field(description="bearer token required by the admin routes")] = None
+    admin_token: Annotated[
+        str | None, Field(min_length=1, description="bearer token required by the admin routes")
+    ] = None
     extra_args: Annotated[list[str], Field(description="any other vLLM server arguments, passed through")] = []

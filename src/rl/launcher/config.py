@@ -121,6 +121,11 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
     i.weights_dir = (t.output_dir / "weights").absolute()
     if i.admin_token is None:
         i.admin_token = secrets.token_hex(16)
+    if i.port + plan.replicas - 1 > 65535:
+        raise ConfigError(
+            f"inference.port = {i.port} with {plan.replicas} replicas needs ports up to {i.port + plan.replicas - 1}, "
+            "past 65535; choose a lower port"
+        )
     urls = [f"http://{_client_host(i.host)}:{i.port + r}" for r in range(plan.replicas)]
     _fill(urls, o.client, "base_urls", "inference.port (one server per replica)", "orchestrator.client")
     _fill(i.admin_token, o.client, "admin_token", "inference.admin-token", "orchestrator.client")

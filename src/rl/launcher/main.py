@@ -96,7 +96,7 @@ def child_specs(config: RLConfig, plan: DevicePlan, paths: RunPaths) -> list[Chi
 def print_dry_run(config: RLConfig, specs: list[ChildSpec]) -> None:
     for name in ("inference", "orchestrator", "trainer"):
         print(f"# ---- {name} config ----")
-        print(to_toml(getattr(config, name)))
+        print(to_toml(getattr(config, name), mask_secrets=True))
     print("# ---- commands ----")
     for spec in specs:
         prefix = "".join(f"{k}={v} " for k, v in spec.extra_env.items())
@@ -122,8 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         config, plan = load(argv)
         paths = RunPaths(config.trainer.output_dir.absolute())
         resuming = config.resume or config.resume_step is not None
-        if not config.dry_run:
-            check_output_dir(paths, resuming)
+        check_output_dir(paths, resuming)
         if resuming:
             plan_resume(config, paths)
         for name in {config.trainer.model.name, config.orchestrator.model.name, config.inference.model.name}:

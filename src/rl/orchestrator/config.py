@@ -42,7 +42,9 @@ class ClientConfig(Section):
     base_urls: Annotated[
         list[str], Field(min_length=1, description="inference servers, one per data-parallel replica")
     ] = ["http://127.0.0.1:8000"]
-    admin_token: Annotated[str | None, Field(description="bearer token for the servers' admin routes")] = None
+    admin_token: Annotated[
+        str | None, Field(min_length=1, description="bearer token for the servers' admin routes")
+    ] = None
     timeout_s: Annotated[float, Field(gt=0, description="deadline for one request to an inference server")] = 300.0
     startup_timeout_s: Annotated[float, Field(gt=0, description="deadline for the servers to become healthy")] = 600.0
 
