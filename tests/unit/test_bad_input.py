@@ -333,3 +333,81 @@ def test_resolved_configs_are_readable_by_their_owner_only(model, tmp_path, caps
     configs = list((tmp_path / "run" / "configs").glob("*.toml"))
     assert len(configs) == 4 and any("s3cret-token-value" in p.read_text() for p in configs)
     assert {oct(p.stat().st_mode & 0o777) for p in configs} == {"0o600"}
+
+
+# ---- Trainer checkpoints: loading one runs no code from its files (the run directory may be shared) ----
+
+
+class RunsCode:
+    """Unpickled, it writes a file: what a tampered checkpoint could do with the trainer's permissions."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('code ran')",)
+
+
+@pytest.fixture
+def one_rank_world(monkeypatch):
+    import torch.distributed as dist
+
+    from rl.trainer.world import init_world
+    from tests.integration.launched import free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    world = init_world()
+    yield world
+    dist.destroy_process_group()
+
+
+def small_training_state():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def test_a_tampered_checkpoint_metadata_runs_no_code(tmp_path, one_rank_world):
+    import pickle
+
+    from rl.config import CkptConfig
+    from rl.trainer.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(RunPaths(tmp_path / "run"), CkptConfig(), one_rank_world)
+    model, optimizer, scheduler = small_training_state()
+    checkpointer.save(2, model, optimizer, scheduler)
+    checkpointer.load(2, model, optimizer, scheduler)  # a checkpoint as written loads
+    directory = checkpointer.directory(2)
+    marker = tmp_path / "code-ran"
+    (directory / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    mark_stable(directory, step=2)  # whoever can rewrite a file of the run directory can rewrite its marker
+    with pytest.raises(pickle.UnpicklingError, match="builtins.exec is not part of a checkpoint's metadata"):
+        checkpointer.load(2, model, optimizer, scheduler)
+    assert not marker.exists()
+
+
+def test_a_tampered_checkpoint_value_runs_no_code(tmp_path):
+    import io
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from rl.trainer.checkpoint import SafeLoadPlanner
+
+    marker = tmp_path / "code-ran"
+    value = io.BytesIO()
+    torch.save(RunsCode(marker), value)
+    value.seek(0)
+    planner = SafeLoadPlanner()
+    planner.set_up_planner({"lr": 0.1}, None, True)
+    index = MetadataIndex("lr")
+    item = ReadItem(LoadItemType.BYTE_IO, index, torch.Size([]), index, torch.Size([]), torch.Size([]))
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        planner.load_bytes(item, value)
+    assert not marker.exists()

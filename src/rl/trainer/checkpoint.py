@@ -1,15 +1,28 @@
 """Trainer checkpoints: model and optimizer with torch.distributed.checkpoint (sharded, every rank writes
 its part), plus step, LR scheduler and RNG state (JSON per rank), under checkpoints/step_k/trainer/,
-keeping the last `keep`."""
+keeping the last `keep`.
+
+Trust boundary: a checkpoint is data, never code. Its files are checked against their STABLE marker, but
+whoever can rewrite a file of the run directory can rewrite the marker too, so the two places where
+torch.distributed.checkpoint unpickles are made safe: the `.metadata` file is unpickled with only the
+classes checkpoint metadata is made of (`MetadataUnpickler`), and non-tensor values (the optimizer's
+hyperparameters) with `torch.load(weights_only=True)` (`SafeLoadPlanner`). The rank JSON files are JSON.
+"""
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 
 from rl.config import CkptConfig
 from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable, mark_stable, verify_stable
@@ -47,7 +60,9 @@ class Checkpointer:
         verify_stable(target)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(target))
+        reader = SafeFileSystemReader(str(target))
+        reader.read_metadata()  # refused here with its reason; inside dcp.load it reads as "metadata not found"
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         meta = json.loads((target / f"rank_{self.world.rank}.json").read_text())
         if meta["step"] != step:
@@ -60,3 +75,46 @@ class Checkpointer:
         """Delete trainer checkpoints older than the newest `keep` complete ones (both parts written)."""
         self.paths.prune_checkpoint_parts("trainer", self.config.keep)
 
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Builds only what a checkpoint's metadata is made of: torch.distributed.checkpoint's metadata types,
+    its storage info, tensor sizes, dtypes and layouts, and paths."""
+
+    ALLOWED = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
+            return getattr(dcp_metadata, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata; refusing to load it")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as metadata_file:
+            metadata = MetadataUnpickler(metadata_file).load()
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise pickle.UnpicklingError(f"{self.path}: .metadata holds {type(metadata).__name__}, not Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
