@@ -107,9 +107,10 @@ def test_update_serves_new_weights_verified_and_refuses_bad_ones(server, run_dir
     assert server.admin("GET", "/policy_step").json()["step"] == 1
     assert max_mismatch(server, step1) < TOLERANCE
 
-    # An older step than the one served is refused.
-    response = server.admin("POST", "/update_weights", json={"step": 0, "path": str(step1)})
-    assert response.status_code == 409
+    # An older step than the one served is refused; a step is loaded only from its own directory.
+    older = perturbed_step(run_dir, 0, seed=5)
+    assert server.admin("POST", "/update_weights", json={"step": 0, "path": str(older)}).status_code == 409
+    assert server.admin("POST", "/update_weights", json={"step": 2, "path": str(step1)}).status_code == 400
 
 
 def test_admin_requests_that_must_be_refused(server, run_dir):

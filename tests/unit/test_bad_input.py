@@ -1,5 +1,6 @@
 """Bad input to `rl`: every case fails before anything starts, with an error naming the problem, and leaves
-run directories as they were. (Bad admin requests to inference are in tests/integration/test_inference.py.)"""
+run directories as they were; malformed markers, batches and checkpoints are refused by their readers, naming
+the problem, and run no code. (Bad requests to a real inference server: tests/integration/test_bad_requests.py.)"""
 
 import json
 import re

@@ -33,9 +33,10 @@ def test_wire_round_trip_is_exact(dtype):
 
 def test_served_weights_are_compared_with_the_files():
     tensors = {"a.weight": torch.randn(16, 8), "a.bias": torch.randn(16)}
-    files = {name: tensor_fingerprint(t, torch.float32) for name, t in tensors.items()}
+    files = ({name: tensor_fingerprint(t, torch.float32) for name, t in tensors.items()}, "files-checksum")
     report = verified(reply_serving(tensors, torch.float32), files, torch.float32)
     assert report["ok"] and report["max_exact_diff"] == 0 and "served" not in report
+    assert report["checksum"] == "files-checksum"
 
     stale = dict(tensors, **{"a.weight": tensors["a.weight"] + 1e-3})  # an update that did not arrive
     report = verified(reply_serving(stale, torch.float32), files, torch.float32)
@@ -50,3 +51,25 @@ def test_served_weights_are_compared_with_the_files():
 
     refused = {"ok": False, "reloaded": False, "mismatched": ["not served: b.weight"], "differing": []}
     assert verified(dict(refused), files, torch.float32) == refused
+
+
+def test_the_checksum_tells_apart_weights_that_differ_outside_the_sampled_columns(tmp_path):
+    """The fingerprint samples a few columns exactly; the checksum must cover every element."""
+    from safetensors.torch import save_file
+
+    from rl.inference.worker import checkpoint_fingerprint
+
+    w = torch.randn(16, 64)
+    cols, _ = probe_inputs(64, torch.float32)
+    unsampled = next(j for j in range(64) if j not in cols)
+    changed = w.clone()
+    changed[3, unsampled] += 0.5
+    for name, weight in (("a", w), ("b", changed)):
+        (tmp_path / name).mkdir()
+        save_file({"layer.weight": weight}, str(tmp_path / name / "model.safetensors"))
+    (prints_a, checksum_a), (prints_b, checksum_b) = (
+        checkpoint_fingerprint(tmp_path / name, torch.float32, tied=False) for name in ("a", "b")
+    )
+    assert torch.equal(prints_a["layer.weight"].exact, prints_b["layer.weight"].exact)  # the sample cannot tell
+    assert checksum_a != checksum_b
+    assert checkpoint_fingerprint(tmp_path / "a", torch.float32, tied=False)[1] == checksum_a  # deterministic

@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from rl import patches
-from rl.inference.worker import Fingerprint, checkpoint_fingerprint, verified
+from rl.inference.worker import FilePrints, checkpoint_fingerprint, verified
 from rl.protocol import STABLE, CorruptFileError, verify_stable
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,13 @@ WORKER_EXTENSION = "rl.inference.worker.WeightSyncExtension"
 MIDDLEWARE = "rl.inference.server.AdminMiddleware"
 ADMIN_PATHS = {"/update_weights", "/policy_step"}
 GENERATE_PATH = "/inference/v1/generate"
-GENERATION_PREFIXES = ("/v1/", "/inference/")
+# Routes that answer without running the model. Every other route is treated as generation: authenticated
+# with the API key if one is set, held while the weights change, counted in flight, refused while broken.
+# (vLLM's own key check covers only a few path prefixes; /invocations and /generative_scoring generate too.)
+OPEN_PATHS = {"/health", "/ping", "/version", "/metrics", "/load", "/v1/models"}
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+MAX_ADMIN_BODY = 64 * 1024  # an update request is ~100 bytes
+MAX_STEP = 2**63 - 1  # policy versions travel as int64
 ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
 # On SIGTERM vLLM stops its engine first, so a request still open cannot finish (an update awaiting the
 # engine's reply would wait forever), and uvicorn by default waits for every open request.
@@ -74,13 +79,17 @@ class AdminSettings:
     base_model: str
     weights_dir: str | None
     admin_token: str | None
+    api_keys: tuple[str, ...] = ()  # vLLM's --api-key / VLLM_API_KEY: required on every generation route
 
 
 class UpdateWeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    step: Annotated[StrictInt, Field(ge=0, description="policy version the weights hold")]
-    path: Annotated[str, Field(min_length=1, description="step directory, inside the weights dir")]
+    step: Annotated[StrictInt, Field(ge=0, le=MAX_STEP, description="policy version the weights hold")]
+    path: Annotated[
+        str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$",
+                   description="the step's step_<step> directory, inside the weights dir")
+    ]
 
 
 class PolicyWeights:
@@ -93,6 +102,7 @@ class PolicyWeights:
     def __init__(self, engine, settings: AdminSettings):
         self.engine, self.settings = engine, settings
         self.step, self.path, self.checksum = 0, str(Path(settings.base_model).resolve()), None
+        self.marker: bytes | None = None  # the STABLE marker of the served step directory, as loaded
         self.broken: str | None = None
         self.lock = asyncio.Lock()
         # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
@@ -129,22 +139,22 @@ class PolicyWeights:
         return self.broken
 
     async def update(self, step: int, path: str) -> dict:
-        target = self._resolve(path)
+        target = self._resolve(path, step)
         try:  # files truncated or changed since the trainer published them are never loaded
-            await asyncio.to_thread(verify_stable, Path(target))
+            marker = await asyncio.to_thread(verified_marker, Path(target))
         except CorruptFileError as e:
             raise HTTPException(422, f"step {step} refused, still serving step {self.step}: {e}") from None
         async with self.lock:
             await self._verify_base()
             if step < self.step or (step == self.step and target != self.path):
                 raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
-            if step == self.step and not self.broken:
-                return {"step": self.step, "weights_checksum": self.checksum}  # a retried request
+            if step == self.step and not self.broken and marker == self.marker:
+                return {"step": self.step, "weights_checksum": self.checksum}  # a retried request, same files
             start, frozen = time.perf_counter(), 0
             self.admitting.clear()  # new generation requests wait in AdminMiddleware until the switch is done
             try:
                 frozen = await self._freeze_in_flight()
-                return await self._switch(step, target) | {"paused_requests": frozen}
+                return await self._switch(step, target, marker) | {"paused_requests": frozen}
             finally:
                 try:
                     await self._release()
@@ -173,16 +183,18 @@ class PolicyWeights:
             await self.engine.resume_generation()
             self.engine_paused = False
 
-    async def _switch(self, step: int, target: str) -> dict:
+    async def _switch(self, step: int, target: str, marker: bytes) -> dict:
         """Load and verify `target` while generation is held; needs the lock."""
         report = await self._load(target, step)
         if not report["ok"]:
             raise await self._refuse(step, target, report)
         self.step, self.path, self.checksum, self.broken = step, target, report["checksum"], None
+        self.marker = marker
         return {"step": step, "weights_checksum": self.checksum} | _timings(report)
 
-    def _resolve(self, path: str) -> str:
-        """The real path of a step directory strictly inside the weights dir, with a STABLE marker."""
+    def _resolve(self, path: str, step: int) -> str:
+        """The real path of the step's own `step_<step>` directory, strictly inside the weights dir, with a
+        STABLE marker and no file that leads outside the weights dir."""
         if self.settings.weights_dir is None:
             raise HTTPException(403, "this server was started without a weights dir: updates are off")
         root = Path(os.path.realpath(self.settings.weights_dir))
@@ -191,8 +203,13 @@ class PolicyWeights:
             raise HTTPException(403, f"{path!r} resolves to {target}, outside the weights dir {root}")
         if not target.is_dir():
             raise HTTPException(404, f"no step directory at {target}")
+        if target.name != f"step_{step}":
+            raise HTTPException(400, f"{path!r} is {target.name}: step {step} loads only from step_{step}")
         if not (target / STABLE).exists():
             raise HTTPException(409, f"{target} has no {STABLE} marker yet: it may be half written")
+        for entry in target.rglob("*"):
+            if entry.is_symlink() and not Path(os.path.realpath(entry)).is_relative_to(root):
+                raise HTTPException(403, f"{entry} links to {os.path.realpath(entry)}, outside the weights dir {root}")
         return str(target)
 
     async def _verify_base(self) -> None:
@@ -225,7 +242,7 @@ class PolicyWeights:
             await self.engine.update_weight_version(str(step))
         return report
 
-    async def _file_prints(self, path: str) -> tuple[dict[str, Fingerprint] | Exception, float]:
+    async def _file_prints(self, path: str) -> tuple[FilePrints | Exception, float]:
         """The fingerprint of the files in `path` (or the error that kept it from being computed) and its time."""
         start = time.perf_counter()
         try:
@@ -249,6 +266,12 @@ class PolicyWeights:
         return HTTPException(500, self.broken)
 
 
+def verified_marker(directory: Path) -> bytes:
+    """Check the step's files against its STABLE marker; the marker's bytes (what identifies the files)."""
+    verify_stable(directory)
+    return (directory / STABLE).read_bytes()
+
+
 def _merge(reports: list[dict]) -> dict:
     """One report from every worker's: ok only if all are."""
     first = dict(reports[0])
@@ -266,29 +289,21 @@ def _timings(report: dict) -> dict:
     return {k: report[k] for k in ("files_s", "reload_s", "verify_s") if k in report}
 
 
-def authorize(request: Request) -> PolicyWeights:
-    """The app's `PolicyWeights`, for a caller holding the admin token (or on loopback if none is set)."""
-    weights: PolicyWeights = request.app.state.weights
-    token = weights.settings.admin_token
-    if token is None:
-        client = request.client.host if request.client else ""
-        if client not in LOOPBACK:
-            raise HTTPException(403, "admin routes answer loopback clients only when no admin token is set")
-    elif not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
-        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-    return weights
+def served_weights(request: Request) -> PolicyWeights:
+    """The app's `PolicyWeights` (the caller was authorized by `AdminMiddleware`)."""
+    return request.app.state.weights
 
 
 admin_router = APIRouter()
 
 
 @admin_router.get("/policy_step")
-async def policy_step(weights: Annotated[PolicyWeights, Depends(authorize)]) -> dict:
+async def policy_step(weights: Annotated[PolicyWeights, Depends(served_weights)]) -> dict:
     return await weights.current()
 
 
 @admin_router.post("/update_weights")
-async def update_weights(body: UpdateWeightsRequest, weights: Annotated[PolicyWeights, Depends(authorize)]) -> dict:
+async def update_weights(body: UpdateWeightsRequest, weights: Annotated[PolicyWeights, Depends(served_weights)]) -> dict:
     return await weights.update(body.step, body.path)
 
 
@@ -302,11 +317,13 @@ def build_admin_app() -> FastAPI:
 class AdminMiddleware:
     """ASGI middleware, installed with vLLM's `--middleware`, in front of vLLM's app.
 
-    Sends the admin paths to `build_admin_app()`. Holds generation requests while the weights change,
-    counts those in flight (`PolicyWeights.admit`) and refuses them while the weights are broken.
-    Adds `"token": "token_id:<id>"` to every logprob entry of `/inference/v1/generate` JSON responses
-    (vLLM writes only `"token_id": <id>`; the `renderers` client of verifiers' training client
-    requires the string form). Everything else passes through untouched.
+    Sends the admin paths to `build_admin_app()` once the caller is authorized (from the headers alone,
+    before any body is read; bodies are bounded). Passes `OPEN_PATHS` through. Treats every other route as
+    generation: checks vLLM's API key when one is set, holds the request while the weights change, counts
+    those in flight (`PolicyWeights.admit`) and refuses them while the weights are broken. Adds
+    `"token": "token_id:<id>"` to every logprob entry of `/inference/v1/generate` JSON responses (vLLM
+    writes only `"token_id": <id>`; the `renderers` client of verifiers' training client requires the
+    string form). Websockets are refused: nothing of rl uses them.
     """
 
     def __init__(self, app):
@@ -314,31 +331,103 @@ class AdminMiddleware:
         self.admin = build_admin_app()
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008, "reason": "this server answers HTTP only"})
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        weights = self._weights(scope["app"].state)
+        weights = self._weights(scope)
         path = scope["path"]
         if path in ADMIN_PATHS:
-            return await self.admin(scope, receive, send)
-        if not path.startswith(GENERATION_PREFIXES):
+            return await self._admin(scope, receive, send, weights.settings)
+        if path in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        refused = await weights.admit()
+        refused = api_key_refusal(scope, weights.settings) or await weights.admit()
         if refused:
-            return await JSONResponse({"detail": refused}, status_code=503)(scope, receive, send)
+            response = refused if isinstance(refused, JSONResponse) else JSONResponse({"detail": refused}, 503)
+            return await response(scope, receive, send)
         weights.in_flight += 1  # no await since admit(): an update starting now sees this request
         try:
             return await self.app(scope, receive, TokenStringRewrite(send) if path == GENERATE_PATH else send)
         finally:
             weights.in_flight -= 1
 
-    def _weights(self, vllm_state) -> PolicyWeights:
+    async def _admin(self, scope, receive, send, settings: AdminSettings) -> None:
+        refused = admin_refusal(scope, settings)
+        if refused is None:
+            body = await read_body(receive, MAX_ADMIN_BODY)
+            if body is None:
+                refused = JSONResponse({"detail": f"the request body is over {MAX_ADMIN_BODY} bytes"}, 413)
+        if refused is not None:
+            return await refused(scope, receive, send)
+        return await self.admin(scope, replay(body, receive), send)
+
+    def _weights(self, scope) -> PolicyWeights:
         """The one `PolicyWeights` of this app, made from vLLM's app state on the first request."""
         if not hasattr(self.admin.state, "weights"):
+            vllm_state = scope["app"].state
             settings = getattr(vllm_state.args, "rl_admin", None)
             if settings is None:
                 raise RuntimeError(f"{MIDDLEWARE} needs the server started by rl.inference.server.serve()")
             self.admin.state.weights = PolicyWeights(vllm_state.engine_client, settings)
         return self.admin.state.weights
+
+
+def header(scope, name: bytes) -> bytes:
+    """A request header's raw bytes (b"" if absent): compared as bytes, any byte a client sends is safe."""
+    return next((value for key, value in scope["headers"] if key.lower() == name), b"")
+
+
+def bearer_matches(scope, secrets: tuple[str, ...]) -> bool:
+    presented = header(scope, b"authorization")
+    return any(hmac.compare_digest(presented, f"Bearer {secret}".encode()) for secret in secrets)
+
+
+def admin_refusal(scope, settings: AdminSettings) -> JSONResponse | None:
+    """Why an admin request is refused, from its headers alone; None if it may proceed."""
+    if settings.admin_token is None:
+        client = (scope.get("client") or ("",))[0]
+        if client not in LOOPBACK:
+            return JSONResponse({"detail": "admin routes answer loopback clients only when no admin token is set"}, 403)
+        return None
+    if not bearer_matches(scope, (settings.admin_token,)):
+        return JSONResponse({"detail": "missing or wrong bearer token"}, 401, {"WWW-Authenticate": "Bearer"})
+    return None
+
+
+def api_key_refusal(scope, settings: AdminSettings) -> JSONResponse | None:
+    if settings.api_keys and not bearer_matches(scope, settings.api_keys):
+        return JSONResponse({"detail": "missing or wrong API key"}, 401, {"WWW-Authenticate": "Bearer"})
+    return None
+
+
+async def read_body(receive, limit: int) -> bytes | None:
+    """The whole request body, or None as soon as it passes `limit` bytes (the rest is never read)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks)  # the client went away; the app sees an empty or partial body
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive):
+    """A `receive` that gives the body already read, then defers to the connection's own."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
 
 
 class TokenStringRewrite:
@@ -458,6 +547,7 @@ def serve(
     On CPU hosts `gpu_memory_utilization` is the fraction of the node's memory vLLM reserves.
     """
     import uvloop
+    from vllm import envs as vllm_envs
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -480,7 +570,8 @@ def serve(
     configure_logging_from_args(args)
     _log_to_stderr()
     validate_parsed_serve_args(args)
-    args.rl_admin = AdminSettings(base_model=model, weights_dir=weights_dir, admin_token=admin_token)
+    api_keys = tuple(key for key in (args.api_key or [vllm_envs.VLLM_API_KEY]) if key)  # as vLLM reads them
+    args.rl_admin = AdminSettings(base_model=model, weights_dir=weights_dir, admin_token=admin_token, api_keys=api_keys)
     if current_platform.is_cpu():
         os.environ.setdefault(patches.POLL_ENV, str(patches.CPU_POLL_S))
     poll_s = patches.poll_interval()  # a bad value fails here, before vLLM starts its processes

@@ -18,7 +18,7 @@ model). So we fingerprint *what the kernels compute*:
 A fingerprint, keyed by checkpoint tensor name, is (exact: W[:, cols] or the whole 1-D tensor,
 dense: W @ x). The same fingerprint is computed from the safetensors files (`checkpoint_fingerprint`,
 no vLLM needed). Verification passes when the names match, every exact part is equal and every
-dense part agrees within rounding. `weights_checksum` hashes the served exact parts. What it proves:
+dense part agrees within rounding; `weights_checksum` then hashes every tensor of the files. What it proves:
 every tensor of the files reaches the kernel that serves it, K columns of each matrix are served bit
 for bit (so even a tiny training update that was not applied is caught), and W @ x agrees within
 rounding along a random x (a stale or garbage head, row, column or shard is caught; a small change
@@ -35,7 +35,6 @@ checkpoint reloads correctly either way; the verification would catch it if it d
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 logger = logging.getLogger(__name__)
@@ -169,18 +169,21 @@ def shape_mismatches(served: dict[str, tuple], files: dict[str, tuple]) -> list[
                          for n in sorted(files.keys() & served.keys()) if served[n] != files[n]]
 
 
-def checkpoint_fingerprint(path: str | Path, dtype: torch.dtype, tied: bool) -> dict[str, Fingerprint]:
-    """Fingerprint of every tensor in a Hugging Face safetensors directory, cast to the served dtype."""
-    return {name: tensor_fingerprint(t, dtype) for name, t in checkpoint_tensors(path, tied)}
+FilePrints = tuple[dict[str, Fingerprint], str]
+"""The fingerprint of every tensor of a checkpoint directory, and the checksum of its tensors."""
 
 
-def checksum(prints: dict[str, Fingerprint]) -> str:
-    """sha256 over names and exact parts: equal for served and file fingerprints iff those are."""
-    digest = hashlib.sha256()
-    for name in sorted(prints):
-        digest.update(name.encode() + b"\0")
-        digest.update(prints[name].exact.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+def checkpoint_fingerprint(path: str | Path, dtype: torch.dtype, tied: bool) -> FilePrints:
+    """Fingerprint of every tensor in a Hugging Face safetensors directory, cast to the served dtype, and
+    `weights_checksum`: xxh3-128 of every tensor's name, dtype, shape and bytes, in the same pass. Once the
+    served fingerprint matches, the checksum names what is served; it covers every element (the fingerprint
+    samples a few columns exactly)."""
+    prints, digest = {}, xxhash.xxh3_128()
+    for name, tensor in checkpoint_tensors(path, tied):
+        prints[name] = tensor_fingerprint(tensor, dtype)
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy())
+    return prints, digest.hexdigest()
 
 
 def compare(served: dict[str, Fingerprint], files: dict[str, Fingerprint], dtype: torch.dtype) -> dict:
@@ -202,7 +205,6 @@ def compare(served: dict[str, Fingerprint], files: dict[str, Fingerprint], dtype
             differing.append(f"{name}: exact part differs by {exact:.3g}, dense probe by {dense:.3g}")
     return {
         "ok": not mismatched and not differing,
-        "checksum": checksum(served),
         "tensors": len(files),
         "max_exact_diff": max_exact,
         "max_dense_rel_err": max_dense,
@@ -257,17 +259,18 @@ def _unfuse(prefix: str, module, y: torch.Tensor, packed: dict) -> list[tuple[st
     return [(f"{parent}.{shard}", part) for shard, part in zip(shards, parts, strict=True)]
 
 
-def verified(reply: dict, files: dict[str, Fingerprint] | Exception, dtype: torch.dtype) -> dict:
+def verified(reply: dict, files: FilePrints | Exception, dtype: torch.dtype) -> dict:
     """A worker's reply (`rl_served_weights`, `rl_load_weights`) completed with the comparison of what it
-    serves against the files' fingerprint; the served fingerprint itself is dropped."""
+    serves against the files' fingerprint, and the files' checksum; the served fingerprint is dropped."""
     served = reply.pop("served", None)
     if not reply["ok"]:  # refused before loading, or failed
         return reply
     if isinstance(files, Exception):
         return reply | {"ok": False, "mismatched": [f"fingerprinting the files failed: {files!r}"], "differing": []}
     start = time.perf_counter()
-    report = compare({name: Fingerprint.from_wire(w) for name, w in served.items()}, files, dtype)
-    return reply | report | {"verify_s": round(reply["verify_s"] + time.perf_counter() - start, 3)}
+    prints, checksum = files
+    report = compare({name: Fingerprint.from_wire(w) for name, w in served.items()}, prints, dtype)
+    return reply | report | {"checksum": checksum, "verify_s": round(reply["verify_s"] + time.perf_counter() - start, 3)}
 
 
 class WeightSyncExtension:
