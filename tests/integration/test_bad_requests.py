@@ -122,7 +122,7 @@ def test_the_body_is_not_read_before_the_caller_is_authorized(server):
     assert server.proc.poll() is None
 
 
-@pytest.mark.parametrize("authorization", ["Bearer t\u00e9st".encode(), b"\xff\xfe", b"Bearer  "],
+@pytest.mark.parametrize("authorization", ["Bearer t\u00e9st".encode(), b"\xff\xfe", b"Bearer"],
                          ids=["non-ascii", "not-utf8", "empty-token"])
 def test_odd_authorization_headers_are_401(server, authorization):
     response = httpx.get(f"{server.url}/policy_step", headers={"Authorization": authorization}, timeout=10)
