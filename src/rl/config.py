@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tomllib
+import typing
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -151,6 +152,8 @@ def _set_path(target: dict, dotted: str, value: Any) -> None:
     keys = dotted.replace("-", "_").split(".")
     for key in keys[:-1]:
         node = target.setdefault(key, {})
+        if node == "true":  # `--section` alone, then `--section.field`: the fields fill the section
+            node = target[key] = {}
         if not isinstance(node, dict):
             raise ConfigError(f"--{dotted}: {key} is a value, not a table")
         target = node
@@ -230,13 +233,24 @@ def config_help(cls: type[BaseModel], prefix: str = "") -> str:
     """One line per field: --dotted.name (type, default): description."""
     lines = []
     for name, field in cls.model_fields.items():
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            lines.append(config_help(annotation, f"{prefix}{name}."))
+        section = _section_type(field.annotation)
+        if section is not None:
+            if field.default is None:  # an optional section: `--name` alone turns it on
+                lines.append(f"  --{prefix}{name}  [off]  {field.description or ''}")
+            lines.append(config_help(section, f"{prefix}{name}."))
             continue
         default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
         lines.append(f"  --{prefix}{name}  [{default}]  {field.description or ''}")
     return "\n".join(lines)
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    """The config class of a section field (`X` or `X | None`), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    args = typing.get_args(annotation)
+    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models[0] if len(models) == 1 and type(None) in args else None
 
 
 def run_cli(cls: type[C], argv: list[str] | None = None) -> C:

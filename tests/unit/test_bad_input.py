@@ -80,6 +80,7 @@ FLAG_CASES = [
     ("zero-replicas", ["--inference-replicas", "0"], "inference_replicas"),
     ("gpu-flags-on-cpu", ["--trainer-gpus", "1"], "no GPU is visible"),
     ("zero-ckpt-interval", ["--ckpt.interval", "0"], "interval"),
+    ("bf16-trainer-on-cpu", ["--trainer.dtype", "bfloat16"], "trainer.dtype = 'bfloat16' needs a GPU"),
     ("keep-too-few-weights", ["--async-level", "2", "--trainer.keep-weights", "3"], "keep_weights"),
     ("missing-flag-value", ["--max-steps"], "max_steps: Input should be a valid integer, unable to parse string as an integer (a flag given without a value"),
     ("stray-argument", ["oops"], "oops"),

@@ -7,6 +7,7 @@ from rl.config import ConfigError, parse_argv, parse_config
 from rl.launcher.config import RLConfig, resolve
 from rl.launcher.devices import DevicePlan, cpu_plan
 from rl.launcher.main import child_specs, load, plan_devices
+from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.protocol import RunPaths
 from rl.trainer.config import TrainerConfig
@@ -152,7 +153,9 @@ def test_a_child_killed_by_a_signal_is_named_as_the_cause_of_the_others_exit(tmp
         supervisor.start(ChildSpec(name, [sys.executable, "-c", code], None, tmp_path / f"{name}.log"))
     for proc in supervisor.procs.values():
         proc.wait(timeout=30)
-    assert supervisor._watch() == 1
+    board = HostBoard(RunPaths(tmp_path), "host", ("inference", "orchestrator"), None, 1, timeout_s=15)
+    assert supervisor._watch(board) == 1
+    assert board.hosts()[0].state == "failed" and board.hosts()[0].reason == "inference was killed by SIGKILL"
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("rl: inference was killed by SIGKILL; last lines of")
     assert err[-1].startswith("rl: orchestrator exited with code 1 too")

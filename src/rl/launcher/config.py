@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 from pydantic_settings import SettingsConfigDict
 
 from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig
@@ -20,6 +20,53 @@ from rl.trainer.config import TrainerConfig
 
 class SharedModelConfig(Section):
     name: Annotated[str | None, Field(description="model for all three processes")] = None
+
+
+class SlurmConfig(Section):
+    """`rl --slurm`: one sbatch job, the nodes split between inference and the trainer."""
+
+    inference_nodes: Annotated[int, Field(ge=1, description="nodes running inference; the first also runs the orchestrator")] = 1
+    trainer_nodes: Annotated[
+        int, Field(ge=0, description="nodes running the trainer; 0: the trainer runs beside inference on the first node")
+    ] = 1
+    gpus_per_node: Annotated[int | None, Field(ge=1, description="GPUs per node (--gpus-per-node); unset on CPU nodes")] = None
+    cpus_per_task: Annotated[int | None, Field(ge=1, description="CPUs per node's task (--cpus-per-task)")] = None
+    partition: Annotated[str | None, Field(description="SLURM partition")] = None
+    account: Annotated[str | None, Field(description="SLURM account")] = None
+    time: Annotated[str, Field(pattern=r"^[0-9:-]+$", description="wall-clock limit of the job")] = "24:00:00"
+    job_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$", description="SLURM job name")] = "rl"
+    rdzv_port: Annotated[int, Field(ge=1, le=65535, description="port of the trainer's rendezvous on its first node")] = 29400
+    sbatch: Annotated[list[str], Field(description="more #SBATCH options, e.g. ['--qos=high']")] = []
+    setup: Annotated[list[str], Field(description="shell lines run before rl (module load, source env ...)")] = []
+    submit: Annotated[bool, Field(description="submit with sbatch; false: only write <output_dir>/slurm/rl.sbatch")] = True
+
+
+class K8sConfig(Section):
+    """`rl --k8s`: Kubernetes manifests (one Job per role, a shared volume, the token as a Secret) on stdout."""
+
+    name: Annotated[str, Field(pattern=r"^[a-z]([a-z0-9-]{0,30}[a-z0-9])?$", description="prefix of every resource")] = "rl"
+    namespace: Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$", description="namespace")] = "default"
+    image: Annotated[str, Field(min_length=1, description="image with rl installed (see the Dockerfile)")] = "rl:latest"
+    rl: Annotated[str, Field(min_length=1, description="the rl command in the image")] = "/app/.venv/bin/rl"
+    inference_pods: Annotated[int, Field(ge=1, description="inference pods (an Indexed Job)")] = 1
+    trainer_pods: Annotated[int, Field(ge=1, description="trainer pods, one torchrun node each (an Indexed Job)")] = 1
+    inference_gpus: Annotated[int | None, Field(ge=1, description="GPUs per inference pod (one server each)")] = None
+    trainer_gpus: Annotated[int | None, Field(ge=1, description="GPUs per trainer pod")] = None
+    storage_size: Annotated[str, Field(description="size of the run directory's volume")] = "100Gi"
+    storage_class: Annotated[str | None, Field(description="its storage class (ReadWriteMany)")] = None
+    existing_claim: Annotated[str | None, Field(description="use this PersistentVolumeClaim instead of making one")] = None
+    mount_path: Annotated[str, Field(pattern=r"^/", description="where pods mount the volume")] = "/rl"
+    rdzv_port: Annotated[int, Field(ge=1, le=65535, description="port of the trainer's rendezvous on pod 0")] = 29400
+    env: Annotated[dict[str, str], Field(description="more environment variables of every pod")] = {}
+
+
+def optional_section(value: Any) -> Any:
+    """`--slurm` alone turns the section on with its defaults; `--slurm.field value` sets fields too."""
+    return {"true": {}, "false": None}.get(value, value) if isinstance(value, str) else value
+
+
+ROLES = ("inference", "orchestrator", "trainer")
+Role = Literal["inference", "orchestrator", "trainer"]
 
 
 class RLConfig(Settings):
@@ -51,6 +98,40 @@ class RLConfig(Settings):
     ] = 1
     inference_replicas: Annotated[int, Field(ge=1, description="CPU hosts only: vLLM servers to start")] = 1
 
+    # Several hosts (the run directory on a filesystem they share)
+    roles: Annotated[
+        list[Role], Field(min_length=1, description="the processes this host starts (default: all three)")
+    ] = list(ROLES)
+    host_name: Annotated[
+        str | None, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="this host in <output_dir>/hosts/ (default: its hostname)")
+    ] = None
+    host_timeout_s: Annotated[
+        float, Field(gt=0, description="a host silent this long in <output_dir>/hosts/ is taken for dead and the run stops")
+    ] = 15.0
+    trainer_nodes: Annotated[int, Field(ge=1, description="hosts the trainer spans (torchrun --nnodes)")] = 1
+    node_rank: Annotated[int, Field(ge=0, description="this host's rank among the trainer's hosts")] = 0
+    rdzv_endpoint: Annotated[
+        str | None,
+        Field(pattern=r"^[^:\s]+:\d+$", description="host:port of torchrun's c10d rendezvous, on trainer node 0 "
+                                                       "(needed with trainer_nodes > 1)"),
+    ] = None
+    node_addr: Annotated[
+        str | None, Field(min_length=1, description="this host's address the trainer's other nodes reach "
+                                                    "(torchrun --local-addr; default: its hostname)")
+    ] = None
+    inference_urls: Annotated[
+        list[str] | None,
+        Field(min_length=1, description="the inference servers this host's orchestrator uses (default: this host's)"),
+    ] = None
+    slurm: Annotated[
+        SlurmConfig | None, BeforeValidator(optional_section),
+        Field(description="render the run as one sbatch job and submit it (`--slurm`, `--slurm.trainer-nodes 2` ...)"),
+    ] = None
+    k8s: Annotated[
+        K8sConfig | None, BeforeValidator(optional_section),
+        Field(description="print the run as Kubernetes manifests (`--k8s`, `--k8s.image ...`)"),
+    ] = None
+
     # Resume
     resume: Annotated[bool, Field(description="continue the run in output_dir from its latest complete checkpoint")] = False
     resume_step: Annotated[int | None, Field(ge=1, description="continue from this checkpoint step instead")] = None
@@ -59,6 +140,10 @@ class RLConfig(Settings):
     dry_run: Annotated[bool, Field(description="print resolved configs and commands, start nothing")] = False
     log_tail_lines: Annotated[int, Field(ge=1, description="lines of a failed process's log to print")] = 40
     shutdown_timeout_s: Annotated[float, Field(gt=0, description="grace period before SIGKILL on shutdown")] = 10.0
+
+    @property
+    def single_host(self) -> bool:
+        return sorted(self.roles) == sorted(ROLES) and self.trainer_nodes == 1
 
     @property
     def uses_gpu_flags(self) -> bool:
@@ -118,6 +203,7 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
     _require_equal("max_steps", {"trainer": t.max_steps, "orchestrator": o.max_steps})
 
     # Derived cross-process values.
+    check_hosts(config)
     i.weights_dir = (t.output_dir / "weights").absolute()
     if i.admin_token is None:
         i.admin_token = secrets.token_hex(16)
@@ -126,10 +212,12 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
             f"inference.port = {i.port} with {plan.replicas} replicas needs ports up to {i.port + plan.replicas - 1}, "
             "past 65535; choose a lower port"
         )
-    urls = [f"http://{_client_host(i.host)}:{i.port + r}" for r in range(plan.replicas)]
-    _fill(urls, o.client, "base_urls", "inference.port (one server per replica)", "orchestrator.client")
+    urls = config.inference_urls or [f"http://{_client_host(i.host)}:{i.port + r}" for r in range(plan.replicas)]
+    if urls:  # a host running neither inference nor the orchestrator has none to give
+        _fill(urls, o.client, "base_urls", "inference.port (one server per replica) / --inference-urls", "orchestrator.client")
     _fill(i.admin_token, o.client, "admin_token", "inference.admin-token", "orchestrator.client")
-    _fill(plan.trainer_processes, o, "trainer_world_size", "trainer-processes / --trainer-gpus", "orchestrator")
+    world_size = plan.trainer_processes * config.trainer_nodes
+    _fill(world_size, o, "trainer_world_size", "trainer-processes / --trainer-gpus x --trainer-nodes", "orchestrator")
     if o.sampling.temperature <= 0:
         raise ConfigError("orchestrator.sampling.temperature must be > 0 for training: greedy rollouts have no "
                           "sampling distribution to take a policy gradient of")
@@ -140,6 +228,29 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
             f"to with async_level = {o.async_level}; set it to at least {o.async_level + 2}"
         )
     return config
+
+
+def check_hosts(config: RLConfig) -> None:
+    """What a run over several hosts needs from each host's command line."""
+    if len(set(config.roles)) != len(config.roles):
+        raise ConfigError(f"--roles {config.roles} lists a process twice")
+    if "orchestrator" in config.roles and "inference" not in config.roles and not config.inference_urls:
+        raise ConfigError("this host runs the orchestrator but no inference: give the servers with --inference-urls "
+                          "'[\"http://host:8000\", ...]'")
+    if config.trainer_nodes > 1 and "trainer" in config.roles and config.rdzv_endpoint is None:
+        raise ConfigError(f"--trainer-nodes {config.trainer_nodes} needs --rdzv-endpoint host:port (on trainer node 0, "
+                          "the same on every trainer host)")
+    if config.node_rank >= config.trainer_nodes:
+        raise ConfigError(f"--node-rank {config.node_rank} is not below --trainer-nodes {config.trainer_nodes}")
+    routable = config.inference.host not in LOOPBACK_HOSTS
+    if config.inference.admin_token is None and (routable or not config.single_host):
+        why = (f"inference.host = {config.inference.host!r} lets other hosts reach the admin routes"
+               if routable else "every host of the run must send and expect the same admin token")
+        raise ConfigError(f"{why}: set inference.admin_token, the same on every host "
+                          "(e.g. export RL_INFERENCE__ADMIN_TOKEN=$(openssl rand -hex 16))")
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def _client_host(bind_host: str) -> str:

@@ -18,7 +18,7 @@ class DevicePlan:
         return len(self.inference_gpus)
 
 
-def _check_ids(ids: list[int], name: str, available: int) -> None:
+def check_gpu_ids(ids: list[int], name: str, available: int) -> None:
     bad = [i for i in ids if not 0 <= i < available]
     if bad:
         raise ConfigError(f"{name} {bad} do not exist: {available} GPUs are visible (ids 0..{available - 1})")
@@ -49,8 +49,8 @@ def split_gpus(
             f"asked for {len(trainer_gpu_ids)} trainer + {len(inference_gpu_ids)} inference GPUs "
             f"but only {available} are visible"
         )
-    _check_ids(trainer_gpu_ids, "--trainer-gpu-ids", available)
-    _check_ids(inference_gpu_ids, "--inference-gpu-ids", available)
+    check_gpu_ids(trainer_gpu_ids, "--trainer-gpu-ids", available)
+    check_gpu_ids(inference_gpu_ids, "--inference-gpu-ids", available)
     if set(trainer_gpu_ids) & set(inference_gpu_ids):
         raise ConfigError(f"trainer GPUs {trainer_gpu_ids} and inference GPUs {inference_gpu_ids} overlap")
     if not trainer_gpu_ids or not inference_gpu_ids:
@@ -63,6 +63,28 @@ def split_gpus(
     tp = tensor_parallel_size
     replicas = [inference_gpu_ids[i : i + tp] for i in range(0, len(inference_gpu_ids), tp)]
     return DevicePlan(len(trainer_gpu_ids), trainer_gpu_ids, replicas)
+
+
+def one_role_gpus(
+    available: int,
+    trainer_here: bool,
+    inference_here: bool,
+    trainer_gpus: int | None = None,
+    inference_gpus: int | None = None,
+    trainer_gpu_ids: list[int] | None = None,
+    inference_gpu_ids: list[int] | None = None,
+) -> DevicePlan:
+    """A host running the trainer or inference, not both: that one gets every visible GPU (or the ids given).
+    A host without the trainer still needs the trainer's per-node size (`trainer_gpus`) to split batches by rank."""
+    if inference_here:
+        ids = inference_gpu_ids or list(range(inference_gpus or available))
+        check_gpu_ids(ids, "--inference-gpu-ids", available)
+        return DevicePlan(trainer_gpus or 1, [], [[i] for i in ids])
+    if trainer_here:
+        ids = trainer_gpu_ids or list(range(trainer_gpus or available))
+        check_gpu_ids(ids, "--trainer-gpu-ids", available)
+        return DevicePlan(len(ids), ids, [])
+    return DevicePlan(trainer_gpus or 1, [], [])
 
 
 def cpu_plan(trainer_processes: int, inference_replicas: int) -> DevicePlan:

@@ -5,18 +5,24 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
+import socket
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 
 from rl.config import ConfigError, format_validation_error, parse_config, config_help, to_toml, write_config
 from rl.launcher.checks import check_environments, check_model, check_output_dir
 from rl.launcher.config import RLConfig, resolve
-from rl.launcher.devices import DevicePlan, cpu_plan, split_gpus
+from rl.launcher.devices import DevicePlan, cpu_plan, one_role_gpus, split_gpus
 from rl.launcher.resume import choose_checkpoint, discard_after
+from rl.launcher.deploy import render_k8s, render_slurm, slurm_job, submit
+from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor
+from rl.trainer.config import check_device
 from rl.protocol import RunPaths
 
 
@@ -34,6 +40,14 @@ def plan_devices(config: RLConfig, available: int) -> DevicePlan:
                 "set --trainer-processes N (gloo ranks) and --inference-replicas M instead"
             )
         return cpu_plan(config.trainer_processes, config.inference_replicas)
+    if "orchestrator" in config.roles and "trainer" not in config.roles and config.trainer_gpus is None:
+        raise ConfigError("the trainer runs on other hosts: give its GPUs per node with --trainer-gpus N "
+                          "(the orchestrator writes one batch file per trainer rank)")
+    if "trainer" not in config.roles or "inference" not in config.roles:
+        return one_role_gpus(
+            available, "trainer" in config.roles, "inference" in config.roles,
+            config.trainer_gpus, config.inference_gpus, config.trainer_gpu_ids, config.inference_gpu_ids,
+        )
     return split_gpus(
         available,
         config.trainer_gpus,
@@ -63,38 +77,53 @@ def cpu_trainer_env(plan: DevicePlan) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def host_name(config: RLConfig) -> str:
+    return config.host_name or socket.gethostname()
+
+
+def host_dirs(config: RLConfig, paths: RunPaths) -> tuple[Path, Path]:
+    """Where this host's resolved configs and logs go: configs/ and logs/, or a folder per host when the run
+    spans several (each host derives its own values, and two hosts must not write one log)."""
+    if config.single_host:
+        return paths.configs.absolute(), paths.logs.absolute()
+    name = host_name(config)
+    return (paths.configs / name).absolute(), (paths.logs / name).absolute()
+
+
+def torchrun_args(config: RLConfig, plan: DevicePlan, paths: RunPaths) -> list[str]:
+    """One node: standalone. Several: c10d rendezvous hosted by trainer node 0 (said outright: torchrun guesses
+    it from hostnames, which fails where a host's name does not resolve to the endpoint's address), one id
+    per run directory."""
+    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.trainer_processes}"]
+    if config.trainer_nodes == 1:
+        return args + ["--standalone"]
+    run_id = "rl-" + hashlib.sha1(str(paths.root.absolute()).encode()).hexdigest()[:12]
+    args += [f"--nnodes={config.trainer_nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}",
+             f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={str(config.node_rank == 0).lower()}"]
+    return args + ([f"--local-addr={config.node_addr}"] if config.node_addr else [])
+
+
 def child_specs(config: RLConfig, plan: DevicePlan, paths: RunPaths) -> list[ChildSpec]:
     python = sys.executable
-    configs = paths.configs.absolute()
+    configs, logs = host_dirs(config, paths)
     specs = []
-    for r, gpus in enumerate(plan.inference_gpus):
-        name = "inference" if plan.replicas == 1 else f"inference-{r}"
-        cmd = [python, "-m", "rl.inference.main", "@", str(configs / "inference.toml")]
-        cmd += ["--port", str(config.inference.port + r)]
-        specs.append(ChildSpec(name, cmd, gpus if gpus else None, paths.logs / f"{name}.log"))
-    specs.append(
-        ChildSpec(
-            "orchestrator",
-            [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")],
-            [],  # the orchestrator needs no GPU
-            paths.logs / "orchestrator.log",
-        )
-    )
-    torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={plan.trainer_processes}"]
-    specs.append(
-        ChildSpec(
-            "trainer",
-            torchrun + ["-m", "rl.trainer.main", "@", str(configs / "trainer.toml")],
-            plan.trainer_gpus or None,
-            paths.logs / "trainer.log",
-            cpu_trainer_env(plan),
-        )
-    )
+    if "inference" in config.roles:
+        for r, gpus in enumerate(plan.inference_gpus):
+            name = "inference" if plan.replicas == 1 else f"inference-{r}"
+            cmd = [python, "-m", "rl.inference.main", "@", str(configs / "inference.toml")]
+            cmd += ["--port", str(config.inference.port + r)]
+            specs.append(ChildSpec(name, cmd, gpus if gpus else None, logs / f"{name}.log"))
+    if "orchestrator" in config.roles:
+        cmd = [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")]
+        specs.append(ChildSpec("orchestrator", cmd, [], logs / "orchestrator.log"))  # no GPU
+    if "trainer" in config.roles:
+        cmd = torchrun_args(config, plan, paths) + ["-m", "rl.trainer.main", "@", str(configs / "trainer.toml")]
+        specs.append(ChildSpec("trainer", cmd, plan.trainer_gpus or None, logs / "trainer.log", cpu_trainer_env(plan)))
     return specs
 
 
 def print_dry_run(config: RLConfig, specs: list[ChildSpec]) -> None:
-    for name in ("inference", "orchestrator", "trainer"):
+    for name in config.roles:
         print(f"# ---- {name} config ----")
         print(to_toml(getattr(config, name), mask_secrets=True))
     print("# ---- commands ----")
@@ -112,6 +141,43 @@ def load(argv: list[str]) -> tuple[RLConfig, DevicePlan]:
         raise ConfigError(format_validation_error(e)) from None
 
 
+def deploy(config: RLConfig, given: RLConfig, paths: RunPaths) -> None:
+    """`--k8s`: print the manifests. `--slurm`: check as for a start here (the nodes share this filesystem),
+    write the job and submit it; with --dry-run print the job and write nothing. `config` is resolved for
+    this host, `given` as the user gave it (what every host of the job starts from)."""
+    if config.slurm and config.k8s:
+        raise ConfigError("--slurm and --k8s are two ways to run; choose one")
+    if config.k8s:
+        print(render_k8s(given, paths), end="")
+        return
+    check_start(config, paths, config.resume or config.resume_step is not None, devices_here=False)
+    if config.dry_run:
+        print(render_slurm(given, paths, paths.root / "slurm" / "rl.toml"), end="")
+        return
+    script = slurm_job(given, paths)
+    if not config.slurm.submit:
+        print(f"rl: wrote {script}; submit it with: sbatch {script}")
+        return
+    print(f"rl: submitted SLURM job {submit(script)} ({script}); its log: {paths.root / 'slurm'}/<job id>.log, "
+          f"each host's in {paths.logs}/<host>/")
+
+
+def check_start(config: RLConfig, paths: RunPaths, resuming: bool, devices_here: bool = True) -> None:
+    """The checks before anything starts, for the processes this host runs (`devices_here`: and on its
+    devices; not where a SLURM job is submitted from). The host running the orchestrator (one per run) owns
+    the run directory: it checks it and, on resume, trims it."""
+    if devices_here and "trainer" in config.roles:
+        check_device(config.trainer)
+    if "orchestrator" in config.roles:
+        check_output_dir(paths, resuming)
+    if resuming:
+        plan_resume(config, paths)
+    for name in {getattr(config, role).model.name for role in config.roles}:
+        check_model(name)
+    if "orchestrator" in config.roles:
+        check_environments(config.orchestrator)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
@@ -121,13 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config, plan = load(argv)
         paths = RunPaths(config.trainer.output_dir.absolute())
+        if config.slurm or config.k8s:
+            return deploy(config, parse_config(RLConfig, argv), paths)
         resuming = config.resume or config.resume_step is not None
-        check_output_dir(paths, resuming)
-        if resuming:
-            plan_resume(config, paths)
-        for name in {config.trainer.model.name, config.orchestrator.model.name, config.inference.model.name}:
-            check_model(name)
-        check_environments(config.orchestrator)
+        check_start(config, paths, resuming)
         specs = child_specs(config, plan, paths)
     except ConfigError as e:
         print(f"rl: error: {e}", file=sys.stderr)
@@ -135,14 +198,17 @@ def main(argv: list[str] | None = None) -> None:
     if config.dry_run:
         print_dry_run(config, specs)
         return
-    if resuming:
+    if resuming and "orchestrator" in config.roles:
         removed = discard_after(paths, config.trainer.resume_step)
         print(f"rl: resuming from step {config.trainer.resume_step}; discarded {', '.join(removed) or 'nothing'}")
-    for name in ("inference", "orchestrator", "trainer"):
-        write_config(getattr(config, name), paths.configs / f"{name}.toml")
-    write_config(config, paths.configs / "rl.toml")
+    configs, _ = host_dirs(config, paths)
+    for name in config.roles:
+        write_config(getattr(config, name), configs / f"{name}.toml")
+    write_config(config, configs / "rl.toml")
+    board = HostBoard(paths, host_name(config), tuple(config.roles), config.node_rank if "trainer" in config.roles
+                      else None, config.trainer_nodes, config.host_timeout_s)
     supervisor = Supervisor(paths, config.log_tail_lines, config.shutdown_timeout_s)
-    sys.exit(supervisor.run(specs))
+    sys.exit(supervisor.run(specs, board))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 
+from rl.launcher.hosts import FINISHING, Host, HostBoard
 from rl.launcher.report import format_summary, summarize
 from rl.protocol import RunPaths
 
@@ -74,21 +75,26 @@ class Supervisor:
         self.specs[spec.name] = spec
         print(f"rl: started {spec.name} (pid {self.procs[spec.name].pid}), log {spec.log}", flush=True)
 
-    def run(self, specs: list[ChildSpec]) -> int:
-        """Supervise until trainer and orchestrator finish (0) or any child fails (1)."""
+    def run(self, specs: list[ChildSpec], board: HostBoard) -> int:
+        """Supervise until the run finishes (0: this host's trainer and orchestrator, and every other host's,
+        finished) or fails here or on another host (1)."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         start = time.monotonic()
+        board.join()
         try:
             for spec in specs:
                 self.start(spec)
-            code = self._watch()
+            code = self._watch(board)
         except Stop as stop:
             print(f"rl: received {signal.Signals(stop.signum).name}, stopping every process", flush=True)
+            board.beat("failed", f"its launcher received {signal.Signals(stop.signum).name}", force=True)
             code = 128 + stop.signum
         finally:
             self.stop_all()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        if code != 0 and board.peers():
+            self._name_first_host_down(board)
         elapsed = time.monotonic() - start
         if code == 0:
             print(f"rl: finished: {format_summary(summarize(self.paths, elapsed))}", flush=True)
@@ -100,8 +106,9 @@ class Supervisor:
     def _on_signal(self, signum, frame) -> None:
         raise Stop(signum)
 
-    def _watch(self) -> int:
+    def _watch(self, board: HostBoard) -> int:
         done: set[str] = set()
+        finishing = {name for name in self.procs if name in FINISHING}  # inference serves until the run ends
         while True:
             self._remember_descendants()
             self._show_new_metrics()
@@ -109,18 +116,34 @@ class Supervisor:
             ended = {name: code for name, code in polled.items() if code is not None}
             failed = {name: code for name, code in ended.items() if code != 0 or name.startswith("inference")}
             if failed:
-                self._report_failures(failed)
+                cause = self._report_failures(failed)
+                board.beat("failed", f"{cause} {_why_ended(failed[cause])}", force=True)
                 return 1
             for name in ended:
                 done.add(name)
                 print(f"rl: {name} finished", flush=True)
-            if {"trainer", "orchestrator"} <= done:
+            if finishing and finishing <= done and board.me.state == "running":
+                board.beat("finished", force=True)
+            if board.run_finished():
                 self._show_new_metrics()
+                board.beat("finished", force=True)
                 return 0
+            if (peer := board.trouble()) is not None:
+                print(f"rl: {peer.describe()} {_host_down(peer)}; stopping this host's processes", file=sys.stderr)
+                board.beat("failed", f"stopped: {peer.describe()} {_host_down(peer)}", force=True)
+                return 1
+            board.beat()
             time.sleep(POLL_S)
 
-    def _report_failures(self, failed: dict[str, int]) -> None:
-        """Name the cause with the end of its log, then the others that ended with it.
+    def _name_first_host_down(self, board: HostBoard) -> None:
+        """A run over several hosts: wait for the others to settle, then name the host that went down first
+        (a host killed outright leaves no message, but its processes' peers here fail soon after)."""
+        first = board.settle()
+        if first.name != board.me.name:
+            print(f"rl: the first host to go down was {first.describe()}: {_host_down(first)}", file=sys.stderr)
+
+    def _report_failures(self, failed: dict[str, int]) -> str:
+        """Name the cause with the end of its log, then the others that ended with it; return the cause.
 
         Children ended since the last poll are seen together: one killed by a signal is the cause of the
         others' exits (an orchestrator whose inference server was killed exits within a second)."""
@@ -134,6 +157,7 @@ class Supervisor:
             if name != cause:
                 print(f"rl: {name} {_why_ended(code)} too; log {self.specs[name].log}", file=sys.stderr)
         sys.stderr.flush()
+        return cause
 
     def _show_new_metrics(self) -> None:
         """Print one concise line per new metrics.jsonl record."""
@@ -184,6 +208,12 @@ class Supervisor:
             _signal_process(p, signal.SIGKILL)
         for p in self.procs.values():
             p.wait()
+
+
+def _host_down(host: Host) -> str:
+    if host.state == "failed":
+        return f"failed: {host.reason}"
+    return f"went silent {time.time() - host.time:.0f}s ago (no heartbeat in hosts/{host.name}.json)"
 
 
 def _why_ended(code: int) -> str:

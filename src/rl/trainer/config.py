@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import CkptConfig, ModelConfig, Section, Settings, WandbConfig
+from rl.config import CkptConfig, ConfigError, ModelConfig, Section, Settings, WandbConfig
 
 
 class OptimConfig(Section):
@@ -145,12 +145,6 @@ class TrainerConfig(Settings):
         Field(ge=1, description="load checkpoints/step_k/trainer and continue at step k; unset: start from step 0"),
     ] = None
 
-    @model_validator(mode="after")
-    def _check(self):
-        if self.dtype == "bfloat16" and not _cuda_available():
-            raise ValueError("trainer.dtype = 'bfloat16' needs a GPU; use 'float32' on CPU hosts")
-        return self
-
     @property
     def row_tokens(self) -> int:
         """Capacity of one packed micro-batch. Not validated against seq_len: `rl` fills seq_len after
@@ -158,7 +152,9 @@ class TrainerConfig(Settings):
         return max(self.micro_batch_tokens or 0, self.seq_len)
 
 
-def _cuda_available() -> bool:
+def check_device(config: TrainerConfig) -> None:
+    """What this host's devices cannot run; checked where the trainer starts (not where a job is rendered)."""
     import torch
 
-    return torch.cuda.is_available()
+    if config.dtype == "bfloat16" and not torch.cuda.is_available():
+        raise ConfigError("trainer.dtype = 'bfloat16' needs a GPU; use 'float32' on CPU hosts")

@@ -11,11 +11,11 @@ from typing import Callable
 import torch
 from transformers import AutoTokenizer
 
-from rl.config import run_cli
+from rl.config import ConfigError, run_cli
 from rl.metrics import MetricsLogger, setup_logging
 from rl.protocol import RunPaths, Sample, read_batch, stable_steps, wait_for_stable
 from rl.trainer.checkpoint import Checkpointer
-from rl.trainer.config import TrainerConfig
+from rl.trainer.config import TrainerConfig, check_device
 from rl.trainer.flops import matmul_params, peak_flops, train_flops
 from rl.trainer.model import load_policy, load_reference
 from rl.trainer.optim import build_optimizer, build_scheduler
@@ -89,6 +89,10 @@ def timing_stats(
 
 def main() -> None:
     config = run_cli(TrainerConfig)
+    try:
+        check_device(config)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     logger = setup_logging("trainer")
     world = init_world()
     paths = RunPaths(config.output_dir)

@@ -1,0 +1,105 @@
+"""The hosts of one run, seen through the shared run directory.
+
+Each `rl` launcher (one per host) owns `<output_dir>/hosts/<name>.json` and rewrites it every `BEAT_S`:
+the processes it runs, its state (running, finished, failed), why it failed, and the time. Every
+launcher reads the others' files on each poll, so a run spread over hosts ends together: a host that
+failed, or whose file stopped changing for `timeout_s` (the host died, or lost the shared filesystem), stops
+the others, which name it. No network between launchers is needed, only the filesystem they already share.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from rl.protocol import RunPaths, atomic_write_text
+
+BEAT_S = 2.0
+FINISHING = ("trainer", "orchestrator")  # roles whose end is the run's end; inference serves until then
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    roles: tuple[str, ...]
+    state: str  # running | finished | failed
+    reason: str
+    time: float  # of the last beat, or of the failure
+    trainer_node: int | None  # node rank, on hosts running the trainer
+
+    def silent_for(self, now: float) -> float:
+        return now - self.time if self.state == "running" else 0.0
+
+    def describe(self) -> str:
+        node = f", trainer node {self.trainer_node}" if self.trainer_node is not None else ""
+        return f"host {self.name!r} ({'+'.join(self.roles)}{node})"
+
+
+class HostBoard:
+    """This host's file, and what the others' say."""
+
+    def __init__(self, paths: RunPaths, name: str, roles: tuple[str, ...], trainer_node: int | None,
+                 trainer_nodes: int, timeout_s: float):
+        self.directory = paths.root / "hosts"
+        self.me = Host(name, roles, "running", "", time.time(), trainer_node)
+        self.trainer_nodes, self.timeout_s = trainer_nodes, timeout_s
+        self.last_beat = 0.0
+
+    def join(self) -> None:
+        """Forget the files of hosts that are no longer beating (an earlier launch of this run), then beat."""
+        now = time.time()
+        for host in self.hosts():
+            if host.name != self.me.name and now - host.time > self.timeout_s:
+                (self.directory / f"{host.name}.json").unlink(missing_ok=True)
+        self.beat(force=True)
+
+    def beat(self, state: str = "running", reason: str = "", force: bool = False) -> None:
+        now = time.time()
+        if not force and state == "running" and now - self.last_beat < BEAT_S:
+            return
+        self.me = Host(self.me.name, self.me.roles, state, reason, now, self.me.trainer_node)
+        record = {"name": self.me.name, "roles": list(self.me.roles), "state": state, "reason": reason,
+                  "time": now, "trainer_node": self.me.trainer_node}
+        atomic_write_text(self.directory / f"{self.me.name}.json", json.dumps(record) + "\n")
+        self.last_beat = now
+
+    def hosts(self) -> list[Host]:
+        hosts = []
+        for path in sorted(self.directory.glob("*.json")) if self.directory.is_dir() else []:
+            try:
+                r = json.loads(path.read_text())
+                hosts.append(Host(r["name"], tuple(r["roles"]), r["state"], r["reason"], r["time"], r["trainer_node"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # being replaced, or not ours: read again on the next poll
+        return hosts
+
+    def peers(self) -> list[Host]:
+        return [h for h in self.hosts() if h.name != self.me.name]
+
+    def trouble(self) -> Host | None:
+        """The peer that failed, or went silent, first; None while every peer is well."""
+        now = time.time()
+        down = [h for h in self.peers() if h.state == "failed" or h.silent_for(now) > self.timeout_s]
+        return min(down, key=lambda h: h.time, default=None)
+
+    def run_finished(self) -> bool:
+        """Every trainer node and the orchestrator have finished (this host's own state included)."""
+        hosts = self.peers() + [self.me]
+        trainers = {h.trainer_node for h in hosts if "trainer" in h.roles and h.state == "finished"}
+        orchestrator = any("orchestrator" in h.roles and h.state == "finished" for h in hosts)
+        return len(trainers) == self.trainer_nodes and orchestrator
+
+    def settle(self) -> Host | None:
+        """After this host failed: wait (at most `timeout_s` past the last beat of any peer still running) for
+        every peer to fail, finish or fall silent, and return the host that went down first, this one
+        included: a peer killed outright beats last before this host's processes notice it."""
+        deadline = time.time() + self.timeout_s + BEAT_S
+        while time.time() < deadline:
+            now = time.time()
+            if not any(h.state == "running" and h.silent_for(now) <= self.timeout_s for h in self.peers()):
+                break
+            time.sleep(0.5)
+        now = time.time()
+        down = [h for h in self.peers() if h.state == "failed" or h.silent_for(now) > self.timeout_s] + [self.me]
+        return min(down, key=lambda h: h.time)

@@ -1,0 +1,175 @@
+"""Runs over several hosts, without starting them: roles and per-host settings from the command line, the
+host board in the shared run directory, and the SLURM job and Kubernetes manifests `rl` renders (the
+manifests checked against Kubernetes' own schemas)."""
+
+import json
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from rl.config import ConfigError, parse_config
+from rl.launcher.config import RLConfig
+from rl.launcher.deploy import as_given, render_k8s, render_slurm
+from rl.launcher.hosts import HostBoard
+from rl.launcher.main import child_specs, load
+from rl.protocol import RunPaths
+from tests.conftest import ROOT
+
+CONFIGS = ROOT / "configs" / "reverse_text"
+FILES = ["--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
+         "--inference", "@", str(CONFIGS / "infer.toml")]
+
+
+def commands(argv: list[str], tmp_path) -> dict[str, list[str]]:
+    config, plan = load(FILES + ["--output-dir", str(tmp_path / "run")] + argv)
+    return {spec.name: spec.cmd for spec in child_specs(config, plan, RunPaths(tmp_path / "run"))}
+
+
+def test_each_host_starts_only_its_roles(tmp_path):
+    token = ["--inference.admin-token", "t0ken"]
+    host_a = commands(token + ["--roles", '["inference", "orchestrator"]', "--host-name", "a",
+                               "--inference-urls", '["http://a:8000", "http://c:8000"]', "--trainer-nodes", "2"], tmp_path)
+    assert set(host_a) == {"inference", "orchestrator"}
+    assert str(tmp_path / "run" / "configs" / "a" / "orchestrator.toml") in host_a["orchestrator"]
+    config, _ = load(FILES + token + ["--roles", '["inference", "orchestrator"]', "--inference-urls", '["http://a:8000"]',
+                                      "--trainer-nodes", "2", "--trainer-processes", "2"])
+    assert config.orchestrator.client.base_urls == ["http://a:8000"] and config.orchestrator.trainer_world_size == 4
+    host_b = commands(token + ["--roles", '["trainer"]', "--host-name", "b", "--trainer-nodes", "2", "--node-rank", "1",
+                               "--rdzv-endpoint", "a:29400", "--node-addr", "10.0.0.2"], tmp_path)
+    trainer = host_b["trainer"]
+    assert set(host_b) == {"trainer"} and "--standalone" not in trainer
+    assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=a:29400", "--local-addr=10.0.0.2"} <= set(trainer)
+    assert "--standalone" in commands([], tmp_path)["trainer"]  # one host, as before
+
+
+HOST_ERRORS = [
+    (["--roles", '["orchestrator"]', "--inference.admin-token", "t"], "--inference-urls"),
+    (["--roles", '["trainer"]', "--trainer-nodes", "2", "--inference.admin-token", "t"], "--rdzv-endpoint"),
+    (["--trainer-nodes", "2", "--node-rank", "2", "--rdzv-endpoint", "a:1", "--inference.admin-token", "t"], "--node-rank 2"),
+    (["--roles", '["inference"]'], "the same admin token"),
+    (["--inference.host", "0.0.0.0"], "lets other hosts reach the admin routes"),
+    (["--roles", '["trainer", "trainer"]', "--inference.admin-token", "t"], "lists a process twice"),
+    (["--roles", '["evaluator"]'], "roles.0"),
+    (["--rdzv-endpoint", "nohostport"], "rdzv_endpoint"),
+    (["--host-name", "a/b"], "host_name"),
+]
+
+
+@pytest.mark.parametrize("argv, named", HOST_ERRORS)
+def test_a_host_missing_what_the_others_need_is_refused(argv, named):
+    with pytest.raises(ConfigError, match=named.replace("[", r"\[")):
+        load(FILES + argv)
+
+
+def board(tmp_path, name, roles, node=None, nodes=1, timeout_s=3.0) -> HostBoard:
+    return HostBoard(RunPaths(tmp_path), name, roles, node, nodes, timeout_s)
+
+
+def test_the_host_board_says_when_the_run_is_done_and_who_went_down(tmp_path):
+    a = board(tmp_path, "a", ("inference", "orchestrator", "trainer"), 0, nodes=2)
+    b = board(tmp_path, "b", ("trainer",), 1, nodes=2)
+    a.join(), b.join()
+    assert not a.run_finished() and a.trouble() is None
+    a.beat("finished", force=True)
+    assert not a.run_finished()  # trainer node 1 still running
+    b.beat("finished", force=True)
+    assert a.run_finished() and b.run_finished()
+    b.beat("failed", "trainer exited with code 1", force=True)
+    assert a.trouble().name == "b" and a.trouble().reason == "trainer exited with code 1"
+
+
+def test_a_silent_host_is_named_first_down(tmp_path):
+    a = board(tmp_path, "a", ("trainer",), 0, nodes=2, timeout_s=1.0)
+    b = board(tmp_path, "b", ("trainer",), 1, nodes=2, timeout_s=1.0)
+    a.join(), b.join()  # then b is killed: it never beats again
+    time.sleep(0.2)
+    a.beat("failed", "trainer exited with code 1", force=True)  # its peer vanished under it
+    start = time.monotonic()
+    assert a.settle().name == "b" and time.monotonic() - start < 4
+    assert a.trouble().name == "b" and a.trouble().state == "running"  # silent, not failed
+    time.sleep(1.1)
+    c = board(tmp_path, "c", ("inference",), timeout_s=1.0)
+    c.join()  # a later launch of the run forgets the hosts that stopped beating
+    assert [h.name for h in c.hosts()] == ["c"]
+
+
+def rendered_k8s(tmp_path, *argv) -> list[dict]:
+    config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "demo"), "--model.name", "Qwen/Qwen3-0.6B",
+                                             "--k8s", *argv])
+    return [d for d in yaml.safe_load_all(render_k8s(config, RunPaths(tmp_path / "demo"), token="tok3n")) if d]
+
+
+def test_k8s_manifests_pass_kubernetes_schemas_and_hold_the_token_only_in_the_secret(tmp_path):
+    import kubernetes_validate
+
+    documents = rendered_k8s(tmp_path, "--k8s.trainer-pods", "2", "--k8s.inference-pods", "2",
+                             "--k8s.trainer-gpus", "8", "--k8s.inference-gpus", "2")
+    for document in documents:
+        kubernetes_validate.validate(document, "1.30.0", strict=True)
+    kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in documents)
+    assert kinds == ["ConfigMap/rl-config", "Job/rl-inference", "Job/rl-orchestrator", "Job/rl-trainer",
+                     "PersistentVolumeClaim/rl-run", "Secret/rl-admin-token", "Service/rl-inference", "Service/rl-trainer"]
+    text = yaml.safe_dump_all(documents)
+    assert text.count("tok3n") == 1  # the Secret; pods read it into their environment
+    jobs = {d["metadata"]["name"]: d["spec"] for d in documents if d["kind"] == "Job"}
+    trainer = jobs["rl-trainer"]
+    assert (trainer["completions"], trainer["completionMode"], trainer["template"]["spec"]["subdomain"]) == (2, "Indexed", "rl-trainer")
+    command = trainer["template"]["spec"]["containers"][0]["args"][0]
+    assert "--roles '[\"trainer\"]' --trainer-nodes 2 --node-rank \"$JOB_COMPLETION_INDEX\"" in command
+    assert "--rdzv-endpoint rl-trainer-0.rl-trainer:29400" in command
+    orchestrator = jobs["rl-orchestrator"]["template"]["spec"]["containers"][0]["args"][0]
+    urls = ["http://rl-inference-0.rl-inference:8000", "http://rl-inference-0.rl-inference:8001",
+            "http://rl-inference-1.rl-inference:8000", "http://rl-inference-1.rl-inference:8001"]
+    assert json.dumps(urls) in orchestrator and "--trainer-gpus 8" in orchestrator
+    assert trainer["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    config = next(d for d in documents if d["kind"] == "ConfigMap")["data"]["rl.toml"]
+    assert "admin_token" not in config and "output_dir" not in config and "batch_size = 128" in config
+
+
+def test_k8s_with_an_existing_claim_makes_no_volume(tmp_path):
+    documents = rendered_k8s(tmp_path, "--k8s.existing-claim", "shared-runs", "--k8s.name", "exp1")
+    assert not [d for d in documents if d["kind"] == "PersistentVolumeClaim"]
+    volumes = [d["spec"]["template"]["spec"]["volumes"][0] for d in documents if d["kind"] == "Job"]
+    assert all(v["persistentVolumeClaim"]["claimName"] == "shared-runs" for v in volumes)
+    assert {d["metadata"]["name"] for d in documents if d["kind"] == "Job"} == {"exp1-inference", "exp1-orchestrator", "exp1-trainer"}
+
+
+@pytest.mark.parametrize("trainer_nodes", ["0", "2"])
+def test_the_slurm_job_is_valid_bash_and_gives_each_node_its_roles(tmp_path, trainer_nodes):
+    config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm",
+                                             "--slurm.trainer-nodes", trainer_nodes, "--slurm.partition", "gpu",
+                                             "--slurm.setup", '["module load cuda"]'])
+    script = render_slurm(config, RunPaths(tmp_path / "run"), tmp_path / "run" / "slurm" / "rl.toml")
+    check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert check.returncode == 0, check.stderr
+    assert "#SBATCH --partition=gpu" in script and "module load cuda" in script
+    assert f"#SBATCH --nodes={1 + int(trainer_nodes)}" in script
+    if trainer_nodes == "2":
+        assert '--trainer-nodes 2 --node-rank "$i" --rdzv-endpoint "${TRAINER_NODES[0]}:29400"' in script
+    else:
+        assert "roles='[\"inference\", \"orchestrator\", \"trainer\"]'" in script
+
+
+def test_the_config_every_host_starts_from_is_the_one_given(tmp_path):
+    argv = FILES + ["--max-steps", "7", "--inference.admin-token", "s3cret", "--roles", '["trainer"]',
+                    "--trainer-nodes", "2", "--output-dir", str(tmp_path / "x")]
+    text = as_given(parse_config(RLConfig, argv), "/shared/run")
+    again = parse_config(RLConfig, ["@", str(tmp_path / "given.toml")]) if (tmp_path / "given.toml").write_text(text) else None
+    assert again.max_steps == 7 and again.output_dir.as_posix() == "/shared/run"
+    assert again.trainer.micro_batch_size == 16 and again.orchestrator.batch_size == 128  # the files, merged
+    assert "s3cret" not in text and "roles" not in text and "trainer_nodes" not in text
+
+
+def test_the_committed_example_is_what_rl_renders_today(capsys, monkeypatch):
+    import kubernetes_validate
+
+    from rl.launcher import main as launcher
+
+    monkeypatch.chdir(ROOT)
+    launcher.main((ROOT / "deploy" / "k8s" / "example.args").read_text().split())
+    rendered = capsys.readouterr().out
+    assert rendered == (ROOT / "deploy" / "k8s" / "example.yaml").read_text(), "run: bash deploy/render-example.sh"
+    for document in yaml.safe_load_all(rendered):
+        kubernetes_validate.validate(document, "1.30.0", strict=True)
