@@ -116,8 +116,8 @@ class PolicyWeights:
 
         if current_platform.is_cpu():
             # The files' fingerprint is this process's only tensor work and runs beside the reload; with
-            # more threads, OpenMP's spinning workers take the cores vLLM pinned its CPU worker to (a tiny
-            # model's reload went from 19 to 32 ms on 2 cores).
+            # more threads, OpenMP's spinning workers take the cores vLLM pinned its CPU worker to and the
+            # reload slows down (docs/architecture.md, Measurements).
             torch.set_num_threads(1)
 
     async def current(self) -> dict:

@@ -91,8 +91,8 @@ class RLConfig(Settings):
     inference_gpus: Annotated[int | None, Field(ge=1, description="GPUs for inference (a replica per TP group)")] = None
     trainer_gpu_ids: Annotated[list[int] | None, Field(description="explicit trainer GPU ids")] = None
     inference_gpu_ids: Annotated[list[int] | None, Field(description="explicit inference GPU ids")] = None
-    # One process by default: it uses every core, and on 2 cores two gloo ranks of one thread each train
-    # 0.4x as fast at 100M (benchmarks/trainer_throughput.py).
+    # One process by default: it uses every core, where several gloo ranks of one thread each train much
+    # slower (docs/architecture.md, Measurements).
     trainer_processes: Annotated[
         int, Field(ge=1, description="CPU hosts only: trainer processes (gloo); GPU hosts use one per GPU")
     ] = 1

@@ -69,9 +69,8 @@ def plan_resume(config: RLConfig, paths: RunPaths) -> None:
 
 def cpu_trainer_env(plan: DevicePlan) -> dict[str, str]:
     """On a CPU host the trainer shares its cores with vLLM: its OpenMP workers sleep between parallel
-    regions instead of spinning on cores vLLM's generation needs. Tiny model, rl side of
-    benchmarks/trl_side_by_side.py: step 2.4-2.6 s against 3.0-4.5 s spinning; at 100M no gain beyond
-    this machine's noise (big ops leave little time to spin). A policy the user exported wins."""
+    regions instead of spinning on cores vLLM's generation needs (small models' steps are faster; big ones
+    leave little time to spin: docs/architecture.md, Measurements). A policy the user exported wins."""
     if plan.trainer_gpus or "OMP_WAIT_POLICY" in os.environ:
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}

@@ -3,9 +3,9 @@
 verifiers' `TrainClient` renders the prompt and parses the engine's reply itself; for the request it
 holds an OpenAI SDK client, of which `renderers.client.generate` uses only `base_url`, `post` (an
 absolute URL, `cast_to=httpx.Response`) and `get("/models")`. The SDK's request path (options models,
-header building, httpx over anyio, a connection-pool scan per request) cost ~2.8 ms of orchestrator CPU
-per turn, more than the whole raw client of benchmarks/orchestrator_throughput.py (~1.3 ms); on a host
-where vLLM needs every core that CPU is generation lost. `EngineClient` offers the same three members
+header building, httpx over anyio, a connection-pool scan per request) cost more orchestrator CPU per turn
+than the whole raw client of benchmarks/orchestrator_throughput.py (docs/architecture.md, Measurements); on
+a host where vLLM needs every core that CPU is generation lost. `EngineClient` offers the same three members
 over one aiohttp session and raises the SDK's error types, so verifiers maps failures to the same
 statuses (4xx not retried; connection 503; timeout 504). verifiers' own retries are off (MAX_RETRIES 0),
 so none are lost.

@@ -40,10 +40,9 @@ LOCAL_RUNTIME = "subprocess"
 
 INTERCEPTION = {"type": "elastic", "multiplex": 8}
 """verifiers' interception servers, one per 8 concurrent rollouts (its default: 32). Chosen when the
-training client used the OpenAI SDK over httpx, which scans every pooled connection on each request: small
-pools took the orchestrator from ~0.53x to ~0.63x raw vLLM tokens/s (benchmarks/orchestrator_throughput.py).
-With `EngineClient` (aiohttp) 8 and 32 measured alike within the machine's noise. `overrides.interception`
-chooses otherwise."""
+training client used the OpenAI SDK over httpx, which scans every pooled connection on each request, so
+small pools were faster; with `EngineClient` (aiohttp) 8 and 32 measure alike (docs/architecture.md,
+Measurements). `overrides.interception` chooses otherwise."""
 
 
 class EnvLoadError(ValueError):

@@ -31,15 +31,15 @@ apply_orchestrator_patches()  # verifiers' per-turn costs: see rl/patches.py
 
 YOUNG_GC_THRESHOLD = 10_000
 """Net container allocations between young-generation collections (CPython's default: 700). A rollout
-allocates thousands of short-lived objects; at 700 the young collections ran ~65 times per 128 rollouts
-of benchmarks/orchestrator_throughput.py for 0.04-0.06 s, ~10% of the orchestrator's CPU, and at 10,000
-once or twice for ~0.01 s. Garbage in cycles waits one collection longer: a few MB at most."""
+allocates thousands of short-lived objects: at 700 the young collections took a tenth of the orchestrator's
+CPU, at 10,000 next to none (docs/architecture.md, Measurements). Garbage in cycles waits one collection
+longer: a few MB at most."""
 
 
 def tune_gc_for_serving() -> None:
     """Once environments serve: keep the objects that live for the whole run (modules, environments, their
-    tasks: ~700k) out of the cyclic GC (one full collection over them took 0.5 s, during which no rollout
-    progressed), and collect the young generation less often."""
+    tasks: hundreds of thousands) out of the cyclic GC (a full collection over them stalled every rollout for
+    a good part of a second), and collect the young generation less often."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])

@@ -8,8 +8,8 @@ verifiers on the trace as usual.
 
 Model calls share one kept-alive HTTP session per event loop while `shared_session()` is held: rl's
 orchestrator holds it while an environment serves, and the `SharedChatSession` mixin does for an `Env` run
-by other tools. A new client per rollout cost a TCP handshake on both ends of localhost and ~1 ms of
-orchestrator CPU per rollout (py-spy, benchmarks/orchestrator_throughput.py).
+by other tools. A new client per rollout cost a TCP handshake on both ends of localhost and measurable
+orchestrator CPU per rollout (rl's docs/architecture.md, Measurements).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def chat_messages(system: str | None, prompt: str | vf.Messages | None) -> list[
 class DataIdKey:
     """`Task` mixin: the task's key is its data's durable `id` when it has one, as verifiers suggests for
     datasets that provide one. The default key, a sha256 of the task's JSON, is recomputed on every read
-    (twice per rollout): ~2.5% of the orchestrator's CPU in benchmarks/orchestrator_throughput.py (py-spy)."""
+    (twice per rollout), a visible share of the orchestrator's CPU (rl's docs/architecture.md, Measurements)."""
 
     @property
     def key(self) -> str:
