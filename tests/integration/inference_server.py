@@ -12,6 +12,16 @@ from tests.conftest import ROOT
 from tests.integration.launched import free_port
 
 
+def model_and_weights_dir(tmp_path_factory, name: str) -> Path:
+    """A directory holding the tiny model (`model/`) and an empty weights dir (`weights/`)."""
+    from rl.tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp(name)
+    build_tiny_model(root / "model")
+    (root / "weights").mkdir()
+    return root
+
+
 class Server:
     def __init__(self, model: Path, weights_dir: Path, log: Path, token: str = "test-token", timeout_s: float = 300,
                  env: dict[str, str] | None = None):

@@ -16,8 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from rl.inference.worker import probe_inputs
 from rl.protocol import STABLE, mark_stable
-from rl.tiny_model import build_tiny_model
-from tests.integration.inference_server import Server
+from tests.integration.inference_server import Server, model_and_weights_dir
 
 pytestmark = pytest.mark.integration
 API_KEY = "api-key-for-tests"
@@ -25,10 +24,7 @@ API_KEY = "api-key-for-tests"
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad-requests")
-    build_tiny_model(root / "model")
-    (root / "weights").mkdir()
-    return root
+    return model_and_weights_dir(tmp_path_factory, "bad-requests")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from rl.inference.server import SHUTDOWN_GRACE_S
 from rl.protocol import mark_stable
 from rl.tiny_model import build_tiny_model
-from tests.integration.inference_server import Server
+from tests.integration.inference_server import Server, model_and_weights_dir
 
 pytestmark = pytest.mark.integration
 PROMPTS = [[1, 91, 89, 75, 88, 5, 56, 75, 92], [1, 91, 89, 75, 88, 5, 60, 61, 62, 63, 2, 5, 1, 71]]
@@ -29,10 +29,7 @@ TOLERANCE = 1e-4  # float32 on both sides; measured differences are ~5e-7
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("inference")
-    build_tiny_model(root / "model")
-    (root / "weights").mkdir()
-    return root
+    return model_and_weights_dir(tmp_path_factory, "inference")
 
 
 @pytest.fixture(scope="module")

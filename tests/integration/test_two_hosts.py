@@ -91,12 +91,15 @@ def host_command(model: Path, out: Path, hosts: TwoHosts, host: str, rdzv_port: 
     return hosts.command(host, argv)
 
 
+def start_both(model: Path, out: Path, hosts: TwoHosts, max_steps: int) -> tuple[Launched, Launched]:
+    rdzv_port = free_port()
+    return tuple(Launched(host_command(model, out, hosts, host, rdzv_port, max_steps)) for host in ("a", "b"))
+
+
 @needs_namespaces
 def test_a_trainer_across_two_hosts_trains_and_publishes(tiny_model, tmp_path, two_hosts):
     out = tmp_path / "run"
-    port = free_port()
-    a = Launched(host_command(tiny_model, out, two_hosts, "a", port, 5))
-    b = Launched(host_command(tiny_model, out, two_hosts, "b", port, 5))
+    a, b = start_both(tiny_model, out, two_hosts, 5)
     assert a.wait(timeout=900) == 0, a.output[-5000:] + "\n--- b ---\n" + b.output[-3000:]
     assert b.wait(timeout=60) == 0, b.output[-5000:]
     paths = RunPaths(out)
@@ -114,9 +117,7 @@ def test_a_trainer_across_two_hosts_trains_and_publishes(tiny_model, tmp_path, t
 @needs_namespaces
 def test_killing_one_host_ends_the_run_within_30s_naming_it(tiny_model, tmp_path, two_hosts):
     out = tmp_path / "run"
-    port = free_port()
-    a = Launched(host_command(tiny_model, out, two_hosts, "a", port, 50))
-    b = Launched(host_command(tiny_model, out, two_hosts, "b", port, 50))
+    a, b = start_both(tiny_model, out, two_hosts, 50)
     deadline = time.monotonic() + 600
     while len(stable_steps(RunPaths(out).weights_root)) < 2 and time.monotonic() < deadline:
         assert a.proc.poll() is None and b.proc.poll() is None, a.output[-3000:] + b.output[-3000:]
