@@ -68,6 +68,7 @@ BAD = [
     ("unknown-seat", {"overrides": {"solver": {"max_turns": 2}}}, "overrides.solver: Extra inputs"),
     ("seat-field", {"overrides": {"agent": {"max_turns": "x"}}}, "overrides.agent.max_turns: Input should be"),
     ("taskset-in-overrides", {"overrides": {"taskset": {"num_examples": 3}}}, "set the taskset's fields in `args`"),
+    ("seat-not-a-table", {"overrides": {"agent": 5}}, "overrides.agent: give a table of the seat's fields"),
     ("harness-twice", {"harness": {"id": "null"}, "overrides": {"agent": {"harness": {"id": "bash"}}}},
      "both `harness` and `overrides.agent.harness` are set"),
     ("unknown-env-class", {"overrides": {"id": "no-such-env-class"}}, "overrides.id: environment 'no-such-env-class'"),

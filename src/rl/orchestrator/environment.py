@@ -161,7 +161,9 @@ def verifiers_env_config(spec: EnvConfig) -> tuple[dict[str, Any], dict[str, str
         if isinstance(field.default, vf.AgentConfig)
     }
     for seat, declared in declared_seats.items():
-        seat_data = dict(data.get(seat) or {})
+        seat_data = data.get(seat) or {}
+        if not isinstance(seat_data, dict):
+            raise EnvLoadError(f"environment {spec.label!r}: overrides.{seat}: give a table of the seat's fields")
         harness, harness_note = seat_setting(spec, seat, seat_data, "harness"), "as configured"
         if harness is None:
             harness, harness_note = default_harness(spec.id, declared)
