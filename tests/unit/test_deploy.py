@@ -73,6 +73,8 @@ def test_the_host_board_says_when_the_run_is_done_and_who_went_down(tmp_path):
     a.join(), b.join()
     assert not a.run_finished() and a.trouble() is None
     a.beat("finished", force=True)
+    a.beat(force=True)  # a heartbeat keeps the state
+    assert [h.state for h in b.peers()] == ["finished"]
     assert not a.run_finished()  # trainer node 1 still running
     b.beat("finished", force=True)
     assert a.run_finished() and b.run_finished()

@@ -54,10 +54,14 @@ class HostBoard:
                 (self.directory / f"{host.name}.json").unlink(missing_ok=True)
         self.beat(force=True)
 
-    def beat(self, state: str = "running", reason: str = "", force: bool = False) -> None:
+    def beat(self, state: str | None = None, reason: str | None = None, force: bool = False) -> None:
+        """Rewrite this host's file, at most every BEAT_S unless `force`; state and reason stay as they were
+        unless given."""
         now = time.time()
-        if not force and state == "running" and now - self.last_beat < BEAT_S:
+        if not force and now - self.last_beat < BEAT_S:
             return
+        state = state or self.me.state
+        reason = self.me.reason if reason is None else reason
         self.me = Host(self.me.name, self.me.roles, state, reason, now, self.me.trainer_node)
         record = {"name": self.me.name, "roles": list(self.me.roles), "state": state, "reason": reason,
                   "time": now, "trainer_node": self.me.trainer_node}
