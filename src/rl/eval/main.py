@@ -24,6 +24,7 @@ import httpx
 from rl.config import ConfigError, run_cli, write_config
 from rl.eval.config import EvalCommandConfig
 from rl.launcher.checks import check_model
+from rl.launcher.config import client_host
 from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.metrics import setup_logging
 from rl.orchestrator.environment import EnvLoadError, Environment, load_environments, serving
@@ -62,8 +63,7 @@ def start_server(config: EvalCommandConfig, out: Path) -> tuple[Supervisor, str]
     cmd = [sys.executable, "-m", "rl.inference.main", "@", str((out / "configs" / "inference.toml").absolute())]
     supervisor = Supervisor(RunPaths(out), tail_lines=40, shutdown_timeout_s=10)
     supervisor.start(ChildSpec("inference", cmd, None, out / "logs" / "inference.log"))
-    host = "127.0.0.1" if inference.host in ("0.0.0.0", "::", "") else inference.host
-    return supervisor, f"http://{host}:{inference.port}"
+    return supervisor, f"http://{client_host(inference.host)}:{inference.port}"
 
 
 def wait_healthy(url: str, timeout_s: float, supervisor: Supervisor | None) -> None:
@@ -89,17 +89,16 @@ async def run(config: EvalCommandConfig, envs: list[Environment], client: Infere
         return await run_eval_groups(config, envs, config.num_examples, [client], semaphore, config.rollout_timeout_s)
 
 
-def rollout_records(groups: Groups, envs: list[Environment], threshold: float, decode) -> list[dict]:
-    by_name = {env.name: env for env in envs}
-    records = []
-    for name, env_groups in groups.items():
-        for task_index, group in enumerate(env_groups):
-            for j, result in enumerate(group):
-                records.append(rollout_record(name, by_name[name], task_index, j, result, threshold, decode))
-    return records
+def rollout_records(groups: Groups, threshold: float, decode) -> list[dict]:
+    return [
+        rollout_record(name, task_index, j, result, threshold, decode)
+        for name, env_groups in groups.items()
+        for task_index, group in enumerate(env_groups)
+        for j, result in enumerate(group)
+    ]
 
 
-def rollout_record(name: str, env: Environment, task_index: int, j: int, r: RolloutResult, threshold: float, decode) -> dict:
+def rollout_record(name: str, task_index: int, j: int, r: RolloutResult, threshold: float, decode) -> dict:
     return {
         "env": name,
         "task_index": task_index,
@@ -179,7 +178,7 @@ def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logg
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
-    records = rollout_records(groups, envs, config.pass_threshold, tokenizer.decode)
+    records = rollout_records(groups, config.pass_threshold, tokenizer.decode)
     summary = summarize(groups, config, elapsed)
     write_results(out, records, summary)
     return summary

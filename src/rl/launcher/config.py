@@ -212,7 +212,7 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
             f"inference.port = {i.port} with {plan.replicas} replicas needs ports up to {i.port + plan.replicas - 1}, "
             "past 65535; choose a lower port"
         )
-    urls = config.inference_urls or [f"http://{_client_host(i.host)}:{i.port + r}" for r in range(plan.replicas)]
+    urls = config.inference_urls or [f"http://{client_host(i.host)}:{i.port + r}" for r in range(plan.replicas)]
     if urls:  # a host running neither inference nor the orchestrator has none to give
         _fill(urls, o.client, "base_urls", "inference.port (one server per replica) / --inference-urls", "orchestrator.client")
     _fill(i.admin_token, o.client, "admin_token", "inference.admin-token", "orchestrator.client")
@@ -253,5 +253,6 @@ def check_hosts(config: RLConfig) -> None:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def _client_host(bind_host: str) -> str:
+def client_host(bind_host: str) -> str:
+    """The address a client on this host reaches a server bound to `bind_host` at."""
     return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
