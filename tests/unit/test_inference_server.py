@@ -135,6 +135,14 @@ def test_admin_requests_are_authorized_before_their_body_is_read():
         403, {"detail": "admin routes answer loopback clients only when no admin token is set"})
 
 
+@pytest.mark.parametrize("path", ["/scale_elastic_ep", "/v1/load_lora_adapter", "/collective_rpc", "/pause"])
+def test_vllm_control_routes_are_refused_even_with_the_key(path):
+    weights = FakeWeights()
+    status, body, _, _ = call(weights, path, API)
+    assert status == 403 and "rl changes weights only through /update_weights" in body["detail"]
+    assert weights.seen_in_flight == []
+
+
 def test_websockets_are_refused():
     _, _, sent, _ = call(FakeWeights(), "/v1/realtime", API, scope_type="websocket")
     assert sent == [{"type": "websocket.close", "code": 1008, "reason": "this server answers HTTP only"}]

@@ -59,6 +59,15 @@ GENERATE_PATH = "/inference/v1/generate"
 # with the API key if one is set, held while the weights change, counted in flight, refused while broken.
 # (vLLM's own key check covers only a few path prefixes; /invocations and /generative_scoring generate too.)
 OPEN_PATHS = {"/health", "/ping", "/version", "/metrics", "/load", "/v1/models"}
+# vLLM's routes that change the engine's state outside our update path (refused: they would change what is
+# served, or how, without verification); the development ones exist only with VLLM_SERVER_DEV_MODE.
+CONTROL_PATHS = {
+    "/scale_elastic_ep", "/start_profile", "/stop_profile", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/pause", "/resume", "/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/reset_mm_cache",
+    "/reset_encoder_cache", "/release_kv_cache_memory", "/abort_requests", "/init_weight_transfer_engine",
+    "/start_weight_update", "/finish_weight_update", "/start_draft_weight_update", "/update_weight_version",
+    "/shutdown_weight_transfer_engine",
+}
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 MAX_ADMIN_BODY = 64 * 1024  # an update request is ~100 bytes
 MAX_STEP = 2**63 - 1  # policy versions travel as int64
@@ -318,7 +327,8 @@ class AdminMiddleware:
     """ASGI middleware, installed with vLLM's `--middleware`, in front of vLLM's app.
 
     Sends the admin paths to `build_admin_app()` once the caller is authorized (from the headers alone,
-    before any body is read; bodies are bounded). Passes `OPEN_PATHS` through. Treats every other route as
+    before any body is read; bodies are bounded). Passes `OPEN_PATHS` through, refuses `CONTROL_PATHS`
+    (403). Treats every other route as
     generation: checks vLLM's API key when one is set, holds the request while the weights change, counts
     those in flight (`PolicyWeights.admit`) and refuses them while the weights are broken. Adds
     `"token": "token_id:<id>"` to every logprob entry of `/inference/v1/generate` JSON responses (vLLM
@@ -341,6 +351,9 @@ class AdminMiddleware:
             return await self._admin(scope, receive, send, weights.settings)
         if path in OPEN_PATHS:
             return await self.app(scope, receive, send)
+        if path in CONTROL_PATHS:
+            refusal = JSONResponse({"detail": f"{path} is not served: rl changes weights only through /update_weights"}, 403)
+            return await refusal(scope, receive, send)
         refused = api_key_refusal(scope, weights.settings) or await weights.admit()
         if refused:
             response = refused if isinstance(refused, JSONResponse) else JSONResponse({"detail": refused}, 503)
