@@ -10,6 +10,10 @@ from pydantic_settings import SettingsConfigDict
 
 from rl.config import ModelConfig, Settings
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+"""Addresses only this host reaches: a server bound to one is private to the host, and without an admin
+token the admin routes answer only clients connecting from one."""
+
 
 class InferenceConfig(Settings):
     model_config = SettingsConfigDict(env_prefix="RL_INFERENCE__")

@@ -46,6 +46,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from rl import patches
+from rl.inference.config import LOOPBACK_HOSTS
 from rl.inference.worker import FilePrints, checkpoint_fingerprint, verified
 from rl.protocol import STABLE, CorruptFileError, verify_stable
 
@@ -68,7 +69,6 @@ CONTROL_PATHS = {
     "/start_weight_update", "/finish_weight_update", "/start_draft_weight_update", "/update_weight_version",
     "/shutdown_weight_transfer_engine",
 }
-LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 MAX_ADMIN_BODY = 64 * 1024  # an update request is ~100 bytes
 MAX_STEP = 2**63 - 1  # policy versions travel as int64
 ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
@@ -354,10 +354,11 @@ class AdminMiddleware:
         if path in CONTROL_PATHS:
             refusal = JSONResponse({"detail": f"{path} is not served: rl changes weights only through /update_weights"}, 403)
             return await refusal(scope, receive, send)
-        refused = api_key_refusal(scope, weights.settings) or await weights.admit()
-        if refused:
-            response = refused if isinstance(refused, JSONResponse) else JSONResponse({"detail": refused}, 503)
-            return await response(scope, receive, send)
+        refusal = api_key_refusal(scope, weights.settings)
+        if refusal is None and (reason := await weights.admit()):
+            refusal = JSONResponse({"detail": reason}, 503)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
         weights.in_flight += 1  # no await since admit(): an update starting now sees this request
         try:
             return await self.app(scope, receive, TokenStringRewrite(send) if path == GENERATE_PATH else send)
@@ -399,7 +400,7 @@ def admin_refusal(scope, settings: AdminSettings) -> JSONResponse | None:
     """Why an admin request is refused, from its headers alone; None if it may proceed."""
     if settings.admin_token is None:
         client = (scope.get("client") or ("",))[0]
-        if client not in LOOPBACK:
+        if client not in LOOPBACK_HOSTS:
             return JSONResponse({"detail": "admin routes answer loopback clients only when no admin token is set"}, 403)
         return None
     if not bearer_matches(scope, (settings.admin_token,)):

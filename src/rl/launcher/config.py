@@ -12,7 +12,7 @@ from pydantic import BaseModel, BeforeValidator, Field
 from pydantic_settings import SettingsConfigDict
 
 from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig
-from rl.inference.config import InferenceConfig
+from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig
 from rl.launcher.devices import DevicePlan
 from rl.orchestrator.config import OrchestratorConfig
 from rl.trainer.config import TrainerConfig
@@ -248,9 +248,6 @@ def check_hosts(config: RLConfig) -> None:
                if routable else "every host of the run must send and expect the same admin token")
         raise ConfigError(f"{why}: set inference.admin_token, the same on every host "
                           "(e.g. export RL_INFERENCE__ADMIN_TOKEN=$(openssl rand -hex 16))")
-
-
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def client_host(bind_host: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 from rl.protocol import RunPaths, atomic_write_text
 
@@ -30,6 +30,10 @@ class Host:
 
     def silent_for(self, now: float) -> float:
         return now - self.time if self.state == "running" else 0.0
+
+    def down(self, now: float, timeout_s: float) -> bool:
+        """Failed, or silent for longer than `timeout_s`."""
+        return self.state == "failed" or self.silent_for(now) > timeout_s
 
     def describe(self) -> str:
         node = f", trainer node {self.trainer_node}" if self.trainer_node is not None else ""
@@ -60,20 +64,17 @@ class HostBoard:
         now = time.time()
         if not force and now - self.last_beat < BEAT_S:
             return
-        state = state or self.me.state
-        reason = self.me.reason if reason is None else reason
-        self.me = Host(self.me.name, self.me.roles, state, reason, now, self.me.trainer_node)
-        record = {"name": self.me.name, "roles": list(self.me.roles), "state": state, "reason": reason,
-                  "time": now, "trainer_node": self.me.trainer_node}
-        atomic_write_text(self.directory / f"{self.me.name}.json", json.dumps(record) + "\n")
+        self.me = replace(self.me, state=state or self.me.state, reason=self.me.reason if reason is None else reason,
+                          time=now)
+        atomic_write_text(self.directory / f"{self.me.name}.json", json.dumps(asdict(self.me)) + "\n")
         self.last_beat = now
 
     def hosts(self) -> list[Host]:
         hosts = []
         for path in sorted(self.directory.glob("*.json")) if self.directory.is_dir() else []:
             try:
-                r = json.loads(path.read_text())
-                hosts.append(Host(r["name"], tuple(r["roles"]), r["state"], r["reason"], r["time"], r["trainer_node"]))
+                record = json.loads(path.read_text())
+                hosts.append(Host(**record | {"roles": tuple(record["roles"])}))
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # being replaced, or not ours: read again on the next poll
         return hosts
@@ -84,7 +85,7 @@ class HostBoard:
     def trouble(self) -> Host | None:
         """The peer that failed, or went silent, first; None while every peer is well."""
         now = time.time()
-        down = [h for h in self.peers() if h.state == "failed" or h.silent_for(now) > self.timeout_s]
+        down = [h for h in self.peers() if h.down(now, self.timeout_s)]
         return min(down, key=lambda h: h.time, default=None)
 
     def run_finished(self) -> bool:
@@ -105,5 +106,5 @@ class HostBoard:
                 break
             time.sleep(0.5)
         now = time.time()
-        down = [h for h in self.peers() if h.state == "failed" or h.silent_for(now) > self.timeout_s] + [self.me]
+        down = [h for h in self.peers() if h.down(now, self.timeout_s)] + [self.me]
         return min(down, key=lambda h: h.time)
