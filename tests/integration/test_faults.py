@@ -25,11 +25,15 @@ VICTIMS = ["trainer", "orchestrator", "inference", "launcher"]
 STOP_WITHIN_S = 30
 
 
+def assert_still_running(run: Launched, before: str) -> None:
+    assert run.proc.poll() is None, f"rl ended before {before}:\n{run.output[-4000:]}"
+
+
 def wait_for_checkpoint_after(run: Launched, paths: RunPaths, step: int, timeout_s: float = 600) -> int:
     """Wait until a complete checkpoint newer than `step` exists; return its step."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        assert run.proc.poll() is None, f"rl ended before the fault:\n{run.output[-4000:]}"
+        assert_still_running(run, f"a checkpoint after step {step}")
         newer = [s for s in paths.complete_checkpoints() if s > step]
         if newer:
             return newer[-1]
@@ -54,7 +58,7 @@ def test_each_process_killed_then_resumed_to_completion(tiny_model, tmp_path):
         run = Launched(rl_command(tiny_model, out, MAX_STEPS, *extra, *(["--resume"] if resumed_from >= 0 else [])))
         resumed_from = wait_for_checkpoint_after(run, paths, max(resumed_from, 0))
         time.sleep(rng.uniform(0, 1))  # somewhere inside the next step or so
-        assert run.proc.poll() is None, f"rl ended before the fault on {victim}:\n{run.output[-4000:]}"
+        assert_still_running(run, f"the fault on {victim}")
         processes = run.descendants()
         kill(run, victim)
         killed_at = time.monotonic()
