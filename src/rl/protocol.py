@@ -2,16 +2,14 @@
 rollout batch format. The orchestrator, trainer and inference import this; none builds a path itself.
 
 A directory counts only once its STABLE marker exists; every file is written under a temporary name and
-renamed, so readers never see half a file. The marker lists every file of the directory with its size and
-CRC-32, so a reader can also reject a file that was truncated or changed after it was published (a marker
-without that list, e.g. one made by hand, vouches for nothing but completeness). Batches are safetensors
-(no pickle crosses processes).
+renamed, so readers never see half a file. The marker is the directory's exact manifest (rl/manifest.py):
+a reader refuses a file that was truncated or changed after it was published, and a directory holding
+anything unlisted. Batches are safetensors (no pickle crosses processes).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import shutil
@@ -22,10 +20,22 @@ from typing import Callable
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from zlib_ng import zlib_ng
+from safetensors.torch import load, save_file
 
-STABLE = "STABLE"
+from rl.manifest import (  # noqa: F401 - the marker API, re-exported: readers and writers import it from here
+    STABLE,
+    CorruptFileError,
+    Entry,
+    file_crc32,
+    is_temp,
+    mark_stable,
+    read_listed,
+    read_manifest,
+    recorded_files,
+    stable_info,
+    verify_stable,
+)
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -116,10 +126,6 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
 
-def is_temp(path: Path) -> bool:
-    return path.name.startswith(".") and ".tmp" in path.name
-
-
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
@@ -133,93 +139,6 @@ def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
         shutil.rmtree(final_dir)
     tmp_dir.replace(final_dir)
     mark_stable(final_dir)
-
-
-class CorruptFileError(ValueError):
-    """A file of a STABLE directory differs from what its marker recorded."""
-
-
-def file_crc32(path: Path) -> int:
-    """CRC-32 of a file, the value `zlib.crc32` gives, computed by zlib-ng (SIMD: several times zlib's speed)
-    over the mapped file (docs/architecture.md, Measurements)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return 0  # an empty file cannot be mapped
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return zlib_ng.crc32(data)
-
-
-def mark_stable(directory: Path, **info) -> None:
-    """Write `directory/STABLE`, recording every file beneath it (size and CRC-32) and `info`."""
-    files = {
-        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "crc32": file_crc32(p)}
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != STABLE and not is_temp(p)
-    }
-    atomic_write_text(directory / STABLE, json.dumps({"time": time.time(), **info, "files": files}) + "\n")
-
-
-def stable_info(directory: Path) -> dict:
-    """The STABLE marker's contents ({} for an empty marker); raises CorruptFileError if it is unreadable."""
-    marker = directory / STABLE
-    if not marker.is_file():
-        raise CorruptFileError(f"{marker} is not a file")
-    try:
-        text = marker.read_bytes().decode()
-    except UnicodeDecodeError as e:
-        raise CorruptFileError(f"{marker} is not UTF-8: {e}") from None
-    if not text.strip():
-        return {}
-    try:
-        info = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CorruptFileError(f"{marker} is not valid JSON: {e}") from None
-    if not isinstance(info, dict):
-        raise CorruptFileError(f"{marker} holds {type(info).__name__}, not a JSON object")
-    return info
-
-
-def recorded_files(directory: Path) -> dict[str, dict] | None:
-    """The marker's file list, checked for shape: name -> {bytes, crc32}, every name inside `directory`
-    (a name that points elsewhere would have a reader stat and hash a file outside). None for a marker
-    made by hand, which lists no files."""
-    marker = directory / STABLE
-    files = stable_info(directory).get("files")
-    if files is None:
-        return None
-    if not isinstance(files, dict):
-        raise CorruptFileError(f"{marker}: `files` is {type(files).__name__}, not an object")
-    for name, entry in files.items():
-        if Path(name).is_absolute() or ".." in Path(name).parts or not name:
-            raise CorruptFileError(f"{marker} lists {name!r}, which is outside {directory}")
-        if not isinstance(entry, dict):
-            raise CorruptFileError(f"{marker}: entry {name!r} is not an object")
-        for key in ("bytes", "crc32"):
-            if not isinstance(entry.get(key), int) or isinstance(entry.get(key), bool):
-                raise CorruptFileError(f"{marker}: entry {name!r} lacks an integer `{key}`")
-    return files
-
-
-def verify_stable(directory: Path, names: list[str] | None = None) -> None:
-    """Check the files the STABLE marker lists (or only `names`) against their recorded size and CRC-32.
-
-    Raises CorruptFileError naming the first file that is missing, truncated or changed, or the marker
-    itself if it is malformed."""
-    recorded = recorded_files(directory)
-    if recorded is None:
-        return  # a marker made by hand lists no files
-    for name in names if names is not None else list(recorded):
-        path = directory / name
-        if name not in recorded:
-            raise CorruptFileError(f"{path} is not listed in {directory / STABLE}")
-        expected = recorded[name]
-        if path.is_symlink() or not path.is_file():
-            raise CorruptFileError(f"{path} is listed in {directory / STABLE} but missing (or not a plain file)")
-        size = path.stat().st_size
-        if size != expected["bytes"]:
-            raise CorruptFileError(f"{path} has {size} bytes, {expected['bytes']} were written: truncated or changed")
-        if file_crc32(path) != expected["crc32"]:
-            raise CorruptFileError(f"{path} fails its CRC-32 check: changed after it was written")
 
 
 def is_stable(directory: Path) -> bool:
@@ -306,10 +225,10 @@ def check_batch(tensors: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"{name} must be one-dimensional, not of shape {list(tensor.shape)}")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ValueError(f"{name} holds NaN or infinity")
-    lengths = tensors["lengths"]
-    if (lengths <= 0).any():
-        raise ValueError(f"lengths must be positive: {lengths.tolist()[:10]}")
-    counts = {"token": int(lengths.sum()), "sample": lengths.numel()}
+    lengths = tensors["lengths"].tolist()  # Python integers: a sum of int64 lengths could overflow
+    if any(n <= 0 for n in lengths):
+        raise ValueError(f"lengths must be positive: {lengths[:10]}")
+    counts = {"token": sum(lengths), "sample": len(lengths)}
     for name, (_, per) in BATCH_FIELDS.items():
         if tensors[name].numel() != counts[per]:
             raise ValueError(f"{name} has {tensors[name].numel()} entries for {counts[per]} {per}s")
@@ -347,10 +266,13 @@ def write_batch(paths: RunPaths, step: int, per_rank: list[list[Sample]]) -> Pat
 
 
 def read_batch(paths: RunPaths, step: int, rank: int) -> list[Sample]:
+    """This rank's samples of `step`, its file read once (checked against the step's manifest as it is read)."""
     path = paths.rollout_file(step, rank)
     try:
-        verify_stable(path.parent, [path.name])
-        return decode_samples(load_file(str(path)))
+        manifest = read_manifest(path.parent)
+        if path.name not in manifest:
+            raise CorruptFileError(f"{path} is not listed in {path.parent / STABLE}")
+        return decode_samples(load(bytes(read_listed(path.parent, path.name, manifest[path.name]))))
     except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
         raise ValueError(f"rollout batch {path} is missing or corrupt: {e}") from e
 

@@ -207,8 +207,15 @@ MARKER_CASES = [
     ("not-an-object", b"[1, 2]", "not a JSON object"),
     ("files-not-an-object", b'{"files": [["state.bin", 64]]}', "`files` is list, not an object"),
     ("entry-not-an-object", b'{"files": {"state.bin": 64}}', "entry 'state.bin' is not an object"),
-    ("entry-without-bytes", b'{"files": {"state.bin": {"crc32": 1}}}', "entry 'state.bin' lacks an integer `bytes`"),
-    ("bytes-not-an-int", b'{"files": {"state.bin": {"bytes": "64", "crc32": 1}}}', "lacks an integer `bytes`"),
+    ("entry-without-bytes", b'{"files": {"state.bin": {"crc32": 1}}}', "entry 'state.bin' lacks a non-negative integer `bytes`"),
+    ("bytes-not-an-int", b'{"files": {"state.bin": {"bytes": "64", "crc32": 1}}}', "lacks a non-negative integer `bytes`"),
+    ("files-null", b'{"step": 4, "files": null}', "`files` is NoneType, not an object"),
+    ("files-absent", b'{"step": 4}', "`files` is NoneType, not an object"),
+    ("nested-deeply", b'{"files": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "nested too deeply"),
+    ("huge-integer", b'{"files": {"state.bin": {"bytes": ' + b"9" * 5000 + b', "crc32": 1}}}', "not valid JSON"),
+    ("name-over-255-bytes", b'{"files": {"' + b"x" * 300 + b'": {"bytes": 1, "crc32": 1}}}', "a name over 255 bytes"),
+    ("lone-surrogate", b'{"files": {"\\ud800.bin": {"bytes": 1, "crc32": 1}}}', "not valid UTF-8"),
+    ("negative-bytes", b'{"files": {"state.bin": {"bytes": -1, "crc32": 1}}}', "lacks a non-negative integer `bytes`"),
     ("absolute-name", b'{"files": {"/etc/hostname": {"bytes": 1, "crc32": 1}}}', "lists '/etc/hostname', which is outside"),
     ("parent-name", b'{"files": {"../../outside.bin": {"bytes": 1, "crc32": 1}}}', "lists '../../outside.bin', which is outside"),
 ]
@@ -231,7 +238,7 @@ def test_a_marker_that_is_a_directory_is_a_corrupt_directory(tmp_path):
     from rl.protocol import CorruptFileError, verify_stable
 
     (tmp_path / "STABLE").mkdir()
-    with pytest.raises(CorruptFileError, match="STABLE is not a file"):
+    with pytest.raises(CorruptFileError, match="STABLE is not a regular file"):
         verify_stable(tmp_path)
 
 

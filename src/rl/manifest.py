@@ -1,0 +1,296 @@
+"""STABLE markers: the exact manifest of a published directory, and the only way its files are read.
+
+A writer fills a directory, then writes `STABLE`, listing every file beneath it with its size and CRC-32
+(`mark_stable`). A reader trusts a directory only through its marker (`read_manifest`):
+
+- the marker is parsed with bounded size and depth; anything malformed is a `CorruptFileError`;
+- the directory holds exactly the listed files: an unlisted file (but a writer's temporary `.name.tmpN`), a
+  symlink or a special file anywhere beneath it makes the directory corrupt; nothing unlisted is ever read;
+- a listed file is opened relative to the directory, component by component, without following a symlink
+  and without blocking on a FIFO or device (`open_regular`), and is refused unless it is a regular file;
+- a file's bytes are checked against the recorded size and CRC-32 as they are read, once
+  (`read_listed`), so a caller that then uses the bytes (a batch, a weight shard) reads the file once.
+
+A marker that is empty or exactly `{}` was made by hand: it vouches for completeness only. Its directory's
+files are then whatever regular files it holds (the same no-symlink, no-special-file rules), unchecked.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import mmap
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from zlib_ng import zlib_ng
+
+STABLE = "STABLE"
+MAX_MARKER_BYTES = 8 * 2**20  # a marker lists ~100 bytes per file
+MAX_NAME_BYTES = 255  # one path component (NAME_MAX)
+MAX_LISTED = 100_000
+READ_CHUNK = 64 * 2**20
+
+
+class CorruptFileError(ValueError):
+    """A STABLE directory, its marker or one of its files is not what the marker recorded."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A file of a manifest: its recorded size and CRC-32 (None for a hand-made marker: unchecked)."""
+
+    bytes: int | None
+    crc32: int | None
+
+    @property
+    def checked(self) -> bool:
+        return self.bytes is not None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------
+
+
+def is_temp(path: Path) -> bool:
+    return path.name.startswith(".") and ".tmp" in path.name
+
+
+def file_crc32(path: Path) -> int:
+    """CRC-32 of a file, the value `zlib.crc32` gives, computed by zlib-ng (SIMD: several times zlib's speed)
+    over the mapped file (docs/architecture.md, Measurements)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return 0  # an empty file cannot be mapped
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return zlib_ng.crc32(data)
+
+
+def mark_stable(directory: Path, **info) -> None:
+    """Write `directory/STABLE`, recording every file beneath it (size and CRC-32) and `info`."""
+    files = {
+        p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "crc32": file_crc32(p)}
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != STABLE and not is_temp(p)
+    }
+    marker = directory / STABLE
+    tmp = marker.with_name(f".{STABLE}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"time": time.time(), **info, "files": files}) + "\n")
+    tmp.replace(marker)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Opening files without following links or blocking
+# ---------------------------------------------------------------------------------------------------
+
+
+def name_parts(directory: Path, name: object) -> tuple[str, ...]:
+    """The components of a listed name, refused unless it is a plain relative path inside `directory`."""
+    if not isinstance(name, str) or not name:
+        raise CorruptFileError(f"{directory / STABLE} lists {name!r}, which is not a file name")
+    try:
+        encoded = [part.encode() for part in name.split("/")]
+    except UnicodeEncodeError:
+        raise CorruptFileError(f"{directory / STABLE} lists {name!r}, which is not valid UTF-8") from None
+    parts = PurePosixPath(name).parts
+    if name.startswith("/") or "\0" in name or any(p in ("", ".", "..") for p in name.split("/")):
+        raise CorruptFileError(f"{directory / STABLE} lists {name!r}, which is outside {directory}")
+    if any(len(p) > MAX_NAME_BYTES for p in encoded):
+        raise CorruptFileError(f"{directory / STABLE} lists {name[:80]!r}..., a name over {MAX_NAME_BYTES} bytes")
+    return parts
+
+
+def open_regular(directory: Path, name: str):
+    """Open `directory/name` for reading (a binary file object): each directory component without following
+    a symlink, the file itself non-blocking (a FIFO or device cannot stall the reader) and only if it is a
+    regular file. Raises CorruptFileError naming the problem."""
+    parts = name_parts(directory, name)
+    path = directory / name
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise CorruptFileError(f"{directory} cannot be opened: {e.strerror}") from None
+    try:
+        for part in parts[:-1]:
+            child = _open_at(fd, part, os.O_DIRECTORY, path)
+            os.close(fd)
+            fd = child
+        file_fd = _open_at(fd, parts[-1], os.O_NONBLOCK, path)
+    finally:
+        os.close(fd)
+    mode = os.fstat(file_fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(file_fd)
+        raise CorruptFileError(f"{path} is not a regular file")
+    fcntl.fcntl(file_fd, fcntl.F_SETFL, fcntl.fcntl(file_fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return os.fdopen(file_fd, "rb")
+
+
+def _open_at(dir_fd: int, part: str, flags: int, path: Path) -> int:
+    try:
+        return os.open(part, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | flags, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise CorruptFileError(f"{path}: {part!r} is a symlink or not a directory") from None
+        if e.errno == errno.ENOENT:
+            raise CorruptFileError(f"{path} is listed in its {STABLE} marker but missing") from None
+        raise CorruptFileError(f"{path} cannot be opened: {e.strerror}") from None
+
+
+def read_regular(directory: Path, name: str, limit: int | None = None) -> bytes:
+    """All bytes of a regular file (see `open_regular`); refused if it holds more than `limit`."""
+    with open_regular(directory, name) as f:
+        data = f.read(None if limit is None else limit + 1)
+    if limit is not None and len(data) > limit:
+        raise CorruptFileError(f"{directory / name} holds more than {limit} bytes")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading a manifest
+# ---------------------------------------------------------------------------------------------------
+
+
+def stable_info(directory: Path) -> dict:
+    """The STABLE marker's contents ({} for an empty marker); CorruptFileError if it is not a JSON object of
+    bounded size and depth."""
+    marker = directory / STABLE
+    data = read_regular(directory, STABLE, MAX_MARKER_BYTES)
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as e:
+        raise CorruptFileError(f"{marker} is not UTF-8: {e}") from None
+    if not text.strip():
+        return {}
+    try:
+        info = json.loads(text)
+    except RecursionError:
+        raise CorruptFileError(f"{marker} is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, or an integer past Python's digit limit
+        raise CorruptFileError(f"{marker} is not valid JSON: {e}") from None
+    if not isinstance(info, dict):
+        raise CorruptFileError(f"{marker} holds {type(info).__name__}, not a JSON object")
+    return info
+
+
+def recorded_files(directory: Path) -> dict[str, Entry] | None:
+    """The marker's file list, checked for shape: name -> Entry. None for a hand-made marker (empty or `{}`)."""
+    marker = directory / STABLE
+    info = stable_info(directory)
+    if not info:
+        return None
+    files = info.get("files")
+    if not isinstance(files, dict):
+        raise CorruptFileError(f"{marker}: `files` is {type(files).__name__}, not an object")
+    if len(files) > MAX_LISTED:
+        raise CorruptFileError(f"{marker} lists {len(files)} files, more than {MAX_LISTED}")
+    entries = {}
+    for name, entry in files.items():
+        name_parts(directory, name)
+        if name == STABLE:
+            raise CorruptFileError(f"{marker} lists itself")
+        if not isinstance(entry, dict):
+            raise CorruptFileError(f"{marker}: entry {name!r} is not an object")
+        for key in ("bytes", "crc32"):
+            value = entry.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
+                raise CorruptFileError(f"{marker}: entry {name!r} lacks a non-negative integer `{key}`")
+        entries[name] = Entry(entry["bytes"], entry["crc32"])
+    return entries
+
+
+def present_files(directory: Path) -> dict[str, os.stat_result]:
+    """Every file beneath `directory` (but the marker), by relative name, from lstat: no link is followed.
+    CorruptFileError for a symlink or special file anywhere beneath it."""
+    found: dict[str, os.stat_result] = {}
+    pending = [(directory, "")]
+    while pending:
+        folder, prefix = pending.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as e:
+            raise CorruptFileError(f"{folder} cannot be listed: {e.strerror}") from None
+        for entry in entries:
+            name = prefix + entry.name
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(info.st_mode):
+                pending.append((Path(entry.path), name + "/"))
+            elif not stat.S_ISREG(info.st_mode):
+                kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+                raise CorruptFileError(f"{directory / name} is {kind}: a published directory holds regular files only")
+            elif name != STABLE and not is_temp(Path(name)):  # a writer's temporary file: never read
+                found[name] = info
+            if len(found) > MAX_LISTED:
+                raise CorruptFileError(f"{directory} holds more than {MAX_LISTED} files")
+    return found
+
+
+def read_manifest(directory: Path) -> dict[str, Entry]:
+    """The files of a STABLE directory, name -> Entry: exactly the listed ones, each present as a regular file
+    of the recorded size (no file's bytes are read). A hand-made marker gives the regular files present, unchecked."""
+    recorded = recorded_files(directory)
+    present = present_files(directory)
+    if recorded is None:
+        return {name: Entry(None, None) for name in sorted(present)}
+    unlisted = sorted(present.keys() - recorded.keys())
+    if unlisted:
+        raise CorruptFileError(f"{directory / unlisted[0]} is not listed in {directory / STABLE}")
+    for name, entry in recorded.items():
+        if name not in present:
+            raise CorruptFileError(f"{directory / name} is listed in {directory / STABLE} but missing (or not a plain file)")
+        size = present[name].st_size
+        if size != entry.bytes:
+            raise CorruptFileError(f"{directory / name} has {size} bytes, {entry.bytes} were written: truncated or changed")
+    return recorded
+
+
+def read_listed(directory: Path, name: str, entry: Entry, chunk: int = READ_CHUNK) -> bytearray:
+    """The bytes of a listed file, read once: checked against the recorded size and CRC-32 as they are read."""
+    path = directory / name
+    with open_regular(directory, name) as f:
+        size = os.fstat(f.fileno()).st_size
+        if entry.checked and size != entry.bytes:
+            raise CorruptFileError(f"{path} has {size} bytes, {entry.bytes} were written: truncated or changed")
+        data = bytearray(size)
+        view, done, crc = memoryview(data), 0, 0
+        while done < size:
+            n = f.readinto(view[done : done + chunk])
+            if not n:
+                raise CorruptFileError(f"{path} ended after {done} of {size} bytes: truncated while read")
+            crc = zlib_ng.crc32(view[done : done + n], crc)
+            done += n
+    if entry.checked and crc != entry.crc32:
+        raise CorruptFileError(f"{path} fails its CRC-32 check: changed after it was written")
+    return data
+
+
+def check_listed(directory: Path, name: str, entry: Entry) -> None:
+    """Check one listed file's size and CRC-32 (mapped, not copied), opened as `open_regular` does."""
+    if not entry.checked:
+        return
+    with open_regular(directory, name) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != entry.bytes:
+            raise CorruptFileError(f"{directory / name} has {size} bytes, {entry.bytes} were written: truncated or changed")
+        crc = 0
+        if size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                crc = zlib_ng.crc32(data)
+    if crc != entry.crc32:
+        raise CorruptFileError(f"{directory / name} fails its CRC-32 check: changed after it was written")
+
+
+def verify_stable(directory: Path, names: list[str] | None = None) -> dict[str, Entry]:
+    """Check a STABLE directory: it holds exactly its listed files, and each of them (or only `names`) has its
+    recorded size and CRC-32. Returns the manifest. Raises CorruptFileError naming the first problem."""
+    manifest = read_manifest(directory)
+    for name in names if names is not None else list(manifest):
+        if name not in manifest:
+            raise CorruptFileError(f"{directory / name} is not listed in {directory / STABLE}")
+        check_listed(directory, name, manifest[name])
+    return manifest
