@@ -3,6 +3,7 @@ admin requests that must be refused, and a bounded, clean exit on SIGTERM."""
 
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -81,6 +82,8 @@ def test_update_serves_new_weights_verified_and_refuses_bad_ones(server, run_dir
     step1 = perturbed_step(run_dir, 1, seed=1)
     response = server.admin("POST", "/update_weights", json={"step": 1, "path": str(step1)})
     assert response.status_code == 200, response.text
+    # the worker read the weight file once, for its CRC, fingerprint, checksum and the reload together
+    assert response.json()["bytes_read"] == (step1 / "model.safetensors").stat().st_size
     reported = server.admin("GET", "/policy_step").json()
     assert reported["step"] == 1 and reported["weights_checksum"] == response.json()["weights_checksum"]
     assert max_mismatch(server, step1) < TOLERANCE
@@ -215,6 +218,57 @@ def test_update_pauses_a_request_in_flight_which_then_finishes(server, run_dir):
     assert server.admin("GET", "/policy_step").json() | {"weights_checksum": None} == {
         "step": 5, "weights_checksum": None, "requests_in_flight": 0}
     assert max_mismatch(server, step) < TOLERANCE
+
+
+def sharded_step(run_dir, step: int, seed: int) -> Path:
+    """weights/step_k as the trainer publishes a large model: two shards and an index, marked STABLE."""
+    import json
+
+    out = perturbed_step(run_dir, step, seed)
+    state = load_file(out / "model.safetensors")
+    (out / "model.safetensors").unlink()
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: state[n] for n in part}, out / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: file for file, part in halves.items() for n in part}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    (out / "STABLE").unlink()
+    mark_stable(out)
+    return out
+
+
+def test_a_step_is_exactly_its_manifest(server, run_dir):
+    """Sharded steps load; an unlisted weight file or FIFO, or a shard changed after publication, is refused
+    (422) and the served step stays what it was, verified."""
+    step = server.admin("GET", "/policy_step").json()["step"]
+    sharded = sharded_step(run_dir, step + 10, seed=10)
+    response = server.admin("POST", "/update_weights", json={"step": step + 10, "path": str(sharded)})
+    assert response.status_code == 200, response.text
+    assert response.json()["bytes_read"] == sum(p.stat().st_size for p in sharded.glob("*.safetensors"))
+    assert max_mismatch(server, sharded) < TOLERANCE
+
+    unlisted = perturbed_step(run_dir, step + 11, seed=11)
+    save_file({"model.norm.weight": torch.zeros(64)}, unlisted / "zz.safetensors")
+    response = server.admin("POST", "/update_weights", json={"step": step + 11, "path": str(unlisted)})
+    assert response.status_code == 422 and "zz.safetensors is not listed" in response.text, response.text
+
+    fifo = perturbed_step(run_dir, step + 12, seed=12)
+    os.mkfifo(fifo / "zz.safetensors")
+    start = time.monotonic()
+    response = server.admin("POST", "/update_weights", json={"step": step + 12, "path": str(fifo)})
+    assert response.status_code == 422 and "not a regular file" in response.text, response.text
+    assert time.monotonic() - start < 30 and server.admin("GET", "/policy_step").status_code == 200
+
+    second_changed = sharded_step(run_dir, step + 13, seed=13)  # the second shard fails its CRC: nothing is loaded
+    shard = second_changed / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    response = server.admin("POST", "/update_weights", json={"step": step + 13, "path": str(second_changed)})
+    assert response.status_code == 422 and "CRC-32" in response.text and "still serving" in response.text, response.text
+    assert server.admin("GET", "/policy_step").json()["step"] == step + 10
+    assert max_mismatch(server, sharded) < TOLERANCE
 
 
 def test_sigterm_ends_the_server_while_an_update_waits_on_a_stalled_engine(tmp_path):

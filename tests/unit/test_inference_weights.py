@@ -1,16 +1,10 @@
-"""Weight fingerprints (no vLLM): exact sampled columns, the wire format a worker's reply crosses vLLM's
-process boundary in, and the comparison the server makes of served against file fingerprints."""
+"""Weight fingerprints (no vLLM): exact sampled columns, the comparison a worker makes of served against file
+fingerprints, and reading a published step's files once."""
 
 import pytest
 import torch
 
-from rl.inference.worker import Fingerprint, probe_inputs, tensor_fingerprint, verified
-
-
-def reply_serving(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
-    """A worker's reply as `rl_served_weights` makes it, for a model serving `tensors` exactly."""
-    served = {name: tensor_fingerprint(t, dtype).to_wire() for name, t in tensors.items()}
-    return {"ok": True, "served": served, "dtype": str(dtype).removeprefix("torch."), "tied": False, "verify_s": 0.0}
+from rl.inference.worker import compare, probe_inputs, tensor_fingerprint
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -20,37 +14,26 @@ def test_exact_part_is_the_sampled_columns_bit_for_bit(dtype):
     assert torch.equal(tensor_fingerprint(w, dtype).exact, w[:, cols].to(dtype).T)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_wire_round_trip_is_exact(dtype):
-    for t in (torch.randn(40, 24), torch.randn(24), torch.zeros(0)):
-        print_ = tensor_fingerprint(t, dtype)
-        back = Fingerprint.from_wire(print_.to_wire())
-        assert torch.equal(back.exact, print_.exact) and back.exact.dtype == print_.exact.dtype
-        assert (back.dense is None) == (print_.dense is None)
-        assert back.dense is None or torch.equal(back.dense, print_.dense)
-        assert (back.shape, back.scale) == (print_.shape, print_.scale)
+def prints_of(tensors: dict[str, torch.Tensor]) -> dict:
+    return {name: tensor_fingerprint(t, torch.float32) for name, t in tensors.items()}
 
 
 def test_served_weights_are_compared_with_the_files():
     tensors = {"a.weight": torch.randn(16, 8), "a.bias": torch.randn(16)}
-    files = ({name: tensor_fingerprint(t, torch.float32) for name, t in tensors.items()}, "files-checksum")
-    report = verified(reply_serving(tensors, torch.float32), files, torch.float32)
-    assert report["ok"] and report["max_exact_diff"] == 0 and "served" not in report
-    assert report["checksum"] == "files-checksum"
+    files = prints_of(tensors)
+    report = compare(prints_of(tensors), files, torch.float32)
+    assert report["ok"] and report["max_exact_diff"] == 0
 
     stale = dict(tensors, **{"a.weight": tensors["a.weight"] + 1e-3})  # an update that did not arrive
-    report = verified(reply_serving(stale, torch.float32), files, torch.float32)
+    report = compare(prints_of(stale), files, torch.float32)
     assert not report["ok"] and "a.weight" in report["differing"][0]
 
     poisoned = dict(tensors, **{"a.bias": tensors["a.bias"].clone().index_fill_(0, torch.tensor([3]), float("nan"))})
-    report = verified(reply_serving(poisoned, torch.float32), files, torch.float32)
+    report = compare(prints_of(poisoned), files, torch.float32)
     assert not report["ok"] and "a.bias" in report["differing"][0]
 
-    report = verified(reply_serving(tensors, torch.float32), OSError("unreadable"), torch.float32)
-    assert not report["ok"] and "unreadable" in report["mismatched"][0]
-
-    refused = {"ok": False, "reloaded": False, "mismatched": ["not served: b.weight"], "differing": []}
-    assert verified(dict(refused), files, torch.float32) == refused
+    report = compare(prints_of({"a.weight": tensors["a.weight"]}), files, torch.float32)
+    assert not report["ok"] and report["mismatched"] == ["not served: a.bias"]
 
 
 def test_the_checksum_tells_apart_weights_that_differ_outside_the_sampled_columns(tmp_path):
@@ -73,3 +56,63 @@ def test_the_checksum_tells_apart_weights_that_differ_outside_the_sampled_column
     assert torch.equal(prints_a["layer.weight"].exact, prints_b["layer.weight"].exact)  # the sample cannot tell
     assert checksum_a != checksum_b
     assert checkpoint_fingerprint(tmp_path / "a", torch.float32, tied=False)[1] == checksum_a  # deterministic
+
+
+def published_step(tmp_path, shards: list[dict[str, torch.Tensor]]):
+    from safetensors.torch import save_file
+
+    from rl.manifest import mark_stable
+
+    directory = tmp_path / "step_1"
+    directory.mkdir()
+    for i, shard in enumerate(shards):
+        save_file(shard, str(directory / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"))
+    (directory / "config.json").write_text("{}")
+    mark_stable(directory, step=1)
+    return directory
+
+
+def test_a_step_is_read_once_and_gives_the_files_tensors(tmp_path):
+    from safetensors.torch import load_file
+
+    from rl.inference.reading import ReadCount, read_step
+    from rl.manifest import read_manifest
+
+    shards = [{"a.weight": torch.randn(8, 4), "a.bias": torch.randn(8)},
+              {"b.weight": torch.randn(3, 5).bfloat16(), "c.steps": torch.arange(7)}]
+    directory = published_step(tmp_path, shards)
+    count = ReadCount()
+    step = read_step(directory, read_manifest(directory), count)
+    assert step.shapes() == {"a.weight": (8, 4), "a.bias": (8,), "b.weight": (3, 5), "c.steps": (7,)}
+    tensors = dict(step.tensors())
+    expected = {**load_file(str(directory / "model-00001-of-00002.safetensors")),
+                **load_file(str(directory / "model-00002-of-00002.safetensors"))}
+    assert tensors.keys() == expected.keys()
+    assert all(torch.equal(tensors[n], expected[n]) and tensors[n].dtype == expected[n].dtype for n in expected)
+    weight_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    assert count.data_bytes == weight_bytes  # each weight file read exactly once, headers included
+    assert count.files == sorted(p.name for p in directory.glob("*.safetensors"))
+
+
+def test_a_weight_file_changed_after_publication_is_refused_before_any_tensor_is_given(tmp_path):
+    from rl.inference.reading import ReadCount, read_step
+    from rl.manifest import CorruptFileError, read_manifest
+
+    directory = published_step(tmp_path, [{"a.weight": torch.randn(8, 4)}, {"b.weight": torch.randn(4, 4)}])
+    manifest = read_manifest(directory)
+    second = directory / "model-00002-of-00002.safetensors"
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0xFF
+    second.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError, match="model-00002-of-00002.safetensors fails its CRC-32 check"):
+        read_step(directory, manifest, ReadCount())  # vLLM's reload cannot stop halfway: nothing is given out
+
+
+@pytest.mark.parametrize("header", [b"\xff" * 8, b"\x04\x00\x00\x00\x00\x00\x00\x00[1]]",
+                                    b'\x30\x00\x00\x00\x00\x00\x00\x00{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 99]}}'])
+def test_a_malformed_safetensors_header_is_a_corrupt_file(header):
+    from rl.inference.reading import tensors_of
+    from rl.manifest import CorruptFileError
+
+    with pytest.raises(CorruptFileError):
+        list(tensors_of(bytearray(header + bytes(16)), "f.safetensors"))

@@ -40,15 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-import torch
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from rl import patches
 from rl.inference.config import LOOPBACK_HOSTS
-from rl.inference.worker import FilePrints, checkpoint_fingerprint, verified
-from rl.protocol import STABLE, CorruptFileError, verify_stable
+from rl.manifest import MAX_MARKER_BYTES, STABLE, CorruptFileError, Entry, check_listed, read_manifest, read_regular
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +110,7 @@ class PolicyWeights:
         self.engine, self.settings = engine, settings
         self.step, self.path, self.checksum = 0, str(Path(settings.base_model).resolve()), None
         self.marker: bytes | None = None  # the STABLE marker of the served step directory, as loaded
+        self.manifest: dict[str, Entry] | None = None  # its files (None: the base model's directory)
         self.broken: str | None = None
         self.lock = asyncio.Lock()
         # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
@@ -120,14 +119,6 @@ class PolicyWeights:
         self.admitting = asyncio.Event()
         self.admitting.set()
         self.engine_paused = False
-        self.dtype, self.tied = None, False  # of the served model, known from the first verification
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            # The files' fingerprint is this process's only tensor work and runs beside the reload; with
-            # more threads, OpenMP's spinning workers take the cores vLLM pinned its CPU worker to and the
-            # reload slows down (docs/architecture.md, Measurements).
-            torch.set_num_threads(1)
 
     async def current(self) -> dict:
         if self.checksum is None:
@@ -150,7 +141,7 @@ class PolicyWeights:
     async def update(self, step: int, path: str) -> dict:
         target = self._resolve(path, step)
         try:  # files truncated or changed since the trainer published them are never loaded
-            marker = await asyncio.to_thread(verified_marker, Path(target))
+            marker, manifest = await asyncio.to_thread(published_step, Path(target))
         except CorruptFileError as e:
             raise HTTPException(422, f"step {step} refused, still serving step {self.step}: {e}") from None
         async with self.lock:
@@ -163,7 +154,7 @@ class PolicyWeights:
             self.admitting.clear()  # new generation requests wait in AdminMiddleware until the switch is done
             try:
                 frozen = await self._freeze_in_flight()
-                return await self._switch(step, target, marker) | {"paused_requests": frozen}
+                return await self._switch(step, target, marker, manifest) | {"paused_requests": frozen}
             finally:
                 try:
                     await self._release()
@@ -192,13 +183,13 @@ class PolicyWeights:
             await self.engine.resume_generation()
             self.engine_paused = False
 
-    async def _switch(self, step: int, target: str, marker: bytes) -> dict:
+    async def _switch(self, step: int, target: str, marker: bytes, manifest: dict[str, Entry]) -> dict:
         """Load and verify `target` while generation is held; needs the lock."""
-        report = await self._load(target, step)
+        report = await self._load(target, step, manifest)
         if not report["ok"]:
             raise await self._refuse(step, target, report)
         self.step, self.path, self.checksum, self.broken = step, target, report["checksum"], None
-        self.marker = marker
+        self.marker, self.manifest = marker, manifest
         return {"step": step, "weights_checksum": self.checksum} | _timings(report)
 
     def _resolve(self, path: str, step: int) -> str:
@@ -225,49 +216,38 @@ class PolicyWeights:
         """Verify the weights loaded at start-up once, giving step 0 its checksum. Needs the lock."""
         if self.checksum is not None:
             return
-        report = _merge(await self.engine.collective_rpc("rl_served_weights"))
-        if report["ok"]:
-            self.dtype, self.tied = getattr(torch, report["dtype"]), report["tied"]
-            files, _ = await self._file_prints(self.path)
-            report = verified(report, files, self.dtype)
+        report = _merge(await self.engine.collective_rpc("rl_check_served", args=(self.path,)))
         if not report["ok"]:
             raise HTTPException(500, f"the base model's served weights do not match {self.path}: {_why(report)}")
         self.checksum = report["checksum"]
         await self.engine.update_weight_version("0")
 
-    async def _load(self, path: str, step: int) -> dict:
-        """Reload `path` on every worker; once it verifies, vLLM labels what it samples with `step`.
+    async def _load(self, path: str, step: int, manifest: dict[str, Entry] | None) -> dict:
+        """Reload `path` on every worker, which reads its listed weight files once (`manifest`; None: the base
+        model's directory) and verifies what it then serves; once verified, vLLM labels what it samples with `step`.
 
         Needs generation held (no KV is computed until `_release`), so the prefix cache can be dropped
         while the worker reloads: running requests are preempted and their prompts and tokens so far
         recomputed with the new weights when generation resumes.
         """
-        files = asyncio.create_task(self._file_prints(path))  # in this process, while the worker reloads
+        files = None if manifest is None else {name: [e.bytes, e.crc32] for name, e in manifest.items()}
         reset = asyncio.create_task(self.engine.reset_prefix_cache(reset_running_requests=True))
-        reply = _merge(await self.engine.collective_rpc("rl_load_weights", args=(path,)))
-        (prints, files_s), _ = await asyncio.gather(files, reset)
-        report = verified(reply, prints, self.dtype) | {"files_s": files_s}
+        report = _merge(await self.engine.collective_rpc("rl_load_weights", args=(path, files)))
+        await reset
         if report["ok"]:
             await self.engine.update_weight_version(str(step))
         return report
 
-    async def _file_prints(self, path: str) -> tuple[FilePrints | Exception, float]:
-        """The fingerprint of the files in `path` (or the error that kept it from being computed) and its time."""
-        start = time.perf_counter()
-        try:
-            prints = await asyncio.to_thread(checkpoint_fingerprint, path, self.dtype, self.tied)
-        except Exception as error:  # noqa: BLE001 - reported as the reason the update is refused
-            logger.exception("fingerprinting the files in %s failed", path)
-            prints = error
-        return prints, round(time.perf_counter() - start, 3)
-
     async def _refuse(self, step: int, target: str, report: dict) -> HTTPException:
-        """Answer a failed load, rolling back to the served step when weights were touched."""
+        """Answer a failed load, rolling back to the served step when weights were touched. A file that failed
+        its check when the worker read it is the caller's bad input (422), as when the server's own check finds it."""
         if not report["reloaded"]:
+            if corrupt := report.get("corrupt"):
+                return HTTPException(422, f"step {step} refused, still serving step {self.step}: {corrupt}")
             return HTTPException(400, f"step {step} at {target} does not fit the served model, "
                                       f"still serving step {self.step}: {_why(report)}")
         failure = f"step {step} at {target} failed after reload: {_why(report)}"
-        rollback = await self._load(self.path, self.step)
+        rollback = await self._load(self.path, self.step, self.manifest)
         if rollback["ok"]:
             return HTTPException(500, f"{failure}; rolled back to step {self.step}, which verifies")
         self.broken = (f"{failure}; rollback to step {self.step} failed too: {_why(rollback)}; "
@@ -275,10 +255,17 @@ class PolicyWeights:
         return HTTPException(500, self.broken)
 
 
-def verified_marker(directory: Path) -> bytes:
-    """Check the step's files against its STABLE marker; the marker's bytes (what identifies the files)."""
-    verify_stable(directory)
-    return (directory / STABLE).read_bytes()
+def published_step(directory: Path) -> tuple[bytes, dict[str, Entry]]:
+    """The step's marker bytes (what identifies its files) and manifest: the directory holds exactly its listed
+    files, and every one but the weight files (which the worker checks as it reads them, once) is checked here."""
+    marker = read_regular(directory, STABLE, MAX_MARKER_BYTES)
+    manifest = read_manifest(directory)
+    for name, entry in manifest.items():
+        if not name.endswith(".safetensors"):
+            check_listed(directory, name, entry)
+    if read_regular(directory, STABLE, MAX_MARKER_BYTES) != marker:
+        raise CorruptFileError(f"{directory / STABLE} changed while it was read")
+    return marker, manifest
 
 
 def _merge(reports: list[dict]) -> dict:
@@ -295,7 +282,8 @@ def _why(report: dict) -> str:
 
 
 def _timings(report: dict) -> dict:
-    return {k: report[k] for k in ("files_s", "reload_s", "verify_s") if k in report}
+    keys = ("files_s", "reload_s", "verify_s", "bytes_read")
+    return {k: report[k] for k in keys if k in report}
 
 
 def served_weights(request: Request) -> PolicyWeights:

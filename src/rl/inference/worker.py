@@ -45,6 +45,9 @@ import torch
 import xxhash
 from safetensors import safe_open
 
+from rl.inference.reading import ReadCount, read_step
+from rl.manifest import CorruptFileError, Entry
+
 logger = logging.getLogger(__name__)
 
 PROBE_COLUMNS = 4
@@ -60,27 +63,6 @@ class Fingerprint:
     dense: torch.Tensor | None  # [out] W @ x in float32, for a matrix
     shape: tuple[int, ...]  # of the tensor in checkpoint layout
     scale: float = 0.0  # max_i sum_j |W_ij x_j|: the size of the dense probe's terms (file side)
-
-    def to_wire(self) -> dict:
-        """Plain types, for a worker's reply to cross vLLM's process boundary (msgpack)."""
-        return {"exact": _tensor_to_wire(self.exact), "shape": list(self.shape), "scale": self.scale,
-                "dense": None if self.dense is None else _tensor_to_wire(self.dense)}
-
-    @classmethod
-    def from_wire(cls, wire: dict) -> Fingerprint:
-        dense = None if wire["dense"] is None else _tensor_from_wire(wire["dense"])
-        return cls(_tensor_from_wire(wire["exact"]), dense, tuple(wire["shape"]), wire["scale"])
-
-
-def _tensor_to_wire(t: torch.Tensor) -> list:
-    return [str(t.dtype).removeprefix("torch."), list(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes()]
-
-
-def _tensor_from_wire(wire: list) -> torch.Tensor:
-    dtype, shape, data = getattr(torch, wire[0]), wire[1], wire[2]
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
 @functools.lru_cache(maxsize=64)
@@ -135,18 +117,35 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def checkpoint_tensors(path: str | Path, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the *.safetensors files in `path`, plus the tied LM head if it is missing."""
-    names, embedding = set(), None
+def model_dir_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the *.safetensors files of a model directory (the base model: the user's own files,
+    under no STABLE marker), by name within each file."""
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensor = handle.get_tensor(name)
-                names.add(name)
-                embedding = tensor if name == EMBEDDING else embedding
-                yield name, tensor
+            for name in sorted(handle.keys()):
+                yield name, handle.get_tensor(name)
+
+
+def with_tied_head(tensors: Iterator[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors`, plus the tied LM head (= the input embedding) if the files lack it."""
+    names, embedding = set(), None
+    for name, tensor in tensors:
+        names.add(name)
+        embedding = tensor if name == EMBEDDING else embedding
+        yield name, tensor
     if tied and TIED_HEAD not in names and embedding is not None:
         yield TIED_HEAD, embedding
+
+
+def checkpoint_tensors(path: str | Path, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the *.safetensors files in `path`, plus the tied LM head if it is missing."""
+    return with_tied_head(model_dir_tensors(path), tied)
+
+
+def with_tied_shape(shapes: dict[str, tuple[int, ...]], tied: bool) -> dict[str, tuple[int, ...]]:
+    if tied and TIED_HEAD not in shapes and EMBEDDING in shapes:
+        shapes[TIED_HEAD] = shapes[EMBEDDING]
+    return shapes
 
 
 def checkpoint_shapes(path: str | Path, tied: bool) -> dict[str, tuple[int, ...]]:
@@ -156,9 +155,7 @@ def checkpoint_shapes(path: str | Path, tied: bool) -> dict[str, tuple[int, ...]
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
-    if tied and TIED_HEAD not in shapes and EMBEDDING in shapes:
-        shapes[TIED_HEAD] = shapes[EMBEDDING]
-    return shapes
+    return with_tied_shape(shapes, tied)
 
 
 def shape_mismatches(served: dict[str, tuple], files: dict[str, tuple]) -> list[str]:
@@ -169,21 +166,39 @@ def shape_mismatches(served: dict[str, tuple], files: dict[str, tuple]) -> list[
                          for n in sorted(files.keys() & served.keys()) if served[n] != files[n]]
 
 
-FilePrints = tuple[dict[str, Fingerprint], str]
-"""The fingerprint of every tensor of a checkpoint directory, and the checksum of its tensors."""
+class FileTally:
+    """The fingerprint of every tensor of a checkpoint, cast to the served dtype, and `weights_checksum`: xxh3-128
+    of every tensor's name, dtype, shape and bytes; both taken as the tensors pass on their way to the reload,
+    so the files are read once. Once the served fingerprint matches, the checksum names what is served; it
+    covers every element (the fingerprint samples a few columns exactly)."""
+
+    def __init__(self, dtype: torch.dtype, device="cpu"):
+        self.dtype, self.device = dtype, device
+        self.prints: dict[str, Fingerprint] = {}
+        self.digest = xxhash.xxh3_128()
+        self.seconds = 0.0
+
+    def through(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            start = time.perf_counter()
+            self.digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+            self.digest.update(tensor.contiguous().view(torch.uint8).numpy())
+            tensor = tensor.to(self.device)  # fingerprinted where it is served, and copied there once
+            self.prints[name] = tensor_fingerprint(tensor, self.dtype)
+            self.seconds += time.perf_counter() - start
+            yield name, tensor
+
+    @property
+    def checksum(self) -> str:
+        return self.digest.hexdigest()
 
 
-def checkpoint_fingerprint(path: str | Path, dtype: torch.dtype, tied: bool) -> FilePrints:
-    """Fingerprint of every tensor in a Hugging Face safetensors directory, cast to the served dtype, and
-    `weights_checksum`: xxh3-128 of every tensor's name, dtype, shape and bytes, in the same pass. Once the
-    served fingerprint matches, the checksum names what is served; it covers every element (the fingerprint
-    samples a few columns exactly)."""
-    prints, digest = {}, xxhash.xxh3_128()
-    for name, tensor in checkpoint_tensors(path, tied):
-        prints[name] = tensor_fingerprint(tensor, dtype)
-        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        digest.update(tensor.contiguous().view(torch.uint8).numpy())
-    return prints, digest.hexdigest()
+def checkpoint_fingerprint(path: str | Path, dtype: torch.dtype, tied: bool) -> tuple[dict[str, Fingerprint], str]:
+    """The fingerprint and checksum of a model directory's files (see FileTally)."""
+    tally = FileTally(dtype)
+    for _ in tally.through(checkpoint_tensors(path, tied)):
+        pass
+    return tally.prints, tally.checksum
 
 
 def compare(served: dict[str, Fingerprint], files: dict[str, Fingerprint], dtype: torch.dtype) -> dict:
@@ -259,59 +274,69 @@ def _unfuse(prefix: str, module, y: torch.Tensor, packed: dict) -> list[tuple[st
     return [(f"{parent}.{shard}", part) for shard, part in zip(shards, parts, strict=True)]
 
 
-def verified(reply: dict, files: FilePrints | Exception, dtype: torch.dtype) -> dict:
-    """A worker's reply (`rl_served_weights`, `rl_load_weights`) completed with the comparison of what it
-    serves against the files' fingerprint, and the files' checksum; the served fingerprint is dropped."""
-    served = reply.pop("served", None)
-    if not reply["ok"]:  # refused before loading, or failed
-        return reply
-    if isinstance(files, Exception):
-        return reply | {"ok": False, "mismatched": [f"fingerprinting the files failed: {files!r}"], "differing": []}
-    start = time.perf_counter()
-    prints, checksum = files
-    report = compare({name: Fingerprint.from_wire(w) for name, w in served.items()}, prints, dtype)
-    return reply | report | {"checksum": checksum, "verify_s": round(reply["verify_s"] + time.perf_counter() - start, 3)}
-
-
 class WeightSyncExtension:
     """Mixed into vLLM's worker class, so `self` is the worker; reach methods with `collective_rpc`.
 
     Methods return plain dicts (they cross a process boundary) and report a failure in the dict, with
-    the traceback in this worker's log, so the server can roll back and answer with the reason. The
-    files' fingerprint is computed by the server, in its own process while the worker reloads, and
-    compared there with the served fingerprint each reply carries (`verified`).
+    the traceback in this worker's log, so the server can roll back and answer with the reason. The worker
+    reads the files itself, once: their fingerprint and checksum are taken as the tensors pass to the reload,
+    then compared with the fingerprint of what it serves.
     """
 
-    def rl_served_weights(self) -> dict:
-        """The fingerprint of what this worker serves, with the served dtype and whether the head is tied."""
+    def rl_check_served(self, path: str) -> dict:
+        """Verify what this worker serves against the model directory `path` (the base model, at start-up)."""
+        dtype, tied = self._rl_dtype_tied()
         try:
             start = time.perf_counter()
-            served = {name: p.to_wire() for name, p in self._rl_served().items()}
-            dtype, tied = self._rl_dtype_tied()
-            return {"ok": True, "served": served, "dtype": str(dtype).removeprefix("torch."), "tied": tied,
-                    "verify_s": time.perf_counter() - start}
+            tally = FileTally(dtype, self.device)
+            for _ in tally.through(checkpoint_tensors(path, tied)):
+                pass
+            return self._rl_verify(tally) | {"reloaded": False, "files_s": round(tally.seconds, 3),
+                                              "verify_s": round(time.perf_counter() - start, 3)}
         except Exception as error:
-            logger.exception("fingerprinting the served weights failed")
-            return {"ok": False, "mismatched": [f"fingerprinting the served weights failed: {error!r}"], "differing": []}
+            logger.exception("verifying the served weights against %s failed", path)
+            return {"ok": False, "reloaded": False, "mismatched": [f"verification failed: {error!r}"], "differing": []}
 
-    def rl_load_weights(self, path: str) -> dict:
-        """Reload weights in place from `path`; reply with the fingerprint of what is then served.
+    def rl_load_weights(self, path: str, files: dict[str, list] | None = None) -> dict:
+        """Reload weights in place from `path` and verify them. `files` (name -> [bytes, crc32], the step's
+        STABLE manifest) names the only files read, each once and checked as it is read; None reads a model
+        directory's *.safetensors (the base model, on a rollback to step 0).
 
         A checkpoint that is not of the served model (a tensor missing, extra or of another shape, read
-        from the files' headers) is refused before anything is loaded, so the old weights keep serving.
+        from the files' headers), or a file that fails its check (`corrupt`), is refused before anything is
+        loaded, so the old weights keep serving.
         """
-        reloaded = False
+        dtype, tied = self._rl_dtype_tied()
+        count, reloaded = ReadCount(), False
         try:
-            mismatched = shape_mismatches(self._rl_shapes(), checkpoint_shapes(path, self._rl_dtype_tied()[1]))
+            manifest = None if files is None else {name: Entry(*entry) for name, entry in files.items()}
+            if manifest is None:
+                shapes, source = checkpoint_shapes(path, tied), checkpoint_tensors(path, tied)
+            else:
+                step = read_step(Path(path), manifest, count)
+                shapes, source = with_tied_shape(step.shapes(), tied), with_tied_head(step.tensors(), tied)
+            mismatched = shape_mismatches(self._rl_shapes(), shapes)
             if mismatched:
                 return {"ok": False, "reloaded": False, "mismatched": mismatched[:20], "differing": []}
+            tally = FileTally(dtype, self.device)
             start, reloaded = time.perf_counter(), True
-            self.reload_weights(weights_iterator=checkpoint_tensors(path, self._rl_dtype_tied()[1]))
+            self.reload_weights(weights_iterator=tally.through(source))
             reload_s = time.perf_counter() - start
+        except CorruptFileError as error:  # found before the reload started
+            return {"ok": False, "reloaded": reloaded, "corrupt": str(error), "mismatched": [str(error)], "differing": []}
         except Exception as error:
             logger.exception("reloading weights from %s failed", path)
             return {"ok": False, "reloaded": reloaded, "mismatched": [f"reload failed: {error!r}"], "differing": []}
-        return self.rl_served_weights() | {"reloaded": True, "reload_s": round(reload_s, 3)}
+        start = time.perf_counter()
+        report = self._rl_verify(tally)
+        return report | {"reloaded": True, "reload_s": round(reload_s, 3), "files_s": round(tally.seconds, 3),
+                         "verify_s": round(time.perf_counter() - start, 3),
+                         "bytes_read": count.data_bytes}
+
+    def _rl_verify(self, tally: FileTally) -> dict:
+        """Compare what is served with the files' fingerprint; the report carries the files' checksum."""
+        report = compare(self._rl_served(), tally.prints, self._rl_dtype_tied()[0])
+        return report | {"checksum": tally.checksum}
 
     def _rl_served(self) -> dict[str, Fingerprint]:
         config = self.vllm_config
