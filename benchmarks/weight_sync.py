@@ -39,7 +39,7 @@ from transformers import AutoConfig, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl.protocol import RunPaths  # noqa: E402
 from rl.tiny_model import build_tiny_model  # noqa: E402
-from rl.trainer.weights import WeightPublisher  # noqa: E402
+from rl.trainer.weights import DEFAULT_SHARD_BYTES, hf_side_files, publish_step, single_process_shards  # noqa: E402
 from tests.integration.inference_server import Server  # noqa: E402
 
 MODELS = {
@@ -62,7 +62,7 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
     paths = RunPaths(root / f"run_{name}")
     paths.weights_root.mkdir(parents=True)
     config, tokenizer = AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
-    publisher = WeightPublisher(paths, config, tokenizer, background=False)  # the trainer's, writing at once
+    side_files = hf_side_files(config, tokenizer)
     base = load_file(str(model_dir / "model.safetensors"))
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}.log", timeout_s=900)
     totals, bounds, parts = [], [], []
@@ -83,7 +83,7 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
                 shutil.rmtree(paths.weights(step - 1))
             os.sync()
             start = time.perf_counter()
-            publisher.publish(step, state)
+            publish_step(paths, step, single_process_shards(state, DEFAULT_SHARD_BYTES), side_files)  # as the trainer
             published = time.perf_counter()
             response = server.admin("POST", "/update_weights", json={"step": step, "path": str(paths.weights(step))})
             totals.append(time.perf_counter() - start)
@@ -93,7 +93,7 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
             reload_s = served["reload_s"]
             bounds.append(bound_write + reload_s)
             timed = {"publish": published - start, "files": served["files_s"], "reload": reload_s, "verify": served["verify_s"]}
-            overlapped = max(timed["files"], reload_s)  # the server fingerprints the files while the worker reloads
+            overlapped = reload_s  # the worker fingerprints the files as they pass to the reload
             parts.append(timed | {"rest": totals[-1] - timed["publish"] - overlapped - timed["verify"]})
     finally:
         server.stop()

@@ -1,27 +1,41 @@
-"""Background weight publication: the written weights are those of the step (not of later in-place
-updates), the directory appears only complete, and a failed write is raised."""
+"""Weight publication: shards of at most the configured size with a Hugging Face index, cast to the served
+dtype, the step's own weights even when written in the background, the directory complete or absent."""
+
+import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from rl.protocol import RunPaths, verify_stable
-from rl.trainer.weights import WeightPublisher
+from rl.trainer.weights import WeightPublisher, shard_plan
+
+ONE_RANK = SimpleNamespace(rank=0, world_size=1, is_main=True)
 
 
-def background_publisher(model_dir, paths: RunPaths) -> WeightPublisher:
+def publisher_for(model_dir, paths: RunPaths, dtype=torch.float32, shard_bytes=2**30, background=False) -> WeightPublisher:
     config, tokenizer = AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
-    return WeightPublisher(paths, config, tokenizer, background=True)
+    return WeightPublisher(paths, config, tokenizer, ONE_RANK, dtype, shard_bytes, background)
+
+
+class Embedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(64, 64)
+        torch.nn.init.ones_(self.model.embed_tokens.weight)
 
 
 def test_background_write_keeps_the_step_weights_and_appears_complete(tiny_model, tmp_path):
     paths = RunPaths(tmp_path)
-    publisher = background_publisher(tiny_model, paths)
-    weight = torch.ones(64, 64)
-    publisher.publish(1, {"model.embed_tokens.weight": weight})
-    weight.mul_(3)  # the optimizer's next in-place update, while the write may still be running
-    publisher.publish(2, {"model.embed_tokens.weight": weight})  # waits for step 1 first
+    publisher = publisher_for(tiny_model, paths, background=True)
+    model = Embedding()
+    publisher.publish(1, model)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(3)  # the optimizer's next in-place update, while the write may still run
+    publisher.publish(2, model)  # waits for step 1 first
     publisher.close()
     for step, value in ((1, 1.0), (2, 3.0)):
         verify_stable(paths.weights(step))
@@ -32,23 +46,36 @@ def test_background_write_keeps_the_step_weights_and_appears_complete(tiny_model
 
 def test_a_failed_background_write_is_raised(tiny_model, tmp_path):
     (tmp_path / "weights").write_text("a file where the weights directory belongs")
-    publisher = background_publisher(tiny_model, RunPaths(tmp_path))
-    publisher.publish(1, {"model.embed_tokens.weight": torch.ones(2, 2)})
+    publisher = publisher_for(tiny_model, RunPaths(tmp_path), background=True)
     with pytest.raises(OSError):
+        publisher.publish(1, Embedding())
         publisher.close()
 
 
-def test_a_published_step_is_a_hugging_face_directory_like_the_model(tiny_model, tmp_path):
-    """Config and tokenizer files are serialized once per run and written into every step."""
-    from transformers import AutoConfig, AutoTokenizer
+def test_shard_plan_keeps_order_and_size():
+    sizes = [("a", 4), ("b", 4), ("c", 9), ("d", 1), ("e", 3)]
+    assert shard_plan(sizes, 8) == [["a", "b"], ["c"], ["d", "e"]]
+    assert shard_plan(sizes, 100) == [["a", "b", "c", "d", "e"]]
 
+
+def test_a_sharded_bf16_step_loads_like_the_model(tiny_model, tmp_path):
+    """Shards of at most the size asked for, an index, ~2 bytes per parameter in bf16, and from_pretrained
+    gives the trainer's weights back (cast to bf16)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    params = sum(p.numel() for p in model.parameters())
     paths = RunPaths(tmp_path)
-    publisher = WeightPublisher(paths, AutoConfig.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model),
-                                background=False)
-    for step in (1, 2):
-        publisher.publish(step, {"model.embed_tokens.weight": torch.ones(2, 2)})
-        verify_stable(paths.weights(step))
-        config = lambda path: AutoConfig.from_pretrained(path).to_dict() | {"_name_or_path": None}  # noqa: E731
-        assert config(paths.weights(step)) == config(tiny_model)
-        text = "reverse this text"
-        assert AutoTokenizer.from_pretrained(paths.weights(step))(text) == AutoTokenizer.from_pretrained(tiny_model)(text)
+    shard_bytes = params * 2 // 3  # bf16 -> at least 3 shards
+    publisher = publisher_for(tiny_model, paths, torch.bfloat16, shard_bytes)
+    publisher.publish(1, model)
+    publisher.close()
+    step = paths.weights(1)
+    verify_stable(step)
+    shards = sorted(step.glob("*.safetensors"))
+    index = json.loads((step / "model.safetensors.index.json").read_text())
+    assert len(shards) >= 3 and sorted(set(index["weight_map"].values())) == [p.name for p in shards]
+    written = sum(p.stat().st_size for p in shards)
+    head = model.lm_head.weight.numel()  # the tied head is written as its own tensor
+    assert 2 * (params + head) <= written < 2 * (params + head) * 1.05
+    loaded = AutoModelForCausalLM.from_pretrained(step, dtype=torch.float32)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor.bfloat16().float()), name

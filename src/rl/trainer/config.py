@@ -123,6 +123,10 @@ class TrainerConfig(Settings):
         Field(description="write weights/step_k/ in a writer thread while the next step trains (rank 0 holds one "
                           "more copy of the weights); the directory still appears only once complete"),
     ] = False
+    publish_shard_gib: Annotated[
+        float, Field(gt=0, description="largest safetensors shard of weights/step_k/; shards are written by every rank "
+                                       "in parallel (shard i by rank i mod world size)")
+    ] = 5.0
     temperature: Annotated[
         float, Field(gt=0, description="sampling temperature of the rollouts (set by rl from the orchestrator's)")
     ] = 1.0

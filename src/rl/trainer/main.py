@@ -20,7 +20,7 @@ from rl.trainer.flops import matmul_params, peak_flops, train_flops
 from rl.trainer.model import load_policy, load_reference
 from rl.trainer.optim import build_optimizer, build_scheduler
 from rl.trainer.step import train_step
-from rl.trainer.weights import WeightPublisher, gather_full_state_dict
+from rl.trainer.weights import WeightPublisher
 from rl.trainer.world import World, init_world
 
 LINE_KEYS = (
@@ -51,11 +51,9 @@ def batch_stats(samples: list[Sample], step: int, world: World, model_flops: Cal
     }
 
 
-def publish(model, step: int, publisher: WeightPublisher | None) -> None:
-    """Collective: gather the full weights; rank 0 (the one with a publisher) writes weights/step_{step}/."""
-    state = gather_full_state_dict(model)
-    if publisher:
-        publisher.publish(step, state)
+def publish_dtype(config: TrainerConfig) -> torch.dtype:
+    """The dtype of weights/step_k/: what inference serves (`rl` fills publish_dtype from the inference config)."""
+    return getattr(torch, getattr(config, "publish_dtype", "float32"))
 
 
 def prune_run_files(paths: RunPaths, step: int, config: TrainerConfig) -> None:
@@ -110,9 +108,8 @@ def main() -> None:
     if config.resume_step is not None:
         checkpointer.load(config.resume_step, policy, optimizer, scheduler)
     metrics = MetricsLogger("trainer", paths, config.wandb, config.model_dump(mode="json"), logger) if world.is_main else None
-    publisher = None
-    if world.is_main:
-        publisher = WeightPublisher(paths, policy.config, tokenizer, config.publish_in_background)
+    publisher = WeightPublisher(paths, policy.config, tokenizer, world, publish_dtype(config),
+                                int(config.publish_shard_gib * 2**30), config.publish_in_background)
     logger.info(
         f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}); "
         f"steps {first_step}..{config.max_steps - 1}"
@@ -124,18 +121,16 @@ def main() -> None:
         stats = train_step(policy, reference, optimizer, scheduler, samples, config, world, tokenizer.pad_token_id)
         stats |= batch_stats(samples, step, world, model_flops)
         train_s = time.perf_counter() - start
-        publish(policy, step + 1, publisher)
+        publisher.publish(step + 1, policy)
         stats |= timing_stats(stats, start - wait_start, train_s, time.perf_counter() - start, world, device_peak)
         if metrics:  # before the checkpoint: a resume from step + 1 never logs this step again
             metrics.log(step, stats, LINE_KEYS)
         if config.ckpt.due(step + 1, config.max_steps):
-            if publisher:
-                publisher.wait()  # a resume serves the checkpointed step's weights: they must be on disk
+            publisher.wait()  # a resume serves the checkpointed step's weights: they must be on disk
             checkpointer.save(step + 1, policy, optimizer, scheduler)
         if world.is_main:
             prune_run_files(paths, step, config)
-    if publisher:
-        publisher.close()
+    publisher.close()
     if metrics:
         metrics.close()
     world.close()

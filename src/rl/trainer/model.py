@@ -3,10 +3,17 @@ transformer block at a time, and compute per-token logprobs and entropies."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rl.inference.main import local_model_dir
+from rl.safetensors_io import read_file_header, read_rows
 
 from rl.trainer.config import TrainerConfig
 from rl.trainer.data import MicroBatch
@@ -38,11 +45,66 @@ def load_reference(config: TrainerConfig, world: World) -> torch.nn.Module | Non
 def load_model(
     name: str, dtype: str, world: World, attn_implementation: str = "sdpa", whole: bool = False
 ) -> torch.nn.Module:
-    """A Hugging Face causal LM with fp32 parameters, sharded over the world."""
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation=attn_implementation)
-    model.to(world.device)
+    """A Hugging Face causal LM with fp32 parameters, sharded over the world. It is built on the meta device and
+    sharded first; then each rank reads only its own rows of every tensor from the safetensors files, so no rank
+    ever holds the whole model."""
+    config = AutoConfig.from_pretrained(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     shard(model, world, dtype, whole)
+    model.to_empty(device=world.device)
+    load_local_rows(model, Path(local_model_dir(name)), world)
+    init_non_persistent_buffers(model)
     return model
+
+
+def local_rows(tensor: torch.Tensor, world: World) -> tuple[int, int]:
+    """The rows [start, end) of dim 0 this rank holds: FSDP2 shards dim 0 in chunks of ceil(rows / world size)."""
+    rows = tensor.shape[0]
+    if not isinstance(tensor, DTensor):
+        return 0, rows
+    chunk = -(-rows // world.world_size)
+    start = min(world.rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def load_local_rows(model: torch.nn.Module, directory: Path, world: World) -> None:
+    """Fill this rank's part of every parameter and persistent buffer from the model directory's safetensors files,
+    reading only its rows (pread, no mapping: the rank's memory holds its shard and one slice at a time). A tensor
+    of the model that no file holds is an error."""
+    state = model.state_dict()
+    loaded = set()
+    with torch.no_grad():
+        for file in sorted(directory.glob("*.safetensors")):
+            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                header, data_start = read_file_header(fd, str(file))
+                for name in sorted(header.keys() & state.keys()):
+                    target = state[name]
+                    local = target.to_local() if isinstance(target, DTensor) else target
+                    start, end = local_rows(target, world)
+                    if local.ndim and local.shape[0] != end - start:
+                        raise RuntimeError(f"{name}: rank {world.rank} holds {tuple(local.shape)}, expected rows {start}:{end}")
+                    local.copy_(read_rows(fd, header, data_start, name, start, end))
+                    loaded.add(name)
+            finally:
+                os.close(fd)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(state) - loaded - tied)
+    if missing:
+        raise ValueError(f"{directory} holds no tensor for {missing[:5]} ({len(missing)} missing)")
+
+
+def init_non_persistent_buffers(model: torch.nn.Module) -> None:
+    """Buffers that are not saved (rotary inverse frequencies) are computed by the model, as transformers does when
+    it loads from the meta device; each must come out finite."""
+    for module in model.modules():
+        buffers = [name for name in module._buffers if name in module._non_persistent_buffers_set]
+        if buffers:
+            model._init_weights(module)
+            for name in buffers:
+                if not torch.isfinite(getattr(module, name)).all():
+                    raise RuntimeError(f"{type(module).__name__}.{name} was not initialized after loading on the meta device")
 
 
 def shard(model: torch.nn.Module, world: World, dtype: str, whole: bool) -> None:

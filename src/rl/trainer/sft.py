@@ -29,7 +29,7 @@ from rl.trainer.data import build_micro_batches, empty_micro_batch, trained_toke
 from rl.trainer.model import forward_logprobs, load_model, prepare_for_training
 from rl.trainer.config import OptimConfig
 from rl.trainer.optim import build_optimizer, build_scheduler, clip_gradients
-from rl.trainer.weights import gather_full_state_dict, hf_side_files, save_hf_dir
+from rl.trainer.weights import DEFAULT_SHARD_BYTES, hf_side_files, save_model_dir
 from rl.trainer.world import World, init_world
 
 
@@ -134,9 +134,9 @@ def main() -> None:
         history.append(loss)
         if world.is_main and (step % config.log_interval == 0 or step == config.steps - 1):
             logger.info(f"step {step} | loss={loss:.4f} lr={lr:.3g} time={time.perf_counter() - start:.1f}s")
-    state = gather_full_state_dict(model)
+    side_files = hf_side_files(model.config, tokenizer) if world.is_main else {}
+    save_model_dir(model, config.out, side_files, world, torch.float32, DEFAULT_SHARD_BYTES)
     if world.is_main:
-        save_hf_dir(config.out, state, hf_side_files(model.config, tokenizer))
         (config.out / "sft_history.json").write_text(json.dumps({"loss": history}) + "\n")
         logger.info(f"wrote {config.out}")
     world.close()

@@ -1,28 +1,114 @@
-"""Publish the trainer's weights as weights/step_k/ in Hugging Face layout.
+"""Publish the trainer's weights as weights/step_k/ in Hugging Face layout, every rank writing its own shards.
 
-The full state dict is gathered from the FSDP shards; rank 0 writes safetensors, config and tokenizer
-into a temporary directory, renames it into place and marks it STABLE, either at once or in a writer
-thread while the next step trains. `lm_head.weight` is always
-written, tied or not: vLLM's in-place reload leaves a tied head unloaded otherwise (install-facts).
+The weights are split into safetensors shards of at most `shard_bytes` (one `model.safetensors` when they fit,
+else `model-0000i-of-0000n.safetensors` with a `model.safetensors.index.json`, as `save_pretrained` writes them);
+shard i belongs to rank i mod world size. Every tensor is cast to the dtype inference serves before it is
+gathered (bf16 halves what crosses the network and what is written), and only its shard's owner keeps it.
+Each rank writes its shards into the step's partial directory (`weights/.step_k.tmp`); rank 0 adds the config,
+tokenizer and index, waits for every shard, renames the directory into place and marks it STABLE. With
+`background`, the writes run in one writer thread per rank while the next step trains.
+
+`lm_head.weight` is always written, tied or not: vLLM's in-place reload leaves a tied head unloaded otherwise
+(install-facts).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
-from rl.protocol import RunPaths, publish_dir, temp_path
+from rl.protocol import RunPaths, publish_dir
+from rl.trainer.world import World
+
+TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+DEFAULT_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default shard size
+SHARD_WAIT_S = 900  # longest rank 0 waits for another rank's shards of a step
+INDEX = "model.safetensors.index.json"
 
 
-def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """All ranks must call this; only rank 0 receives the tensors (on CPU)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+@dataclass
+class StepShards:
+    """One rank's part of a published step: the step's shard files and where each tensor lives, and the
+    tensors of the shards this rank owns (on the CPU)."""
+
+    files: list[str]
+    weight_map: dict[str, str]  # tensor name -> shard file
+    mine: dict[str, dict[str, torch.Tensor]]  # shard file -> its tensors, for the shards this rank writes
+    total_bytes: int  # of every tensor of the step, all ranks' shards
+
+
+def single_process_shards(state: dict[str, torch.Tensor], max_bytes: int) -> StepShards:
+    """A whole state dict as one process's shards (tools and tests; the trainer uses `gather_shards`)."""
+    state = dict(state)
+    if TIED_HEAD not in state and EMBEDDING in state:
+        state[TIED_HEAD] = state[EMBEDDING]
+    plan = shard_plan([(name, t.numel() * t.element_size()) for name, t in state.items()], max_bytes)
+    files = shard_names(len(plan))
+    mine = {file: {name: state[name].contiguous().clone() for name in names} for file, names in zip(files, plan)}
+    weight_map = {name: file for file, names in zip(files, plan) for name in names}
+    return StepShards(files, weight_map, mine, sum(t.numel() * t.element_size() for t in state.values()))
+
+
+def shard_plan(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into shards of at most `max_bytes` (a larger tensor gets a shard of its own), in order."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes:
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def gather_shards(model: torch.nn.Module, dtype: torch.dtype, world: World, max_bytes: int) -> StepShards:
+    """Collective: every rank calls it. Each tensor is cast to `dtype` on its local shard, then gathered; the
+    owner of its shard keeps the full tensor (on the CPU), the others drop it at once."""
+    state = model.state_dict()
+    sources = {name: name for name in state}
+    if TIED_HEAD not in sources and EMBEDDING in sources:
+        sources[TIED_HEAD] = EMBEDDING
+    sizes = [(name, state[src].numel() * dtype.itemsize) for name, src in sources.items()]
+    plan = shard_plan(sizes, max_bytes)
+    files = shard_names(len(plan))
+    mine: dict[str, dict[str, torch.Tensor]] = {}
+    for index, (file, names) in enumerate(zip(files, plan, strict=True)):
+        owner = index % world.world_size == world.rank
+        for name in names:
+            full = _full_tensor(state[sources[name]].detach(), dtype)
+            if owner:
+                mine.setdefault(file, {})[name] = full
+    weight_map = {name: file for file, names in zip(files, plan, strict=True) for name in names}
+    return StepShards(files, weight_map, mine, sum(size for _, size in sizes))
+
+
+def _full_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole tensor in `dtype` on the CPU, never sharing memory with the parameter (the optimizer updates
+    it in place while a background write may still be reading)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    cast = tensor.to(dtype)
+    full = cast.full_tensor() if isinstance(cast, DTensor) else cast
+    full = full.cpu()
+    if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        full = full.clone()
+    return full.contiguous()
 
 
 def hf_side_files(model_config, tokenizer) -> dict[str, bytes]:
@@ -34,47 +120,90 @@ def hf_side_files(model_config, tokenizer) -> dict[str, bytes]:
         return {str(p.relative_to(tmp)): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
 
 
-def save_hf_dir(directory: Path, state_dict: dict, side_files: dict[str, bytes]) -> None:
-    """Write safetensors (lm_head.weight always included) and the config and tokenizer files into `directory`."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors, seen = {}, set()
-    for name, t in state_dict.items():  # safetensors refuses tensors that share memory (tied weights)
-        tensors[name] = t.clone() if t.data_ptr() in seen else t.contiguous()
-        seen.add(t.data_ptr())
-    if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+def partial_dir(paths: RunPaths, step: int) -> Path:
+    """Where every rank writes step `step` before rank 0 renames it into place (one name for all ranks)."""
+    return paths.weights_root / f".step_{step}.tmp"
+
+
+def write_shards(directory: Path, shards: StepShards) -> None:
+    """This rank's shard files, each written under a temporary name and renamed (rank 0 waits for the names)."""
+    for file, tensors in shards.mine.items():
+        tmp = directory / f".{file}.tmp{os.getpid()}"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        tmp.replace(directory / file)
+
+
+def write_side_files(directory: Path, shards: StepShards, side_files: dict[str, bytes]) -> None:
+    """The config and tokenizer files, and the shards' index when there are several."""
     for name, data in side_files.items():
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_bytes(data)
+    if len(shards.files) > 1:
+        index = {"metadata": {"total_size": shards.total_bytes}, "weight_map": shards.weight_map}
+        (directory / INDEX).write_text(json.dumps(index, indent=2))
 
 
-def publish_weights(paths: RunPaths, step: int, state_dict: dict, side_files: dict[str, bytes]) -> None:
-    """Rank 0 only: write weights/step_{step}/ atomically."""
-    final = paths.weights(step)
-    tmp = temp_path(final)
-    save_hf_dir(tmp, state_dict, side_files)
-    publish_dir(tmp, final)
+def finish_step(paths: RunPaths, step: int, shards: StepShards, side_files: dict[str, bytes], timeout_s: float) -> None:
+    """Rank 0: the config, tokenizer and index files, then, once every rank's shards are there, the step in place."""
+    directory = partial_dir(paths, step)
+    write_side_files(directory, shards, side_files)
+    deadline = time.monotonic() + timeout_s
+    while missing := [f for f in shards.files if not (directory / f).is_file()]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for the other ranks' shards of step {step}: {missing} never appeared")
+        time.sleep(0.05)
+    publish_dir(directory, paths.weights(step))
+
+
+def publish_step(paths: RunPaths, step: int, shards: StepShards, side_files: dict[str, bytes]) -> None:
+    """One process holding every shard: write weights/step_k/ at once (tools and tests)."""
+    directory = partial_dir(paths, step)
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    write_shards(directory, shards)
+    finish_step(paths, step, shards, side_files, timeout_s=0)
+
+
+def save_model_dir(model: torch.nn.Module, directory: Path, side_files: dict[str, bytes], world: World,
+                   dtype: torch.dtype, shard_bytes: int) -> None:
+    """Collective: `model` in Hugging Face layout in `directory` (SFT's output), every rank writing its shards."""
+    if world.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+    shards = gather_shards(model, dtype, world, shard_bytes)
+    write_shards(directory, shards)
+    if world.is_main:
+        write_side_files(directory, shards, side_files)
+    world.barrier()
 
 
 class WeightPublisher:
-    """Rank 0's writer of weights/step_k/. With `background`, each write runs in one writer thread while the
-    next step trains: at most one write is in flight, on a private copy of the tensors (the optimizer updates
-    the parameters in place), and a failed write is raised by the next publish, by `wait` or by `close`."""
+    """Every rank's writer of its part of weights/step_k/ (rank 0 also completes the step). With `background`,
+    each write runs in one writer thread while the next step trains: at most one write is in flight, and a
+    failed write is raised by the next publish, by `wait` or by `close`."""
 
-    def __init__(self, paths: RunPaths, model_config, tokenizer, background: bool):
-        self._args = (paths, hf_side_files(model_config, tokenizer))
+    def __init__(self, paths: RunPaths, model_config, tokenizer, world: World, dtype: torch.dtype, shard_bytes: int,
+                 background: bool, timeout_s: float = SHARD_WAIT_S):
+        self.paths, self.world, self.dtype, self.shard_bytes, self.timeout_s = paths, world, dtype, shard_bytes, timeout_s
+        self.side_files = hf_side_files(model_config, tokenizer) if world.is_main else {}
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="publish-weights") if background else None
         self._pending: Future | None = None
 
-    def publish(self, step: int, state_dict: dict[str, torch.Tensor]) -> None:
-        paths, side_files = self._args
-        if self._writer is None:
-            publish_weights(paths, step, state_dict, side_files)
-            return
+    def publish(self, step: int, model: torch.nn.Module) -> None:
+        """Collective: gather this rank's shards of `model` and write them (at once, or in the writer thread)."""
         self.wait()
-        private = {name: t.clone() for name, t in state_dict.items()}
-        self._pending = self._writer.submit(publish_weights, paths, step, private, side_files)
+        if self.world.is_main:  # before the gather: no rank can write into it before rank 0 joins the gather
+            shutil.rmtree(partial_dir(self.paths, step), ignore_errors=True)
+            partial_dir(self.paths, step).mkdir(parents=True)
+        shards = gather_shards(model, self.dtype, self.world, self.shard_bytes)
+        if self._writer is None:
+            self._write(step, shards)
+        else:
+            self._pending = self._writer.submit(self._write, step, shards)
+
+    def _write(self, step: int, shards: StepShards) -> None:
+        write_shards(partial_dir(self.paths, step), shards)
+        if self.world.is_main:
+            finish_step(self.paths, step, shards, self.side_files, self.timeout_s)
 
     def wait(self) -> None:
         """Block until the write in flight, if any, is on disk (raises its error)."""

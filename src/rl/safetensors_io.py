@@ -1,0 +1,103 @@
+"""The safetensors format, read without the safetensors library's file access: an 8-byte little-endian header
+length N, N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then
+the data, offsets counting from the end of the header. Parsing bytes already read (`tensors_of`) lets a reader
+check and use a file from one read; `read_rows` reads a tensor's rows alone with pread (no mapping, so a rank
+loading its shard of a model keeps only that shard in memory).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+
+import torch
+
+from rl.manifest import CorruptFileError
+
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def parse_header(raw: bytes | bytearray | memoryview, where: str) -> tuple[dict, int]:
+    """The header's tensor entries and the offset at which the data starts; CorruptFileError if malformed."""
+    if len(raw) < 8:
+        raise CorruptFileError(f"{where} is not a safetensors file: {len(raw)} bytes")
+    (size,) = struct.unpack("<Q", bytes(raw[:8]))
+    if size > MAX_HEADER_BYTES or 8 + size > len(raw):
+        raise CorruptFileError(f"{where}: a safetensors header of {size} bytes does not fit the file")
+    try:
+        header = json.loads(bytes(raw[8 : 8 + size]))
+    except (ValueError, RecursionError) as e:
+        raise CorruptFileError(f"{where}: its safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CorruptFileError(f"{where}: its safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    for name, info in header.items():
+        _check_entry(name, info, where)
+    return header, 8 + size
+
+
+def _check_entry(name: str, info, where: str) -> None:
+    ok = (
+        isinstance(info, dict) and info.get("dtype") in DTYPES
+        and isinstance(info.get("shape"), list) and all(type(d) is int and d >= 0 for d in info["shape"])
+        and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+        and all(type(o) is int for o in info["data_offsets"])
+    )
+    if not ok:
+        raise CorruptFileError(f"{where}: tensor {name!r} has a malformed header entry")
+    begin, end = info["data_offsets"]
+    if not 0 <= begin <= end or end - begin != math.prod(info["shape"]) * DTYPES[info["dtype"]].itemsize:
+        raise CorruptFileError(f"{where}: tensor {name!r} has data offsets that do not match its shape")
+
+
+def tensors_of(data: bytearray, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a safetensors file held in `data`, as views of it (in file order)."""
+    header, start = parse_header(memoryview(data)[: min(len(data), 8 + MAX_HEADER_BYTES)], where)
+    for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+        begin, end = (start + offset for offset in info["data_offsets"])
+        if end > len(data):
+            raise CorruptFileError(f"{where}: tensor {name!r} ends past the end of the file")
+        dtype, shape = DTYPES[info["dtype"]], info["shape"]
+        if end == begin:
+            yield name, torch.empty(shape, dtype=dtype)
+        elif begin % dtype.itemsize:  # unaligned for its dtype: copied (writers align, so this is rare)
+            yield name, torch.frombuffer(bytearray(data[begin:end]), dtype=dtype).reshape(shape)
+        else:
+            yield name, torch.frombuffer(data, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin).reshape(shape)
+
+
+
+
+def read_file_header(fd: int, where: str) -> tuple[dict, int]:
+    """The header of the safetensors file open at `fd` (tensor entries) and the offset of its data."""
+    head = os.pread(fd, 8, 0)
+    size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+    raw = head + os.pread(fd, min(size, MAX_HEADER_BYTES), 8)
+    header, data_start = parse_header(raw, where)
+    return header, data_start
+
+
+def read_rows(fd: int, header: dict, data_start: int, name: str, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of dim 0 of tensor `name` (a whole 0-d tensor), read with pread."""
+    info = header[name]
+    dtype, shape = DTYPES[info["dtype"]], info["shape"]
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
+    rows = end - start if shape else 1
+    offset = data_start + info["data_offsets"][0] + start * row_bytes
+    data = bytearray(rows * row_bytes)
+    view, done = memoryview(data), 0
+    while done < len(data):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if not n:
+            raise CorruptFileError(f"{name}: the file ends inside its data")
+        done += n
+    tensor = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+    return tensor.reshape([rows, *shape[1:]] if shape else [])
