@@ -24,13 +24,16 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     batches = build_micro_batches(samples, weights, config.row_tokens, config.micro_batch_size, config.packing, pad_id)
     count, = world.all_reduce([len(batches)], op="max")  # FSDP collectives must match across ranks
     batches += [empty_micro_batch(pad_id, config.packing)] * (int(count) - len(batches))
-    sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
+    # Copied before the first forward: a blocking copy from pageable host memory waits for the device's
+    # queue, which is empty here but full of the previous micro-batch's backward inside the loop.
+    batches = [mb.to(world.device) for mb in batches]
+    sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=world.device)  # stays on the device all step
     for i, mb in enumerate(batches):
         if i in (0, len(batches) - 1):  # the setting changes only there; each call walks every module
             set_gradient_sync(policy, world, last=i == len(batches) - 1)
-        sums += forward_backward(policy, reference, mb.to(world.device), config, world)
+        sums += forward_backward(policy, reference, mb, config, world)
     lr = scheduler.get_last_lr()[0]
-    grad_norm = clip_gradients(policy, config.optim.max_grad_norm)
+    grad_norm = clip_gradients(policy, config.optim.max_grad_norm)  # one host sync per step
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -54,7 +57,9 @@ def set_gradient_sync(policy, world: World, last: bool) -> None:
 
 
 def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, world: World) -> torch.Tensor:
-    """Accumulate the gradient of one micro-batch; return its sums in SUM_KEYS order."""
+    """Accumulate the gradient of one micro-batch; return its sums in SUM_KEYS order, [len(SUM_KEYS)] float64
+    on the micro-batch's device. Nothing here reads a value back to the host: on a GPU that would wait for
+    the queued kernels once per micro-batch."""
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
@@ -68,7 +73,7 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
     mask = mb.loss_mask.float()
     values = [loss.detach(), stats.clipped_tokens, stats.mismatch_kl_sum, stats.ref_kl_sum, stats.masked_tokens,
               (entropy.detach() * mask).sum()]
-    return torch.tensor([float(v) for v in values], dtype=torch.float64)
+    return torch.stack([v.to(torch.float64) for v in values])
 
 
 def summarise(sums: dict[str, float], totals: StepTotals) -> dict:
