@@ -1,7 +1,13 @@
-import pytest
+import sys
 
-from rl.config import ConfigError
-from rl.launcher.devices import split_gpus
+import pytest
+import torch
+
+from rl.config import ConfigError, parse_config
+from rl.launcher import main as launcher
+from rl.launcher.config import RLConfig
+from rl.launcher.devices import DevicePlan, child_visible_devices, nvidia_gpus_present, split_gpus
+from rl.protocol import RunPaths
 
 
 def test_counts_give_inference_the_first_gpus():
@@ -39,3 +45,89 @@ def test_one_count_takes_the_rest():
 def test_impossible_splits_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         split_gpus(8, **kwargs)
+
+
+def test_gpu_ids_map_through_the_launchers_visible_devices():
+    assert child_visible_devices([0, 1], None) == ["0", "1"]
+    assert child_visible_devices([0], "4,5") == ["4"] and child_visible_devices([1], "4,5") == ["5"]
+    assert child_visible_devices([1], "GPU-aaa, GPU-bbb") == ["GPU-bbb"]
+    with pytest.raises(ConfigError, match="beyond this process's CUDA_VISIBLE_DEVICES='4,5'"):
+        child_visible_devices([2], "4,5")
+
+
+GPU_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+           "VLLM_WORKER_MULTIPROC_METHOD")
+
+
+def gpu_children(tmp_path, monkeypatch, **env) -> dict:
+    for name in GPU_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config, _ = launcher.load(["--output-dir", str(tmp_path)])
+    plan = DevicePlan(1, [1], [[0]])
+    return {spec.name: spec.extra_env for spec in launcher.child_specs(config, plan, RunPaths(tmp_path))}
+
+
+def test_children_of_a_launcher_given_gpus_4_and_5_get_gpus_4_and_5(tmp_path, monkeypatch):
+    envs = gpu_children(tmp_path, monkeypatch, CUDA_VISIBLE_DEVICES="4,5")
+    assert envs["inference"] == {"CUDA_VISIBLE_DEVICES": "4", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                                 "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert envs["trainer"] == {"CUDA_VISIBLE_DEVICES": "5", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert envs["orchestrator"] == {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_gpu_settings_the_user_exported_are_kept(tmp_path, monkeypatch):
+    envs = gpu_children(tmp_path, monkeypatch, CUDA_DEVICE_ORDER="FASTEST_FIRST", PYTORCH_ALLOC_CONF="x:1",
+                        VLLM_WORKER_MULTIPROC_METHOD="fork")
+    assert envs["inference"] == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert envs["trainer"] == {"CUDA_VISIBLE_DEVICES": "1"}
+
+
+def test_a_gpu_host_is_seen_without_torch(tmp_path):
+    proc = tmp_path / "gpus"
+    proc.mkdir()
+    fails = (sys.executable, "-c", "raise SystemExit(9)")
+    assert nvidia_gpus_present(proc, fails) is None
+    assert nvidia_gpus_present(proc, ("/nonexistent/nvidia-smi", "-L")) is None
+    lists_two = (sys.executable, "-c", "print('GPU 0: NVIDIA H100 (UUID: GPU-a)'); print('GPU 1: NVIDIA H100 (UUID: GPU-b)')")
+    assert nvidia_gpus_present(proc, lists_two) == f"`{' '.join(lists_two)}` lists 2"
+    assert nvidia_gpus_present(proc, (sys.executable, "-c", "import time; time.sleep(30)"), timeout_s=0.5) is None
+    (proc / "0000:17:00.0").mkdir()
+    assert nvidia_gpus_present(proc, fails) == f"{proc} lists 1"
+
+
+@pytest.fixture
+def gpu_host_with_cpu_torch(monkeypatch):
+    monkeypatch.setattr(launcher, "nvidia_gpus_present", lambda: "`nvidia-smi -L` lists 8")
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_a_gpu_host_whose_torch_sees_no_gpu_is_refused_naming_torch_and_the_fix(gpu_host_with_cpu_torch):
+    with pytest.raises(ConfigError) as error:
+        launcher.plan_devices(parse_config(RLConfig, []), launcher.visible_gpus())
+    message = str(error.value)
+    assert "`nvidia-smi -L` lists 8" in message and f"torch {torch.__version__} (a CPU-only build)" in message
+    assert "RL_STACK=gpu bash scripts/install.sh" in message and "uv sync --extra gpu" in message
+
+
+def test_gpus_hidden_on_purpose_or_a_cluster_job_plan_a_cpu_run(gpu_host_with_cpu_torch, monkeypatch):
+    assert launcher.plan_devices(parse_config(RLConfig, ["--k8s"]), 0).device == "cpu"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert launcher.plan_devices(parse_config(RLConfig, []), 0).device == "cpu"
+
+
+def test_gpu_flags_with_a_cpu_torch_name_the_build_and_the_fix(gpu_host_with_cpu_torch):
+    with pytest.raises(ConfigError, match=r"no GPU is visible to the installed torch .*RL_STACK=gpu bash scripts/install.sh"):
+        launcher.plan_devices(parse_config(RLConfig, ["--trainer-gpu-ids", "[0]"]), 0)
+
+
+def test_rl_stops_before_starting_anything(gpu_host_with_cpu_torch, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(launcher.Supervisor, "run", lambda *a: pytest.fail("a process was started"))
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(["--output-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("rl: error: this host has NVIDIA GPUs")

@@ -24,8 +24,10 @@ class InferenceConfig(Settings):
     )
     port: Annotated[int, Field(ge=1, le=65535, description="port of the first replica; replica i uses port + i")] = 8000
     dtype: Annotated[
-        Literal["float32", "bfloat16", "float16", "auto"], Field(description="weights dtype (float32 on CPU hosts)")
-    ] = "float32"
+        Literal["float32", "bfloat16", "float16", "auto"] | None,
+        Field(description="vLLM's --dtype (auto: the model's, float32 served as bfloat16); unset: auto with CUDA, "
+                          "float32 on CPU (bf16 is emulated there: ~3x slower)"),
+    ] = None
     max_model_len: Annotated[int, Field(ge=16, description="longest sequence the server accepts")] = 2048
     tensor_parallel_size: Annotated[
         int, Field(ge=1, le=1, description="GPUs per replica: 1 (weight verification reads unsharded layers); "
@@ -35,7 +37,10 @@ class InferenceConfig(Settings):
         float | None,
         Field(gt=0, le=1, description="share of GPU memory vLLM may use (CPU: of the NUMA node); unset: 0.9 GPU, 0.2 CPU"),
     ] = None
-    enforce_eager: Annotated[bool, Field(description="skip graph capture (faster start-up; on CPU always)")] = True
+    enforce_eager: Annotated[
+        bool | None, Field(description="skip CUDA graph capture (faster start-up, slower decoding); unset: off with "
+                                       "CUDA, on on CPU")
+    ] = None
     seed: Annotated[int, Field(description="vLLM sampling seed")] = 0
     weights_dir: Annotated[
         Path | None, Field(description="only weights inside this directory may be loaded by /update_weights")
@@ -44,3 +49,16 @@ class InferenceConfig(Settings):
         str | None, Field(min_length=1, description="bearer token required by the admin routes")
     ] = None
     extra_args: Annotated[list[str], Field(description="any other vLLM server arguments, passed through")] = []
+
+
+def resolve_device_defaults(config: InferenceConfig, device: Literal["cuda", "cpu"]) -> dict[str, str]:
+    """Fill, in place, the fields left to the device (unset); a value the user set is kept. CUDA: vLLM's
+    `--dtype auto` and CUDA graphs; CPU: float32 and eager (as measured fastest there). Returns {field: why}
+    for every device-dependent field, for `rl --dry-run`."""
+    on_cuda = device == "cuda"
+    why = {"dtype": "set by you", "enforce_eager": "set by you"}
+    if config.dtype is None:
+        config.dtype, why["dtype"] = ("auto" if on_cuda else "float32"), f"auto: {device.upper()}"
+    if config.enforce_eager is None:
+        config.enforce_eager, why["enforce_eager"] = not on_cuda, f"auto: {device.upper()}"
+    return why

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rl.config import run_cli
-from rl.inference.config import InferenceConfig
+from rl.inference.config import InferenceConfig, resolve_device_defaults
 from rl.inference.server import serve
 
 # vLLM on CPU reserves this share of the NUMA node's memory for its KV cache; 0.9 fails there.
@@ -37,6 +37,7 @@ def main() -> None:
     import torch
 
     on_gpu = torch.cuda.is_available()
+    resolve_device_defaults(config, "cuda" if on_gpu else "cpu")  # a no-op for a server rl started
     memory_share = config.gpu_memory_utilization
     if memory_share is None:
         memory_share = 0.9 if on_gpu else CPU_MEMORY_SHARE

@@ -8,14 +8,16 @@ import secrets
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field
+from pydantic import BaseModel, BeforeValidator, Field, PrivateAttr
 from pydantic_settings import SettingsConfigDict
 
 from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig
 from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig
+from rl.inference.config import resolve_device_defaults as resolve_inference_device
 from rl.launcher.devices import DevicePlan
 from rl.orchestrator.config import OrchestratorConfig
-from rl.trainer.config import TrainerConfig
+from rl.trainer.config import TrainerConfig, vllm_auto_dtype
+from rl.trainer.config import resolve_device_defaults as resolve_trainer_device
 
 
 class SharedModelConfig(Section):
@@ -141,6 +143,13 @@ class RLConfig(Settings):
     log_tail_lines: Annotated[int, Field(ge=1, description="lines of a failed process's log to print")] = 40
     shutdown_timeout_s: Annotated[float, Field(gt=0, description="grace period before SIGKILL on shutdown")] = 10.0
 
+    # Filled by resolve(): {"trainer.dtype": "auto: CUDA", ...}, how each device-dependent value was chosen.
+    _device_choices: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @property
+    def device_choices(self) -> dict[str, str]:
+        return self._device_choices
+
     @property
     def single_host(self) -> bool:
         return sorted(self.roles) == sorted(ROLES) and self.trainer_nodes == 1
@@ -227,7 +236,30 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
             f"trainer.keep_weights = {t.keep_weights} would delete weights inference may still serve or roll back "
             f"to with async_level = {o.async_level}; set it to at least {o.async_level + 2}"
         )
+    config._device_choices = resolve_devices(t, i, plan.device)
     return config
+
+
+def resolve_devices(t: TrainerConfig, i: InferenceConfig, device: str) -> dict[str, str]:
+    """The device-dependent values of both processes (each process's own rule), the trainer publishing in the
+    dtype inference serves. Returns {"section.field": why}."""
+    inference = resolve_inference_device(i, device)
+    if i.dtype == "auto":
+        served, why = vllm_auto_dtype(i.model.name)
+        why = f"what vLLM's --dtype auto serves: {why}"
+    else:
+        served, why = i.dtype, "as inference.dtype"
+    if t.publish_dtype == "auto":
+        t.publish_dtype = served
+    elif t.publish_dtype != served:
+        raise ConfigError(
+            f"trainer.publish_dtype = {t.publish_dtype!r} but inference.dtype = {i.dtype!r} serves {served!r}: "
+            "inference would reload weights of another dtype than it serves; set one to match the other"
+        )
+    else:
+        why = "set by you"
+    trainer = resolve_trainer_device(t, device) | {"publish_dtype": why}
+    return {f"trainer.{k}": v for k, v in trainer.items()} | {f"inference.{k}": v for k, v in inference.items()}
 
 
 def check_hosts(config: RLConfig) -> None:

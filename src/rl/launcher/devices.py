@@ -1,10 +1,18 @@
-"""Split the visible GPUs between the trainer and the inference replicas."""
+"""Split the visible GPUs between the trainer and the inference replicas, name them for the children, and
+tell a GPU host from a CPU one without torch's help."""
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from rl.config import ConfigError
+
+NVIDIA_PROC_GPUS = Path("/proc/driver/nvidia/gpus")  # one directory per GPU the NVIDIA driver sees
+NVIDIA_SMI = ("nvidia-smi", "-L")  # one line per GPU
+NVIDIA_SMI_TIMEOUT_S = 10.0
+INSTALL_GPU_STACK = "RL_STACK=gpu bash scripts/install.sh"  # runs `uv sync --extra gpu`
 
 
 @dataclass(frozen=True)
@@ -16,6 +24,11 @@ class DevicePlan:
     @property
     def replicas(self) -> int:
         return len(self.inference_gpus)
+
+    @property
+    def device(self) -> str:
+        """"cuda" where this host runs anything on GPUs, else "cpu" (what the device defaults follow)."""
+        return "cuda" if self.trainer_gpus or any(self.inference_gpus) else "cpu"
 
 
 def check_gpu_ids(ids: list[int], name: str, available: int) -> None:
@@ -89,3 +102,65 @@ def one_role_gpus(
 
 def cpu_plan(trainer_processes: int, inference_replicas: int) -> DevicePlan:
     return DevicePlan(trainer_processes, [], [[] for _ in range(inference_replicas)])
+
+
+def child_visible_devices(indices: list[int], parent: str | None) -> list[str]:
+    """CUDA_VISIBLE_DEVICES entries of a child given `indices` into the launcher's own visible GPUs: through the
+    launcher's CUDA_VISIBLE_DEVICES (`parent`) when it is set, so a job given GPUs 4,5 puts index 0 on GPU 4.
+    Entries pass through as written (GPU-/MIG- UUIDs included)."""
+    if parent is None:
+        return [str(i) for i in indices]
+    entries = [e.strip() for e in parent.split(",") if e.strip()]
+    beyond = [i for i in indices if i >= len(entries)]
+    if beyond:
+        raise ConfigError(f"GPU indices {beyond} are beyond this process's CUDA_VISIBLE_DEVICES={parent!r} "
+                          f"({len(entries)} GPUs); GPU ids count from 0 within it")
+    return [entries[i] for i in indices]
+
+
+def nvidia_gpus_present(
+    proc_gpus: Path = NVIDIA_PROC_GPUS, smi: tuple[str, ...] = NVIDIA_SMI, timeout_s: float = NVIDIA_SMI_TIMEOUT_S
+) -> str | None:
+    """How this host shows NVIDIA GPUs without torch (the driver's /proc entries, else `nvidia-smi -L`), or
+    None where it shows none."""
+    if proc_gpus.is_dir() and (count := len(list(proc_gpus.iterdir()))):
+        return f"{proc_gpus} lists {count}"
+    try:
+        listed = subprocess.run(list(smi), capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):  # not installed, or a hung driver: no evidence either way
+        return None
+    lines = [line for line in listed.stdout.splitlines() if line.strip()]
+    return f"`{' '.join(smi)}` lists {len(lines)}" if listed.returncode == 0 and lines else None
+
+
+def torch_build() -> str:
+    """The installed torch, e.g. 'torch 2.13.0+cpu (a CPU-only build)'."""
+    import torch
+
+    cuda = torch.version.cuda
+    return f"torch {torch.__version__} ({f'built for CUDA {cuda}' if cuda else 'a CPU-only build'})"
+
+
+def cuda_fix() -> str:
+    import torch
+
+    if torch.version.cuda is None:
+        return f"install the CUDA stack with `{INSTALL_GPU_STACK}` (it runs `uv sync --extra gpu`)"
+    return "check that the NVIDIA driver is loaded and new enough for this CUDA (nvidia-smi)"
+
+
+def cuda_unavailable(evidence: str) -> ConfigError:
+    """A host with NVIDIA GPUs whose torch cannot use them: refused, where rl would train on the CPU."""
+    return ConfigError(
+        f"this host has NVIDIA GPUs ({evidence}) but the installed {torch_build()} cannot use them "
+        f"(torch.cuda.is_available() is False): {cuda_fix()}; to run on the CPU on purpose, "
+        "export CUDA_VISIBLE_DEVICES=''"
+    )
+
+
+def gpu_flags_without_gpus() -> ConfigError:
+    return ConfigError(
+        f"no GPU is visible to the installed {torch_build()}, so --trainer-gpus/--inference-gpus/--*-gpu-ids "
+        f"cannot be used: on a GPU host, {cuda_fix()}; on a CPU host set --trainer-processes N (gloo ranks) "
+        "and --inference-replicas M instead"
+    )

@@ -17,7 +17,10 @@ from pydantic import ValidationError
 from rl.config import ConfigError, format_validation_error, parse_config, config_help, to_toml, write_config
 from rl.launcher.checks import check_environments, check_model, check_output_dir
 from rl.launcher.config import RLConfig, resolve
-from rl.launcher.devices import DevicePlan, cpu_plan, one_role_gpus, split_gpus
+from rl.launcher.devices import (
+    DevicePlan, child_visible_devices, cpu_plan, cuda_unavailable, gpu_flags_without_gpus, nvidia_gpus_present,
+    one_role_gpus, split_gpus,
+)
 from rl.launcher.resume import choose_checkpoint, discard_after
 from rl.launcher.deploy import render_k8s, render_slurm, slurm_job, submit
 from rl.launcher.hosts import HostBoard
@@ -32,13 +35,21 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpus_hidden_on_purpose() -> bool:
+    """CUDA_VISIBLE_DEVICES set to '' (or -1): this host's GPUs are not for this run."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return value is not None and value.strip() in ("", "-1")
+
+
 def plan_devices(config: RLConfig, available: int) -> DevicePlan:
+    """`available`: the GPUs torch sees. None on a host whose driver shows NVIDIA GPUs is refused (a CPU torch
+    there would train on the CPU) unless they are hidden on purpose or the run is only rendered for a cluster."""
     if available == 0:
         if config.uses_gpu_flags:
-            raise ConfigError(
-                "no GPU is visible, so --trainer-gpus/--inference-gpus/--*-gpu-ids cannot be used; on a CPU host "
-                "set --trainer-processes N (gloo ranks) and --inference-replicas M instead"
-            )
+            raise gpu_flags_without_gpus()
+        deploying = config.slurm is not None or config.k8s is not None
+        if not deploying and not gpus_hidden_on_purpose() and (evidence := nvidia_gpus_present()):
+            raise cuda_unavailable(evidence)
         return cpu_plan(config.trainer_processes, config.inference_replicas)
     if "orchestrator" in config.roles and "trainer" not in config.roles and config.trainer_gpus is None:
         raise ConfigError("the trainer runs on other hosts: give its GPUs per node with --trainer-gpus N "
@@ -76,6 +87,19 @@ def cpu_trainer_env(plan: DevicePlan) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def gpu_child_env(role: str) -> dict[str, str]:
+    """Set for a child on GPUs unless the launcher's environment sets it. GPU ids in nvidia-smi's numbering
+    (CUDA's default orders by speed). The trainer's allocator grows segments in place instead of caching
+    blocks of every size (less fragmentation with packed rows of varying length). vLLM spawns its engine
+    process instead of forking the server's, which may have initialised CUDA (vLLM then spawns anyway)."""
+    wanted = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    if role == "trainer" and "PYTORCH_ALLOC_CONF" not in os.environ:  # torch's newer name for the same setting
+        wanted["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if role == "inference":
+        wanted["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    return {name: value for name, value in wanted.items() if name not in os.environ}
+
+
 def host_name(config: RLConfig) -> str:
     return config.host_name or socket.gethostname()
 
@@ -103,21 +127,27 @@ def torchrun_args(config: RLConfig, plan: DevicePlan, paths: RunPaths) -> list[s
 
 
 def child_specs(config: RLConfig, plan: DevicePlan, paths: RunPaths) -> list[ChildSpec]:
+    """Plan GPU ids are indices into the launcher's visible GPUs; children get them as its CUDA_VISIBLE_DEVICES
+    names them."""
     python = sys.executable
     configs, logs = host_dirs(config, paths)
+    parent_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     specs = []
     if "inference" in config.roles:
         for r, gpus in enumerate(plan.inference_gpus):
             name = "inference" if plan.replicas == 1 else f"inference-{r}"
             cmd = [python, "-m", "rl.inference.main", "@", str(configs / "inference.toml")]
             cmd += ["--port", str(config.inference.port + r)]
-            specs.append(ChildSpec(name, cmd, gpus if gpus else None, logs / f"{name}.log"))
+            visible, env = (child_visible_devices(gpus, parent_gpus), gpu_child_env("inference")) if gpus else (None, {})
+            specs.append(ChildSpec(name, cmd, visible, logs / f"{name}.log", env))
     if "orchestrator" in config.roles:
         cmd = [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")]
         specs.append(ChildSpec("orchestrator", cmd, [], logs / "orchestrator.log"))  # no GPU
     if "trainer" in config.roles:
         cmd = torchrun_args(config, plan, paths) + ["-m", "rl.trainer.main", "@", str(configs / "trainer.toml")]
-        specs.append(ChildSpec("trainer", cmd, plan.trainer_gpus or None, logs / "trainer.log", cpu_trainer_env(plan)))
+        gpus = plan.trainer_gpus
+        visible, env = (child_visible_devices(gpus, parent_gpus), gpu_child_env("trainer")) if gpus else (None, {})
+        specs.append(ChildSpec("trainer", cmd, visible, logs / "trainer.log", env | cpu_trainer_env(plan)))
     return specs
 
 
@@ -125,6 +155,12 @@ def print_dry_run(config: RLConfig, specs: list[ChildSpec]) -> None:
     for name in config.roles:
         print(f"# ---- {name} config ----")
         print(to_toml(getattr(config, name), mask_secrets=True))
+    print("# ---- chosen by device ----")
+    for field, why in config.device_choices.items():
+        section, name = field.split(".")
+        if section in config.roles:
+            value = getattr(getattr(config, section), name)
+            print(f"{field} = {str(value).lower() if isinstance(value, bool) else value} ({why})")
     print("# ---- commands ----")
     for spec in specs:
         prefix = "".join(f"{k}={v} " for k, v in spec.extra_env.items())

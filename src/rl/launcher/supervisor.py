@@ -26,14 +26,14 @@ POLL_S = 0.5
 class ChildSpec:
     name: str
     cmd: list[str]
-    gpus: list[int] | None  # CUDA_VISIBLE_DEVICES for the child; None leaves it as it is
+    gpus: list[str] | None  # the child's CUDA_VISIBLE_DEVICES entries ([]: none); None leaves the launcher's
     log: Path
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
 
     @property
     def extra_env(self) -> dict[str, str]:
         """What the child's environment adds to or changes in the launcher's."""
-        gpus = {} if self.gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))}
+        gpus = {} if self.gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus)}
         return self.env | gpus
 
 

@@ -107,12 +107,15 @@ class TrainerConfig(Settings):
         Field(description="pack samples into rows of at most seq_len tokens (no cross-sample attention); else pad"),
     ] = True
     dtype: Annotated[
-        Literal["float32", "bfloat16"],
-        Field(description="parameter dtype; bfloat16 (GPU only) keeps bf16 params with fp32 gradient reduction"),
-    ] = "float32"
+        Literal["auto", "float32", "bfloat16"],
+        Field(description="compute dtype; bfloat16 (GPU only) computes in bf16 with fp32 master weights and fp32 "
+                          "gradient reduction; auto: bfloat16 on CUDA, float32 on CPU"),
+    ] = "auto"
     activation_checkpointing: Annotated[
-        bool, Field(description="recompute each transformer block's activations in backward (saves memory)")
-    ] = False
+        bool | None,
+        Field(description="recompute each transformer block's activations in backward (saves memory); "
+                          "unset: on with CUDA, off on CPU"),
+    ] = None
     attn_implementation: Annotated[
         Literal["sdpa", "eager", "flex_attention"],
         Field(description="transformers attention kernel; with packing, sdpa and eager compute every pair of a "
@@ -127,6 +130,12 @@ class TrainerConfig(Settings):
         float, Field(gt=0, description="largest safetensors shard of weights/step_k/; shards are written by every rank "
                                        "in parallel (shard i by rank i mod world size)")
     ] = 5.0
+    publish_dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        Field(description="dtype of weights/step_k/, which must be the dtype inference serves (rl sets it from "
+                          "inference.dtype); auto: float32 on CPU, on CUDA what vLLM's --dtype auto serves for the "
+                          "model. A trainer started alone beside a server with an explicit dtype needs the same here"),
+    ] = "auto"
     temperature: Annotated[
         float, Field(gt=0, description="sampling temperature of the rollouts (set by rl from the orchestrator's)")
     ] = 1.0
@@ -156,9 +165,101 @@ class TrainerConfig(Settings):
         return max(self.micro_batch_tokens or 0, self.seq_len)
 
 
-def check_device(config: TrainerConfig) -> None:
-    """What this host's devices cannot run; checked where the trainer starts (not where a job is rendered)."""
+DeviceKind = Literal["cuda", "cpu"]
+
+# vLLM 0.32 refuses float16 for these model types (numerical instability): `--dtype auto` serves bfloat16.
+VLLM_NO_FLOAT16 = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
+
+
+def resolve_device_defaults(config: TrainerConfig, device: DeviceKind) -> dict[str, str]:
+    """Fill, in place, the fields left to the device ("auto" or unset); a value the user set is kept.
+
+    CUDA: bf16 compute (fp32 master weights and gradient reduction), activation checkpointing, weights
+    published in what vLLM's `--dtype auto` serves. CPU: float32 throughout, no checkpointing (bf16 is
+    emulated on these CPUs). Returns {field: why} for every device-dependent field, for `rl --dry-run`."""
+    on_cuda = device == "cuda"
+    why = {}
+    if config.dtype == "auto":
+        config.dtype, why["dtype"] = ("bfloat16" if on_cuda else "float32"), f"auto: {device.upper()}"
+    if config.activation_checkpointing is None:
+        config.activation_checkpointing, why["activation_checkpointing"] = on_cuda, f"auto: {device.upper()}"
+    if config.publish_dtype == "auto":
+        if on_cuda:
+            config.publish_dtype, served = vllm_auto_dtype(config.model.name)
+            why["publish_dtype"] = f"auto: CUDA, what vLLM's --dtype auto serves ({served})"
+        else:
+            config.publish_dtype, why["publish_dtype"] = "float32", "auto: CPU"
+    return {field: why.get(field, "set by you") for field in ("dtype", "activation_checkpointing", "publish_dtype")}
+
+
+def vllm_auto_dtype(model: str) -> tuple[str, str]:
+    """The dtype vLLM 0.32's `--dtype auto` serves `model` in, and why. Mirrors its `_resolve_auto_dtype` on
+    platforms with bf16, fp16 and fp32 (CUDA from Ampere on, x86 and aarch64 CPUs): the model's dtype is
+    config.json's `dtype` or `torch_dtype` (else its text_config's, else the safetensors weights', else
+    float32); float16 and bfloat16 are served as they are, anything else (float32) as bfloat16, and float16
+    as bfloat16 for the model types vLLM refuses it for."""
+    config = _model_config_json(model)
+    text = config.get("text_config") or {}
+    stated = next((c[k] for c in (config, text) for k in ("dtype", "torch_dtype") if c.get(k)), None)
+    if stated is not None:
+        found, source = _dtype_name(stated), f"config.json: {stated}"
+    elif (weights := _local_weights_dtype(model)) is not None:
+        found, source = weights, f"safetensors weights: {weights}"
+    else:
+        found, source = "float32", "no dtype in config.json"
+    if found == "float16" and config.get("model_type") in VLLM_NO_FLOAT16:
+        return "bfloat16", f"{source}, which vLLM refuses for {config['model_type']}"
+    return (found if found in ("bfloat16", "float16") else "bfloat16"), source
+
+
+def _dtype_name(name: object) -> str:
+    """'torch.bfloat16', 'half', 'float16' ... -> torch's canonical name ('bfloat16', 'float16')."""
     import torch
 
-    if config.dtype == "bfloat16" and not torch.cuda.is_available():
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(name)
+
+
+def _model_config_json(model: str) -> dict:
+    """config.json of a local model directory, or of a hub model (from the local cache when it is there)."""
+    import json
+
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    local = Path(model).expanduser() / "config.json"
+    try:
+        path = local if local.is_file() else Path(hf_hub_download(model, "config.json"))
+        return json.loads(path.read_text())
+    except (OSError, ValueError, EntryNotFoundError) as e:  # offline, no such repo or file, not JSON
+        raise ConfigError(
+            f"cannot read config.json of model {model!r} to find the dtype vLLM's --dtype auto serves ({e}); "
+            "set the dtype explicitly (--inference.dtype, or trainer.publish_dtype for a trainer started alone)"
+        ) from None
+
+
+def _local_weights_dtype(model: str) -> str | None:
+    """The dtype every tensor of a local model's safetensors files promotes to (None without such files), as
+    vLLM reads it when config.json names none."""
+    import torch
+    from safetensors import safe_open
+
+    common = None
+    for path in sorted(Path(model).expanduser().glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:  # reads the header only
+            for name in f.keys():
+                dtype = f.get_slice(name).get_dtype()
+                dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype, torch.float32)
+                common = dtype if common is None else torch.promote_types(common, dtype)
+    return None if common is None else str(common).removeprefix("torch.")
+
+
+def check_device(config: TrainerConfig) -> None:
+    """Where the trainer starts (not where a job is rendered): fill the fields left to the device for this
+    host's device (`resolve_device_defaults`), then refuse what it cannot run."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolve_device_defaults(config, device)
+    if config.dtype == "bfloat16" and device == "cpu":
         raise ConfigError("trainer.dtype = 'bfloat16' needs a GPU; use 'float32' on CPU hosts")

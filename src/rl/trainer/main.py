@@ -72,14 +72,17 @@ def prune_run_files(paths: RunPaths, step: int, config: TrainerConfig) -> None:
 def timing_stats(
     stats: dict, wait_s: float, train_s: float, step_s: float, world: World, device_peak: float | None
 ) -> dict:
-    peak, = world.all_reduce([world.peak_memory_gib()], op="max")
+    reserved = world.peak_reserved_gib()
+    peaks = world.all_reduce([world.peak_memory_gib()] + ([reserved] if reserved is not None else []), op="max")
     timing = {
         "wait_s": wait_s,
         "train_s": train_s,
         "step_time_s": step_s,
         "tokens_per_s": stats["tokens"] / train_s,
-        "peak_mem_gib": peak,
+        "peak_mem_gib": peaks[0],
     }
+    if reserved is not None:  # GPUs only: what the allocator held, fragmentation included
+        timing["peak_reserved_gib"] = peaks[1]
     if device_peak is not None:  # GPUs with a known peak only
         timing["mfu"] = stats["flops"] / (train_s * device_peak * world.world_size)
     return timing

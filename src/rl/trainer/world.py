@@ -51,6 +51,11 @@ class World:
             return torch.cuda.max_memory_allocated(self.device) / 2**30
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
+    def peak_reserved_gib(self) -> float | None:
+        """GPU: the most memory torch's caching allocator has held from the device (allocated plus cached
+        blocks: what other processes on the GPU cannot use); None on CPU."""
+        return torch.cuda.max_memory_reserved(self.device) / 2**30 if self.on_gpu else None
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,160 @@
+"""Device-aware defaults: bf16, activation checkpointing and CUDA graphs where the plan has GPUs, float32 and
+eager on CPU, the user's value always kept, and the trainer publishing the dtype inference serves. CUDA is
+faked: the resolving functions take the device, and the launcher's view of torch is monkeypatched."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rl.config import ConfigError, parse_config
+from rl.inference.config import InferenceConfig
+from rl.inference.config import resolve_device_defaults as resolve_inference
+from rl.launcher import main as launcher
+from rl.launcher.config import RLConfig, resolve
+from rl.launcher.devices import DevicePlan, cpu_plan
+from rl.trainer.config import TrainerConfig, check_device, vllm_auto_dtype
+from rl.trainer.config import resolve_device_defaults as resolve_trainer
+
+GPU_PLAN = DevicePlan(1, [1], [[0]])
+
+
+def model_dir(tmp_path: Path, **config) -> str:
+    path = tmp_path / "model"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", **config}))
+    return str(path)
+
+
+def test_trainer_cpu_defaults_stay_float32_without_checkpointing():
+    config = TrainerConfig()
+    why = resolve_trainer(config, "cpu")
+    assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("float32", False, "float32")
+    assert why == {"dtype": "auto: CPU", "activation_checkpointing": "auto: CPU", "publish_dtype": "auto: CPU"}
+
+
+def test_trainer_cuda_defaults_are_bf16_with_checkpointing_and_publish_what_vllm_serves(tmp_path):
+    config = TrainerConfig(model={"name": model_dir(tmp_path, dtype="float32")})
+    why = resolve_trainer(config, "cuda")
+    assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("bfloat16", True, "bfloat16")
+    assert why["dtype"] == "auto: CUDA" and "config.json: float32" in why["publish_dtype"]
+
+
+def test_trainer_values_set_by_the_user_win_on_cuda(tmp_path):
+    config = TrainerConfig(model={"name": model_dir(tmp_path)}, dtype="float32", activation_checkpointing=False,
+                           publish_dtype="float16")
+    why = resolve_trainer(config, "cuda")
+    assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("float32", False, "float16")
+    assert set(why.values()) == {"set by you"}
+
+
+def test_a_trainer_started_alone_resolves_for_its_own_device(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = parse_config(TrainerConfig, ["--model.name", model_dir(tmp_path, torch_dtype="bfloat16")])
+    check_device(config)
+    assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("bfloat16", True, "bfloat16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        check_device(parse_config(TrainerConfig, ["--dtype", "bfloat16"]))
+
+
+def test_inference_defaults_by_device_and_the_users_values_win():
+    cpu, cuda = InferenceConfig(), InferenceConfig()
+    assert resolve_inference(cpu, "cpu") == {"dtype": "auto: CPU", "enforce_eager": "auto: CPU"}
+    assert (cpu.dtype, cpu.enforce_eager) == ("float32", True)
+    resolve_inference(cuda, "cuda")
+    assert (cuda.dtype, cuda.enforce_eager) == ("auto", False)
+    mine = InferenceConfig(dtype="float32", enforce_eager=True)
+    assert resolve_inference(mine, "cuda") == {"dtype": "set by you", "enforce_eager": "set by you"}
+    assert (mine.dtype, mine.enforce_eager) == ("float32", True)
+
+
+@pytest.mark.parametrize("config, served", [
+    ({"dtype": "bfloat16"}, "bfloat16"),
+    ({"torch_dtype": "float16"}, "float16"),
+    ({"torch_dtype": "float32"}, "bfloat16"),
+    ({"dtype": "torch.float16"}, "float16"),
+    ({"text_config": {"dtype": "float16"}}, "float16"),
+    ({"model_type": "gemma2", "torch_dtype": "float16"}, "bfloat16"),
+    ({}, "bfloat16"),
+])
+def test_vllm_auto_dtype_from_config_json(tmp_path, config, served):
+    assert vllm_auto_dtype(model_dir(tmp_path, **config))[0] == served
+
+
+def test_vllm_auto_dtype_reads_the_weights_when_config_json_names_none(tmp_path):
+    path = model_dir(tmp_path)
+    save_file({"w": torch.zeros(2, dtype=torch.float16)}, f"{path}/model.safetensors")
+    assert vllm_auto_dtype(path) == ("float16", "safetensors weights: float16")
+    save_file({"v": torch.zeros(2, dtype=torch.bfloat16)}, f"{path}/model-2.safetensors")
+    assert vllm_auto_dtype(path)[0] == "bfloat16"  # fp16 with bf16 promotes to fp32, served as bf16
+
+
+def test_the_mirror_agrees_with_vllms_own_rule(tmp_path):
+    """vLLM's `_resolve_auto_dtype` on this CPU (x86: bf16, fp16 and fp32, as CUDA from Ampere on)."""
+    from vllm.config.model import _resolve_auto_dtype  # a slow import: one test compares every case
+
+    for model_type in ("qwen3", "gemma2", "glm4"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            name = str(dtype).removeprefix("torch.")
+            model = model_dir(tmp_path, model_type=model_type, dtype=name)
+            expected = _resolve_auto_dtype(model_type, dtype, is_pooling_model=False)
+            assert vllm_auto_dtype(model)[0] == str(expected).removeprefix("torch."), (model_type, name)
+
+
+def test_launcher_fills_both_processes_for_a_gpu_plan(tmp_path):
+    config = parse_config(RLConfig, ["--model.name", model_dir(tmp_path, torch_dtype="bfloat16")])
+    r = resolve(config, GPU_PLAN)
+    assert (r.trainer.dtype, r.trainer.activation_checkpointing, r.trainer.publish_dtype) == ("bfloat16", True, "bfloat16")
+    assert (r.inference.dtype, r.inference.enforce_eager) == ("auto", False)
+    assert r.device_choices["trainer.dtype"] == "auto: CUDA"
+    assert r.device_choices["trainer.publish_dtype"] == "what vLLM's --dtype auto serves: config.json: bfloat16"
+    assert r.device_choices["inference.enforce_eager"] == "auto: CUDA"
+
+
+def test_launcher_keeps_cpu_defaults_for_a_cpu_plan():
+    r = resolve(parse_config(RLConfig, []), cpu_plan(1, 1))
+    assert (r.trainer.dtype, r.trainer.activation_checkpointing, r.trainer.publish_dtype) == ("float32", False, "float32")
+    assert (r.inference.dtype, r.inference.enforce_eager) == ("float32", True)
+
+
+def test_an_explicit_inference_dtype_sets_the_publish_dtype_and_a_conflict_names_both(tmp_path):
+    model = model_dir(tmp_path, torch_dtype="bfloat16")
+    r = resolve(parse_config(RLConfig, ["--model.name", model, "--inference.dtype", "float16"]), GPU_PLAN)
+    assert r.trainer.publish_dtype == "float16" and r.trainer.dtype == "bfloat16"
+    assert r.device_choices["trainer.publish_dtype"] == "as inference.dtype"
+    r = resolve(parse_config(RLConfig, ["--model.name", model, "--inference.dtype", "float32",
+                                        "--trainer.dtype", "float32"]), GPU_PLAN)
+    assert (r.trainer.dtype, r.trainer.publish_dtype, r.inference.dtype) == ("float32", "float32", "float32")
+    conflict = parse_config(RLConfig, ["--model.name", model, "--inference.dtype", "float16",
+                                       "--trainer.publish-dtype", "bfloat16"])
+    with pytest.raises(ConfigError, match="trainer.publish_dtype = 'bfloat16' but inference.dtype = 'float16'"):
+        resolve(conflict, GPU_PLAN)
+
+
+def test_an_unreadable_model_config_asks_for_an_explicit_dtype(tmp_path):
+    config = parse_config(RLConfig, ["--model.name", str(tmp_path / "missing")])
+    with pytest.raises(ConfigError, match="--inference.dtype"):
+        resolve(config, GPU_PLAN)
+
+
+def test_dry_run_prints_what_the_device_chose_and_the_mapped_gpus(tmp_path, monkeypatch, capsys):
+    """Faked CUDA host whose launcher was given GPUs 4,5: inference gets index 0 (GPU 4), the trainer 1 (GPU 5)."""
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("CUDA_DEVICE_ORDER", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "VLLM_WORKER_MULTIPROC_METHOD"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    launcher.main(["--model.name", model_dir(tmp_path, torch_dtype="bfloat16"), "--output-dir",
+                   str(tmp_path / "run"), "--trainer-gpus", "1", "--inference-gpus", "1", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "trainer.dtype = bfloat16 (auto: CUDA)" in out
+    assert "trainer.activation_checkpointing = true (auto: CUDA)" in out
+    assert "inference.dtype = auto (auto: CUDA)" in out and "inference.enforce_eager = false (auto: CUDA)" in out
+    commands = {line.split(":", 1)[0]: line for line in out.splitlines() if line.startswith(("inference:", "trainer:"))}
+    assert "CUDA_VISIBLE_DEVICES=4 " in commands["inference"] and "VLLM_WORKER_MULTIPROC_METHOD=spawn" in commands["inference"]
+    assert "CUDA_VISIBLE_DEVICES=5 " in commands["trainer"]
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in commands["trainer"]
+    assert all("CUDA_DEVICE_ORDER=PCI_BUS_ID" in line for line in commands.values())
