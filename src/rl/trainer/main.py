@@ -52,8 +52,9 @@ def batch_stats(samples: list[Sample], step: int, world: World, model_flops: Cal
 
 
 def publish_dtype(config: TrainerConfig) -> torch.dtype:
-    """The dtype of weights/step_k/: what inference serves (`rl` fills publish_dtype from the inference config)."""
-    return getattr(torch, getattr(config, "publish_dtype", "float32"))
+    """The dtype of weights/step_k/: what inference serves (`rl` fills publish_dtype from the inference config;
+    `check_device` resolves "auto")."""
+    return getattr(torch, config.publish_dtype)
 
 
 def prune_run_files(paths: RunPaths, step: int, config: TrainerConfig) -> None:
