@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# What only a GPU can show, in one command: the CUDA tests, then a short Qwen3-0.6B run (bf16 trainer, vLLM with
+# CUDA graphs, one trainer GPU and one inference GPU), ending with the figures that tell where the GPU path stands:
+# trainer tokens/s and MFU, peak allocated and reserved memory, and the publish-to-served reload latency.
+#
+#   bash scripts/gpu-check.sh [OUTPUT_DIR] [MODEL]      (MODEL: default Qwen/Qwen3-0.6B; needs the hub or a local dir)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! nvidia-smi -L; then
+  echo "gpu-check: no NVIDIA GPU is visible (nvidia-smi -L failed)" >&2
+  exit 2
+fi
+RL_STACK=gpu bash scripts/install.sh
+out="${1:-outputs/gpu-check-$(date +%Y%m%d-%H%M%S)}"
+model="${2:-Qwen/Qwen3-0.6B}"
+mkdir -p "$out"
+
+echo "== CUDA tests"
+uv run pytest -m gpu -rs -q tests 2>&1 | tee "$out/cuda-tests.log"
+
+echo "== $model: 10 RL steps, 1 trainer GPU + 1 inference GPU, device defaults (bf16, CUDA graphs)"
+uv run rl \
+  --trainer @ configs/reverse_text/train.toml \
+  --orchestrator @ configs/reverse_text/orch.toml \
+  --inference @ configs/reverse_text/infer.toml \
+  --model.name "$model" --trainer.optim.lr 1e-6 --max-steps 10 --seq-len 512 \
+  --trainer-gpus 1 --inference-gpus 1 --output-dir "$out/run"
+
+uv run python - "$out/run" <<'PY'
+import json, re, statistics, sys
+from pathlib import Path
+
+run = Path(sys.argv[1])
+records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+trainer = [r for r in records if r.get("process") == "trainer"][1:]  # the first step compiles and warms up
+def median(key):
+    values = [r[key] for r in trainer if r.get(key) is not None]
+    return statistics.median(values) if values else float("nan")
+log = "\n".join(p.read_text(errors="replace") for p in (run / "logs").rglob("inference*.log"))
+reloads = [float(s) for s in re.findall(r"update to step \d+ from .* in ([0-9.]+) s", log)][1:]
+print(f"gpu-check: trainer tokens/s {median('tokens_per_s'):.0f}, MFU {median('mfu'):.3f}, "
+      f"peak memory {median('peak_mem_gib'):.1f} GiB allocated / {median('peak_reserved_gib'):.1f} GiB reserved, "
+      f"reload {statistics.median(reloads) if reloads else float('nan'):.2f} s (median of {len(reloads)}), "
+      f"reward {trainer[0]['reward'] if trainer else float('nan'):.3f} -> {trainer[-1]['reward'] if trainer else float('nan'):.3f}")
+PY

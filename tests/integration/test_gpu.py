@@ -1,0 +1,65 @@
+"""What only a GPU can show (skipped without CUDA; `scripts/gpu-check.sh` runs them with a short Qwen3-0.6B run):
+a bf16 step published by the trainer's path reloads into a CUDA vLLM and verifies by its checksum, and the GPU
+split gives every child its own devices. The bf16 training step is in test_trainer.py, chunked logprobs on
+CUDA in tests/unit/test_chunked_logprobs.py."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rl.inference.worker import checkpoint_fingerprint
+from rl.protocol import RunPaths
+from rl.tiny_model import build_tiny_model
+from rl.trainer.weights import DEFAULT_SHARD_BYTES, hf_side_files, publish_step, single_process_shards
+from tests.conftest import ROOT
+from tests.integration.inference_server import Server
+
+pytestmark = [pytest.mark.integration, pytest.mark.gpu]
+
+
+def test_a_bf16_step_reloads_into_cuda_vllm_and_verifies(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    paths = RunPaths(tmp_path / "run")
+    paths.weights_root.mkdir(parents=True)
+    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")  # device defaults: --dtype auto, CUDA graphs
+    try:
+        base = load_file(str(model_dir / "model.safetensors"))
+        g = torch.Generator().manual_seed(1)
+        state = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g)).bfloat16() for k, v in base.items()}
+        side = hf_side_files(AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir))
+        publish_step(paths, 1, single_process_shards(state, DEFAULT_SHARD_BYTES), side)
+        response = server.admin("POST", "/update_weights", json={"step": 1, "path": str(paths.weights(1))})
+        assert response.status_code == 200, response.text
+        _, checksum = checkpoint_fingerprint(paths.weights(1), torch.bfloat16, tied=True)
+        assert response.json()["weights_checksum"] == checksum
+        assert server.admin("GET", "/policy_step").json()["weights_checksum"] == checksum
+        completion, logprobs = server.generate([1, 91, 89, 75, 88, 5], max_tokens=8)
+        assert len(completion) == 8 and all(lp <= 0 for lp in logprobs)
+    finally:
+        server.stop()
+
+
+def test_the_gpu_split_gives_each_child_its_own_devices(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    model_dir = build_tiny_model(tmp_path / "model")
+    cmd = [sys.executable, "-m", "rl.launcher.main", "--trainer", "@", str(ROOT / "configs/reverse_text/train.toml"),
+           "--orchestrator", "@", str(ROOT / "configs/reverse_text/orch.toml"),
+           "--inference", "@", str(ROOT / "configs/reverse_text/infer.toml"),
+           "--model.name", str(model_dir), "--trainer-gpus", "1", "--inference-gpus", "1",
+           "--output-dir", str(tmp_path / "run"), "--dry-run"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = {line.split(":", 1)[0]: line for line in out.stdout.splitlines() if line.startswith(("trainer:", "inference"))}
+    trainer = next(v for k, v in lines.items() if k.startswith("trainer"))
+    inference = next(v for k, v in lines.items() if k.startswith("inference"))
+    assert "CUDA_VISIBLE_DEVICES=" in trainer and "CUDA_VISIBLE_DEVICES=" in inference
+    visible = lambda line: line.split("CUDA_VISIBLE_DEVICES=")[1].split()[0]  # noqa: E731
+    assert visible(trainer) != visible(inference)
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in trainer
+    assert "trainer.dtype = bfloat16 (auto: CUDA)" in out.stdout
