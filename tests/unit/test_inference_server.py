@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.inference.server import add_token_strings, private_ipc_dir
+from rl.inference.server import add_token_strings, is_loopback, private_ipc_dir, route_of
 
 
 def test_token_strings_are_added_to_token_id_logprobs():
@@ -51,21 +51,30 @@ def test_a_temp_directory_too_deep_for_a_socket_path_keeps_vllms_default(monkeyp
 # ---- AdminMiddleware in front of a stand-in for vLLM's app ----
 
 class FakeWeights:
-    """Stands in for PolicyWeights: admit() answers `refusal`; records how many were in flight."""
+    """Stands in for PolicyWeights: admit() answers `refusal`; records how many were in flight and the updates."""
 
     def __init__(self, refusal=None, admin_token="admin-secret", api_keys=("api-secret",)):
         from rl.inference.server import AdminSettings
 
         self.settings = AdminSettings("model", None, admin_token, api_keys)
-        self.refusal, self.in_flight, self.seen_in_flight = refusal, 0, []
+        self.refusal, self.in_flight, self.seen_in_flight, self.updates = refusal, 0, [], []
 
     async def admit(self):
         return self.refusal
 
+    async def current(self):
+        return {"step": 0}
+
+    async def update(self, step, path):
+        self.updates.append((step, path))
+        return {"step": step}
+
 
 def call(weights: FakeWeights, path: str, headers: dict | None = None, body: bytes = b"", method: str = "POST",
-         scope_type: str = "http") -> tuple[int | None, dict, list, int]:
-    """Send one request through AdminMiddleware; (status, JSON body, messages sent, body chunks read)."""
+         scope_type: str = "http", root_path: str = "", raw_path: bytes | None = None,
+         client: str = "10.0.0.2") -> tuple[int | None, dict, list, int]:
+    """Send one request through AdminMiddleware, as uvicorn presents it (`raw_path` by default the path as sent,
+    `root_path` as vLLM's --root-path sets it); (status, JSON body, messages sent, body chunks read)."""
     import asyncio
 
     from rl.inference.server import AdminMiddleware
@@ -92,9 +101,11 @@ def call(weights: FakeWeights, path: str, headers: dict | None = None, body: byt
     async def send(message):
         sent.append(message)
 
-    scope = {"type": scope_type, "path": path, "method": method, "client": ("10.0.0.2", 5000), "app": None,
-             "headers": [(k.lower().encode(), v if isinstance(v, bytes) else v.encode()) for k, v in (headers or {}).items()],
-             "query_string": b"", "root_path": ""}
+    if raw_path is None:
+        raw_path = path.encode("utf-8", "surrogatepass")
+    scope = {"type": scope_type, "path": path, "raw_path": raw_path, "method": method, "client": (client, 5000),
+             "app": None, "query_string": b"", "root_path": root_path,
+             "headers": [(k.lower().encode(), v if isinstance(v, bytes) else v.encode()) for k, v in (headers or {}).items()]}
     asyncio.run(middleware(scope, receive, send))
     start = next((m for m in sent if m["type"] == "http.response.start"), {})
     content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -104,9 +115,8 @@ def call(weights: FakeWeights, path: str, headers: dict | None = None, body: byt
 API = {"Authorization": "Bearer api-secret"}
 
 
-@pytest.mark.parametrize("path", ["/invocations", "/generative_scoring", "/v1/completions", "/inference/v1/generate",
-                                  "/pooling", "/some/future/route"])
-def test_every_route_but_the_open_ones_is_generation(path):
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/inference/v1/generate"])
+def test_generation_routes_need_the_key_and_are_held_and_counted(path):
     weights = FakeWeights()
     assert call(weights, path)[:2] == (401, {"detail": "missing or wrong API key"})  # the key is checked everywhere
     assert call(weights, path, API)[0] == 200 and weights.seen_in_flight == [1]  # counted in flight
@@ -129,20 +139,146 @@ def test_admin_requests_are_authorized_before_their_body_is_read():
     assert status == 413 and read == 2  # stopped after the chunk that passed the limit
     for odd in ("Bearer \u00e9t\u00e9".encode("utf-8"), b"Bearer \xff\xfe", b"\x00"):
         assert call(weights, "/policy_step", {"Authorization": odd}, method="GET")[0] == 401
-        assert call(weights, "/invocations", {"Authorization": odd})[0] == 401
+        assert call(weights, "/v1/completions", {"Authorization": odd})[0] == 401
     no_token = FakeWeights(admin_token=None)  # then only loopback clients; this one is 10.0.0.2
     assert call(no_token, "/policy_step", method="GET")[:2] == (
         403, {"detail": "admin routes answer loopback clients only when no admin token is set"})
 
 
-@pytest.mark.parametrize("path", ["/scale_elastic_ep", "/v1/load_lora_adapter", "/collective_rpc", "/pause"])
-def test_vllm_control_routes_are_refused_even_with_the_key(path):
+# Present vLLM routes (control, development, other APIs) and routes no vLLM has yet: all outside the allow-list.
+UNLISTED = ["/scale_elastic_ep", "/v1/load_lora_adapter", "/collective_rpc", "/pause", "/inference/v1/abort_requests",
+            "/weight_checker", "/invocations", "/generative_scoring", "/tokenize", "/pooling", "/some/future/route",
+            "/update_weights.json", "/v1/models/extra", "/" + "a" * 300]
+
+
+@pytest.mark.parametrize("path", UNLISTED, ids=lambda path: path[:40])
+def test_routes_off_the_allow_list_are_refused_even_with_the_key(path):
+    weights = FakeWeights()
+    for headers in (API, {"Authorization": "Bearer admin-secret"}, {}):
+        status, body, _, read = call(weights, path, headers)
+        assert status == 403 and "not served" in body["detail"] and read == 0
+    assert weights.seen_in_flight == []
+
+
+# Spellings of allowed or refused routes that a normalising server might read as another route.
+NOT_PLAIN = ["//v1/models", "/v1/models/", "/v1//models", "/v1/../pause", "/./pause", "/v1/./models", "/", "",
+             "/v1/mod\u00e9ls", "/pause\x00", "/a\ud800"]
+
+
+@pytest.mark.parametrize("path", NOT_PLAIN, ids=ascii)
+def test_paths_not_in_plain_form_are_refused_not_normalised(path):
     weights = FakeWeights()
     status, body, _, _ = call(weights, path, API)
-    assert status == 403 and "rl changes weights only through /update_weights" in body["detail"]
+    assert status == 400 and "is not a plain route" in body["detail"]
     assert weights.seen_in_flight == []
+
+
+def test_a_percent_encoded_path_is_refused():
+    scope = {"path": "/v1/models", "raw_path": b"/v1%2Fmodels", "root_path": ""}
+    with pytest.raises(ValueError, match="is percent-encoded"):
+        route_of(scope)
+    weights = FakeWeights()
+    assert call(weights, "/v1/models", raw_path=b"/v1%2fmodels", method="GET")[0] == 400
+    assert call(weights, "/v1/models", raw_path=b"/v1/models", method="GET")[0] == 200
+
+
+ROOT_PATH_ROUTES = [  # (path, root path, the route the rules see: what starlette's router matches)
+    ("/api/pause", "/api", "/pause"),
+    ("/pause", "/api", "/pause"),  # starlette routes a path without the prefix as it is
+    ("/api/v1/chat/completions", "/api", "/v1/chat/completions"),
+    ("/api/update_weights", "/api", "/update_weights"),
+    ("/apix/pause", "/api", "/apix/pause"),  # not the root path followed by "/": not stripped
+    ("/api/api/pause", "/api", "/api/pause"),  # stripped once, as the router strips it
+    ("/v1/models", "", "/v1/models"),
+]
+
+
+@pytest.mark.parametrize("path, root, route", ROOT_PATH_ROUTES)
+def test_rules_see_the_route_less_the_root_path(path, root, route):
+    assert route_of({"path": path, "root_path": root, "raw_path": path.encode()}) == route
+
+
+def test_every_rule_applies_under_a_root_path():
+    weights = FakeWeights()
+    root = {"root_path": "/api"}
+    assert call(weights, "/api/pause", API, **root)[0] == 403
+    assert call(weights, "/api/collective_rpc", API, **root)[0] == 403
+    assert call(weights, "/api//pause", API, **root)[0] == 400
+    assert call(weights, "/api/health", method="GET", **root)[0] == 200
+    assert call(weights, "/api/v1/chat/completions", **root)[0] == 401
+    assert call(weights, "/api/v1/chat/completions", API, **root)[0] == 200
+    assert call(weights, "/api/update_weights", {"Authorization": "Bearer wrong"}, **root)[0] == 401
+
+
+def test_the_admin_app_gets_the_route_it_was_authorized_for():
+    """Under a root path the admin app answers the route checked, not a prefixed path it might route elsewhere."""
+    weights = FakeWeights()
+    status, body, _, _ = call(weights, "/api/update_weights", {"Authorization": "Bearer admin-secret"},
+                              b'{"step": 1, "path": "step_1"}', root_path="/api")
+    assert (status, body, weights.updates) == (200, {"step": 1}, [(1, "step_1")])
+    assert call(weights, "/api/policy_step", {"Authorization": "Bearer admin-secret"}, method="GET",
+                root_path="/api")[:2] == (200, {"step": 0})
 
 
 def test_websockets_are_refused():
     _, _, sent, _ = call(FakeWeights(), "/v1/realtime", API, scope_type="websocket")
     assert sent == [{"type": "websocket.close", "code": 1008, "reason": "this server answers HTTP only"}]
+
+
+ADMIN = {"Authorization": "Bearer admin-secret"}
+# Update bodies no client should send: each is a 422 naming the problem, never a 500, and nothing is updated.
+BAD_BODIES = [
+    ("inf", b'{"step": 1e400, "path": "step_1"}', "1e400, which overflows a float"),
+    ("nan", b'{"step": NaN, "path": "step_1"}', "NaN, which is not a JSON number"),
+    ("minus-infinity", b'{"step": -Infinity, "path": "step_1"}', "-Infinity"),
+    ("lone-surrogate-path", b'{"step": 1, "path": "step_1\\ud800"}', "lone surrogate"),
+    ("lone-surrogate-key", b'{"step": 1, "path": "step_1", "\\udc80": 0}', "lone surrogate"),
+    ("deep-nesting", b'{"step": ' + b"[" * 30_000 + b"]" * 30_000 + b', "path": "step_1"}', "nested deeper than 8"),
+    ("long-component", b'{"step": 1, "path": "' + b"a" * 256 + b'/step_1"}', "path: Value error, has a component over 255"),
+    ("long-path", b'{"step": 1, "path": "' + b"a/" * 2100 + b'step_1"}', "path: String should have at most 4096"),
+    ("many-digits", b'{"step": ' + b"9" * 5000 + b', "path": "step_1"}', "an integer of 5000 digits"),
+    ("past-int64", b'{"step": 9223372036854775808, "path": "step_1"}', "step: Input should be less than or equal"),
+    ("fraction", b'{"step": 1.5, "path": "step_1"}', "step: Input should be a valid integer"),
+    ("not-utf8", b'{"step": 1, "path": "\xff"}', "is not UTF-8"),
+    ("not-json", b'{"step": 1,', "is not JSON"),
+    ("not-an-object", b"[1, 2]", "body: Input should be a valid dictionary"),
+    ("extra-field", b'{"step": 1, "path": "step_1", "force": true}', "force: Extra inputs are not permitted"),
+    ("nul-in-path", b'{"step": 1, "path": "step_1\\u0000"}', "path: String should match pattern"),
+]
+
+
+@pytest.mark.parametrize("body, named", [c[1:] for c in BAD_BODIES], ids=[c[0] for c in BAD_BODIES])
+def test_malformed_update_bodies_are_422_naming_the_problem(body, named):
+    weights = FakeWeights()
+    status, answer, _, _ = call(weights, "/update_weights", ADMIN, body)
+    assert status == 422 and named in answer["detail"], answer
+    assert weights.updates == []
+
+
+def test_a_well_formed_update_passes():
+    weights = FakeWeights()
+    assert call(weights, "/update_weights", ADMIN, b'{"step": 3, "path": "step_3"}')[0] == 200
+    assert weights.updates == [(3, "step_3")]
+
+
+def test_error_details_always_encode():
+    """A detail quoting a lone surrogate (say, from a refused path) is escaped, not a UnicodeEncodeError."""
+    from rl.inference.server import refusal
+
+    assert json.loads(refusal(400, "path '\ud800'").body) == {"detail": "path '\ud800'"}
+
+
+@pytest.mark.parametrize("client, loopback", [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("127.255.255.254", True), ("::1", True), ("::ffff:127.0.0.2", True),
+    ("10.0.0.2", False), ("::ffff:10.0.0.2", False), ("0.0.0.0", False), ("::", False), ("fe80::1", False),
+    ("localhost", False), ("", False), (None, False),
+])
+def test_loopback_is_127_slash_8_and_ipv6_loopback(client, loopback):
+    assert is_loopback(client) is loopback
+
+
+def test_without_an_admin_token_admin_routes_answer_loopback_clients_only():
+    no_token = FakeWeights(admin_token=None)
+    for client in ("127.0.0.2", "::1", "::ffff:127.0.0.1"):
+        assert call(no_token, "/policy_step", method="GET", client=client)[:2] == (200, {"step": 0})
+    assert call(no_token, "/policy_step", method="GET", client="192.168.0.7")[0] == 403

@@ -7,7 +7,8 @@ hooks only:
   fingerprint of the served weights, reached with `engine_client.collective_rpc` (the files'
   fingerprint is computed here, in the server's process, while the worker reloads);
 - `--middleware rl.inference.server.AdminMiddleware`: an ASGI middleware that answers
-  `POST /update_weights` and `GET /policy_step`, holds generation requests during an update, and
+  `POST /update_weights` and `GET /policy_step`, refuses every route off its allow-list (judged after
+  vLLM's `--root-path` is stripped), holds generation requests during an update, and
   rewrites the logprobs of `/inference/v1/generate` into the shape verifiers' training client reads;
 - `--enable-scale-out` (vLLM serves `/inference/v1/generate` only with it) and
   `--logprobs-mode processed_logprobs` (logprobs of the distribution actually sampled from, which
@@ -30,9 +31,11 @@ clients when none is.
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -42,10 +45,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl import patches
-from rl.inference.config import LOOPBACK_HOSTS
 from rl.manifest import MAX_MARKER_BYTES, STABLE, CorruptFileError, Entry, check_listed, read_manifest, read_regular
 
 logger = logging.getLogger(__name__)
@@ -54,19 +57,24 @@ WORKER_EXTENSION = "rl.inference.worker.WeightSyncExtension"
 MIDDLEWARE = "rl.inference.server.AdminMiddleware"
 ADMIN_PATHS = {"/update_weights", "/policy_step"}
 GENERATE_PATH = "/inference/v1/generate"
-# Routes that answer without running the model. Every other route is treated as generation: authenticated
-# with the API key if one is set, held while the weights change, counted in flight, refused while broken.
-# (vLLM's own key check covers only a few path prefixes; /invocations and /generative_scoring generate too.)
+# Routes by allow-list: a route not named here is refused (403), whatever vLLM serves now or adds later (its
+# control and development routes change what is served, or how, without verification).
+# Open: answer without running the model, so no API key, no hold.
 OPEN_PATHS = {"/health", "/ping", "/version", "/metrics", "/load", "/v1/models"}
-# vLLM's routes that change the engine's state outside our update path (refused: they would change what is
-# served, or how, without verification); the development ones exist only with VLLM_SERVER_DEV_MODE.
-CONTROL_PATHS = {
-    "/scale_elastic_ep", "/start_profile", "/stop_profile", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-    "/pause", "/resume", "/sleep", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/reset_mm_cache",
-    "/reset_encoder_cache", "/release_kv_cache_memory", "/abort_requests", "/init_weight_transfer_engine",
-    "/start_weight_update", "/finish_weight_update", "/start_draft_weight_update", "/update_weight_version",
-    "/shutdown_weight_transfer_engine",
-}
+# Generation: what rl's clients call (verifiers' training client, the in-process harness) and documents;
+# authenticated with the API key if one is set, held while the weights change, counted in flight, refused
+# while broken.
+GENERATION_PATHS = {GENERATE_PATH, "/v1/chat/completions", "/v1/completions"}
+# A route in plain form: segments of letters, digits, `_`, `-`, `.` (no empty, `.` or `..` segment, no
+# percent-encoding, no trailing slash). Any other spelling is refused rather than normalised, so what the
+# rules check is exactly what vLLM's router matches.
+PLAIN_ROUTE = re.compile(r"(?:/(?!\.\.?(?:/|$))[A-Za-z0-9_.\-]+)+")
+MAX_JSON_DEPTH = 8  # an update request is one flat object
+# A JSON string (one left open runs to the end: every match is linear) or any character but a bracket.
+JSON_STRING_OR_NOT_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|[^\[\]{}]', re.DOTALL)
+MAX_INT_DIGITS = 100  # an int64 has 19
+NAME_MAX = 255  # bytes in one path component (Linux)
+PATH_MAX = 4096  # bytes in a path (Linux)
 MAX_ADMIN_BODY = 64 * 1024  # an update request is ~100 bytes
 MAX_STEP = 2**63 - 1  # policy versions travel as int64
 ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
@@ -94,9 +102,23 @@ class UpdateWeightsRequest(BaseModel):
 
     step: Annotated[StrictInt, Field(ge=0, le=MAX_STEP, description="policy version the weights hold")]
     path: Annotated[
-        str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$",
+        str, Field(min_length=1, max_length=PATH_MAX, pattern=r"^[^\x00]*$",
                    description="the step's step_<step> directory, inside the weights dir")
     ]
+
+    @field_validator("path")
+    @classmethod
+    def _fits_the_filesystem(cls, path: str) -> str:
+        """A path the OS can take: UTF-8 (no lone surrogate), components of at most NAME_MAX bytes."""
+        try:
+            encoded = path.encode()
+        except UnicodeEncodeError:
+            raise ValueError("holds a lone surrogate: not UTF-8") from None
+        if len(encoded) > PATH_MAX:
+            raise ValueError(f"is over {PATH_MAX} bytes")
+        if any(len(part) > NAME_MAX for part in encoded.split(b"/")):
+            raise ValueError(f"has a component over {NAME_MAX} bytes")
+        return path
 
 
 class PolicyWeights:
@@ -300,28 +322,119 @@ async def policy_step(weights: Annotated[PolicyWeights, Depends(served_weights)]
 
 
 @admin_router.post("/update_weights")
-async def update_weights(body: UpdateWeightsRequest, weights: Annotated[PolicyWeights, Depends(served_weights)]) -> dict:
+async def update_weights(request: Request, weights: Annotated[PolicyWeights, Depends(served_weights)]) -> dict:
+    body = update_request(await request.body())  # parsed here, bounded: FastAPI's parser has no depth limit
     return await weights.update(body.step, body.path)
+
+
+def update_request(body: bytes) -> UpdateWeightsRequest:
+    """The update request a body holds; HTTPException(422) naming what is wrong with it."""
+    try:
+        data = parse_json(body, MAX_JSON_DEPTH)
+    except ValueError as e:
+        raise HTTPException(422, f"the request body {e}") from None
+    try:
+        return UpdateWeightsRequest.model_validate(data)
+    except ValidationError as e:  # named by field and reason; the input is not echoed (it may not encode)
+        problems = [f"{'.'.join(map(str, error['loc'])) or 'body'}: {error['msg']}" for error in e.errors()]
+        raise HTTPException(422, "; ".join(problems)) from None
+
+
+def parse_json(body: bytes, max_depth: int) -> object:
+    """JSON in UTF-8 nested at most `max_depth` arrays/objects deep, with finite numbers and UTF-8 strings;
+    ValueError saying what is wrong otherwise. The depth is checked before parsing (json recurses per level)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"is not UTF-8 ({e.reason} at byte {e.start})") from None
+    if json_depth(text) > max_depth:
+        raise ValueError(f"is nested deeper than {max_depth} levels")
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_short_int)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"is not JSON: {e}") from None
+    try:  # a "\ud800" escape parses to a lone surrogate, which no file name or response can encode
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("holds a lone surrogate (an unpaired \\ud800-\\udfff escape): strings must be UTF-8") from None
+    return data
+
+
+def json_depth(text: str) -> int:
+    """How deep arrays and objects nest in JSON `text` (brackets inside strings do not count)."""
+    brackets = JSON_STRING_OR_NOT_BRACKET.sub("", text)
+    depth = deepest = 0
+    for bracket in brackets:
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"holds {name}, which is not a JSON number")
+
+
+def _short_int(literal: str) -> int:
+    if len(literal) > MAX_INT_DIGITS:  # Python refuses to parse past 4300 digits; no field needs more than 19
+        raise ValueError(f"holds an integer of {len(literal)} digits (at most {MAX_INT_DIGITS})")
+    return int(literal)
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"holds the number {literal[:32]}, which overflows a float")
+    return value
+
+
+class PlainJSONResponse(JSONResponse):
+    """JSON escaped to ASCII: a detail quoting what a client sent (even a lone surrogate) always encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def refusal(status: int, detail: str, headers: dict | None = None) -> JSONResponse:
+    return PlainJSONResponse({"detail": detail}, status, headers)
+
+
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    return refusal(error.status_code, str(error.detail), error.headers)
 
 
 def build_admin_app() -> FastAPI:
     """The admin routes, as a small FastAPI app that `AdminMiddleware` forwards matching requests to."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     app.include_router(admin_router)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     return app
+
+
+def route_of(scope) -> str:
+    """The route vLLM's router matches: the request path less the root path (vLLM's `--root-path`), stripped as
+    starlette strips it (when the path is the root path or continues it with "/"). ValueError unless the route
+    is plain: `PLAIN_ROUTE`, and not percent-encoded. No other spelling is normalised: it is refused."""
+    path, root, raw = scope["path"], scope.get("root_path", ""), scope.get("raw_path")
+    if raw is not None and raw != path.encode("utf-8", "surrogatepass"):
+        raise ValueError(f"the request path {raw.decode('latin-1')!a} is percent-encoded: rl's routes need no encoding")
+    route = path[len(root):] if root and (path == root or path.startswith(root + "/")) else path
+    if not PLAIN_ROUTE.fullmatch(route):
+        raise ValueError(f"the request path {path!a} is not a plain route (segments of letters, digits, '_', '-', "
+                         "'.'; no empty, '.' or '..' segment, no trailing '/')")
+    return route
 
 
 class AdminMiddleware:
     """ASGI middleware, installed with vLLM's `--middleware`, in front of vLLM's app.
 
-    Sends the admin paths to `build_admin_app()` once the caller is authorized (from the headers alone,
-    before any body is read; bodies are bounded). Passes `OPEN_PATHS` through, refuses `CONTROL_PATHS`
-    (403). Treats every other route as
-    generation: checks vLLM's API key when one is set, holds the request while the weights change, counts
-    those in flight (`PolicyWeights.admit`) and refuses them while the weights are broken. Adds
-    `"token": "token_id:<id>"` to every logprob entry of `/inference/v1/generate` JSON responses (vLLM
-    writes only `"token_id": <id>`; the `renderers` client of verifiers' training client requires the
-    string form). Websockets are refused: nothing of rl uses them.
+    Routes by allow-list, on the route vLLM's router matches (`route_of`; 400 if it is not plain):
+    sends the admin paths to `build_admin_app()` once the caller is authorized (from the headers alone,
+    before any body is read; bodies are bounded); passes `OPEN_PATHS` through; treats `GENERATION_PATHS`
+    as generation: checks vLLM's API key when one is set, holds the request while the weights change, counts
+    those in flight (`PolicyWeights.admit`) and refuses them while the weights are broken; refuses every other
+    route (403). Adds `"token": "token_id:<id>"` to every logprob entry of `/inference/v1/generate` JSON
+    responses (vLLM writes only `"token_id": <id>`; the `renderers` client of verifiers' training client
+    requires the string form). Websockets are refused: nothing of rl uses them.
     """
 
     def __init__(self, app):
@@ -334,22 +447,29 @@ class AdminMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         weights = self._weights(scope)
-        path = scope["path"]
-        if path in ADMIN_PATHS:
-            return await self._admin(scope, receive, send, weights.settings)
-        if path in OPEN_PATHS:
+        try:
+            route = route_of(scope)
+        except ValueError as e:
+            return await refusal(400, str(e))(scope, receive, send)
+        if route in ADMIN_PATHS:  # the admin app sees the route it was authorized for, however it was prefixed
+            admin_scope = scope | {"path": route, "raw_path": route.encode(), "root_path": ""}
+            return await self._admin(admin_scope, receive, send, weights.settings)
+        if route in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        if path in CONTROL_PATHS:
-            refusal = JSONResponse({"detail": f"{path} is not served: rl changes weights only through /update_weights"}, 403)
-            return await refusal(scope, receive, send)
-        refusal = api_key_refusal(scope, weights.settings)
-        if refusal is None and (reason := await weights.admit()):
-            refusal = JSONResponse({"detail": reason}, 503)
-        if refusal is not None:
-            return await refusal(scope, receive, send)
+        if route not in GENERATION_PATHS:
+            return await refusal(403, f"{route} is not served: rl serves its generation, health and admin routes "
+                                      "only, and changes weights only through /update_weights")(scope, receive, send)
+        return await self._generate(scope, receive, send, weights, route)
+
+    async def _generate(self, scope, receive, send, weights: PolicyWeights, route: str) -> None:
+        refused = api_key_refusal(scope, weights.settings)
+        if refused is None and (reason := await weights.admit()):
+            refused = refusal(503, reason)
+        if refused is not None:
+            return await refused(scope, receive, send)
         weights.in_flight += 1  # no await since admit(): an update starting now sees this request
         try:
-            return await self.app(scope, receive, TokenStringRewrite(send) if path == GENERATE_PATH else send)
+            return await self.app(scope, receive, TokenStringRewrite(send) if route == GENERATE_PATH else send)
         finally:
             weights.in_flight -= 1
 
@@ -358,7 +478,7 @@ class AdminMiddleware:
         if refused is None:
             body = await read_body(receive, MAX_ADMIN_BODY)
             if body is None:
-                refused = JSONResponse({"detail": f"the request body is over {MAX_ADMIN_BODY} bytes"}, 413)
+                refused = refusal(413, f"the request body is over {MAX_ADMIN_BODY} bytes")
         if refused is not None:
             return await refused(scope, receive, send)
         return await self.admin(scope, replay(body, receive), send)
@@ -387,18 +507,27 @@ def bearer_matches(scope, secrets: tuple[str, ...]) -> bool:
 def admin_refusal(scope, settings: AdminSettings) -> JSONResponse | None:
     """Why an admin request is refused, from its headers alone; None if it may proceed."""
     if settings.admin_token is None:
-        client = (scope.get("client") or ("",))[0]
-        if client not in LOOPBACK_HOSTS:
-            return JSONResponse({"detail": "admin routes answer loopback clients only when no admin token is set"}, 403)
+        if not is_loopback((scope.get("client") or (None,))[0]):
+            return refusal(403, "admin routes answer loopback clients only when no admin token is set")
         return None
     if not bearer_matches(scope, (settings.admin_token,)):
-        return JSONResponse({"detail": "missing or wrong bearer token"}, 401, {"WWW-Authenticate": "Bearer"})
+        return refusal(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
     return None
+
+
+def is_loopback(host) -> bool:
+    """Whether a client's address is loopback: 127.0.0.0/8, ::1, or either mapped into IPv6 (::ffff:127.0.0.2).
+    Anything not an IP address (a unix socket's client, a name) is not."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 def api_key_refusal(scope, settings: AdminSettings) -> JSONResponse | None:
     if settings.api_keys and not bearer_matches(scope, settings.api_keys):
-        return JSONResponse({"detail": "missing or wrong API key"}, 401, {"WWW-Authenticate": "Bearer"})
+        return refusal(401, "missing or wrong API key", {"WWW-Authenticate": "Bearer"})
     return None
 
 
