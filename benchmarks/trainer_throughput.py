@@ -33,6 +33,7 @@ from rl.trainer.config import LossConfig
 from rl.trainer.data import build_micro_batches, trained_tokens
 from rl.trainer.loss import policy_loss
 from rl.trainer.model import forward_logprobs
+from rl.trainer.output_head import DEFAULT_CHUNK_TOKENS, install_logprob_head
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,6 +57,7 @@ def plain_loop(model_dir: str, steps: int, samples_per_step: int, seq_len: int) 
     """Seconds per step of an unsharded model on the same packed micro-batches."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    install_logprob_head(model, DEFAULT_CHUNK_TOKENS)  # the same output-layer maths as the trainer's
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     seconds = []
     for step in range(steps):

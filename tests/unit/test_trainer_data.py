@@ -10,7 +10,20 @@ from rl.trainer.config import TrainerConfig
 from rl.trainer.data import (
     build_micro_batches, empty_micro_batch, pack_rows, packed_micro_batch, trained_tokens, truncate,
 )
-from rl.trainer.model import forward_logprobs, prepare_for_training, token_logprobs
+from rl.trainer.model import forward_logprobs, prepare_for_training
+from rl.trainer.output_head import install_logprob_head
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """The naive reference: log_softmax over [B, T, V], logprob of each next token, position 0 gets 0."""
+    picked = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], 1)
+
+
+def scoring_model(model_dir, **kwargs):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs)
+    install_logprob_head(model, chunk=5)  # chunks smaller than the rows: their edges are crossed
+    return model
 
 
 def sample(ids: list[int], prompt: int, advantage: float = 1.0) -> Sample:
@@ -55,7 +68,7 @@ def test_truncation_and_trained_tokens():
 @pytest.mark.parametrize("attention", ["sdpa", "eager", pytest.param("flex_attention", marks=pytest.mark.gpu)])
 def test_packed_forward_matches_separate_forwards(tiny_model, attention):
     device = torch.device("cuda" if attention == "flex_attention" else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation=attention)
+    model = scoring_model(tiny_model, attn_implementation=attention)
     model.to(device)
     samples = [sample([5, 6, 7, 8, 9, 10], 2), sample([11, 12, 13], 1), sample([14, 15, 16, 17], 1)]
     (packed,) = build_micro_batches(samples, [1.0] * 3, row_tokens=16, micro_batch_size=1, packing=True, pad_id=0)
@@ -64,19 +77,19 @@ def test_packed_forward_matches_separate_forwards(tiny_model, attention):
         packed_lp, _ = forward_logprobs(model, packed)  # [1, 13]
         order = sorted(samples, key=lambda s: -len(s.input_ids))
         ids = [torch.tensor([s.input_ids], device=device) for s in order]
-        separate = [token_logprobs(model(input_ids=i).logits, i)[0] for i in ids]
+        separate = [token_logprobs(model(input_ids=i).logits, i) for i in ids]
     expected = torch.cat(separate, 1)  # [1, 13]
     mask = packed.loss_mask
     assert torch.allclose(packed_lp[mask], expected[mask], atol=1e-5)
     # without restarting positions (one long sample) the logprobs differ: the test can fail
     with torch.no_grad():
-        joined, _ = token_logprobs(model(input_ids=packed.input_ids).logits, packed.input_ids)
+        joined = token_logprobs(model(input_ids=packed.input_ids).logits, packed.input_ids)
     assert not torch.allclose(joined[mask], expected[mask], atol=1e-3)
 
 
 def test_logprobs_follow_the_sampling_temperature(tiny_model):
     """vLLM reports logprobs of logits / T; the trainer's must be of the same distribution."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = scoring_model(tiny_model)
     (mb,) = build_micro_batches([sample([5, 6, 7, 8, 9], 2)], [1.0], row_tokens=16, micro_batch_size=1, packing=True,
                                 pad_id=0)
     with torch.no_grad():
@@ -104,7 +117,7 @@ def test_micro_batch_tokens_holds_at_least_one_longest_sample():
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_activation_checkpointing_recomputes_blocks_in_backward(tiny_model, checkpointing):
-    model = prepare_for_training(AutoModelForCausalLM.from_pretrained(tiny_model), checkpointing)
+    model = prepare_for_training(scoring_model(tiny_model), checkpointing)
     assert model.training  # from_pretrained gives eval mode, where transformers never recomputes
     calls = []
     # a pre-hook: recomputation stops as soon as the last saved tensor is back, before forward hooks

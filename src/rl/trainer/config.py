@@ -126,6 +126,10 @@ class TrainerConfig(Settings):
         Field(description="write weights/step_k/ in a writer thread while the next step trains (rank 0 holds one "
                           "more copy of the weights); the directory still appears only once complete"),
     ] = False
+    logprob_chunk_tokens: Annotated[
+        int, Field(ge=1, description="tokens per chunk of the output layer's logprob/entropy (the [chunk, vocab] "
+                                     "logits are the largest tensors it builds; backward recomputes them)")
+    ] = 1024
     publish_shard_gib: Annotated[
         float, Field(gt=0, description="largest safetensors shard of weights/step_k/; shards are written by every rank "
                                        "in parallel (shard i by rank i mod world size)")

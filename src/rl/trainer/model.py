@@ -1,5 +1,5 @@
 """Load the policy (and the frozen reference model when the KL penalty is on), sharded with FSDP2 one
-transformer block at a time, and compute per-token logprobs and entropies."""
+transformer block at a time, and compute per-token logprobs and entropies (in chunks: trainer/output_head.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl.inference.main import local_model_dir
 from rl.safetensors_io import read_file_header, read_rows
+from rl.trainer.output_head import DEFAULT_CHUNK_TOKENS, LogprobHead, install_logprob_head
 
 from rl.trainer.config import TrainerConfig
 from rl.trainer.data import MicroBatch
@@ -22,7 +22,8 @@ from rl.trainer.world import World
 
 def load_policy(config: TrainerConfig, world: World) -> torch.nn.Module:
     whole = world.world_size == 1  # see shard()
-    model = load_model(config.model.name, config.dtype, world, config.attn_implementation, whole)
+    model = load_model(config.model.name, config.dtype, world, config.attn_implementation, whole,
+                       config.logprob_chunk_tokens)
     return prepare_for_training(model, config.activation_checkpointing)
 
 
@@ -38,19 +39,22 @@ def load_reference(config: TrainerConfig, world: World) -> torch.nn.Module | Non
     """The base model, frozen and sharded like the policy; only when the KL penalty is on."""
     if config.loss.beta == 0:
         return None
-    model = load_model(config.model.name, config.dtype, world, config.attn_implementation)
+    model = load_model(config.model.name, config.dtype, world, config.attn_implementation,
+                       chunk=config.logprob_chunk_tokens)
     return model.requires_grad_(False).eval()
 
 
 def load_model(
-    name: str, dtype: str, world: World, attn_implementation: str = "sdpa", whole: bool = False
+    name: str, dtype: str, world: World, attn_implementation: str = "sdpa", whole: bool = False,
+    chunk: int = DEFAULT_CHUNK_TOKENS,
 ) -> torch.nn.Module:
-    """A Hugging Face causal LM with fp32 parameters, sharded over the world. It is built on the meta device and
-    sharded first; then each rank reads only its own rows of every tensor from the safetensors files, so no rank
-    ever holds the whole model."""
+    """A Hugging Face causal LM with fp32 parameters and a `LogprobHead`, sharded over the world. It is built on the
+    meta device and sharded first; then each rank reads only its own rows of every tensor from the safetensors
+    files, so no rank ever holds the whole model."""
     config = AutoConfig.from_pretrained(name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    install_logprob_head(model, chunk)
     shard(model, world, dtype, whole)
     model.to_empty(device=world.device)
     load_local_rows(model, Path(local_model_dir(name)), world)
@@ -125,22 +129,19 @@ def shard(model: torch.nn.Module, world: World, dtype: str, whole: bool) -> None
 
 
 def forward_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob and entropy of every token of the micro-batch, [B, T] each, under the distribution the tokens
-    were sampled from (logits / temperature, as vLLM's processed logprobs). No KV cache: with one,
-    transformers would not detect the packed samples from the position ids and attention would cross them."""
-    logits = model(
-        input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False
-    ).logits
-    if temperature != 1.0:
-        logits = logits / temperature
-    return token_logprobs(logits, mb.input_ids)  # logits [B, T, V]
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob and entropy of each token given its prefix; position 0 (no prefix) gets 0. In packed rows
-    the first token of each sample is predicted from the previous sample: its loss mask is always 0."""
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, T-1, V]
-    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]
-    entropy = -(logp.exp() * logp).sum(-1)  # [B, T-1]
-    pad = torch.zeros_like(picked[:, :1])
-    return torch.cat([pad, picked], 1), torch.cat([pad, entropy], 1)  # [B, T] each
+    """Logprob and entropy (no gradient) of every token of the micro-batch, [B, T] each, under the distribution the
+    tokens were sampled from (logits / temperature in fp32, as vLLM's processed logprobs), computed by the model's
+    `LogprobHead` in chunks (trainer/output_head.py): no [B, T, V] tensor is built. Position 0 (no prefix) gets 0;
+    in packed rows the first token of each sample is predicted from the previous sample: its loss mask is always 0.
+    No KV cache: with one, transformers would not detect the packed samples from the position ids and attention
+    would cross them."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, LogprobHead):
+        raise TypeError(f"{type(model).__name__} has no LogprobHead: call install_logprob_head(model, chunk) before sharding")
+    targets = torch.roll(mb.input_ids, -1, dims=1)  # [B, T]: token t + 1 (the last position's is discarded)
+    with head.scoring(targets, temperature):
+        scored = model(
+            input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False
+        ).logits  # [B, T, 2]
+    pad = torch.zeros_like(scored[:, :1, 0])
+    return torch.cat([pad, scored[:, :-1, 0]], 1), torch.cat([pad, scored[:, :-1, 1]], 1)  # [B, T] each

@@ -1,0 +1,115 @@
+"""The output layer as the trainer needs it: per-token logprob and entropy, never a [tokens, vocab] tensor.
+
+For hidden states h_t [H], the LM head weight W [V, H], temperature tau and the target token y_t:
+
+    z_t        = (W h_t) / tau                       logits, computed in fp32 after the upcast (as vLLM)
+    lse_t      = log sum_v exp(z_tv)
+    logp_t     = z_t[y_t] - lse_t                    the token's logprob (with gradient)
+    H_t        = lse_t - sum_v softmax(z_t)_v z_tv   entropy (no gradient: a metric)
+    d logp_t / d z_t = onehot(y_t) - softmax(z_t),   so  dh_t = W^T dz_t / tau,  dW += dz_t h_t^T / tau
+
+The forward walks the tokens in chunks of `chunk` rows and keeps only lse [N]; the backward recomputes each
+chunk's logits. Peak memory is a few [chunk, V] fp32 tensors instead of several [N, V] ones (Qwen3's V is
+151,936: one fp32 [16k, V] tensor is ~10 GB).
+
+`LogprobHead` replaces the model's `lm_head` (holding the same weight Parameter, so tied embeddings stay tied)
+before the model is sharded, so it runs inside the model's own forward, where FSDP2 has gathered the weight.
+While `targets` are set (`forward_logprobs` sets them), it returns [B, T, 2] (logprob, entropy) where the
+model would return logits; otherwise it is a plain linear head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], targets [N], temperature, chunk) -> (logprobs [N], entropy [N]), computed in
+    fp32 (fp64 for fp64 inputs)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):
+        n, compute = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
+        logprobs = torch.empty(n, dtype=compute, device=hidden.device)
+        entropy = torch.empty_like(logprobs)
+        lse = torch.empty_like(logprobs)
+        for start in range(0, n, chunk):
+            rows = slice(start, start + chunk)
+            z = F.linear(hidden[rows], weight).to(compute) / temperature  # [c, V]
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            logprobs[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+            entropy[rows] = lse[rows] - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        compute = lse.dtype
+        grad_weight = torch.zeros(weight.shape, dtype=compute, device=weight.device) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            h = hidden[rows]
+            z = F.linear(h, weight).to(compute) / ctx.temperature  # [c, V], recomputed
+            g = grad_logprobs[rows].to(compute)  # [c]
+            dz = torch.exp(z - lse[rows, None]).mul_(-g[:, None])  # -g * softmax(z)
+            dz.scatter_add_(-1, targets[rows, None], g[:, None])  # + g * onehot(y)
+            dz.div_(ctx.temperature)
+            if grad_hidden is not None:  # in the weight's dtype: no fp32 copy of the [V, H] weight
+                grad_hidden[rows] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(dz.T, h.to(compute))
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                     chunk: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of `targets` and entropy under softmax((hidden @ weight^T) / temperature); any leading shape."""
+    lead = hidden.shape[:-1]
+    logprobs, entropy = ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+                                              temperature, chunk)
+    return logprobs.reshape(lead), entropy.reshape(lead)
+
+
+class LogprobHead(torch.nn.Module):
+    """A drop-in `lm_head` (same weight Parameter) that gives (logprob, entropy) of set targets instead of logits."""
+
+    def __init__(self, weight: torch.nn.Parameter, chunk: int):
+        super().__init__()
+        self.weight = weight
+        self.chunk = chunk
+        self.targets: torch.Tensor | None = None
+        self.temperature = 1.0
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.targets is None:
+            return F.linear(hidden, self.weight)
+        logprobs, entropy = chunked_logprobs(hidden, self.weight, self.targets, self.temperature, self.chunk)
+        return torch.stack([logprobs, entropy], dim=-1)  # [B, T, 2] where logits would be
+
+    @contextlib.contextmanager
+    def scoring(self, targets: torch.Tensor, temperature: float):
+        """While inside, the model's output `logits` are [B, T, 2]: logprob of `targets` [B, T] and entropy."""
+        self.targets, self.temperature = targets, temperature
+        try:
+            yield
+        finally:
+            self.targets, self.temperature = None, 1.0
+
+
+def install_logprob_head(model: torch.nn.Module, chunk: int) -> LogprobHead:
+    """Replace the model's lm_head by a `LogprobHead` on the same weight; call before sharding."""
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}'s lm_head has a bias, which LogprobHead does not compute")
+    new = LogprobHead(head.weight, chunk)
+    model.set_output_embeddings(new)
+    return new

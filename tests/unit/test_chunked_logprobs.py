@@ -1,0 +1,99 @@
+"""The chunked output layer (trainer/output_head.py): equal to the naive fp64 computation in values and gradients,
+temperature applied after the upcast, and nothing kept for backward larger than chunk x vocab."""
+
+import pytest
+import torch
+
+from rl.trainer.output_head import LogprobHead, chunked_logprobs
+
+
+def naive(hidden, weight, targets, temperature):
+    """log_softmax over [N, V] in fp64: the reference."""
+    z = hidden.double() @ weight.double().T / temperature
+    logp = torch.log_softmax(z, -1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def inputs(n=37, h=16, v=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 37, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_values_and_gradients_equal_the_naive_fp64_computation(chunk, temperature):
+    hidden, weight, targets = inputs()
+    targets[7], targets[8] = 0, 49  # labels at a chunk edge (chunk 8) and at the vocabulary's edges
+    grad_out = torch.randn(hidden.shape[0], dtype=torch.float64)
+    logp, entropy = chunked_logprobs(hidden, weight, targets, temperature, chunk)
+    (logp.double() * grad_out).sum().backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref_logp, ref_entropy = naive(hidden, weight, targets, temperature)
+    (ref_logp * grad_out).sum().backward()
+    assert torch.allclose(logp.double(), ref_logp, atol=1e-6, rtol=0)
+    assert torch.allclose(entropy.double(), ref_entropy.detach(), atol=1e-6, rtol=0)
+    assert torch.allclose(got[0], hidden.grad, atol=1e-6, rtol=0)
+    assert torch.allclose(got[1], weight.grad, atol=1e-6, rtol=0)
+    assert not entropy.requires_grad  # a metric: no graph kept for it
+
+
+def test_temperature_divides_after_the_upcast():
+    """bf16 logits divided by T before the upcast round differently; vLLM upcasts first."""
+    hidden, weight, targets = (t.detach() for t in inputs(v=2000))
+    h, w = hidden.bfloat16(), weight.bfloat16()
+    logp, _ = chunked_logprobs(h, w, targets, 0.7, 8)
+    z = (h @ w.T).float() / 0.7  # upcast, then temperature
+    expected = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert torch.allclose(logp, expected, atol=1e-5)
+
+
+def test_nothing_saved_for_backward_is_larger_than_a_chunk_of_logits():
+    n, h, v, chunk = 300, 8, 1000, 16
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(v, h))
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, _ = chunked_logprobs(hidden, weight, torch.randint(0, v, (n,)), 1.0, chunk)
+    logp.sum().backward()
+    # the inputs themselves (hidden states and the head's weight, alive anyway) and [N]-sized vectors
+    others = [t for t in saved if t.data_ptr() not in (hidden.data_ptr(), weight.data_ptr())]
+    assert saved and all(t.numel() <= chunk * v for t in others), [tuple(t.shape) for t in others]
+    assert all(t.numel() <= n for t in others)
+    # the naive computation keeps [N, V] tensors: the audit can fail
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.log_softmax(hidden @ weight.T, -1).sum()
+    assert max(t.numel() for t in saved) >= n * v
+
+
+def test_the_head_is_a_plain_linear_layer_unless_scoring():
+    weight = torch.nn.Parameter(torch.randn(10, 4))
+    head = LogprobHead(weight, chunk=3)
+    hidden = torch.randn(2, 5, 4)
+    assert torch.equal(head(hidden), hidden @ weight.T)
+    targets = torch.randint(0, 10, (2, 5))
+    with head.scoring(targets, 0.5):
+        scored = head(hidden)  # [B, T, 2]
+    expected = torch.log_softmax(hidden @ weight.T / 0.5, -1).gather(-1, targets[..., None]).squeeze(-1)
+    assert scored.shape == (2, 5, 2) and torch.allclose(scored[..., 0], expected, atol=1e-5)
+    assert head.targets is None
+
+
+@pytest.mark.gpu
+def test_chunked_logprobs_on_cuda_equal_the_naive_computation():
+    hidden, weight, targets = (t.detach() for t in inputs(n=4096, h=64, v=151_936))
+    h = hidden.cuda().bfloat16().requires_grad_()
+    w = weight.cuda().bfloat16().requires_grad_()
+    logp, entropy = chunked_logprobs(h, w, targets.cuda(), 0.7, 1024)
+    logp.sum().backward()
+    ref, _ = naive(h.detach().float(), w.detach().float(), targets.cuda(), 0.7)
+    assert torch.allclose(logp.double(), ref, atol=1e-3) and torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
