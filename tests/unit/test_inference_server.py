@@ -282,3 +282,15 @@ def test_without_an_admin_token_admin_routes_answer_loopback_clients_only():
     for client in ("127.0.0.2", "::1", "::ffff:127.0.0.1"):
         assert call(no_token, "/policy_step", method="GET", client=client)[:2] == (200, {"step": 0})
     assert call(no_token, "/policy_step", method="GET", client="192.168.0.7")[0] == 403
+
+
+def test_a_path_past_the_os_limit_is_a_bad_request_not_a_crash(tmp_path):
+    from fastapi import HTTPException
+
+    from rl.inference.server import AdminSettings, PolicyWeights
+
+    weights = PolicyWeights.__new__(PolicyWeights)  # _resolve needs only the settings
+    weights.settings = AdminSettings(base_model=str(tmp_path), weights_dir=str(tmp_path), admin_token=None)
+    with pytest.raises(HTTPException) as refused:
+        weights._resolve("/".join(["a" * 250] * 20), 1)  # every component fits; the whole path does not
+    assert refused.value.status_code == 400 and "cannot be resolved" in refused.value.detail

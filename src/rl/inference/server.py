@@ -219,7 +219,12 @@ class PolicyWeights:
         STABLE marker and no file that leads outside the weights dir."""
         if self.settings.weights_dir is None:
             raise HTTPException(403, "this server was started without a weights dir: updates are off")
-        root = Path(os.path.realpath(self.settings.weights_dir))
+        try:
+            return self._resolve_in(Path(os.path.realpath(self.settings.weights_dir)), path, step)
+        except OSError as e:  # e.g. the weights dir and the path together past the OS's path limit
+            raise HTTPException(400, f"{path[:200]!a} cannot be resolved: {e.strerror}") from None
+
+    def _resolve_in(self, root: Path, path: str, step: int) -> str:
         target = Path(os.path.realpath(root / path))
         if target == root or not target.is_relative_to(root):
             raise HTTPException(403, f"{path!r} resolves to {target}, outside the weights dir {root}")
