@@ -11,8 +11,8 @@ from pydantic_settings import SettingsConfigDict
 from rl.config import ModelConfig, Settings
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
-"""Addresses only this host reaches: a server bound to one is private to the host, and without an admin
-token the admin routes answer only clients connecting from one."""
+"""Bind addresses only this host reaches: a server bound to one is private to the host. (Clients are judged
+by `ipaddress.is_loopback` in the server: without an admin token the admin routes answer only those.)"""
 
 
 class InferenceConfig(Settings):
