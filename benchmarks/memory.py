@@ -1,11 +1,11 @@
 """Peak memory and speed of the trainer's output layer (logprob + entropy, forward and backward) at Qwen3's vocabulary,
 chunked (trainer/output_head.py) against the naive `log_softmax` over [tokens, vocab], side by side in one run.
 
-Peak memory is read from the torch profiler (profile_memory=True): each operator's own allocations less its own
-frees, and the frees it attributes to no operator, summed in time order; the peak of that running sum is the most
-memory the pass held beyond what existed before it (inputs and weights excluded; an operator's own temporaries,
-freed before it returns, are not seen, on either side). On CPU in fp32; the ratio carries to a GPU, where the naive [16k, 151,936] fp32 logits alone
-are ~10 GB.
+Peak memory is read from the torch profiler's memory timeline (profile_memory=True, every tensor's allocation and
+free in time order, on the CPU): the most memory the pass held beyond what existed before it (inputs and weights
+excluded). Summing operators' own memory usage instead misses tensors created inside an autograd.Function (the
+chunks' logits) and under-counts the chunked side about tenfold. On CPU in fp32; the ratio carries to a GPU, where
+the naive [16k, 151,936] fp32 logits alone are ~10 GB.
 
     uv run python benchmarks/memory.py [--tokens 4096] [--hidden 256] [--vocab 151936] [--chunk 1024] [--repeats 2]
 
@@ -15,7 +15,11 @@ The last line reads `peak memory <R>x naive, tokens/s <S>x naive`.
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import time
+import warnings
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -40,16 +44,15 @@ def one_pass(fn, hidden, weight, targets) -> None:
 
 
 def peak_bytes(fn, hidden, weight, targets) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         one_pass(fn, hidden, weight, targets)
-    # Each operator's own allocations less its own frees (children excluded), and each free the profiler could not
-    # attribute to an operator ("[memory]"), in time order: a running total of the memory the pass holds.
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
-    held = peak = 0
-    for event in events:
-        held += event.self_cpu_memory_usage
-        peak = max(peak, held)
-    return peak
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for CUDA snapshots; the CPU has no other
+        path = Path(tmp) / "timeline.json"
+        prof.export_memory_timeline(str(path), device="cpu")
+        _times, sizes = json.loads(path.read_text())  # sizes: [time][category] bytes held
+    held = [sum(categories) for categories in sizes]
+    return max(held) - held[0]
 
 
 def seconds(fn, hidden, weight, targets, repeats: int) -> float:

@@ -9,8 +9,8 @@ For hidden states h_t [H], the LM head weight W [V, H], temperature tau and the 
     d logp_t / d z_t = onehot(y_t) - softmax(z_t),   so  dh_t = W^T dz_t / tau,  dW += dz_t h_t^T / tau
 
 The forward walks the tokens in chunks of `chunk` rows and keeps only lse [N]; the backward recomputes each
-chunk's logits. Peak memory is a few [chunk, V] fp32 tensors instead of several [N, V] ones (Qwen3's V is
-151,936: one fp32 [16k, V] tensor is ~10 GB).
+chunk's logits. Peak memory is two [chunk, V] fp32 tensors (forward: z and softmax(z); backward: dz, formed in
+place) instead of several [N, V] ones (Qwen3's V is 151,936: one fp32 [16k, V] tensor is ~10 GB).
 
 `LogprobHead` replaces the model's `lm_head` (holding the same weight Parameter, so tied embeddings stay tied)
 before the model is sharded, so it runs inside the model's own forward, where FSDP2 has gathered the weight.
@@ -40,10 +40,16 @@ class ChunkedLogprobs(torch.autograd.Function):
         lse = torch.empty_like(logprobs)
         for start in range(0, n, chunk):
             rows = slice(start, start + chunk)
-            z = F.linear(hidden[rows], weight).to(compute) / temperature  # [c, V]
-            lse[rows] = torch.logsumexp(z, dim=-1)
+            z = chunk_logits(hidden[rows], weight, compute, temperature)  # [c, V]
+            peak = z.amax(-1, keepdim=True)  # [c, 1]
+            p = torch.sub(z, peak).exp_()  # [c, V], softmax(z) once normalised
+            total = p.sum(-1, keepdim=True)  # [c, 1]
+            lse[rows] = (peak + total.log()).squeeze(-1)
+            p.div_(total)
             logprobs[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
-            entropy[rows] = lse[rows] - (torch.softmax(z, dim=-1) * z).sum(-1)
+            # sum_v p_v z_v as a batched dot product: no third [c, V] tensor
+            entropy[rows] = lse[rows] - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
+            del z, p  # before the next chunk's are allocated
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
@@ -58,16 +64,23 @@ class ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             h = hidden[rows]
-            z = F.linear(h, weight).to(compute) / ctx.temperature  # [c, V], recomputed
-            g = grad_logprobs[rows].to(compute)  # [c]
-            dz = torch.exp(z - lse[rows, None]).mul_(-g[:, None])  # -g * softmax(z)
-            dz.scatter_add_(-1, targets[rows, None], g[:, None])  # + g * onehot(y)
-            dz.div_(ctx.temperature)
+            g = grad_logprobs[rows, None].to(compute) / ctx.temperature  # [c, 1]
+            dz = chunk_logits(h, weight, compute, ctx.temperature)  # [c, V], recomputed
+            dz.sub_(lse[rows, None]).exp_().mul_(-g)  # -g softmax(z) / tau, in place: one [c, V] tensor
+            dz.scatter_add_(-1, targets[rows, None], g)  # + g onehot(y) / tau
             if grad_hidden is not None:  # in the weight's dtype: no fp32 copy of the [V, H] weight
                 grad_hidden[rows] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight.addmm_(dz.T, h.to(compute))
+            del dz
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+
+
+def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, compute: torch.dtype, temperature: float) -> torch.Tensor:
+    """(hidden [c, H] @ weight^T) upcast to `compute`, then / temperature (after the upcast, as vLLM): [c, V]. In
+    place where the matmul already gives `compute`, so a chunk costs one [c, V] tensor, not two."""
+    z = F.linear(hidden, weight)
+    return (z if z.dtype == compute else z.to(compute)).div_(temperature)
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
