@@ -3,7 +3,6 @@ advantage type, the staleness bound at async_level 0 and 2 (weights published by
 trainer), eval, and W&B offline files."""
 
 import asyncio
-import json
 import logging
 import shutil
 import threading
@@ -19,7 +18,7 @@ from rl.orchestrator.main import Orchestrator
 from rl.config import EnvConfig
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group
-from rl.protocol import STABLE, RunPaths, is_stable, read_batch, read_metrics
+from rl.protocol import RunPaths, is_stable, mark_stable, read_batch, read_metrics
 from rl.tiny_model import build_tiny_model
 from tests.conftest import ROOT
 from tests.integration.inference_server import Server
@@ -119,7 +118,7 @@ class Publisher:
         state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
         save_file(state, tmp / "model.safetensors")
         tmp.rename(out)
-        (out / STABLE).write_text(json.dumps({"step": step}))
+        mark_stable(out, step=step)  # as the trainer marks it: the exact manifest of the step
 
 
 def orchestrator_config(server, out, async_level: int, max_steps: int = 3, **extra) -> OrchestratorConfig:
