@@ -156,11 +156,16 @@ def read_regular(directory: Path, name: str, limit: int | None = None) -> bytes:
 # ---------------------------------------------------------------------------------------------------
 
 
-def stable_info(directory: Path) -> dict:
-    """The STABLE marker's contents ({} for an empty marker); CorruptFileError if it is not a JSON object of
-    bounded size and depth."""
+def read_marker(directory: Path) -> bytes:
+    """The STABLE marker's bytes (bounded; opened as any listed file is)."""
+    return read_regular(directory, STABLE, MAX_MARKER_BYTES)
+
+
+def stable_info(directory: Path, data: bytes | None = None) -> dict:
+    """The STABLE marker's contents ({} for an empty marker), from `data` if the caller read it already;
+    CorruptFileError if it is not a JSON object of bounded size and depth."""
     marker = directory / STABLE
-    data = read_regular(directory, STABLE, MAX_MARKER_BYTES)
+    data = read_marker(directory) if data is None else data
     try:
         text = data.decode()
     except UnicodeDecodeError as e:
@@ -178,10 +183,10 @@ def stable_info(directory: Path) -> dict:
     return info
 
 
-def recorded_files(directory: Path) -> dict[str, Entry] | None:
+def recorded_files(directory: Path, data: bytes | None = None) -> dict[str, Entry] | None:
     """The marker's file list, checked for shape: name -> Entry. None for a hand-made marker (empty or `{}`)."""
     marker = directory / STABLE
-    info = stable_info(directory)
+    info = stable_info(directory, data)
     if not info:
         return None
     files = info.get("files")
@@ -230,10 +235,11 @@ def present_files(directory: Path) -> dict[str, os.stat_result]:
     return found
 
 
-def read_manifest(directory: Path) -> dict[str, Entry]:
+def read_manifest(directory: Path, marker: bytes | None = None) -> dict[str, Entry]:
     """The files of a STABLE directory, name -> Entry: exactly the listed ones, each present as a regular file
-    of the recorded size (no file's bytes are read). A hand-made marker gives the regular files present, unchecked."""
-    recorded = recorded_files(directory)
+    of the recorded size (no file's bytes are read). A hand-made marker gives the regular files present, unchecked.
+    `marker`: the marker's bytes, if the caller read them already."""
+    recorded = recorded_files(directory, marker)
     present = present_files(directory)
     if recorded is None:
         return {name: Entry(None, None) for name in sorted(present)}

@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl import patches
-from rl.manifest import MAX_MARKER_BYTES, STABLE, CorruptFileError, Entry, check_listed, read_manifest, read_regular
+from rl.manifest import STABLE, CorruptFileError, Entry, check_listed, read_manifest, read_marker
 
 logger = logging.getLogger(__name__)
 
@@ -283,15 +283,14 @@ class PolicyWeights:
 
 
 def published_step(directory: Path) -> tuple[bytes, dict[str, Entry]]:
-    """The step's marker bytes (what identifies its files) and manifest: the directory holds exactly its listed
-    files, and every one but the weight files (which the worker checks as it reads them, once) is checked here."""
-    marker = read_regular(directory, STABLE, MAX_MARKER_BYTES)
-    manifest = read_manifest(directory)
+    """The step's marker bytes (what identifies its files) and manifest, both from one read of the marker: the
+    directory holds exactly its listed files, and every one but the weight files (which the worker checks as it
+    reads them, once) is checked here."""
+    marker = read_marker(directory)
+    manifest = read_manifest(directory, marker)
     for name, entry in manifest.items():
         if not name.endswith(".safetensors"):
             check_listed(directory, name, entry)
-    if read_regular(directory, STABLE, MAX_MARKER_BYTES) != marker:
-        raise CorruptFileError(f"{directory / STABLE} changed while it was read")
     return marker, manifest
 
 

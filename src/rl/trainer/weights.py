@@ -47,16 +47,30 @@ class StepShards:
     total_bytes: int  # of every tensor of the step, all ranks' shards
 
 
+def with_tied_head(names: list[str]) -> dict[str, str]:
+    """Tensor name written -> state-dict name it comes from: every name, plus `lm_head.weight` from the embedding
+    when the state dict lacks it (tied)."""
+    sources = {name: name for name in names}
+    if TIED_HEAD not in sources and EMBEDDING in sources:
+        sources[TIED_HEAD] = EMBEDDING
+    return sources
+
+
+def shard_layout(sizes: list[tuple[str, int]], max_bytes: int) -> tuple[list[str], list[list[str]], dict[str, str]]:
+    """The step's shard files, the tensor names in each, and tensor name -> file."""
+    plan = shard_plan(sizes, max_bytes)
+    files = shard_names(len(plan))
+    return files, plan, {name: file for file, names in zip(files, plan, strict=True) for name in names}
+
+
 def single_process_shards(state: dict[str, torch.Tensor], max_bytes: int) -> StepShards:
     """A whole state dict as one process's shards (tools and tests; the trainer uses `gather_shards`)."""
-    state = dict(state)
-    if TIED_HEAD not in state and EMBEDDING in state:
-        state[TIED_HEAD] = state[EMBEDDING]
-    plan = shard_plan([(name, t.numel() * t.element_size()) for name, t in state.items()], max_bytes)
-    files = shard_names(len(plan))
-    mine = {file: {name: state[name].contiguous().clone() for name in names} for file, names in zip(files, plan)}
-    weight_map = {name: file for file, names in zip(files, plan) for name in names}
-    return StepShards(files, weight_map, mine, sum(t.numel() * t.element_size() for t in state.values()))
+    sources = with_tied_head(list(state))
+    sizes = [(name, state[src].numel() * state[src].element_size()) for name, src in sources.items()]
+    files, plan, weight_map = shard_layout(sizes, max_bytes)
+    mine = {file: {name: state[sources[name]].contiguous().clone() for name in names}
+            for file, names in zip(files, plan, strict=True)}
+    return StepShards(files, weight_map, mine, sum(size for _, size in sizes))
 
 
 def shard_plan(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
@@ -82,12 +96,9 @@ def gather_shards(model: torch.nn.Module, dtype: torch.dtype, world: World, max_
     """Collective: every rank calls it. Each tensor is cast to `dtype` on its local shard, then gathered; the
     owner of its shard keeps the full tensor (on the CPU), the others drop it at once."""
     state = model.state_dict()
-    sources = {name: name for name in state}
-    if TIED_HEAD not in sources and EMBEDDING in sources:
-        sources[TIED_HEAD] = EMBEDDING
+    sources = with_tied_head(list(state))
     sizes = [(name, state[src].numel() * dtype.itemsize) for name, src in sources.items()]
-    plan = shard_plan(sizes, max_bytes)
-    files = shard_names(len(plan))
+    files, plan, weight_map = shard_layout(sizes, max_bytes)
     mine: dict[str, dict[str, torch.Tensor]] = {}
     for index, (file, names) in enumerate(zip(files, plan, strict=True)):
         owner = index % world.world_size == world.rank
@@ -95,7 +106,6 @@ def gather_shards(model: torch.nn.Module, dtype: torch.dtype, world: World, max_
             full = _full_tensor(state[sources[name]].detach(), dtype)
             if owner:
                 mine.setdefault(file, {})[name] = full
-    weight_map = {name: file for file, names in zip(files, plan, strict=True) for name in names}
     return StepShards(files, weight_map, mine, sum(size for _, size in sizes))
 
 
