@@ -49,6 +49,12 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, InitSettingsSource(settings_cls, init_kwargs=toml_data))
 
 
+def optional_section(value: Any) -> Any:
+    """For a section that is off unless given (`X | None`): `--slurm` alone turns it on with its defaults,
+    `--slurm false` off; `--slurm.field value` sets fields too."""
+    return {"true": {}, "false": None}.get(value, value) if isinstance(value, str) else value
+
+
 class ModelConfig(Section):
     name: Annotated[
         str, Field(description="Hugging Face model id or local directory (tokenizer included)")

@@ -133,12 +133,12 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """Move a fully written directory into place, then mark it STABLE."""
+def publish_dir(tmp_dir: Path, final_dir: Path, **info) -> None:
+    """Move a fully written directory into place, then mark it STABLE (recording `info` in the marker)."""
     if final_dir.exists():
         shutil.rmtree(final_dir)
     tmp_dir.replace(final_dir)
-    mark_stable(final_dir)
+    mark_stable(final_dir, **info)
 
 
 def is_stable(directory: Path) -> bool:

@@ -89,7 +89,8 @@ def test_host_syncs_per_step_do_not_grow_with_micro_batches(tiny_model, world, m
         model=ModelConfig(name=str(tiny_model)), seq_len=SEQ_LEN, micro_batch_size=1, packing=packing, loss=loss
     )
     torch.manual_seed(0)
-    policy, reference = load_policy(config, world), load_reference(config, world)
+    policy = load_policy(config, world)
+    reference = load_reference(config, world, policy)
     optimizer = build_optimizer(policy, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, config.max_steps)
     rng = random.Random(0)

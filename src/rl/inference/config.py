@@ -8,11 +8,25 @@ from typing import Annotated, Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import ModelConfig, Settings
+from rl.adapter import VLLM_MAX_RANKS
+from rl.config import ModelConfig, Section, Settings
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 """Bind addresses only this host reaches: a server bound to one is private to the host. (Clients are judged
 by `ipaddress.is_loopback` in the server: without an admin token the admin routes answer only those.)"""
+
+
+class LoraServingConfig(Section):
+    """Serve one LoRA adapter over the base model, replaced in place by /update_weights (rl fills this section
+    from trainer.lora)."""
+
+    name: Annotated[
+        str, Field(min_length=1, pattern=r"^[A-Za-z0-9._/-]+$",
+                   description="the adapter's name: requests select it with `model`; must differ from the model's")
+    ] = "policy-lora"
+    max_rank: Annotated[
+        Literal[VLLM_MAX_RANKS], Field(description="largest adapter rank the server takes (vLLM's --max-lora-rank)")
+    ] = 16
 
 
 class InferenceConfig(Settings):
@@ -47,6 +61,9 @@ class InferenceConfig(Settings):
     ] = None
     admin_token: Annotated[
         str | None, Field(min_length=1, description="bearer token required by the admin routes")
+    ] = None
+    lora: Annotated[
+        LoraServingConfig | None, Field(description="serve a LoRA adapter (set by rl when trainer.lora is on)")
     ] = None
     extra_args: Annotated[list[str], Field(description="any other vLLM server arguments, passed through")] = []
 

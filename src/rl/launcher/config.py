@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, Field, PrivateAttr
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig
+from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig, optional_section
 from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference_device
 from rl.launcher.devices import DevicePlan
@@ -60,11 +60,6 @@ class K8sConfig(Section):
     mount_path: Annotated[str, Field(pattern=r"^/", description="where pods mount the volume")] = "/rl"
     rdzv_port: Annotated[int, Field(ge=1, le=65535, description="port of the trainer's rendezvous on pod 0")] = 29400
     env: Annotated[dict[str, str], Field(description="more environment variables of every pod")] = {}
-
-
-def optional_section(value: Any) -> Any:
-    """`--slurm` alone turns the section on with its defaults; `--slurm.field value` sets fields too."""
-    return {"true": {}, "false": None}.get(value, value) if isinstance(value, str) else value
 
 
 ROLES = ("inference", "orchestrator", "trainer")

@@ -1,5 +1,5 @@
-"""Trainer checkpoints: model and optimizer with torch.distributed.checkpoint (sharded, every rank writes
-its part), plus step, LR scheduler and RNG state (JSON per rank), under checkpoints/step_k/trainer/,
+"""Trainer checkpoints: model (with LoRA: the adapter alone) and optimizer with torch.distributed.checkpoint
+(sharded, every rank writes its part), plus step, LR scheduler and RNG state (JSON per rank), under checkpoints/step_k/trainer/,
 keeping the last `keep`.
 
 Trust boundary: a checkpoint is data, never code. Its files are checked against their STABLE marker, but
@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 
 from rl.config import CkptConfig
@@ -44,7 +44,7 @@ class Checkpointer:
         if self.world.is_main and target.exists():
             shutil.rmtree(target)
         self.world.barrier()
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state, _ = checkpoint_state(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target))
         meta = {"step": step, "rng": {"torch": torch.get_rng_state().tolist()}, "scheduler": scheduler.state_dict()}
         atomic_write_text(target / f"rank_{self.world.rank}.json", json.dumps(meta))
@@ -58,12 +58,12 @@ class Checkpointer:
         if not is_stable(target):
             raise FileNotFoundError(f"trainer checkpoint {target} is missing or incomplete (no {STABLE})")
         verify_stable(target)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state, options = checkpoint_state(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         reader = SafeFileSystemReader(str(target))
         reader.read_metadata()  # refused here with its reason; inside dcp.load it reads as "metadata not found"
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
         meta = json.loads((target / f"rank_{self.world.rank}.json").read_text())
         if meta["step"] != step:
             raise ValueError(f"trainer checkpoint {target} holds step {meta['step']}, not {step}")
@@ -75,6 +75,19 @@ class Checkpointer:
         """Delete trainer checkpoints older than the newest `keep` complete ones (both parts written)."""
         self.paths.prune_checkpoint_parts("trainer", self.config.keep)
 
+
+
+def checkpoint_state(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
+    """What a checkpoint holds: the model's state and the optimizer's. With LoRA only the trained parameters (A
+    and B) and their optimizer state: the frozen base model is its own files, and being absent it is not
+    required on load. (torch's `ignore_frozen_params` keeps a tied head, which it does not see as frozen.)"""
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    frozen = len(trained) < len(list(model.parameters()))
+    options = StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    if frozen:
+        model_state = {name: value for name, value in model_state.items() if name in trained}
+    return model_state, optim_state, options
 
 
 class MetadataUnpickler(pickle.Unpickler):

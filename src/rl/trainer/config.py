@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import CkptConfig, ConfigError, ModelConfig, Section, Settings, WandbConfig
+from rl.adapter import DEFAULT_TARGETS, VLLM_MAX_RANKS
+from rl.config import CkptConfig, ConfigError, ModelConfig, Section, Settings, WandbConfig, optional_section
 
 
 class OptimConfig(Section):
@@ -88,6 +89,23 @@ class LossConfig(Section):
     ] = 0.0
 
 
+class LoraConfig(Section):
+    """Train a LoRA adapter instead of the full weights: the base model is frozen; each step publishes the
+    adapter (PEFT layout), which inference serves in place over the base model."""
+
+    rank: Annotated[int, Field(ge=1, le=VLLM_MAX_RANKS[-1], description="rank r of every adapter matrix")] = 16
+    alpha: Annotated[float, Field(gt=0, description="scale: the update is (alpha / rank) B A")] = 32.0
+    dropout: Annotated[float, Field(ge=0, lt=1, description="dropout on the adapter's input (training only)")] = 0.0
+    target_modules: Annotated[
+        list[str], Field(min_length=1, description="linear layers to adapt, by name or name suffix (PEFT's rule); "
+                                                   "each must match at least one layer")
+    ] = list(DEFAULT_TARGETS)
+    publish_merged: Annotated[
+        bool, Field(description="publish merged full weights (W + scaled B A) each step instead of the adapter, for "
+                                "servers that cannot load adapters (inference then runs without LoRA)")
+    ] = False
+
+
 class TrainerConfig(Settings):
     model_config = SettingsConfigDict(env_prefix="RL_TRAINER__")
 
@@ -143,6 +161,10 @@ class TrainerConfig(Settings):
     temperature: Annotated[
         float, Field(gt=0, description="sampling temperature of the rollouts (set by rl from the orchestrator's)")
     ] = 1.0
+    lora: Annotated[
+        LoraConfig | None, BeforeValidator(optional_section),
+        Field(description="train a LoRA adapter (`--trainer.lora`, `--trainer.lora.rank 8` ...); unset: full weights"),
+    ] = None
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
     ckpt: CkptConfig = CkptConfig()

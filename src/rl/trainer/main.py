@@ -18,7 +18,8 @@ from rl.trainer.checkpoint import Checkpointer
 from rl.trainer.config import TrainerConfig, check_device
 from rl.trainer.flops import matmul_params, peak_flops, train_flops
 from rl.trainer.model import load_policy, load_reference
-from rl.trainer.optim import build_optimizer, build_scheduler
+from rl.trainer.lora import lora_layers
+from rl.trainer.optim import build_optimizer, build_scheduler, trained_parameters
 from rl.trainer.step import train_step
 from rl.trainer.weights import WeightPublisher
 from rl.trainer.world import World, init_world
@@ -51,10 +52,11 @@ def batch_stats(samples: list[Sample], step: int, world: World, model_flops: Cal
     }
 
 
-def publish_dtype(config: TrainerConfig) -> torch.dtype:
-    """The dtype of weights/step_k/: what inference serves (`rl` fills publish_dtype from the inference config;
-    `check_device` resolves "auto")."""
-    return getattr(torch, config.publish_dtype)
+def describe_lora(model: torch.nn.Module) -> str:
+    layers = lora_layers(model)
+    trained = sum(p.numel() for p in trained_parameters(model))
+    total = sum(p.numel() for p in model.parameters())
+    return f"LoRA on {len(layers)} layers: {trained:,} of {total:,} parameters trained ({trained / total:.2%})"
 
 
 def prune_run_files(paths: RunPaths, step: int, config: TrainerConfig) -> None:
@@ -99,7 +101,8 @@ def main() -> None:
     world = init_world()
     paths = RunPaths(config.output_dir)
     torch.manual_seed(config.seed)
-    policy, reference = load_policy(config, world), load_reference(config, world)
+    policy = load_policy(config, world)
+    reference = load_reference(config, world, policy)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     model_flops = partial(
         train_flops, matmul_params(policy), policy.config.num_hidden_layers, policy.config.hidden_size
@@ -112,12 +115,14 @@ def main() -> None:
     if config.resume_step is not None:
         checkpointer.load(config.resume_step, policy, optimizer, scheduler)
     metrics = MetricsLogger("trainer", paths, config.wandb, config.model_dump(mode="json"), logger) if world.is_main else None
-    publisher = WeightPublisher(paths, policy.config, tokenizer, world, publish_dtype(config),
-                                int(config.publish_shard_gib * 2**30), config.publish_in_background)
+    publisher = WeightPublisher.for_config(config, paths, policy, tokenizer, world)
     logger.info(
         f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}); "
-        f"steps {first_step}..{config.max_steps - 1}"
+        f"steps {first_step}..{config.max_steps - 1}" + (f"; {describe_lora(policy)}" if config.lora else "")
     )
+    if publisher.adapter and first_step == 0:  # inference loads the adapter of step 0 (B = 0) before any rollout
+        if checksum := publisher.publish(0, policy):
+            logger.info(f"published the step-0 adapter (checksum {checksum})")
     for step in range(first_step, config.max_steps):
         wait_start = time.perf_counter()
         samples = wait_for_batch(paths, step, config, world)
@@ -125,7 +130,8 @@ def main() -> None:
         stats = train_step(policy, reference, optimizer, scheduler, samples, config, world, tokenizer.pad_token_id)
         stats |= batch_stats(samples, step, world, model_flops)
         train_s = time.perf_counter() - start
-        publisher.publish(step + 1, policy)
+        if checksum := publisher.publish(step + 1, policy):
+            stats["adapter_checksum"] = checksum  # of weights/step_{step + 1}, as inference reports it served
         stats |= timing_stats(stats, start - wait_start, train_s, time.perf_counter() - start, world, device_peak)
         if metrics:  # before the checkpoint: a resume from step + 1 never logs this step again
             metrics.log(step, stats, LINE_KEYS)

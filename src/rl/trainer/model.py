@@ -15,15 +15,16 @@ from rl.inference.main import local_model_dir
 from rl.safetensors_io import read_file_header, read_rows
 from rl.trainer.output_head import DEFAULT_CHUNK_TOKENS, LogprobHead, install_logprob_head
 
-from rl.trainer.config import TrainerConfig
+from rl.trainer.config import LoraConfig, TrainerConfig
 from rl.trainer.data import MicroBatch
+from rl.trainer.lora import apply_lora, init_lora, lora_parameter_names
 from rl.trainer.world import World
 
 
 def load_policy(config: TrainerConfig, world: World) -> torch.nn.Module:
     whole = world.world_size == 1  # see shard()
     model = load_model(config.model.name, config.dtype, world, config.attn_implementation, whole,
-                       config.logprob_chunk_tokens)
+                       config.logprob_chunk_tokens, config.lora, config.seed)
     return prepare_for_training(model, config.activation_checkpointing)
 
 
@@ -35,10 +36,13 @@ def prepare_for_training(model: torch.nn.Module, activation_checkpointing: bool)
     return model.train()
 
 
-def load_reference(config: TrainerConfig, world: World) -> torch.nn.Module | None:
-    """The base model, frozen and sharded like the policy; only when the KL penalty is on."""
+def load_reference(config: TrainerConfig, world: World, policy: torch.nn.Module) -> torch.nn.Module | None:
+    """The base model, frozen and sharded like the policy; only when the KL penalty is on. With LoRA the policy
+    itself, which computes the base model with its adapters disabled (trainer/step.py): no second copy."""
     if config.loss.beta == 0:
         return None
+    if config.lora is not None:
+        return policy
     model = load_model(config.model.name, config.dtype, world, config.attn_implementation,
                        chunk=config.logprob_chunk_tokens)
     return model.requires_grad_(False).eval()
@@ -46,19 +50,23 @@ def load_reference(config: TrainerConfig, world: World) -> torch.nn.Module | Non
 
 def load_model(
     name: str, dtype: str, world: World, attn_implementation: str = "sdpa", whole: bool = False,
-    chunk: int = DEFAULT_CHUNK_TOKENS,
+    chunk: int = DEFAULT_CHUNK_TOKENS, lora: LoraConfig | None = None, seed: int = 0,
 ) -> torch.nn.Module:
-    """A Hugging Face causal LM with fp32 parameters and a `LogprobHead`, sharded over the world. It is built on the
-    meta device and sharded first; then each rank reads only its own rows of every tensor from the safetensors
-    files, so no rank ever holds the whole model."""
+    """A Hugging Face causal LM with fp32 parameters and a `LogprobHead` (and LoRA layers, frozen base), sharded
+    over the world. It is built on the meta device and sharded first; then each rank reads only its own rows of
+    every tensor from the safetensors files, so no rank ever holds the whole model."""
     config = AutoConfig.from_pretrained(name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     install_logprob_head(model, chunk)
+    if lora is not None:
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     shard(model, world, dtype, whole)
     model.to_empty(device=world.device)
-    load_local_rows(model, Path(local_model_dir(name)), world)
+    load_local_rows(model, Path(local_model_dir(name)), world, not_in_files=lora_parameter_names(model))
     init_non_persistent_buffers(model)
+    if lora is not None:
+        init_lora(model, seed)
     return model
 
 
@@ -72,10 +80,10 @@ def local_rows(tensor: torch.Tensor, world: World) -> tuple[int, int]:
     return start, min(start + chunk, rows)
 
 
-def load_local_rows(model: torch.nn.Module, directory: Path, world: World) -> None:
+def load_local_rows(model: torch.nn.Module, directory: Path, world: World, not_in_files: set[str] = frozenset()) -> None:
     """Fill this rank's part of every parameter and persistent buffer from the model directory's safetensors files,
     reading only its rows (pread, no mapping: the rank's memory holds its shard and one slice at a time). A tensor
-    of the model that no file holds is an error."""
+    of the model that no file holds is an error, but for `not_in_files` (LoRA's A and B)."""
     state = model.state_dict()
     loaded = set()
     with torch.no_grad():
@@ -94,7 +102,7 @@ def load_local_rows(model: torch.nn.Module, directory: Path, world: World) -> No
             finally:
                 os.close(fd)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = sorted(set(state) - loaded - tied)
+    missing = sorted(set(state) - loaded - tied - not_in_files)
     if missing:
         raise ValueError(f"{directory} holds no tensor for {missing[:5]} ({len(missing)} missing)")
 

@@ -19,9 +19,14 @@ from torch.optim.lr_scheduler import LambdaLR
 from rl.trainer.config import OptimConfig
 
 
+def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What the optimizer steps: every parameter, or with LoRA only A and B (the rest is frozen)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def build_optimizer(model: torch.nn.Module, config: OptimConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=config.betas
+        trained_parameters(model), lr=config.lr, weight_decay=config.weight_decay, betas=config.betas
     )
 
 
@@ -43,7 +48,7 @@ def lr_factor(step: int, config: OptimConfig, max_steps: int) -> float:
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
     """Scale gradients so that their global norm (over every rank's shards) is at most `max_norm`; return
     the norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(trained_parameters(model), max_norm)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 

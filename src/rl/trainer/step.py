@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from rl.protocol import Sample
 from rl.trainer.config import TrainerConfig
 from rl.trainer.data import MicroBatch, build_micro_batches, empty_micro_batch, trained_tokens, truncate
+from rl.trainer.lora import adapters_disabled
 from rl.trainer.loss import StepTotals, policy_loss, sample_weight
 from rl.trainer.model import forward_logprobs
 from rl.trainer.optim import clip_gradients
@@ -61,8 +64,9 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
     on the micro-batch's device. Nothing here reads a value back to the host: on a GPU that would wait for
     the queued kernels once per micro-batch."""
     ref_logprobs = None
-    if reference is not None:
-        with torch.no_grad():
+    if reference is not None:  # the policy itself with LoRA: its base model, adapters off
+        base = adapters_disabled(reference) if reference is policy else contextlib.nullcontext()
+        with torch.no_grad(), base:
             ref_logprobs, _ = forward_logprobs(reference, mb, config.temperature)
     logprobs, entropy = forward_logprobs(policy, mb, config.temperature)  # [B, T] each
     loss, stats = policy_loss(

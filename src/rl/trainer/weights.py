@@ -10,6 +10,10 @@ tokenizer and index, waits for every shard, renames the directory into place and
 
 `lm_head.weight` is always written, tied or not: vLLM's in-place reload leaves a tied head unloaded otherwise
 (install-facts).
+
+With LoRA the step holds the adapter instead (PEFT layout, rl/adapter.py: a few MB, gathered whole and written
+by rank 0), its checksum recorded in the STABLE marker; or, with `lora.publish_merged`, the merged full weights
+(W + scaled B A per adapted layer) through the path above.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_checksum, adapter_config_bytes
 from rl.protocol import RunPaths, publish_dir
+from rl.trainer.config import TrainerConfig
+from rl.trainer.lora import adapter_tensors, lora_layers, merged_weight
 from rl.trainer.world import World
 
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
@@ -45,6 +52,7 @@ class StepShards:
     weight_map: dict[str, str]  # tensor name -> shard file
     mine: dict[str, dict[str, torch.Tensor]]  # shard file -> its tensors, for the shards this rank writes
     total_bytes: int  # of every tensor of the step, all ranks' shards
+    marker_info: dict[str, str] | None = None  # recorded in the step's STABLE marker (an adapter's checksum)
 
 
 def with_tied_head(names: list[str]) -> dict[str, str]:
@@ -94,19 +102,32 @@ def shard_names(count: int) -> list[str]:
 
 def gather_shards(model: torch.nn.Module, dtype: torch.dtype, world: World, max_bytes: int) -> StepShards:
     """Collective: every rank calls it. Each tensor is cast to `dtype` on its local shard, then gathered; the
-    owner of its shard keeps the full tensor (on the CPU), the others drop it at once."""
+    owner of its shard keeps the full tensor (on the CPU), the others drop it at once. LoRA layers are
+    published merged (their A and B are not tensors of the base model)."""
     state = model.state_dict()
-    sources = with_tied_head(list(state))
+    merged = {f"{name}.weight": layer for name, layer in lora_layers(model).items()}
+    names = [name for name in state if not name.endswith((".lora_A", ".lora_B"))]
+    sources = with_tied_head(names)
     sizes = [(name, state[src].numel() * dtype.itemsize) for name, src in sources.items()]
     files, plan, weight_map = shard_layout(sizes, max_bytes)
     mine: dict[str, dict[str, torch.Tensor]] = {}
     for index, (file, names) in enumerate(zip(files, plan, strict=True)):
         owner = index % world.world_size == world.rank
         for name in names:
-            full = _full_tensor(state[sources[name]].detach(), dtype)
+            layer = merged.get(sources[name])
+            full = merged_weight(layer, dtype) if layer else _full_tensor(state[sources[name]].detach(), dtype)
             if owner:
                 mine.setdefault(file, {})[name] = full
     return StepShards(files, weight_map, mine, sum(size for _, size in sizes))
+
+
+def gather_adapter(model: torch.nn.Module, dtype: torch.dtype, world: World) -> StepShards:
+    """Collective: the LoRA adapter in `dtype` as one file that rank 0 writes, with its checksum for the marker."""
+    tensors = adapter_tensors(model, dtype)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    mine = {ADAPTER_WEIGHTS: tensors} if world.is_main else {}
+    info = {"adapter_checksum": adapter_checksum(tensors.items())} if world.is_main else None
+    return StepShards([ADAPTER_WEIGHTS], dict.fromkeys(tensors, ADAPTER_WEIGHTS), mine, total, info)
 
 
 def _full_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -119,6 +140,11 @@ def _full_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         full = full.clone()
     return full.contiguous()
+
+
+def adapted_leaves(model: torch.nn.Module) -> list[str]:
+    """adapter_config.json's target_modules: the last name of every adapted layer (q_proj, ...)."""
+    return sorted({name.rpartition(".")[2] for name in lora_layers(model)})
 
 
 def hf_side_files(model_config, tokenizer) -> dict[str, bytes]:
@@ -162,7 +188,7 @@ def finish_step(paths: RunPaths, step: int, shards: StepShards, side_files: dict
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_s:.0f} s for the other ranks' shards of step {step}: {missing} never appeared")
         time.sleep(0.05)
-    publish_dir(directory, paths.weights(step))
+    publish_dir(directory, paths.weights(step), **(shards.marker_info or {}))
 
 
 def publish_step(paths: RunPaths, step: int, shards: StepShards, side_files: dict[str, bytes]) -> None:
@@ -189,26 +215,46 @@ def save_model_dir(model: torch.nn.Module, directory: Path, side_files: dict[str
 class WeightPublisher:
     """Every rank's writer of its part of weights/step_k/ (rank 0 also completes the step). With `background`,
     each write runs in one writer thread while the next step trains: at most one write is in flight, and a
-    failed write is raised by the next publish, by `wait` or by `close`."""
+    failed write is raised by the next publish, by `wait` or by `close`. `adapter`: publish the LoRA adapter
+    (with its adapter_config.json) instead of the model's weights."""
 
     def __init__(self, paths: RunPaths, model_config, tokenizer, world: World, dtype: torch.dtype, shard_bytes: int,
-                 background: bool, timeout_s: float = SHARD_WAIT_S):
+                 background: bool, timeout_s: float = SHARD_WAIT_S, adapter_config: bytes | None = None):
         self.paths, self.world, self.dtype, self.shard_bytes, self.timeout_s = paths, world, dtype, shard_bytes, timeout_s
-        self.side_files = hf_side_files(model_config, tokenizer) if world.is_main else {}
+        self.adapter = adapter_config is not None
+        if not world.is_main:
+            self.side_files = {}
+        else:
+            self.side_files = {ADAPTER_CONFIG: adapter_config} if self.adapter else hf_side_files(model_config, tokenizer)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="publish-weights") if background else None
         self._pending: Future | None = None
 
-    def publish(self, step: int, model: torch.nn.Module) -> None:
-        """Collective: gather this rank's shards of `model` and write them (at once, or in the writer thread)."""
+    @classmethod
+    def for_config(cls, config: TrainerConfig, paths: RunPaths, model, tokenizer, world: World) -> WeightPublisher:
+        """What the trainer publishes: the adapter with LoRA (unless `publish_merged`), else full weights."""
+        lora = config.lora
+        adapter = None
+        if lora is not None and not lora.publish_merged:
+            adapter = adapter_config_bytes(config.model.name, lora.rank, lora.alpha, lora.dropout, adapted_leaves(model))
+        return cls(paths, model.config, tokenizer, world, getattr(torch, config.publish_dtype),
+                   int(config.publish_shard_gib * 2**30), config.publish_in_background, adapter_config=adapter)
+
+    def publish(self, step: int, model: torch.nn.Module) -> str | None:
+        """Collective: gather this rank's shards of `model` and write them (at once, or in the writer thread).
+        Returns the adapter's checksum on rank 0 when publishing an adapter."""
         self.wait()
         if self.world.is_main:  # before the gather: no rank can write into it before rank 0 joins the gather
             shutil.rmtree(partial_dir(self.paths, step), ignore_errors=True)
             partial_dir(self.paths, step).mkdir(parents=True)
-        shards = gather_shards(model, self.dtype, self.world, self.shard_bytes)
+        if self.adapter:
+            shards = gather_adapter(model, self.dtype, self.world)
+        else:
+            shards = gather_shards(model, self.dtype, self.world, self.shard_bytes)
         if self._writer is None:
             self._write(step, shards)
         else:
             self._pending = self._writer.submit(self._write, step, shards)
+        return (shards.marker_info or {}).get("adapter_checksum")
 
     def _write(self, step: int, shards: StepShards) -> None:
         write_shards(partial_dir(self.paths, step), shards)
