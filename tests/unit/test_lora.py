@@ -116,3 +116,39 @@ def test_lora_section_on_from_the_command_line():
     assert TrainerConfig(lora="true").lora.rank == 16
     assert TrainerConfig(lora={"rank": 4, "target_modules": ["q_proj"]}).lora.target_modules == ["q_proj"]
     assert TrainerConfig().lora is None
+
+
+def resolved(*argv: str):
+    from rl.config import parse_config
+    from rl.launcher.config import RLConfig, resolve
+    from rl.launcher.devices import cpu_plan
+
+    return resolve(parse_config(RLConfig, ["--model.name", "m", "--output-dir", "/tmp/x", *argv]), cpu_plan(2, 1))
+
+
+def test_the_launcher_derives_lora_serving_from_the_trainer():
+    r = resolved("--trainer.lora.rank", "10")
+    assert (r.inference.lora.max_rank, r.inference.lora.name) == (16, "policy-lora")  # vLLM takes 16, not 10
+    assert r.orchestrator.adapter == "policy-lora"
+    assert resolved().inference.lora is None and resolved().orchestrator.adapter is None
+    merged = resolved("--trainer.lora.publish-merged", "true")
+    assert merged.inference.lora is None and merged.orchestrator.adapter is None  # full weights are served
+
+
+def test_lora_settings_that_cannot_serve_are_named():
+    with pytest.raises(ConfigError, match="trainer.lora.rank = 32 is above inference.lora.max_rank = 16"):
+        resolved("--trainer.lora.rank", "32", "--inference.lora.max-rank", "16")
+    with pytest.raises(ConfigError, match="inference.lora.name = 'm' is the model's name"):
+        resolved("--trainer.lora", "true", "--inference.lora.name", "m")
+    with pytest.raises(ConfigError, match="inference.lora is set but the trainer publishes full weights"):
+        resolved("--inference.lora.max-rank", "8")
+
+
+def test_an_unmatched_target_is_refused_before_anything_starts(tiny_model):
+    from rl.launcher.checks import check_lora_targets
+
+    config = TrainerConfig(model={"name": str(tiny_model)}, lora={"target_modules": ["q_proj", "qkv_proj"]})
+    with pytest.raises(ConfigError, match=r"\['qkv_proj'\] match no linear layer of Qwen3ForCausalLM; its linear "
+                                          r"layers are named \['down_proj', 'gate_proj', 'k_proj'"):
+        check_lora_targets(config)
+    check_lora_targets(TrainerConfig(model={"name": str(tiny_model)}, lora={}))

@@ -43,6 +43,12 @@ class EvalCommandConfig(Settings, EvalSettings):
     rollout_timeout_s: Annotated[
         float | None, Field(gt=0, description="deadline for one rollout, from when it holds a concurrency slot")
     ] = None
+    adapter: Annotated[
+        Path | None,
+        Field(description="a LoRA adapter directory (PEFT layout: adapter_config.json, adapter_model.safetensors; a "
+                          "LoRA run's weights/step_k) evaluated over model.name, its base model; eval's own server "
+                          "loads and verifies it. With client.base_url, name the served adapter in client.served_model"),
+    ] = None
     client: EvalClientConfig = EvalClientConfig()
     inference: InferenceConfig = Field(
         default_factory=InferenceConfig, description="the server eval starts when client.base_url is unset"
@@ -56,4 +62,7 @@ class EvalCommandConfig(Settings, EvalSettings):
                 f"inference.model.name = {self.inference.model.name!r} contradicts model.name = "
                 f"{self.model.name!r}; set model.name only"
             )
+        if self.adapter is not None and self.client.base_url is not None:
+            raise ValueError("adapter is loaded by the server eval starts; a server at client.base_url must serve it "
+                             "already: name it with client.served_model and leave adapter unset")
         return self

@@ -1,6 +1,7 @@
 """`eval`: evaluate a model on verifiers environments.
 
     uv run eval @ eval.toml --model.name outputs/run/weights/step_60 --rollouts-per-example 4
+    uv run eval @ eval.toml --model.name models/tiny --adapter outputs/lora/weights/step_60   (a LoRA adapter)
 
 The model is a Hugging Face directory (a run's `weights/step_k` is one), served by a vLLM server that eval
 starts (`[inference]`) or one already running (`--client.base-url`). Every task of every `[[env]]` (the first
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import sys
 import time
 from datetime import datetime
@@ -21,7 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, next_vllm_rank
 from rl.config import ConfigError, run_cli, write_config
+from rl.inference.config import LoraServingConfig
 from rl.eval.config import EvalCommandConfig
 from rl.launcher.checks import check_model
 from rl.launcher.config import client_host
@@ -31,8 +35,10 @@ from rl.orchestrator.environment import EnvLoadError, Environment, load_environm
 from rl.orchestrator.eval import Groups, eval_stats, group_scores, run_eval_groups
 from rl.orchestrator.rollouts import InferenceClient, RolloutResult
 from rl.orchestrator.stats import means
+from rl.manifest import mark_stable
 from rl.protocol import STABLE, CorruptFileError, RunPaths, atomic_write_text, verify_stable
 
+ADAPTER_LOAD_TIMEOUT_S = 600  # a load holds generation; the server's own bound on an update is the same order
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
 
@@ -56,9 +62,42 @@ def check_weights(model: str) -> None:
             raise ConfigError(f"model {model}: {e}") from None
 
 
+def check_adapter(adapter: Path) -> int:
+    """A PEFT adapter directory (its files verified against a run's STABLE marker when it has one); its rank."""
+    missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (adapter / name).is_file()]
+    if missing:
+        raise ConfigError(f"adapter {adapter} is not a LoRA adapter directory: it lacks {', '.join(missing)}")
+    check_weights(str(adapter))
+    try:
+        return int(json.loads((adapter / ADAPTER_CONFIG).read_text())["r"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"adapter {adapter}: {ADAPTER_CONFIG} has no integer rank 'r' ({e!r})") from None
+
+
+def stage_adapter(adapter: Path, out: Path) -> Path:
+    """The adapter copied as step 1 of eval's own weights dir, marked STABLE: the server loads it through its update
+    route and verifies what it serves, as in a run (any PEFT directory, not only a run's step)."""
+    step = out / "adapter" / "step_1"
+    step.mkdir(parents=True)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        shutil.copyfile(adapter / name, step / name)
+    mark_stable(step)
+    return step
+
+
+def load_adapter(url: str, step: Path) -> dict:
+    response = httpx.post(f"{url}/update_weights", json={"step": 1, "path": step.name}, timeout=ADAPTER_LOAD_TIMEOUT_S)
+    if response.status_code != 200:
+        raise RuntimeError(f"the server refused the adapter {step}: {response.status_code} {response.text}")
+    return response.json()
+
+
 def start_server(config: EvalCommandConfig, out: Path) -> tuple[Supervisor, str]:
-    """rl's inference server for the model, logging to <out>/logs/inference.log."""
+    """rl's inference server for the model (with LoRA on for an adapter), logging to <out>/logs/inference.log."""
     inference = config.inference.model_copy(update={"model": config.model})
+    if config.adapter is not None:
+        lora = LoraServingConfig(max_rank=next_vllm_rank(check_adapter(config.adapter)))
+        inference = inference.model_copy(update={"lora": lora, "weights_dir": (out / "adapter").absolute()})
     write_config(inference, out / "configs" / "inference.toml")
     cmd = [sys.executable, "-m", "rl.inference.main", "@", str((out / "configs" / "inference.toml").absolute())]
     supervisor = Supervisor(RunPaths(out), tail_lines=40, shutdown_timeout_s=10)
@@ -132,6 +171,7 @@ def summarize(groups: Groups, config: EvalCommandConfig, elapsed_s: float) -> di
     overall = eval_stats(groups, config.pass_threshold, prefix="")
     return {
         "model": config.model.name,
+        "adapter": str(config.adapter) if config.adapter else None,
         "rollouts_per_example": config.rollouts_per_example,
         "pass_threshold": config.pass_threshold,
         "sampling": config.sampling.model_dump(mode="json"),
@@ -164,11 +204,17 @@ def write_results(out: Path, records: list[dict], summary: dict) -> None:
 
 
 def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logger) -> dict:
+    step = stage_adapter(config.adapter, out) if config.adapter is not None else None
     supervisor, url = (None, config.client.base_url) if config.client.base_url else start_server(config, out)
     try:
         logger.info(f"waiting for inference server {url}")
         wait_healthy(url.rstrip("/"), config.client.startup_timeout_s, supervisor)
-        client = InferenceClient(url, config.client.served_model or config.model.name, config.model.name)
+        served = config.client.served_model or config.model.name
+        if step is not None:
+            reply = load_adapter(url.rstrip("/"), step)
+            served = reply.get("adapter") or LoraServingConfig().name
+            logger.info(f"serving adapter {config.adapter} as {served!r} (checksum {reply.get('weights_checksum')})")
+        client = InferenceClient(url, served, config.model.name)
         start = time.perf_counter()
         groups = asyncio.run(run(config, envs, client))
         elapsed = time.perf_counter() - start
@@ -194,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
         if config.client.base_url is None:
             check_model(config.model.name)
             check_weights(config.model.name)
+            if config.adapter is not None:
+                check_adapter(config.adapter)
         envs = load_environments(config.env, "env")
     except (ConfigError, EnvLoadError) as e:
         print(f"eval: error: {e}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import VLLM_MAX_RANKS
@@ -14,6 +14,12 @@ from rl.config import ModelConfig, Section, Settings
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 """Bind addresses only this host reaches: a server bound to one is private to the host. (Clients are judged
 by `ipaddress.is_loopback` in the server: without an admin token the admin routes answer only those.)"""
+
+
+def _vllm_rank(rank: int) -> int:
+    if rank not in VLLM_MAX_RANKS:
+        raise ValueError(f"vLLM takes a max LoRA rank of {', '.join(map(str, VLLM_MAX_RANKS))}, not {rank}")
+    return rank
 
 
 class LoraServingConfig(Section):
@@ -25,7 +31,8 @@ class LoraServingConfig(Section):
                    description="the adapter's name: requests select it with `model`; must differ from the model's")
     ] = "policy-lora"
     max_rank: Annotated[
-        Literal[VLLM_MAX_RANKS], Field(description="largest adapter rank the server takes (vLLM's --max-lora-rank)")
+        int, AfterValidator(_vllm_rank),
+        Field(description=f"largest adapter rank the server takes (vLLM's --max-lora-rank: one of {VLLM_MAX_RANKS})"),
     ] = 16
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from rl.config import ConfigError
 from rl.orchestrator.config import OrchestratorConfig
 from rl.protocol import RunPaths
+from rl.trainer.config import TrainerConfig
 
 
 def check_model(name: str) -> None:
@@ -26,6 +27,17 @@ def check_model(name: str) -> None:
     )
     if looks_local or not all(parts):
         raise ConfigError(f"model {name!r} does not exist (neither a local directory nor a hub id org/name)")
+
+
+def check_lora_targets(config: TrainerConfig) -> None:
+    """Every trainer.lora target names a linear layer of the model (on the meta device: nothing is loaded)."""
+    if config.lora is None:
+        return
+    from rl.trainer.lora import check_targets
+    from rl.trainer.model import meta_model
+
+    check_targets(meta_model(config.model.name, config.attn_implementation, config.logprob_chunk_tokens),
+                  config.lora.target_modules)
 
 
 def check_environments(config: OrchestratorConfig) -> None:

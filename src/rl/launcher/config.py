@@ -12,7 +12,8 @@ from pydantic import BaseModel, BeforeValidator, Field, PrivateAttr
 from pydantic_settings import SettingsConfigDict
 
 from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig, optional_section
-from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig
+from rl.adapter import next_vllm_rank
+from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference_device
 from rl.launcher.devices import DevicePlan
 from rl.orchestrator.config import OrchestratorConfig
@@ -226,6 +227,7 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
         raise ConfigError("orchestrator.sampling.temperature must be > 0 for training: greedy rollouts have no "
                           "sampling distribution to take a policy gradient of")
     _fill(o.sampling.temperature, t, "temperature", "orchestrator.sampling.temperature", "trainer")
+    resolve_lora(t, i, o)
     if t.keep_weights < o.async_level + 2:
         raise ConfigError(
             f"trainer.keep_weights = {t.keep_weights} would delete weights inference may still serve or roll back "
@@ -233,6 +235,28 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
         )
     config._device_choices = resolve_devices(t, i, plan.device)
     return config
+
+
+def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) -> None:
+    """A LoRA trainer publishing adapters needs servers that load them (LoRA on, a max rank that holds the
+    trainer's, one slot) and an orchestrator that names the adapter; merged weights or full training need
+    neither."""
+    serves_adapters = t.lora is not None and not t.lora.publish_merged
+    if not serves_adapters:
+        if i.lora is not None:
+            raise ConfigError("inference.lora is set but the trainer publishes full weights (trainer.lora is unset or "
+                              "publish_merged): unset inference.lora, or set trainer.lora")
+        return
+    if i.lora is None:
+        i.lora = LoraServingConfig(max_rank=next_vllm_rank(t.lora.rank))
+    elif i.lora.max_rank < t.lora.rank:
+        raise ConfigError(f"trainer.lora.rank = {t.lora.rank} is above inference.lora.max_rank = {i.lora.max_rank}: "
+                          f"the servers would refuse every adapter; set max_rank to {next_vllm_rank(t.lora.rank)} "
+                          "or leave it unset")
+    if i.lora.name == i.model.name:
+        raise ConfigError(f"inference.lora.name = {i.lora.name!r} is the model's name; vLLM refuses an adapter named "
+                          "like the model it serves: choose another")
+    _fill(i.lora.name, o, "adapter", "inference.lora.name", "orchestrator")
 
 
 def resolve_devices(t: TrainerConfig, i: InferenceConfig, device: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from rl.config import ConfigError, format_validation_error, parse_config, config_help, to_toml, write_config
-from rl.launcher.checks import check_environments, check_model, check_output_dir
+from rl.launcher.checks import check_environments, check_lora_targets, check_model, check_output_dir
 from rl.launcher.config import RLConfig, resolve
 from rl.launcher.devices import (
     DevicePlan, child_visible_devices, cpu_plan, cuda_unavailable, gpu_flags_without_gpus, nvidia_gpus_present,
@@ -211,6 +211,8 @@ def check_start(config: RLConfig, paths: RunPaths, resuming: bool, devices_here:
         check_model(name)
     if "orchestrator" in config.roles:
         check_environments(config.orchestrator)
+    if "trainer" in config.roles:
+        check_lora_targets(config.trainer)
 
 
 def main(argv: list[str] | None = None) -> None:

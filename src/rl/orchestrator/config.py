@@ -137,6 +137,12 @@ class OrchestratorConfig(Settings):
     max_concurrent: Annotated[int, Field(ge=1, description="rollouts in flight at once")] = 64
     sampling: SamplingConfig = SamplingConfig()
     client: ClientConfig = ClientConfig()
+    adapter: Annotated[
+        str | None,
+        Field(description="the LoRA adapter the servers serve the policy as: requests name it, and weights/step_0 "
+                          "(the adapter at start) is loaded before the first rollout (set by rl from "
+                          "inference.lora.name when trainer.lora is on); unset: the model itself"),
+    ] = None
     advantage: Annotated[AdvantageConfig, Field(description="advantage estimator ([advantage] type = ...)")] = (
         GrpoAdvantage()
     )

@@ -65,7 +65,8 @@ class Orchestrator:
         self.logger = logger
         self.paths = RunPaths(config.output_dir)
         self.pool = InferencePool(config.client.base_urls, config.client.admin_token, config.client.timeout_s)
-        self.clients = [InferenceClient(url, config.model.name, config.model.name) for url in config.client.base_urls]
+        served = config.adapter or config.model.name  # with LoRA, requests select the adapter by name
+        self.clients = [InferenceClient(url, served, config.model.name) for url in config.client.base_urls]
         self.envs: list[Environment] = load_environments(config.env, "env")
         self.eval_envs: list[Environment] = load_environments(config.eval.env, "eval.env") or self.envs
         for env in {id(e): e for e in self.envs + self.eval_envs}.values():
@@ -93,6 +94,8 @@ class Orchestrator:
             tune_gc_for_serving()
             if self.start_step and stable_steps(self.paths.weights_root):
                 await self.load_newest_policy()
+            elif self.config.adapter:
+                await self.load_first_adapter()
             for step in range(self.start_step, self.config.max_steps):
                 await self.step(step)
         await self.pool.close()
@@ -131,6 +134,14 @@ class Orchestrator:
         what = f"weights of policy {required} (needed by batch {step} with async_level={self.config.async_level})"
         await asyncio.to_thread(wait_for_stable, self.paths.weights(required), self.config.weights_timeout_s, what)
         return await self.load_newest_policy()
+
+    async def load_first_adapter(self) -> None:
+        """With LoRA the servers start with the base model alone; requests name the adapter, so the trainer's
+        step-0 adapter (B = 0: the base model's outputs) is served before the first rollout."""
+        what = "the trainer's step-0 LoRA adapter (published once the trainer has loaded the model)"
+        await asyncio.to_thread(wait_for_stable, self.paths.weights(0), self.config.weights_timeout_s, what)
+        served = await self.pool.update_weights(0, str(self.paths.weights(0).absolute()))
+        self.logger.info(f"inference now serves adapter {self.config.adapter!r} of policy 0 ({len(served)} servers)")
 
     async def load_newest_policy(self) -> list[dict]:
         newest = max(stable_steps(self.paths.weights_root))

@@ -55,10 +55,7 @@ def load_model(
     """A Hugging Face causal LM with fp32 parameters and a `LogprobHead` (and LoRA layers, frozen base), sharded
     over the world. It is built on the meta device and sharded first; then each rank reads only its own rows of
     every tensor from the safetensors files, so no rank ever holds the whole model."""
-    config = AutoConfig.from_pretrained(name)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
-    install_logprob_head(model, chunk)
+    model = meta_model(name, attn_implementation, chunk)
     if lora is not None:
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     shard(model, world, dtype, whole)
@@ -67,6 +64,15 @@ def load_model(
     init_non_persistent_buffers(model)
     if lora is not None:
         init_lora(model, seed)
+    return model
+
+
+def meta_model(name: str, attn_implementation: str = "sdpa", chunk: int = DEFAULT_CHUNK_TOKENS) -> torch.nn.Module:
+    """The model's modules on the meta device (no memory, no file read but config.json), fp32, with a LogprobHead."""
+    config = AutoConfig.from_pretrained(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    install_logprob_head(model, chunk)
     return model
 
 
