@@ -74,6 +74,7 @@ class Orchestrator:
         self.samplers = [TaskSampler(env.num_tasks, config.seed + i) for i, env in enumerate(self.envs)]
         self.semaphore = asyncio.Semaphore(config.max_concurrent)
         self.policy_step = 0
+        self.unlogged_served: list[dict] | None = None  # the step-0 adapter's load, logged with batch 0
         self.start_step = 0
         if config.resume_step is not None:
             self.restore(config.resume_step)
@@ -103,7 +104,8 @@ class Orchestrator:
 
     async def step(self, step: int) -> None:
         wait_start = time.perf_counter()
-        served = await self.ensure_policy(step)
+        served = await self.ensure_policy(step) or self.unlogged_served
+        self.unlogged_served = None
         gen_start = time.perf_counter()
         outcomes = await self.generate(step)
         gen_time = time.perf_counter() - gen_start
@@ -140,7 +142,7 @@ class Orchestrator:
         step-0 adapter (B = 0: the base model's outputs) is served before the first rollout."""
         what = "the trainer's step-0 LoRA adapter (published once the trainer has loaded the model)"
         await asyncio.to_thread(wait_for_stable, self.paths.weights(0), self.config.weights_timeout_s, what)
-        served = await self.pool.update_weights(0, str(self.paths.weights(0).absolute()))
+        served = self.unlogged_served = await self.pool.update_weights(0, str(self.paths.weights(0).absolute()))
         self.logger.info(f"inference now serves adapter {self.config.adapter!r} of policy 0 ({len(served)} servers)")
 
     async def load_newest_policy(self) -> list[dict]:
