@@ -2,7 +2,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from rl.trainer.flops import matmul_params, peak_flops, train_flops
+from rl.trainer.flops import frozen_matmul_params, matmul_params, peak_flops, train_flops
+from rl.trainer.lora import apply_lora
 
 
 def test_train_flops_by_hand():
@@ -20,6 +21,18 @@ def test_matmul_params_count_the_head_once_and_not_the_embedding_lookup(tied):
     assert sum(p.numel() for p in model.parameters()) == (embedding if tied else 2 * embedding) + layers + 32
     # the head's matmul counts (tied or not), the embedding lookup does not
     assert matmul_params(model) == layers + 32 + embedding
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_with_lora_only_the_adapter_has_weight_gradients(tied):
+    config = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=tied)
+    model = Qwen3ForCausalLM(config)
+    assert frozen_matmul_params(model) == 0
+    apply_lora(model, rank=2, alpha=4.0, dropout=0.0, targets=["q_proj", "down_proj"])
+    adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert matmul_params(model) - frozen_matmul_params(model) == adapter  # the head is frozen, tied or not
+    assert train_flops(10, 2, 4, [3], frozen=4) == 1044 - 2 * 4 * 3  # no weight gradient: 4 F T, not 6 F T
 
 
 def test_no_peak_on_cpu():

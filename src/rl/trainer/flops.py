@@ -6,6 +6,8 @@ L layers and hidden size d, a sample of T tokens costs, forward and backward (Pa
     6 N T              the weight matmuls (2 N T forward, 4 N T backward)
     12 L d T^2         attention scores and values over the sample (causal masking not discounted)
 
+Of the N, F frozen parameters (LoRA's base model) have no weight gradient: 4 F T instead of 6 F T.
+
 Activation recomputation is not counted (model FLOPs, not hardware FLOPs). MFU = FLOPs / (seconds * peak).
 """
 
@@ -24,9 +26,18 @@ def matmul_params(model: torch.nn.Module) -> int:
     return total - embedding.numel() + (head.numel() if head is embedding else 0)
 
 
-def train_flops(n_params: int, layers: int, hidden: int, lengths: list[int]) -> float:
+def frozen_matmul_params(model: torch.nn.Module) -> int:
+    """F above: the frozen ones among the matmul parameters (none without LoRA)."""
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    if not embedding.requires_grad and head is not embedding:
+        frozen -= embedding.numel()  # a lookup, not a matmul (a tied head counts, once, as the head)
+    return frozen
+
+
+def train_flops(n_params: int, layers: int, hidden: int, lengths: list[int], frozen: int = 0) -> float:
     """Forward and backward FLOPs of samples with these token counts."""
-    return sum(6 * n_params * t + 12 * layers * hidden * t * t for t in lengths)
+    return sum((6 * n_params - 2 * frozen) * t + 12 * layers * hidden * t * t for t in lengths)
 
 
 def peak_flops(device: torch.device) -> float | None:

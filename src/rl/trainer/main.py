@@ -16,7 +16,7 @@ from rl.metrics import MetricsLogger, setup_logging
 from rl.protocol import RunPaths, Sample, read_batch, stable_steps, wait_for_stable
 from rl.trainer.checkpoint import Checkpointer
 from rl.trainer.config import TrainerConfig, check_device
-from rl.trainer.flops import matmul_params, peak_flops, train_flops
+from rl.trainer.flops import frozen_matmul_params, matmul_params, peak_flops, train_flops
 from rl.trainer.model import load_policy, load_reference
 from rl.trainer.lora import lora_layers
 from rl.trainer.optim import build_optimizer, build_scheduler, trained_parameters
@@ -105,7 +105,8 @@ def main() -> None:
     reference = load_reference(config, world, policy)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     model_flops = partial(
-        train_flops, matmul_params(policy), policy.config.num_hidden_layers, policy.config.hidden_size
+        train_flops, matmul_params(policy), policy.config.num_hidden_layers, policy.config.hidden_size,
+        frozen=frozen_matmul_params(policy),
     )
     device_peak = peak_flops(world.device)
     optimizer = build_optimizer(policy, config.optim)
