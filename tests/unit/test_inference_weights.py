@@ -116,3 +116,174 @@ def test_a_malformed_safetensors_header_is_a_corrupt_file(header):
 
     with pytest.raises(CorruptFileError):
         list(tensors_of(bytearray(header + bytes(16)), "f.safetensors"))
+
+
+# ---- LoRA adapters: the checks before vLLM loads one, and the read-back of its slot ----
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+QKV, O_PROJ = "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj"
+
+
+class FakeLoraLayer:
+    """vLLM's linear LoRA layer as the read-back sees it: per slice, A [slots, 1, max_rank, in], B [slots, 1, out,
+    max_rank]."""
+
+    def __init__(self, outs: list[int], in_features: int, max_rank: int = 4, slots: int = 2):
+        self.lora_a_stacked = tuple(torch.zeros(slots, 1, max_rank, in_features) for _ in outs)
+        self.lora_b_stacked = tuple(torch.zeros(slots, 1, out, max_rank) for out in outs)
+
+
+def fake_layers() -> dict:
+    return {QKV: FakeLoraLayer([8, 4, 4], 8), O_PROJ: FakeLoraLayer([8], 8),
+            "model.embed_tokens": type("Embedding", (), {"lora_a_stacked": torch.zeros(2, 11, 4),
+                                                         "lora_b_stacked": torch.zeros(2, 1, 8, 4)})()}
+
+
+def adapter_tensors(rank: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A rank-`rank` adapter on q_proj, v_proj and o_proj of fake_layers()."""
+    from rl.adapter import tensor_name
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"self_attn.q_proj": 8, "self_attn.v_proj": 4, "self_attn.o_proj": 8}
+    tensors = {}
+    for module, out in shapes.items():
+        tensors[tensor_name(f"model.layers.0.{module}", "A")] = torch.randn(rank, 8, generator=g)
+        tensors[tensor_name(f"model.layers.0.{module}", "B")] = torch.randn(out, rank, generator=g)
+    return tensors
+
+
+def parsed(tensors: dict, layers: dict, rank: int = 2, alpha: float = 3):
+    from rl.inference.adapters import lora_slices, parse_adapter
+
+    return parse_adapter(tensors.items(), {"r": rank, "lora_alpha": alpha}, lora_slices(layers, PACKED))
+
+
+def load_like_vllm(layers: dict, adapter, slot: int) -> None:
+    """What vLLM's add_lora leaves in a slot: A, and B cast then scaled in place (its optimize())."""
+    from rl.inference.adapters import lora_slices
+
+    for module, where in lora_slices(layers, PACKED).items():
+        if module in adapter.pairs:
+            a, b = adapter.pairs[module]
+            b = b.clone()
+            b *= adapter.scaling
+            layer = layers[where.layer]
+            layer.lora_a_stacked[where.index][slot, 0, : a.shape[0], : a.shape[1]] = a
+            layer.lora_b_stacked[where.index][slot, 0, : b.shape[0], : b.shape[1]] = b
+
+
+def test_the_read_back_passes_exactly_what_the_files_say():
+    from rl.inference.adapters import lora_slices, slot_differences
+
+    layers = fake_layers()
+    adapter = parsed(adapter_tensors(), layers)
+    load_like_vllm(layers, adapter, slot=1)
+    assert slot_differences(layers, lora_slices(layers, PACKED), adapter, 1, torch.float32) == []
+    # slot 0 holds nothing: every targeted module differs there
+    assert len(slot_differences(layers, lora_slices(layers, PACKED), adapter, 0, torch.float32)) == 6
+
+
+@pytest.mark.parametrize("fault, named", [
+    ("changed A element", "model.layers.0.self_attn.v_proj: lora_A served differs"),
+    ("B not scaled", "model.layers.0.self_attn.o_proj: lora_B served differs"),
+    ("untargeted slice nonzero", f"{QKV} slice 1: not targeted by the adapter, yet nonzero"),
+    ("embedding slot nonzero", "model.embed_tokens slice 0: not targeted by the adapter, yet nonzero"),
+])
+def test_the_read_back_catches_a_slot_that_differs(fault, named):
+    from rl.inference.adapters import lora_slices, slot_differences
+
+    layers = fake_layers()
+    adapter = parsed(adapter_tensors(), layers)
+    load_like_vllm(layers, adapter, slot=1)
+    if fault == "changed A element":
+        layers[QKV].lora_a_stacked[2][1, 0, 1, 5] += 2**-20
+    elif fault == "B not scaled":
+        layers[O_PROJ].lora_b_stacked[0][1, 0, :, :2] = adapter.pairs["model.layers.0.self_attn.o_proj"][1]
+    elif fault == "untargeted slice nonzero":
+        layers[QKV].lora_b_stacked[1][1, 0, 3, 0] = 1e-30
+    else:
+        layers["model.embed_tokens"].lora_a_stacked[1, 7, 0] = float("nan")
+    problems = slot_differences(layers, lora_slices(layers, PACKED), adapter, 1, torch.float32)
+    assert len(problems) == 1 and problems[0].startswith(named), problems
+
+
+def test_the_expected_b_is_vllms_own_scaling_in_the_served_dtype():
+    """vLLM folds alpha / r into B in the served dtype; the read-back computes the same product, so bf16 matches
+    bit for bit (a product in float32 then cast would round differently for some elements)."""
+    from vllm.lora.lora_weights import LoRALayerWeights
+
+    from rl.inference.adapters import expected_slot
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 16, generator=g), torch.randn(32, 3, generator=g)
+    vllm_side = LoRALayerWeights("m", rank=3, lora_alpha=7, lora_a=a.bfloat16(), lora_b=b.bfloat16()).optimize()
+    slot_a, slot_b = expected_slot(a, b, 7 / 3, torch.bfloat16, max_rank=8)
+    assert torch.equal(slot_b[:, :3], vllm_side.lora_b) and torch.equal(slot_a[:3], vllm_side.lora_a)
+    assert not slot_b[:, 3:].any() and not slot_a[3:].any()
+
+
+def renamed(tensors: dict, old: str, new: str) -> dict:
+    return {name.replace(old, new): t for name, t in tensors.items()}
+
+
+BAD_ADAPTERS = [
+    ("not PEFT LoRA", lambda t: t | {"base_model.model.model.norm.weight": torch.ones(8)}, "is not a LoRA tensor name"),
+    ("no such module", lambda t: renamed(t, "o_proj", "out_proj"),
+     "module 'model.layers.0.self_attn.out_proj' maps to no LoRA layer"),
+    ("embedding", lambda t: renamed(t, "self_attn.o_proj", "embed_tokens"), "maps to no LoRA layer"),
+    ("A without B", lambda t: {n: v for n, v in t.items() if "o_proj.lora_B" not in n},
+     "o_proj: lora_A.weight without its lora_B"),
+    ("B too tall", lambda t: t | {"base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight": torch.zeros(8, 2)},
+     "v_proj: lora_B is [8, 2], the layer takes [out=4, r=2]"),
+    ("rank other than r", lambda t: t | {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                                         torch.zeros(3, 8)},
+     "q_proj: lora_A is [3, 8], the layer takes [r=2, in=8]"),
+    ("targets nothing", lambda t: {}, "the adapter targets nothing"),
+]
+
+
+@pytest.mark.parametrize("change, named", [c[1:] for c in BAD_ADAPTERS], ids=[c[0] for c in BAD_ADAPTERS])
+def test_an_adapter_that_does_not_fit_is_refused_naming_why(change, named):
+    from rl.inference.adapters import AdapterMismatch
+
+    with pytest.raises(AdapterMismatch) as refused:
+        parsed(change(adapter_tensors()), fake_layers())
+    assert any(named in problem for problem in refused.value.problems), refused.value.problems
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"r": 8, "lora_alpha": 16}, "rank 8 is above the server's max rank 4"),
+    ({"r": 2, "lora_alpha": 16, "use_rslora": True}, "sets use_rslora: not a plain LoRA"),
+    ({"r": "2", "lora_alpha": 16}, "r is '2', not a positive integer"),
+    ({"r": 2}, "lora_alpha is None"),
+])
+def test_an_adapter_config_vllm_would_serve_otherwise_is_refused(config, named):
+    from rl.inference.adapters import AdapterMismatch, lora_slices, parse_adapter
+
+    with pytest.raises(AdapterMismatch, match=named):
+        parse_adapter(adapter_tensors().items(), config, lora_slices(fake_layers(), PACKED))
+
+
+def test_an_adapter_step_is_read_once_and_checked(tmp_path):
+    from safetensors.torch import save_file
+
+    from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config_bytes
+    from rl.inference.reading import ReadCount, read_adapter
+    from rl.manifest import CorruptFileError, mark_stable, read_manifest
+
+    tensors = adapter_tensors()
+    directory = tmp_path / "step_1"
+    directory.mkdir()
+    save_file(tensors, str(directory / ADAPTER_WEIGHTS))
+    (directory / ADAPTER_CONFIG).write_bytes(adapter_config_bytes("base", 2, 3, 0.0, ["q_proj"]))
+    mark_stable(directory, step=1)
+    count = ReadCount()
+    read, config = read_adapter(directory, read_manifest(directory), count)
+    assert dict(read).keys() == tensors.keys() and all(torch.equal(dict(read)[n], t) for n, t in tensors.items())
+    assert (config["r"], config["lora_alpha"]) == (2, 3)
+    assert count.data_bytes == (directory / ADAPTER_WEIGHTS).stat().st_size
+    data = bytearray((directory / ADAPTER_WEIGHTS).read_bytes())
+    data[-1] ^= 0xFF
+    (directory / ADAPTER_WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError, match="fails its CRC-32 check"):
+        read_adapter(directory, read_manifest(directory), ReadCount())

@@ -1,18 +1,23 @@
 """Reading a published step's weight files once: every file's bytes, checked against the STABLE manifest as
 they are read, before anything is loaded; then the headers for a shape check, and tensors that view those
-bytes (no second copy, no second read) for the reload, the fingerprint and the checksum.
+bytes (no second copy, no second read) for the reload, the fingerprint and the checksum. An adapter step's two
+files are read the same way (`read_adapter`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.manifest import CorruptFileError, Entry, read_listed
 from rl.safetensors_io import MAX_HEADER_BYTES, parse_header, tensors_of
+
+MAX_ADAPTER_CONFIG_BYTES = 2**20  # PEFT's adapter_config.json is ~1 KB
 
 
 @dataclass
@@ -65,3 +70,26 @@ def read_step(directory: Path, manifest: dict[str, Entry], count: ReadCount) -> 
         count.data_bytes += len(data[file])
         count.files.append(file)
     return ReadStep(directory, data)
+
+
+def read_adapter(directory: Path, manifest: dict[str, Entry], count: ReadCount
+                 ) -> tuple[list[tuple[str, torch.Tensor]], object]:
+    """An adapter step's tensors (views of `adapter_model.safetensors` as read) and its parsed `adapter_config.json`,
+    each file read once and checked against the manifest as it is read; CorruptFileError if either is missing,
+    fails its check or does not parse."""
+    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        if name not in manifest:
+            raise CorruptFileError(f"{directory} is an adapter step but lists no {name}")
+    config_entry = manifest[ADAPTER_CONFIG]
+    if config_entry.checked and config_entry.bytes > MAX_ADAPTER_CONFIG_BYTES:
+        raise CorruptFileError(f"{directory / ADAPTER_CONFIG} holds {config_entry.bytes} bytes, "
+                               f"over {MAX_ADAPTER_CONFIG_BYTES}")
+    config_bytes = read_listed(directory, ADAPTER_CONFIG, config_entry)
+    try:
+        config = json.loads(config_bytes.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptFileError(f"{directory / ADAPTER_CONFIG} is not JSON: {e}") from None
+    data = read_listed(directory, ADAPTER_WEIGHTS, manifest[ADAPTER_WEIGHTS])
+    count.data_bytes += len(data)
+    count.files.append(ADAPTER_WEIGHTS)
+    return list(tensors_of(data, str(directory / ADAPTER_WEIGHTS))), config

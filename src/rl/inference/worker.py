@@ -26,6 +26,11 @@ confined to unsampled columns is not). Cost: one pass over the files plus a (K +
 matrix, in the server's process while the worker reloads (the reload reads the files once more);
 then a (K + 1)-row product per served layer in the worker, after the reload.
 
+With LoRA on (`--enable-lora`), vLLM wraps each layer it can adapt and keeps the original as `<name>.base_layer`:
+the fingerprint reads the base layer under its checkpoint name, so the base model verifies as without LoRA.
+Adapter steps are verified by reading back vLLM's LoRA slots (rl/inference/adapters.py): `rl_read_adapter`
+before vLLM's own load, `rl_verify_adapter` after it.
+
 Tied embeddings: vLLM's Qwen3 loader does not skip `lm_head.weight`, and its in-place reload leaves
 the tied LM head's packed kernel stale when the files lack that tensor. `checkpoint_tensors` yields
 `lm_head.weight` = `model.embed_tokens.weight` for a tied model whose files lack it, so a tied
@@ -45,7 +50,8 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from rl.inference.reading import ReadCount, read_step
+from rl.inference.adapters import AdapterMismatch, lora_slices, parse_adapter, slot_differences
+from rl.inference.reading import ReadCount, read_adapter, read_step
 from rl.manifest import CorruptFileError, Entry
 
 logger = logging.getLogger(__name__)
@@ -55,6 +61,7 @@ ROW_CHUNK = 8192  # rows of a matrix cast to float32 at a time, to bound the mem
 # Largest dense-probe error, relative to max_i sum_j |W_ij x_j|, that still counts as rounding.
 DENSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+LORA_BASE = ".base_layer"  # where vLLM's LoRA wrapper keeps the layer it adapts
 
 
 @dataclass
@@ -236,6 +243,7 @@ def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, vocab_size: i
     packed = getattr(model, "packed_modules_mapping", {})
     prints: dict[str, Fingerprint] = {}
     for prefix, module in model.named_modules():
+        prefix = prefix.replace(LORA_BASE + ".", ".").removesuffix(LORA_BASE)  # a LoRA-wrapped layer's own name
         if isinstance(module, (LinearBase, ParallelLMHead)):
             prints |= _kernel_prints(prefix, module, dtype, vocab_size, packed, device)
             continue
@@ -357,3 +365,57 @@ class WeightSyncExtension:
     def _rl_dtype_tied(self) -> tuple[torch.dtype, bool]:
         model_config = self.vllm_config.model_config
         return model_config.dtype, bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+
+    # ---- LoRA adapters (servers started with --enable-lora) ----
+
+    def rl_read_adapter(self, path: str, files: dict[str, list]) -> dict:
+        """Read an adapter step's files once (`files`: its STABLE manifest, name -> [bytes, crc32]; each file checked
+        as it is read) and refuse, before vLLM loads anything, an adapter that does not fit the served LoRA layers.
+        The checked tensors are kept for `rl_verify_adapter`."""
+        self._rl_adapter = None
+        count, start = ReadCount(), time.perf_counter()
+        try:
+            manifest = {name: Entry(*entry) for name, entry in files.items()}
+            tensors, config = read_adapter(Path(path), manifest, count)
+            manager = self._rl_lora_manager()
+            adapter = parse_adapter(tensors, config, lora_slices(manager.modules, manager.packed_modules_mapping))
+        except CorruptFileError as error:
+            return {"ok": False, "reloaded": False, "corrupt": str(error), "mismatched": [str(error)], "differing": []}
+        except AdapterMismatch as error:
+            return {"ok": False, "reloaded": False, "mismatched": error.problems[:20], "differing": []}
+        except Exception as error:
+            logger.exception("reading the adapter at %s failed", path)
+            return {"ok": False, "reloaded": False, "mismatched": [f"reading the adapter failed: {error!r}"],
+                    "differing": []}
+        self._rl_adapter = adapter
+        return {"ok": True, "reloaded": False, "checksum": adapter.checksum, "bytes_read": count.data_bytes,
+                "files_s": round(time.perf_counter() - start, 3)}
+
+    def rl_verify_adapter(self, lora_id: int) -> dict:
+        """Compare what vLLM activated for adapter `lora_id` with the tensors `rl_read_adapter` checked, in every LoRA
+        layer's slot (rl/inference/adapters.py); the report carries the adapter's checksum."""
+        adapter, self._rl_adapter = getattr(self, "_rl_adapter", None), None
+        if adapter is None:
+            return {"ok": False, "mismatched": ["no adapter was read before its verification"], "differing": []}
+        start = time.perf_counter()
+        try:
+            manager = self._rl_lora_manager()
+            if lora_id not in manager.lora_index_to_id:
+                return {"ok": False, "mismatched": [f"adapter {lora_id} is active in no LoRA slot"], "differing": []}
+            with torch.inference_mode():
+                slices = lora_slices(manager.modules, manager.packed_modules_mapping)
+                differing = slot_differences(manager.modules, slices, adapter, manager.lora_index_to_id.index(lora_id),
+                                             self.vllm_config.model_config.dtype)
+        except Exception as error:
+            logger.exception("verifying adapter %d failed", lora_id)
+            return {"ok": False, "mismatched": [f"verification failed: {error!r}"], "differing": []}
+        return {"ok": not differing, "mismatched": [], "differing": differing[:20], "checksum": adapter.checksum,
+                "verify_s": round(time.perf_counter() - start, 3)}
+
+    def _rl_lora_manager(self):
+        """vLLM's LoRA model manager: `modules` (its LoRA layers by module name), `packed_modules_mapping`
+        (qkv_proj -> q/k/v_proj) and `lora_index_to_id` (slot -> adapter id)."""
+        worker_manager = getattr(self.model_runner, "lora_manager", None)
+        if worker_manager is None:
+            raise RuntimeError("this server was started without LoRA: it has no LoRA layers")
+        return worker_manager._adapter_manager
