@@ -23,8 +23,10 @@ def model_and_weights_dir(tmp_path_factory, name: str) -> Path:
 
 
 class Server:
+    """`toml`: extra InferenceConfig settings, passed as a config file (`@ file`) beside the log."""
+
     def __init__(self, model: Path, weights_dir: Path, log: Path, token: str = "test-token", timeout_s: float = 300,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, toml: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
@@ -34,6 +36,10 @@ class Server:
             sys.executable, "-m", "rl.inference.main", "--model.name", str(model), "--port", str(self.port),
             "--weights-dir", str(weights_dir), "--admin-token", token, "--max-model-len", "512",
         ]
+        if toml is not None:
+            config = log.with_suffix(".toml")
+            config.write_text(toml)
+            cmd[3:3] = ["@", str(config)]
         self.http = httpx.Client(timeout=120)  # one connection kept open, as the orchestrator's client does
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                                      env=os.environ | (env or {}))
@@ -57,9 +63,11 @@ class Server:
         headers = {"Authorization": f"Bearer {self.token}"} | kwargs.pop("headers", {})
         return self.http.request(method, f"{self.url}{path}", headers=headers, **kwargs)
 
-    def generate(self, token_ids: list[int], max_tokens: int = 8, seed: int = 0, temperature: float = 1.0) -> tuple[list[int], list[float]]:
+    def generate(self, token_ids: list[int], max_tokens: int = 8, seed: int = 0, temperature: float = 1.0,
+                 model: str | None = None) -> tuple[list[int], list[float]]:
+        """Token ids and logprobs of a completion; `model`: the model or adapter name (the base model's path if None)."""
         body = {
-            "model": str(self.model),
+            "model": model or str(self.model),
             "token_ids": token_ids,
             "sampling_params": {"max_tokens": max_tokens, "temperature": temperature, "logprobs": 1, "seed": seed},
         }

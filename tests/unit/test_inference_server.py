@@ -146,7 +146,7 @@ def test_admin_requests_are_authorized_before_their_body_is_read():
 
 
 # Present vLLM routes (control, development, other APIs) and routes no vLLM has yet: all outside the allow-list.
-UNLISTED = ["/scale_elastic_ep", "/v1/load_lora_adapter", "/collective_rpc", "/pause", "/inference/v1/abort_requests",
+UNLISTED = ["/scale_elastic_ep", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/collective_rpc", "/pause", "/inference/v1/abort_requests",
             "/weight_checker", "/invocations", "/generative_scoring", "/tokenize", "/pooling", "/some/future/route",
             "/update_weights.json", "/v1/models/extra", "/" + "a" * 300]
 
@@ -294,3 +294,210 @@ def test_a_path_past_the_os_limit_is_a_bad_request_not_a_crash(tmp_path):
     with pytest.raises(HTTPException) as refused:
         weights._resolve("/".join(["a" * 250] * 20), 1)  # every component fits; the whole path does not
     assert refused.value.status_code == 400 and "cannot be resolved" in refused.value.detail
+
+
+# ---- a LoRA server's PolicyWeights, before a stand-in for vLLM's engine and model registry ----
+
+LORA = "policy-lora"
+
+
+class FakeEngine:
+    """vLLM's engine client as a LoRA server uses it: `add_lora` keeps the request in slot 1 (or raises for a path in
+    `add_fails`); the worker's read-back fails for a path in `verify_fails`; every call is recorded."""
+
+    def __init__(self, add_fails=(), verify_fails=(), read_reports=None):
+        self.add_fails, self.verify_fails, self.read_reports = set(add_fails), set(verify_fails), read_reports or {}
+        self.loras, self.calls, self.version = {}, [], None
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append(method)
+        if method == "rl_check_served":
+            return [{"ok": True, "checksum": "base"}]
+        if method == "rl_read_adapter":
+            path = args[0]
+            read = {"ok": True, "reloaded": False, "checksum": f"sum of {Path(path).name}", "bytes_read": 1}
+            return [self.read_reports.get(Path(path).name, read)]
+        assert method == "rl_verify_adapter" and args == (1,)
+        path = self.loras[1].lora_path
+        if path in self.verify_fails:
+            return [{"ok": False, "mismatched": [], "differing": [f"{path}: lora_B served differs"]}]
+        return [{"ok": True, "mismatched": [], "differing": [], "checksum": f"sum of {Path(path).name}"}]
+
+    async def add_lora(self, request):
+        self.calls.append(("add_lora", request.lora_path, request.load_inplace))
+        if request.lora_path in self.add_fails:
+            raise RuntimeError("Call to add_lora method failed: no")
+        self.loras[request.lora_int_id] = request
+
+    async def remove_lora(self, lora_id):
+        self.calls.append(("remove_lora", lora_id))
+        return self.loras.pop(lora_id, None) is not None
+
+    async def list_loras(self):
+        return set(self.loras)
+
+    async def reset_prefix_cache(self, reset_running_requests=False):
+        self.calls.append("reset_prefix_cache")
+
+    async def update_weight_version(self, version):
+        self.version = version
+
+    async def pause_generation(self, mode, clear_cache):
+        self.calls.append(("pause", mode))
+
+    async def resume_generation(self):
+        self.calls.append("resume")
+
+
+class FakeModels:
+    """vLLM's OpenAI model registry: adapter name -> the LoRARequest every request naming it carries."""
+
+    def __init__(self):
+        self.lora_requests = {}
+
+
+def adapter_step(weights, step: int, full: bool = False) -> str:
+    """weights/step_k holding an adapter (or full weights), marked STABLE; the server checks the manifest only."""
+    from rl.manifest import mark_stable
+
+    directory = weights / f"step_{step}"
+    directory.mkdir()
+    if full:
+        (directory / "model.safetensors").write_bytes(b"weights")
+        (directory / "config.json").write_text("{}")
+    else:
+        (directory / "adapter_model.safetensors").write_bytes(b"tensors")
+        (directory / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    mark_stable(directory, step=step)
+    return str(directory.resolve())
+
+
+def lora_weights(tmp_path, engine, lora_name=LORA):
+    from rl.inference.server import AdminSettings, PolicyWeights
+
+    (tmp_path / "model").mkdir(parents=True)
+    (tmp_path / "weights").mkdir()
+    settings = AdminSettings(base_model=str(tmp_path / "model"), weights_dir=str(tmp_path / "weights"),
+                             admin_token=None, lora_name=lora_name, lora_max_rank=8 if lora_name else None)
+    return PolicyWeights(engine, settings, FakeModels()), tmp_path / "weights"
+
+
+def run(coroutine):
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
+def refusal_of(coroutine):
+    from fastapi import HTTPException
+
+    with pytest.raises(HTTPException) as refused:
+        run(coroutine)
+    return refused.value.status_code, refused.value.detail
+
+
+def test_an_adapter_loads_in_place_and_requests_get_it_without_load_inplace(tmp_path):
+    """vLLM keeps the registry's request on every later request; with load_inplace still set, every scheduler step
+    would reload the adapter from disk."""
+    engine = FakeEngine()
+    weights, root = lora_weights(tmp_path, engine)
+    step_0 = adapter_step(root, 0)
+    assert run(weights.current()) == {"step": 0, "weights_checksum": "base", "requests_in_flight": 0}
+    answer = run(weights.update(0, step_0))  # step 0's adapter over the base model served as step 0
+    assert answer["weights_checksum"] == "sum of step_0" and answer["adapter"] == LORA and engine.version == "0"
+    assert ("add_lora", step_0, True) in engine.calls
+    registered = weights.models.lora_requests[LORA]
+    assert (registered.lora_int_id, registered.lora_path, registered.load_inplace) == (1, step_0, False)
+    assert run(weights.current()) == {"step": 0, "weights_checksum": "sum of step_0", "requests_in_flight": 0,
+                                      "adapter": LORA}
+
+    step_1 = adapter_step(root, 1)
+    calls = len(engine.calls)
+    assert run(weights.update(1, step_1))["weights_checksum"] == "sum of step_1"
+    loaded = engine.calls[calls:]
+    assert [c for c in loaded if c != "reset_prefix_cache"] == ["rl_read_adapter", ("add_lora", step_1, True),
+                                                                 "rl_verify_adapter"]
+    assert "reset_prefix_cache" in loaded  # no KV of the previous adapter is reused
+    registered = weights.models.lora_requests[LORA]
+    assert registered.lora_path == step_1 and not registered.load_inplace
+    calls = len(engine.calls)
+    assert run(weights.update(1, step_1)) == {"step": 1, "weights_checksum": "sum of step_1"}  # retried: no reload
+    assert engine.calls[calls:] == []
+
+
+def test_a_failed_read_back_re_adds_the_previous_adapter(tmp_path):
+    weights, root = lora_weights(tmp_path, engine := FakeEngine())
+    step_1, step_2 = adapter_step(root, 1), adapter_step(root, 2)
+    engine.verify_fails.add(step_2)
+    run(weights.update(1, step_1))
+    status, detail = refusal_of(weights.update(2, step_2))
+    assert status == 500 and "lora_B served differs" in detail
+    assert f"rolled back to step 1 (adapter '{LORA}'), which verifies" in detail
+    assert [c for c in engine.calls if c[0] == "add_lora"] == [
+        ("add_lora", step_1, True), ("add_lora", step_2, True), ("add_lora", step_1, True)]
+    registered = weights.models.lora_requests[LORA]
+    assert registered.lora_path == step_1 and not registered.load_inplace
+    assert run(weights.current())["weights_checksum"] == "sum of step_1" and engine.version == "1"
+
+
+def test_a_first_adapter_that_fails_leaves_the_base_model_served(tmp_path):
+    weights, root = lora_weights(tmp_path, engine := FakeEngine())
+    step_0 = adapter_step(root, 0)
+    engine.add_fails.add(step_0)
+    status, detail = refusal_of(weights.update(0, step_0))
+    assert status == 500 and "vLLM's add_lora failed" in detail and "(the base model), which verifies" in detail
+    assert ("remove_lora", 1) in engine.calls and LORA not in weights.models.lora_requests
+    assert run(weights.current()) == {"step": 0, "weights_checksum": "base", "requests_in_flight": 0}
+
+
+def test_a_failed_rollback_breaks_the_server(tmp_path):
+    weights, root = lora_weights(tmp_path, engine := FakeEngine())
+    step_1, step_2 = adapter_step(root, 1), adapter_step(root, 2)
+    run(weights.update(1, step_1))
+    engine.verify_fails |= {step_1, step_2}
+    status, detail = refusal_of(weights.update(2, step_2))
+    assert status == 500 and "rollback to step 1 failed too" in detail
+    assert refusal_of(weights.current())[0] == 503 and run(weights.admit()) == weights.broken
+
+
+def test_a_refused_adapter_reaches_nothing_of_vllm(tmp_path):
+    corrupt = {"ok": False, "reloaded": False, "corrupt": "step_1/adapter_model.safetensors fails its CRC-32 check",
+               "mismatched": [], "differing": []}
+    misfit = {"ok": False, "reloaded": False, "mismatched": ["the adapter targets nothing"], "differing": []}
+    weights, root = lora_weights(tmp_path, engine := FakeEngine(read_reports={"step_1": corrupt, "step_2": misfit}))
+    assert refusal_of(weights.update(1, adapter_step(root, 1)))[0] == 422
+    status, detail = refusal_of(weights.update(2, adapter_step(root, 2)))
+    assert status == 400 and "targets nothing" in detail
+    assert not [c for c in engine.calls if c[0] in ("add_lora", "remove_lora")]
+
+
+def test_steps_of_the_other_kind_are_400_naming_it(tmp_path):
+    weights, root = lora_weights(tmp_path, FakeEngine())
+    status, detail = refusal_of(weights.update(1, adapter_step(root, 1, full=True)))
+    assert status == 400 and "holds full weights" in detail and LORA in detail
+    plain, root = lora_weights(tmp_path / "plain", FakeEngine(), lora_name=None)
+    status, detail = refusal_of(plain.update(1, adapter_step(root, 1)))
+    assert status == 400 and "is a LoRA adapter step" in detail and "without LoRA" in detail
+
+
+def test_adapter_steps_follow_the_step_rules(tmp_path):
+    weights, root = lora_weights(tmp_path, FakeEngine())
+    run(weights.update(2, adapter_step(root, 2)))
+    assert refusal_of(weights.update(0, adapter_step(root, 0)))[0] == 409  # older than served
+    (root / "again").mkdir()
+    other_2 = adapter_step(root / "again", 2)  # the same step from another directory
+    assert refusal_of(weights.update(2, other_2))[0] == 409
+
+
+def test_a_lora_server_starts_with_vllms_lora_flags_and_a_name_unlike_the_model():
+    from rl.inference.config import LoraServingConfig
+    from rl.inference.server import check_lora_name, vllm_argv
+
+    lora = LoraServingConfig(name="policy-lora", max_rank=8)
+    argv = vllm_argv("/m", "127.0.0.1", 8000, "float32", 512, True, 0, 0.2, 1, "org/model", ["--max-loras", "2"], lora)
+    assert argv[-7:] == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--max-loras", "2"]
+    assert "--enable-lora" not in vllm_argv("/m", "h", 1, "auto", 512, True, 0, 0.2, 1, None, [])
+    check_lora_name(lora, "/m", "org/model")
+    for model, served in (("/m", "policy-lora"), ("policy-lora", None)):
+        with pytest.raises(ValueError, match="inference.lora.name 'policy-lora' is the served model's name"):
+            check_lora_name(lora, model, served)

@@ -56,6 +56,7 @@ def main() -> None:
         extra_args=host_args + list(config.extra_args),  # the user's last: they override
         admin_token=config.admin_token,
         served_model_name=config.model.name,
+        lora=config.lora,
     )
 
 

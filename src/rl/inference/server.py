@@ -19,10 +19,17 @@ in each vLLM process: vLLM's inter-process queues then sleep between polls inste
 
     python -m rl.inference.main @ infer.toml --port 8000     (the entrypoint; see inference/main.py)
 
+With `lora` (InferenceConfig.lora) it serves one LoRA adapter over a fixed base model (`--enable-lora
+--max-lora-rank R --max-loras 1`): an update names an adapter step (its manifest lists `adapter_config.json`), which
+replaces the served adapter in place under the one adapter name (`PolicyWeights._load_adapter`); requests select it
+with `"model": <adapter name>` (the base model stays servable under its own name). vLLM's own
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` stay refused: adapters change only through /update_weights.
+
 Admin routes (JSON; errors are `{"detail": "..."}` with a 4xx status, or 500 when a reload failed):
 
     POST /update_weights {"step": k, "path": "step_k"}  -> {"step": k, "weights_checksum": "...", ...}
     GET  /policy_step                    -> {"step": k, "weights_checksum": "...", "requests_in_flight": n}
+    (both with "adapter": <name> while an adapter is served; its weights_checksum is rl.adapter.adapter_checksum)
 
 They need `Authorization: Bearer <admin_token>` when a token is set, and answer only loopback
 clients when none is.
@@ -49,6 +56,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl import patches
+from rl.adapter import ADAPTER_CONFIG
+from rl.inference.config import LoraServingConfig
 from rl.manifest import STABLE, CorruptFileError, Entry, check_listed, read_manifest, read_marker
 
 logger = logging.getLogger(__name__)
@@ -85,6 +94,7 @@ SHUTDOWN_GRACE_S = 5
 KEEP_ALIVE_S = 75
 SOCKET_PATH_MAX = 107  # a unix socket's path in bytes (sockaddr_un.sun_path, less its NUL)
 UUID_CHARS = 36  # vLLM names each socket by a uuid4
+ADAPTER_ID = 1  # vLLM's lora_int_id of the one adapter a LoRA server serves, replaced in place at every step
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,8 @@ class AdminSettings:
     weights_dir: str | None
     admin_token: str | None
     api_keys: tuple[str, ...] = ()  # vLLM's --api-key / VLLM_API_KEY: required on every generation route
+    lora_name: str | None = None  # the served adapter's name (None: LoRA off, full-weight steps only)
+    lora_max_rank: int | None = None
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -126,10 +138,12 @@ class PolicyWeights:
 
     Step 0 is the base model. A load that fails verification is rolled back to the previous step;
     if even that fails, the server refuses generation (`broken`) until a checkpoint verifies.
+    A LoRA server (`settings.lora_name`) serves adapter steps only, over the base model; its step 0 may be the base
+    model or step 0's adapter. `models` is vLLM's OpenAI model registry, where requests find the adapter by name.
     """
 
-    def __init__(self, engine, settings: AdminSettings):
-        self.engine, self.settings = engine, settings
+    def __init__(self, engine, settings: AdminSettings, models=None):
+        self.engine, self.settings, self.models = engine, settings, models
         self.step, self.path, self.checksum = 0, str(Path(settings.base_model).resolve()), None
         self.marker: bytes | None = None  # the STABLE marker of the served step directory, as loaded
         self.manifest: dict[str, Entry] | None = None  # its files (None: the base model's directory)
@@ -148,7 +162,13 @@ class PolicyWeights:
                 await self._verify_base()
         if self.broken:
             raise HTTPException(503, self.broken)
-        return {"step": self.step, "weights_checksum": self.checksum, "requests_in_flight": self.in_flight}
+        served = {"step": self.step, "weights_checksum": self.checksum, "requests_in_flight": self.in_flight}
+        return served | ({"adapter": self.adapter} if self.adapter else {})
+
+    @property
+    def adapter(self) -> str | None:
+        """The name of the adapter served, None while the base model is (or on a server without LoRA)."""
+        return self.settings.lora_name if is_adapter_step(self.manifest) else None
 
     async def admit(self) -> str | None:
         """Wait while the weights change; None once a generation request may enter, else why it may not."""
@@ -166,9 +186,12 @@ class PolicyWeights:
             marker, manifest = await asyncio.to_thread(published_step, Path(target))
         except CorruptFileError as e:
             raise HTTPException(422, f"step {step} refused, still serving step {self.step}: {e}") from None
+        self._check_kind(step, target, manifest)
         async with self.lock:
             await self._verify_base()
-            if step < self.step or (step == self.step and target != self.path):
+            # step 0's adapter may replace the base model served as step 0 since start-up
+            over_base = step == 0 and self.manifest is None and is_adapter_step(manifest)
+            if step < self.step or (step == self.step and target != self.path and not over_base):
                 raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
             if step == self.step and not self.broken and marker == self.marker:
                 return {"step": self.step, "weights_checksum": self.checksum}  # a retried request, same files
@@ -205,14 +228,27 @@ class PolicyWeights:
             await self.engine.resume_generation()
             self.engine_paused = False
 
+    def _check_kind(self, step: int, target: str, manifest: dict[str, Entry]) -> None:
+        """400 unless the step is what this server loads: adapter steps with LoRA on, full weights without."""
+        name = self.settings.lora_name
+        if is_adapter_step(manifest) and name is None:
+            raise HTTPException(400, f"step {step} at {target} is a LoRA adapter step (it lists {ADAPTER_CONFIG}), "
+                                     "but this server was started without LoRA (inference.lora): it loads full weights")
+        if not is_adapter_step(manifest) and name is not None:
+            raise HTTPException(400, f"step {step} at {target} holds full weights (it lists no {ADAPTER_CONFIG}), but "
+                                     f"this server serves the LoRA adapter {name!r} over a fixed base model: it loads "
+                                     "adapter steps only")
+
     async def _switch(self, step: int, target: str, marker: bytes, manifest: dict[str, Entry]) -> dict:
         """Load and verify `target` while generation is held; needs the lock."""
-        report = await self._load(target, step, manifest)
+        load = self._load_adapter if is_adapter_step(manifest) else self._load
+        report = await load(target, step, manifest)
         if not report["ok"]:
             raise await self._refuse(step, target, report)
         self.step, self.path, self.checksum, self.broken = step, target, report["checksum"], None
         self.marker, self.manifest = marker, manifest
-        return {"step": step, "weights_checksum": self.checksum} | _timings(report)
+        served = {"step": step, "weights_checksum": self.checksum} | ({"adapter": self.adapter} if self.adapter else {})
+        return served | _timings(report)
 
     def _resolve(self, path: str, step: int) -> str:
         """The real path of the step's own `step_<step>` directory, strictly inside the weights dir, with a
@@ -274,12 +310,88 @@ class PolicyWeights:
             return HTTPException(400, f"step {step} at {target} does not fit the served model, "
                                       f"still serving step {self.step}: {_why(report)}")
         failure = f"step {step} at {target} failed after reload: {_why(report)}"
-        rollback = await self._load(self.path, self.step, self.manifest)
+        rollback = await self._restore()
         if rollback["ok"]:
-            return HTTPException(500, f"{failure}; rolled back to step {self.step}, which verifies")
+            served = (f" (adapter {self.adapter!r})" if self.adapter
+                      else " (the base model)" if self.settings.lora_name else "")
+            return HTTPException(500, f"{failure}; rolled back to step {self.step}{served}, which verifies")
         self.broken = (f"{failure}; rollback to step {self.step} failed too: {_why(rollback)}; "
                        "generation is refused until a checkpoint loads and verifies")
         return HTTPException(500, self.broken)
+
+    async def _restore(self) -> dict:
+        """Serve again the step served before a failed load, loaded as it was the first time."""
+        if is_adapter_step(self.manifest):
+            return await self._load_adapter(self.path, self.step, self.manifest)
+        if self.settings.lora_name is not None:  # no adapter was served yet: the base model, step 0
+            return await self._remove_adapter()
+        return await self._load(self.path, self.step, self.manifest)
+
+    async def _load_adapter(self, path: str, step: int, manifest: dict[str, Entry]) -> dict:
+        """Serve the adapter step at `path` in place of the served adapter, under the one adapter name. Needs
+        generation held (see `_load`).
+
+        a. each worker reads the step's files once, checked against `manifest`, and refuses an adapter that does not
+           fit the served LoRA layers (nothing is loaded then);
+        b. vLLM's `add_lora` loads the directory itself, in place (`load_inplace`), into the adapter's slot;
+        c. each worker reads that slot back and compares it with the tensors it checked in a (vLLM's read is a
+           second read of the files: the comparison proves it got the same bytes).
+        Once verified, requests find the adapter in vLLM's model registry, and vLLM labels what it samples with
+        `step`. The report's checksum is `rl.adapter.adapter_checksum` of the files' tensors.
+        """
+        files = {name: [e.bytes, e.crc32] for name, e in manifest.items()}
+        report = _merge(await self.engine.collective_rpc("rl_read_adapter", args=(path, files)))
+        if not report["ok"]:
+            return report
+        reset = asyncio.create_task(self.engine.reset_prefix_cache(reset_running_requests=True))
+        try:
+            start = time.perf_counter()
+            try:
+                await self.engine.add_lora(self._lora_request(path, load_inplace=True))
+            except Exception as error:  # vLLM refused or failed to load it: the slot may hold anything now
+                return report | {"ok": False, "reloaded": True, "mismatched": [f"vLLM's add_lora failed: {error}"]}
+            reload_s = time.perf_counter() - start
+            verified = _merge(await self.engine.collective_rpc("rl_verify_adapter", args=(ADAPTER_ID,)))
+        finally:
+            await reset
+        report = report | verified | {"reloaded": True, "reload_s": round(reload_s, 3)}
+        if report["ok"]:
+            self._register_adapter(path)
+            await self.engine.update_weight_version(str(step))
+        return report
+
+    def _lora_request(self, path: str, load_inplace: bool):
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora_name=self.settings.lora_name, lora_int_id=ADAPTER_ID, lora_path=path,
+                           load_inplace=load_inplace)
+
+    def _register_adapter(self, path: str) -> None:
+        """Let requests select the served adapter by name. The registry's request rides on every later generation
+        request, so it must not ask for an in-place load: vLLM would reload the adapter from disk at every step."""
+        if self.models is None:
+            raise RuntimeError("this server has no OpenAI model registry to serve its adapter from")
+        self.models.lora_requests[self.settings.lora_name] = self._lora_request(path, load_inplace=False)
+
+    async def _remove_adapter(self) -> dict:
+        """Serve the base model as step 0 again, after an adapter that failed to load when none was served before."""
+        if self.models is not None:
+            self.models.lora_requests.pop(self.settings.lora_name, None)
+        try:
+            await self.engine.remove_lora(ADAPTER_ID)
+            still_loaded = ADAPTER_ID in await self.engine.list_loras()
+        except Exception as error:
+            return {"ok": False, "mismatched": [f"removing the adapter failed: {error}"], "differing": []}
+        if still_loaded:
+            return {"ok": False, "mismatched": ["vLLM still lists the adapter after removing it"], "differing": []}
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        await self.engine.update_weight_version("0")
+        return {"ok": True, "mismatched": [], "differing": []}
+
+
+def is_adapter_step(manifest: dict[str, Entry] | None) -> bool:
+    """Whether a step's files are a LoRA adapter (rl.adapter's layout) rather than full weights."""
+    return manifest is not None and ADAPTER_CONFIG in manifest
 
 
 def published_step(directory: Path) -> tuple[bytes, dict[str, Entry]]:
@@ -494,7 +606,8 @@ class AdminMiddleware:
             settings = getattr(vllm_state.args, "rl_admin", None)
             if settings is None:
                 raise RuntimeError(f"{MIDDLEWARE} needs the server started by rl.inference.server.serve()")
-            self.admin.state.weights = PolicyWeights(vllm_state.engine_client, settings)
+            models = getattr(vllm_state, "openai_serving_models", None)  # set by vLLM before it serves requests
+            self.admin.state.weights = PolicyWeights(vllm_state.engine_client, settings, models)
         return self.admin.state.weights
 
 
@@ -608,7 +721,7 @@ def add_token_strings(body: bytes) -> bytes:
 
 def vllm_argv(model: str, host: str, port: int, dtype: str, max_model_len: int, enforce_eager: bool, seed: int,
               gpu_memory_utilization: float, tensor_parallel_size: int, served_model_name: str | None,
-              extra_args: list[str]) -> list[str]:
+              extra_args: list[str], lora: LoraServingConfig | None = None) -> list[str]:
     """vLLM's command line for our server; `extra_args` come last, so they can override."""
     argv = [
         "--model", model, "--host", host, "--port", str(port), "--dtype", dtype,
@@ -620,7 +733,17 @@ def vllm_argv(model: str, host: str, port: int, dtype: str, max_model_len: int, 
     ]
     argv += ["--enforce-eager"] if enforce_eager else []
     argv += ["--served-model-name", served_model_name] if served_model_name else []
+    # One adapter slot: the policy's adapter, replaced in place at every step.
+    argv += ["--enable-lora", "--max-lora-rank", str(lora.max_rank), "--max-loras", "1"] if lora else []
     return argv + list(extra_args)
+
+
+def check_lora_name(lora: LoraServingConfig | None, model: str, served_model_name: str | None) -> None:
+    """vLLM refuses an adapter named like a served base model, but only when it is first loaded: refuse at start-up."""
+    served = served_model_name or model
+    if lora is not None and lora.name in (model, served):
+        raise ValueError(f"inference.lora.name {lora.name!r} is the served model's name {served!r} (model {model!r}): "
+                         "vLLM refuses an adapter named like its base model; choose another adapter name")
 
 
 def _log_to_stderr() -> None:
@@ -676,10 +799,12 @@ def serve(
     extra_args: list[str] = (),
     admin_token: str | None = None,
     served_model_name: str | None = None,
+    lora: LoraServingConfig | None = None,
 ) -> None:
     """Run vLLM's OpenAI-compatible server with our admin routes until it is stopped.
 
-    On CPU hosts `gpu_memory_utilization` is the fraction of the node's memory vLLM reserves.
+    On CPU hosts `gpu_memory_utilization` is the fraction of the node's memory vLLM reserves. `lora`: serve one
+    LoRA adapter over the model, replaced by /update_weights (None: full-weight updates).
     """
     import uvloop
     from vllm import envs as vllm_envs
@@ -694,19 +819,21 @@ def serve(
         raise ValueError(f"model {model!r} must be a local Hugging Face directory (its files are verified)")
     if tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size must be 1: weight verification reads unsharded layers")
+    check_lora_name(lora, model, served_model_name)
     cli_env_setup()
     # Clients (httpx) drop an idle keep-alive connection after 5 s; a server that closes at the same
     # 5 s can close one just as a request is sent on it ("Connection error" under CPU load). Closing
     # later than any client leaves the decision to the client.
     os.environ.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(KEEP_ALIVE_S))
     argv = vllm_argv(model, host, port, dtype, max_model_len, enforce_eager, seed, gpu_memory_utilization,
-                     tensor_parallel_size, served_model_name, extra_args)
+                     tensor_parallel_size, served_model_name, extra_args, lora)
     args = make_arg_parser(FlexibleArgumentParser(prog="rl.inference.server")).parse_args(argv)
     configure_logging_from_args(args)
     _log_to_stderr()
     validate_parsed_serve_args(args)
     api_keys = tuple(key for key in (args.api_key or [vllm_envs.VLLM_API_KEY]) if key)  # as vLLM reads them
-    args.rl_admin = AdminSettings(base_model=model, weights_dir=weights_dir, admin_token=admin_token, api_keys=api_keys)
+    args.rl_admin = AdminSettings(base_model=model, weights_dir=weights_dir, admin_token=admin_token, api_keys=api_keys,
+                                  lora_name=lora.name if lora else None, lora_max_rank=lora.max_rank if lora else None)
     if current_platform.is_cpu():
         os.environ.setdefault(patches.POLL_ENV, str(patches.CPU_POLL_S))
     poll_s = patches.poll_interval()  # a bad value fails here, before vLLM starts its processes
