@@ -8,7 +8,8 @@ inference server and, several times in turn:
 - lower bound: `safetensors.save_file` of the same tensors alone, plus the server's reload time alone
   (`reload_s`, measured inside the server around vLLM's in-place reload).
 
-It prints the medians and their ratio (target: publish-to-served <= 1.5x the lower bound), then the
+It prints the medians and their ratio (target: publish-to-served <= 1.5x the lower bound), then the same for a
+rank-16 LoRA adapter on every projection, on a server with LoRA on, against the full weights' figures, then the
 raw generation tokens/s of a fixed request set (64 prompts x 64 tokens, all in flight) on the tiny model.
 
 Files are written to a tmpfs (/dev/shm) by default: on this VM's ext4 disk the same 400 MB `save_file`
@@ -37,9 +38,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rl.adapter import (  # noqa: E402
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, DEFAULT_TARGETS, adapter_checksum, adapter_config_bytes, tensor_name,
+)
 from rl.protocol import RunPaths  # noqa: E402
 from rl.tiny_model import build_tiny_model  # noqa: E402
-from rl.trainer.weights import DEFAULT_SHARD_BYTES, hf_side_files, publish_step, single_process_shards  # noqa: E402
+from rl.trainer.weights import (  # noqa: E402
+    DEFAULT_SHARD_BYTES, StepShards, hf_side_files, publish_step, single_process_shards,
+)
 from tests.integration.inference_server import Server  # noqa: E402
 
 MODELS = {
@@ -103,6 +109,53 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
             "ratio": total / bound, "breakdown": breakdown}
 
 
+def random_adapter(base: dict[str, torch.Tensor], rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """A rank-`rank` adapter on every attention and MLP projection of `base`, under PEFT's names."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, weight in sorted(base.items()):
+        module = name.removesuffix(".weight")
+        if module.rpartition(".")[2] in DEFAULT_TARGETS:
+            out_features, in_features = weight.shape
+            tensors[tensor_name(module, "A")] = 0.01 * torch.randn(rank, in_features, generator=g)
+            tensors[tensor_name(module, "B")] = 0.01 * torch.randn(out_features, rank, generator=g)
+    return tensors
+
+
+def measure_adapter_sync(root: Path, name: str, repeats: int, rank: int = 16) -> dict:
+    """Publish-to-served of a LoRA adapter (written as the trainer writes one), and the server's reload time, on a
+    server with LoRA on (the model `measure_sync` built)."""
+    model_dir = root / name
+    base = load_file(str(model_dir / "model.safetensors"))
+    paths = RunPaths(root / f"run_{name}_lora")
+    paths.weights_root.mkdir(parents=True)
+    config = adapter_config_bytes(str(model_dir), rank, 2.0 * rank, 0.0, DEFAULT_TARGETS)
+    server = Server(model_dir, paths.weights_root, root / f"inference_{name}_lora.log", timeout_s=900,
+                    toml=f"[lora]\nmax_rank = {rank}\n")
+    totals, reloads, sizes = [], [], []
+    try:
+        for step in range(repeats):
+            tensors = random_adapter(base, rank, step)
+            shards = StepShards([ADAPTER_WEIGHTS], dict.fromkeys(tensors, ADAPTER_WEIGHTS), {ADAPTER_WEIGHTS: tensors},
+                                sum(t.numel() * t.element_size() for t in tensors.values()),
+                                {"adapter_checksum": adapter_checksum(tensors.items())})
+            if step > 0:
+                shutil.rmtree(paths.weights(step - 1))
+            os.sync()
+            start = time.perf_counter()
+            publish_step(paths, step, shards, {ADAPTER_CONFIG: config})
+            response = server.admin("POST", "/update_weights", json={"step": step, "path": str(paths.weights(step))})
+            totals.append(time.perf_counter() - start)
+            if response.status_code != 200:
+                raise RuntimeError(f"{name}: adapter step {step} failed: {response.status_code} {response.text}")
+            reloads.append(response.json()["reload_s"])
+            sizes.append(shards.total_bytes)
+    finally:
+        server.stop()
+    return {"publish_to_served_s": statistics.median(totals), "reload_s": statistics.median(reloads),
+            "bytes": sizes[0]}
+
+
 async def generation_tokens_per_s(server: Server, prompts: int = 64, max_tokens: int = 64) -> float:
     body = lambda i: {  # noqa: E731
         "model": str(server.model),
@@ -132,6 +185,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         results = [measure_sync(root, name, args.repeats) for name in names]
+        adapters = [measure_adapter_sync(root, name, args.repeats) for name in names]
         print("\nweight publish -> served (median of %d)" % args.repeats)
         for r in results:
             print(
@@ -142,6 +196,11 @@ def main() -> None:
                   + "\n        (publish: write + CRC + STABLE; files: fingerprint of the files, in the server's process"
                   " while the worker reloads; verify: of the served weights, and the comparison; rest: CRC check of"
                   " the files, header check, HTTP, RPCs)")
+        print("\nLoRA adapter (rank 16, every projection) publish -> served vs full weights (median of %d)" % args.repeats)
+        for r, a in zip(results, adapters):
+            print(f"  {r['model']:>5}: adapter {a['bytes'] / 2**20:.1f} MiB, publish-to-served {a['publish_to_served_s']:.3f}s "
+                  f"({a['publish_to_served_s'] / r['publish_to_served_s']:.2f}x full), reload {a['reload_s']:.3f}s "
+                  f"({a['reload_s'] / r['breakdown']['reload']:.2f}x full)")
         server = Server(root / "tiny", root / "run_tiny" / "weights", root / "inference_gen.log")
         try:
             rate = asyncio.run(generation_tokens_per_s(server))
