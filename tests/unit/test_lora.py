@@ -19,21 +19,22 @@ def linear(out_features=6, in_features=5, bias=True) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=bias).double()
 
 
-def test_zero_b_is_the_base_layer():
+def adapted(init_b) -> tuple[nn.Linear, LoRALinear, torch.Tensor]:
+    """A base layer, its LoRA layer (rank 3, alpha 6: scaling 2) with random A and B set by `init_b`, an input."""
     base = linear()
     layer = LoRALinear(base, rank=3, alpha=6.0, dropout=0.0).double()
     nn.init.normal_(layer.lora_A)
-    nn.init.zeros_(layer.lora_B)
-    x = torch.randn(4, 5, dtype=torch.float64)
+    init_b(layer.lora_B)
+    return base, layer, torch.randn(4, 5, dtype=torch.float64)
+
+
+def test_zero_b_is_the_base_layer():
+    base, layer, x = adapted(nn.init.zeros_)
     assert torch.equal(layer(x), base(x))
 
 
 def test_random_b_is_the_merged_layer():
-    base = linear()
-    layer = LoRALinear(base, rank=3, alpha=6.0, dropout=0.0).double()
-    nn.init.normal_(layer.lora_A)
-    nn.init.normal_(layer.lora_B)
-    x = torch.randn(4, 5, dtype=torch.float64)
+    base, layer, x = adapted(nn.init.normal_)
     merged = base.weight + 2.0 * layer.lora_B @ layer.lora_A  # scaling alpha / rank = 2
     torch.testing.assert_close(layer(x), x @ merged.T + base.bias, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(merged_weight(layer, torch.float64), merged.detach(), rtol=1e-6, atol=1e-6)

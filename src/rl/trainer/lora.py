@@ -129,10 +129,15 @@ def adapters_disabled(model: nn.Module):
 
 
 def full_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Collective for a DTensor: the whole tensor in `dtype` on the CPU, a copy (never the parameter itself)."""
-    cast = tensor.detach().to(dtype)
-    full = cast.full_tensor() if isinstance(cast, DTensor) else cast
-    return full.to("cpu", copy=True).contiguous()
+    """Collective for a DTensor: the whole tensor in `dtype` on the CPU, never sharing memory with the parameter
+    (the optimizer updates it in place while a background write may still be reading)."""
+    tensor = tensor.detach()
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    cast = tensor.to(dtype)
+    full = (cast.full_tensor() if isinstance(cast, DTensor) else cast).cpu()
+    if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        full = full.clone()
+    return full.contiguous()
 
 
 def adapter_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_checksum, adapter_config_bytes
 from rl.protocol import RunPaths, publish_dir
 from rl.trainer.config import TrainerConfig
-from rl.trainer.lora import adapter_tensors, lora_layers, merged_weight
+from rl.trainer.lora import adapter_tensors, full_tensor, lora_layers, merged_weight
 from rl.trainer.world import World
 
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
@@ -115,7 +115,7 @@ def gather_shards(model: torch.nn.Module, dtype: torch.dtype, world: World, max_
         owner = index % world.world_size == world.rank
         for name in names:
             layer = merged.get(sources[name])
-            full = merged_weight(layer, dtype) if layer else _full_tensor(state[sources[name]].detach(), dtype)
+            full = merged_weight(layer, dtype) if layer else full_tensor(state[sources[name]], dtype)
             if owner:
                 mine.setdefault(file, {})[name] = full
     return StepShards(files, weight_map, mine, sum(size for _, size in sizes))
@@ -128,18 +128,6 @@ def gather_adapter(model: torch.nn.Module, dtype: torch.dtype, world: World) -> 
     mine = {ADAPTER_WEIGHTS: tensors} if world.is_main else {}
     info = {"adapter_checksum": adapter_checksum(tensors.items())} if world.is_main else None
     return StepShards([ADAPTER_WEIGHTS], dict.fromkeys(tensors, ADAPTER_WEIGHTS), mine, total, info)
-
-
-def _full_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The whole tensor in `dtype` on the CPU, never sharing memory with the parameter (the optimizer updates
-    it in place while a background write may still be reading)."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    cast = tensor.to(dtype)
-    full = cast.full_tensor() if isinstance(cast, DTensor) else cast
-    full = full.cpu()
-    if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-        full = full.clone()
-    return full.contiguous()
 
 
 def adapted_leaves(model: torch.nn.Module) -> list[str]:
