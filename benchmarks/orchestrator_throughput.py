@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 from rl.config import EnvConfig
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group, tune_gc_for_serving
+from rl.renderer import renderer_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="local model directory (tokenizer included)")
     parser.add_argument("--base-url", help="a running server; unset: start one (tests' Server helper)")
-    parser.add_argument("--env", default="tool-calc", help="a single-turn env id (tool-calc runs with no tool calls)")
+    parser.add_argument("--env", default="reverse-text", help="a single-turn env id")
     parser.add_argument("--groups", type=int, default=32, help="tasks; each runs --group-size rollouts")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -97,11 +98,10 @@ def rendered_prompts(env, tokenizer, groups: int) -> list[list[int]]:
 
 
 async def measure(args, base_url: str) -> None:
-    env_args = {"num_examples": args.groups} | ({"max_tool_calls": 0} if args.env == "tool-calc" else {})
-    env = load_environment(EnvConfig(id=args.env, args=env_args))
+    env = load_environment(EnvConfig(id=args.env, args={"num_examples": args.groups}))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = rendered_prompts(env, tokenizer, args.groups)
-    client = InferenceClient(base_url, args.model, args.model)
+    client = InferenceClient(base_url, args.model, args.model, renderer_config("auto", args.model)[0])
     async with env.serving():
         tune_gc_for_serving()  # as the orchestrator does once its environments serve
         await orchestrator_side(args, env, client)  # warm-up both paths

@@ -61,6 +61,18 @@ class ModelConfig(Section):
     ] = "models/tiny"
 
 
+class ChatModelConfig(ModelConfig):
+    """The model as the processes that chat with it see it (orchestrator, eval)."""
+
+    renderer: Annotated[
+        str | dict[str, Any],
+        Field(description="how chats become tokens and replies tool calls: 'auto' (verifiers' renderer for the "
+                          "model's name, else its chat template with a tool parser where it writes <tool_call> "
+                          "JSON), a renderer name ('qwen3', 'default', ...) or a table of its fields, e.g. "
+                          "{name = 'default', tool_parser = 'qwen3'}"),
+    ] = "auto"
+
+
 class WandbConfig(Section):
     project: Annotated[str | None, Field(description="W&B project; unset disables W&B")] = None
     name: Annotated[str | None, Field(description="W&B run name (a suffix names the process)")] = None

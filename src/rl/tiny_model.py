@@ -1,7 +1,10 @@
 """Build a tiny Qwen3-architecture causal LM with a locally made tokenizer, in Hugging Face layout.
 
-No hub access: the tokenizer is character level (printable ASCII plus ChatML special tokens) with a
-ChatML chat template, and the weights are drawn from a seeded generator, so the same arguments always
+No hub access: the tokenizer is character level (printable ASCII plus ChatML special tokens and Qwen3's
+think and tool tokens, each one id) with a Qwen3-style chat template: plain chats render as ChatML, tools
+as Qwen3 offers them (`# Tools` with `<tools>` JSON in the system turn), the model's calls as
+`<tool_call>` JSON and their results as `<tool_response>` user turns, so the tool path runs on it with a
+Qwen3-format tool parser. The weights are drawn from a seeded generator, so the same arguments always
 give the same files. vLLM's CPU attention kernels need head_dim >= 32.
 
     uv run tiny-model --out models/tiny            # ~0.8M parameters
@@ -21,18 +24,44 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARACTERS = sorted(set(string.printable) - set("\x0b\x0c\r"))
+# Qwen3's own: one id each (parsers find tool calls by token id), appended so earlier ids stay put.
+TOOL_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
-)
+# Qwen3's template, shortened (no thinking blocks); without tools it renders plain ChatML.
+CHAT_TEMPLATE = """\
+{%- macro turn(role, content) %}{{- '<|im_start|>' + role + '\n' + content + '<|im_end|>\n' }}{%- endmacro %}
+{%- if tools %}
+{%- set head = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' else '' %}
+{{- '<|im_start|>system\n' + head + '# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and loop.first and tools %}
+{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}
+{{- '<|im_start|>assistant\n' + (message['content'] or '') }}
+{%- for call in message['tool_calls'] %}
+{%- set call = call['function'] if call.get('function') else call %}
+{%- set arguments = call['arguments'] if call['arguments'] is string else call['arguments'] | tojson %}
+{{- ('\n' if message['content'] or not loop.first else '') + '<tool_call>\n{"name": "' + call['name'] + '", "arguments": ' + arguments + '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message['role'] == 'tool' %}
+{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}
+{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- else %}
+{{- turn(message['role'], message['content'] or '') }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer: one id per printable ASCII character, ChatML special tokens."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + ["<unk>"] + CHARACTERS)}
+    """A character-level tokenizer: one id per printable ASCII character, ChatML special tokens, Qwen3's
+    think and tool tokens (plain added tokens, as in Qwen3: decoded text keeps them)."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + ["<unk>"] + CHARACTERS + TOOL_TOKENS)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -43,6 +72,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         additional_special_tokens=SPECIAL_TOKENS[1:],
     )
+    tokenizer.add_tokens(TOOL_TOKENS)  # in the vocabulary already: this only makes each match whole
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

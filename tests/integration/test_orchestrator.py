@@ -18,6 +18,7 @@ from rl.orchestrator.main import Orchestrator
 from rl.config import EnvConfig
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group
+from rl.renderer import renderer_config
 from rl.protocol import RunPaths, is_stable, mark_stable, read_batch, read_metrics
 from rl.tiny_model import build_tiny_model
 from tests.conftest import ROOT
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.integration
 ENVS = {
     "reverse-text": {"num_examples": 50},
     "guess-number": {"num_examples": 50, "max_guesses": 2},
-    "tool-calc": {"num_examples": 50, "max_tool_calls": 2},
+    "tool-calc": {"num_examples": 50},
     "reasoning-gym-env": {"dataset": "basic_arithmetic", "num_examples": 50, "dataset_args": {"max_terms": 2}},
 }
 
@@ -48,7 +49,7 @@ def server(model_dir, tmp_path_factory):
 
 
 def client(server) -> InferenceClient:
-    return InferenceClient(server.url, str(server.model), str(server.model))
+    return InferenceClient(server.url, str(server.model), str(server.model), renderer_config("auto", str(server.model))[0])
 
 
 @pytest.mark.parametrize("env_id", list(ENVS))

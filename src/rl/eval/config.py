@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import EnvConfig, ModelConfig, Section, Settings, check_env_labels
+from rl.config import ChatModelConfig, EnvConfig, Section, Settings, check_env_labels
 from rl.inference.config import InferenceConfig
 from rl.orchestrator.config import EvalSettings
 
@@ -29,7 +29,7 @@ class EvalClientConfig(Section):
 class EvalCommandConfig(Settings, EvalSettings):
     model_config = SettingsConfigDict(env_prefix="RL_EVAL__")
 
-    model: ModelConfig = ModelConfig()
+    model: ChatModelConfig = ChatModelConfig()
     env: Annotated[list[EnvConfig], Field(min_length=1, description="environments to evaluate ([[env]] tables)")] = [
         EnvConfig(id="reverse-text")
     ]

@@ -34,7 +34,9 @@ from rl.metrics import setup_logging
 from rl.orchestrator.environment import EnvLoadError, Environment, load_environments, serving
 from rl.orchestrator.eval import Groups, eval_stats, group_scores, run_eval_groups
 from rl.orchestrator.rollouts import InferenceClient, RolloutResult
-from rl.orchestrator.stats import means
+from rl.renderer import chat_renderer
+from rl.renderer import describe as describe_renderer
+from rl.orchestrator.stats import mean, means, tool_stats
 from rl.manifest import mark_stable
 from rl.protocol import STABLE, CorruptFileError, RunPaths, atomic_write_text, verify_stable
 
@@ -148,6 +150,8 @@ def rollout_record(name: str, task_index: int, j: int, r: RolloutResult, thresho
         "rewards": r.rewards,
         "metrics": r.metrics,
         "num_turns": r.num_turns,
+        "tool_calls": r.tool_calls,
+        "tool_errors": r.tool_errors,
         "truncated": r.is_truncated,
         "completion_tokens": r.sampled_tokens,
         "prompt": decode(r.segments[0].prompt_ids),
@@ -167,6 +171,8 @@ def summarize(groups: Groups, config: EvalCommandConfig, elapsed_s: float) -> di
             **group_scores(env_groups, config.pass_threshold),
             **{f"reward/{k}": v for k, v in means(r.rewards for r in results).items()},
             **{f"metric/{k}": v for k, v in means(r.metrics for r in results).items()},
+            "turns": mean([r.num_turns for r in results]),
+            **{f"tools/{k}": v for k, v in tool_stats(results).items()},
         }
     overall = eval_stats(groups, config.pass_threshold, prefix="")
     return {
@@ -214,7 +220,9 @@ def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logg
             reply = load_adapter(url.rstrip("/"), step)
             served = reply.get("adapter") or LoraServingConfig().name
             logger.info(f"serving adapter {config.adapter} as {served!r} (checksum {reply.get('weights_checksum')})")
-        client = InferenceClient(url, served, config.model.name)
+        renderer, why = chat_renderer(config.model.renderer, config.model.name, envs)
+        logger.info(f"model {config.model.name!r} renders with {describe_renderer(renderer)} ({why})")
+        client = InferenceClient(url, served, config.model.name, renderer)
         start = time.perf_counter()
         groups = asyncio.run(run(config, envs, client))
         elapsed = time.perf_counter() - start
@@ -243,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
             if config.adapter is not None:
                 check_adapter(config.adapter)
         envs = load_environments(config.env, "env")
+        chat_renderer(config.model.renderer, config.model.name, envs)
     except (ConfigError, EnvLoadError) as e:
         print(f"eval: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -41,14 +41,18 @@ def check_lora_targets(config: TrainerConfig) -> None:
 
 
 def check_environments(config: OrchestratorConfig) -> None:
-    """Load every training and eval environment once, as the orchestrator will."""
+    """Load every training and eval environment once, as the orchestrator will, and pick the model's
+    renderer for them (one that can do tools where an environment serves tools)."""
     from rl.orchestrator.environment import EnvLoadError, load_environments
+    from rl.renderer import chat_renderer
 
+    loaded = []
     for where, envs in (("orchestrator.env", config.env), ("orchestrator.eval.env", config.eval.env)):
         try:
-            load_environments(envs, where)
+            loaded += load_environments(envs, where)
         except EnvLoadError as e:
             raise ConfigError(str(e)) from None
+    chat_renderer(config.model.renderer, config.model.name, loaded)
 
 
 def check_output_dir(paths: RunPaths, resuming: bool) -> None:

@@ -23,6 +23,9 @@ from rl.trainer.config import resolve_device_defaults as resolve_trainer_device
 
 class SharedModelConfig(Section):
     name: Annotated[str | None, Field(description="model for all three processes")] = None
+    renderer: Annotated[
+        str | dict[str, Any] | None, Field(description="the orchestrator's model.renderer (see there)")
+    ] = None
 
 
 class SlurmConfig(Section):
@@ -185,6 +188,8 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
     if config.model.name is not None:
         for where, sub in sections.items():
             _fill(config.model.name, sub.model, "name", "model.name", f"{where}.model")
+    if config.model.renderer is not None:
+        _fill(config.model.renderer, o.model, "renderer", "model.renderer", "orchestrator.model")
     for flag, field, where in (
         ("output-dir", "output_dir", ("trainer", "orchestrator")),
         ("max-steps", "max_steps", ("trainer", "orchestrator")),

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import CkptConfig, EnvConfig, ModelConfig, Section, Settings, WandbConfig, check_env_labels
+from rl.config import ChatModelConfig, CkptConfig, EnvConfig, Section, Settings, WandbConfig, check_env_labels
 
 
 class SamplingConfig(Section):
@@ -122,7 +122,7 @@ class EvalConfig(EvalSettings):
 class OrchestratorConfig(Settings):
     model_config = SettingsConfigDict(env_prefix="RL_ORCHESTRATOR__")
 
-    model: ModelConfig = ModelConfig()
+    model: ChatModelConfig = ChatModelConfig()
     output_dir: Annotated[Path, Field(description="run directory shared with the other processes")] = Path("outputs/run")
     max_steps: Annotated[int, Field(ge=1, description="write batches for steps 0 .. max_steps - 1")] = 10
     async_level: Annotated[

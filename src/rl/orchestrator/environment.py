@@ -52,11 +52,14 @@ class EnvLoadError(ValueError):
 class Environment:
     """A loaded verifiers environment with its tasks materialized for deterministic index access."""
 
-    def __init__(self, name: str, env: vf.Env, tasks: list[vf.Task], seats: dict[str, str]) -> None:
+    def __init__(
+        self, name: str, env: vf.Env, tasks: list[vf.Task], seats: dict[str, str], toolsets: list[str]
+    ) -> None:
         self.name = name  # the label of its metrics
         self.env = env
         self.tasks = tasks
         self.seats = seats  # seat -> how it runs, for the log
+        self.toolsets = toolsets  # the MCP tool servers its rollouts get (names), none for a chat environment
 
     @property
     def num_tasks(self) -> int:
@@ -69,7 +72,8 @@ class Environment:
 
     def describe(self) -> str:
         seats = "; ".join(f"seat {seat!r}: {how}" for seat, how in self.seats.items())
-        return f"environment {self.name!r}: {self.num_tasks} tasks; {seats}"
+        tools = f"; toolsets {', '.join(self.toolsets)}" if self.toolsets else ""
+        return f"environment {self.name!r}: {self.num_tasks} tasks; {seats}{tools}"
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
@@ -100,10 +104,11 @@ def load_environment(spec: EnvConfig) -> Environment:
         raise EnvLoadError(f"environment {spec.label!r}: {plugin_key(str(e), spec)}: {e}") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise EnvLoadError(f"environment {spec.label!r}: {e}") from None
-    check_runnable(spec, env)
+    toolsets = declared_toolsets(env)
+    check_runnable(spec, env, toolsets)
     if not env.taskset.bounded:
         raise EnvLoadError(f"environment {spec.label!r} has an infinite taskset; bound it with its args")
-    return Environment(spec.label, env, list(env.taskset), seats)
+    return Environment(spec.label, env, list(env.taskset), seats, [toolset_name(t) for t in toolsets])
 
 
 def load_environments(specs: list[EnvConfig], where: str) -> list[Environment]:
@@ -234,14 +239,35 @@ def plugin_key(message: str, spec: EnvConfig) -> str:
     return f"overrides.{seat}.harness.id"
 
 
-def check_runnable(spec: EnvConfig, env: vf.Env) -> None:
-    """What verifiers would only find out per rollout: a harness that needs a container on a host runtime,
-    and remote sandboxes without the Prime credentials their tunnel needs."""
+def declared_toolsets(env: vf.Env) -> list:
+    """The MCP toolsets its rollouts get: the task class's (a classmethod of the task config) and the
+    taskset's shared ones. Building them starts nothing."""
+    taskset = env.taskset
+    return [*type(taskset).task_type().toolsets(taskset.config.task), *taskset.toolsets(taskset.config)]
+
+
+def toolset_name(toolset) -> str:
+    return toolset.server_name or type(toolset).__name__
+
+
+def check_runnable(spec: EnvConfig, env: vf.Env, toolsets: list) -> None:
+    """What verifiers would only find out per rollout: a harness that cannot run the environment's tools or
+    needs a container on a host runtime, and remote sandboxes without the Prime credentials their tunnel
+    needs."""
     task_class = type(env.taskset).task_type()
     agents = agent_config_fields(env.config)
     for seat, agent in agents.items():
+        harness = env._harnesses[seat]
+        if toolsets and not harness.SUPPORTS_MCP:
+            raise EnvLoadError(
+                f"environment {spec.label!r}, seat {seat!r}: its tasks call tools (MCP toolsets "
+                f"{', '.join(map(toolset_name, toolsets))}), but harness "
+                f"{harness.config.id!r} cannot offer tools; remove `harness` from its [[env]] table (rl's default "
+                f"{DEFAULT_HARNESS!r} runs tools in process) or set one that supports MCP, e.g. "
+                f"harness = {{id = '{DEFAULT_HARNESS}'}} or {{id = 'null'}} (installs its program with uv)"
+            )
         try:
-            validate_pairing(env._harnesses[seat], task_class, agent.runtime)
+            validate_pairing(harness, task_class, agent.runtime, tools=toolsets)
         except ValueError as e:  # its advice names verifiers' CLI flags; ours is the [[env]] key
             raise EnvLoadError(
                 f"environment {spec.label!r}, seat {seat!r}: {e} (in rl: `runtime = {{type = 'docker'}}` in its "

@@ -10,12 +10,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from rl.config import run_cli
+from rl.config import ConfigError, run_cli
 from rl.metrics import MetricsLogger, setup_logging
 from rl.orchestrator.advantage import group_advantages
 from rl.orchestrator.batch import balance_by_tokens
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.environment import Environment, EnvLoadError, load_environments, serving
+from rl.renderer import chat_renderer
+from rl.renderer import describe as describe_renderer
 from rl.orchestrator.eval import eval_due, evaluate, to_sampling
 from rl.orchestrator.inference_pool import InferencePool
 from rl.orchestrator.rollouts import InferenceClient, RolloutResult, TokenSegment, run_group, tune_gc_for_serving
@@ -66,11 +68,13 @@ class Orchestrator:
         self.paths = RunPaths(config.output_dir)
         self.pool = InferencePool(config.client.base_urls, config.client.admin_token, config.client.timeout_s)
         served = config.adapter or config.model.name  # with LoRA, requests select the adapter by name
-        self.clients = [InferenceClient(url, served, config.model.name) for url in config.client.base_urls]
         self.envs: list[Environment] = load_environments(config.env, "env")
         self.eval_envs: list[Environment] = load_environments(config.eval.env, "eval.env") or self.envs
         for env in {id(e): e for e in self.envs + self.eval_envs}.values():
             logger.info(env.describe())
+        renderer, why = chat_renderer(config.model.renderer, config.model.name, self.envs + self.eval_envs)
+        logger.info(f"model {config.model.name!r} renders with {describe_renderer(renderer)} ({why})")
+        self.clients = [InferenceClient(url, served, config.model.name, renderer) for url in config.client.base_urls]
         self.samplers = [TaskSampler(env.num_tasks, config.seed + i) for i, env in enumerate(self.envs)]
         self.semaphore = asyncio.Semaphore(config.max_concurrent)
         self.policy_step = 0
@@ -283,7 +287,7 @@ def main() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         orchestrator = Orchestrator(config, logger)
-    except EnvLoadError as e:
+    except (ConfigError, EnvLoadError) as e:
         logger.error(str(e))
         sys.exit(2)
     asyncio.run(orchestrator.run())

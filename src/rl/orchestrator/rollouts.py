@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import verifiers.v1 as vf
-from renderers import DefaultRendererConfig
+from in_process_chat.tools import tool_messages
 
 from rl.orchestrator.environment import Environment
 from rl.patches import apply_orchestrator_patches
@@ -52,6 +52,7 @@ class InferenceClient:
     base_url: str  # OpenAI-compatible server root, with or without /v1
     model: str  # the name the server serves the policy under
     tokenizer: str  # local model/tokenizer directory the prompt is rendered with
+    renderer: Any  # a typed renderers config (rl/renderer.py picks it per model)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class RolloutResult:
     metrics: dict[str, float]
     is_truncated: bool  # stopped by max_tokens or a turn/token limit
     num_turns: int
+    tool_calls: int | None = None  # tool results the model got back; None where no tools were offered
+    tool_errors: int | None = None  # of those, the calls that failed (`error: ...` results)
 
     @property
     def sampled_tokens(self) -> int:
@@ -169,7 +172,7 @@ def model_context(client: InferenceClient, sampling: Sampling, offset: int) -> v
         # renderers finds /inference/v1/generate beside /v1 and reads max_model_len from /v1/models.
         base_url=base_url if base_url.endswith("/v1") else f"{base_url}/v1",
         api_key_var=API_KEY_VAR,
-        renderer=DefaultRendererConfig(),  # the tokenizer's own chat template
+        renderer=client.renderer,
         renderer_model_name=client.tokenizer,
     )
     seed = None if sampling.seed is None else sampling.seed + offset
@@ -204,7 +207,17 @@ def to_result(task_index: int, task: vf.Task, episode: vf.Episode) -> RolloutRes
         metrics={name: value for name, value in trace.metrics.items() if value is not None},
         is_truncated=trace.is_truncated,
         num_turns=trace.num_turns,
+        **tool_counts(trace),
     )
+
+
+def tool_counts(trace: vf.Trace) -> dict[str, int]:
+    """How many tool calls ran and failed, read off the conversation (any harness's tool messages); nothing
+    where the rollout was offered no tools."""
+    if not trace.tools:
+        return {}
+    results = tool_messages(trace.messages)
+    return {"tool_calls": len(results), "tool_errors": sum(r.startswith("error") for r in results)}
 
 
 def to_segments(task_index: int, branches: list) -> list[TokenSegment]:

@@ -15,7 +15,8 @@ def mean(values: list[float]) -> float:
 
 def rollout_stats(results_by_env: dict[str, list[RolloutResult]], prefix: str = "") -> dict:
     """reward, completion_len(_max), truncated (fraction), num_turns, segments over every rollout; per environment
-    `reward/<env>`, `reward/<env>/<component>`, `metric/<env>/<metric>` (its own metrics) and `rollouts/<env>`."""
+    `reward/<env>`, `reward/<env>/<component>`, `metric/<env>/<metric>` (its own metrics), `rollouts/<env>`,
+    `turns/<env>` and, where tools were offered, `tools/<env>/calls` and `tools/<env>/errors` (per rollout)."""
     everything = [r for rs in results_by_env.values() for r in rs]
     if not everything:
         return {}
@@ -31,9 +32,19 @@ def rollout_stats(results_by_env: dict[str, list[RolloutResult]], prefix: str = 
     for name, results in results_by_env.items():
         stats[f"{prefix}reward/{name}"] = mean([r.reward for r in results])
         stats[f"{prefix}rollouts/{name}"] = len(results)
+        stats[f"{prefix}turns/{name}"] = mean([r.num_turns for r in results])
+        stats |= {f"{prefix}tools/{name}/{key}": value for key, value in tool_stats(results).items()}
         stats |= {f"{prefix}reward/{name}/{key}": value for key, value in means(r.rewards for r in results).items()}
         stats |= {f"{prefix}metric/{name}/{key}": value for key, value in means(r.metrics for r in results).items()}
     return stats
+
+
+def tool_stats(results: list[RolloutResult]) -> dict[str, float]:
+    """Tool calls and failed calls per rollout, over the rollouts that were offered tools."""
+    offered = [r for r in results if r.tool_calls is not None]
+    if not offered:
+        return {}
+    return {"calls": mean([r.tool_calls for r in offered]), "errors": mean([r.tool_errors for r in offered])}
 
 
 def means(records) -> dict[str, float]:

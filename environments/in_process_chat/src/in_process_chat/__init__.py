@@ -1,10 +1,11 @@
-"""In-process chat for offline verifiers environments.
+"""In-process chat for offline verifiers environments, tools included.
 
 verifiers' built-in `bash` and `null` harnesses launch a program through uv, which needs the network to
 install it. verifiers only requires that every model call goes through the rollout's interception
 `endpoint` with its `secret` (see `Harness.launch`), so `InProcessChatHarness` makes that call itself, in
 the rollout's own process, and returns a synthetic success. Token ids and logprobs are recorded by
-verifiers on the trace as usual.
+verifiers on the trace as usual. A rollout with toolsets gets their tools offered and its calls run
+through their MCP servers (`tools.py`).
 
 Model calls share one kept-alive HTTP session per event loop while `shared_session()` is held: rl's
 orchestrator holds it while an environment serves, and the `SharedChatSession` mixin does for an `Env` run
@@ -21,7 +22,10 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import verifiers.v1 as vf
+from pydantic import Field
 from verifiers.v1.dialects.chat import message_to_wire
+
+from in_process_chat.tools import Toolbox
 
 _shared: dict[asyncio.AbstractEventLoop, tuple[aiohttp.ClientSession, int]] = {}
 """Per event loop: the session serving environments share, and how many environments hold it."""
@@ -82,21 +86,27 @@ class SharedChatSession:
 
 async def complete(endpoint: str, secret: str, model: str, messages: list[dict]) -> str:
     """One chat completion through the rollout's interception endpoint; the reply's text."""
+    return (await chat(endpoint, secret, model, messages)).get("content") or ""
+
+
+async def chat(endpoint: str, secret: str, model: str, messages: list[dict], tools: list[dict] | None = None) -> dict:
+    """One chat completion through the rollout's interception endpoint, offering `tools` (OpenAI function
+    schemas); the reply's assistant message (`content`, and `tool_calls` where the model called tools)."""
+    body = {"model": model, "messages": messages} | ({"tools": tools} if tools else {})
     shared = _shared.get(asyncio.get_running_loop())
     if shared is not None:
-        return await _post(shared[0], endpoint, secret, model, messages)
+        return await _post(shared[0], endpoint, secret, body)
     async with new_session() as session:
-        return await _post(session, endpoint, secret, model, messages)
+        return await _post(session, endpoint, secret, body)
 
 
-async def _post(session: aiohttp.ClientSession, endpoint: str, secret: str, model: str, messages) -> str:
+async def _post(session: aiohttp.ClientSession, endpoint: str, secret: str, body: dict) -> dict:
     url = f"{endpoint.rstrip('/')}/chat/completions"
-    body = {"model": model, "messages": messages}
     async with session.post(url, json=body, headers={"Authorization": f"Bearer {secret}"}) as response:
         text = await response.text()
     if response.status >= 400:
         raise ModelCallError(f"POST {url} answered {response.status}: {text[:500]}")
-    return json.loads(text)["choices"][0]["message"].get("content") or ""
+    return json.loads(text)["choices"][0]["message"]
 
 
 def chat_messages(system: str | None, prompt: str | vf.Messages | None) -> list[dict]:
@@ -120,21 +130,44 @@ class DataIdKey:
 
 
 class InProcessChatConfig(vf.HarnessConfig):
-    """No knobs: the sampling settings come from the rollout's model context."""
+    """The sampling settings come from the rollout's model context; `tool_timeout` (verifiers') bounds each
+    tool call."""
+
+    max_tool_calls: int = Field(8, ge=0, description="tool calls run per rollout; then the rollout ends")
 
 
 class InProcessChatHarness(vf.Harness[InProcessChatConfig]):
-    """One chat completion per segment, no tools; later segments resume on the whole conversation."""
+    """One chat completion per segment; where the rollout has toolsets, the tool loop of `tools.py`.
+    Later segments resume on the whole conversation."""
 
     APPENDS_SYSTEM_PROMPT = True  # a task's system prompt stays a system message
+    SUPPORTS_MCP = True  # tools run through the rollout's MCP servers, called from this process
     SUPPORTS_RESUME = True  # multi-turn: the default `resume` relaunches on the conversation
-    EXECUTES_CODE = False  # the model gets no execution, so the subprocess runtime is safe
+    EXECUTES_CODE = False  # the model runs nothing itself: tools are the toolsets' own code
     NEEDS_CONTAINER = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data) -> vf.ProgramResult:
-        """Send the conversation once; the interception server records the turn on `trace`."""
-        reply = await complete(endpoint, secret, ctx.model, chat_messages(*self.resolve_prompt(data)))
+        """Send the conversation; the interception server records every turn on `trace`."""
+        messages = chat_messages(*self.resolve_prompt(data))
+        if not mcp_urls:
+            reply = await complete(endpoint, secret, ctx.model, messages)
+            return vf.ProgramResult(exit_code=0, stdout=reply, stderr="")
+        async with Toolbox.connect(mcp_urls, self.config.tool_timeout) as toolbox:
+            reply = await self.tool_loop(toolbox, endpoint, secret, ctx.model, messages)
         return vf.ProgramResult(exit_code=0, stdout=reply, stderr="")
+
+    async def tool_loop(self, toolbox: Toolbox, endpoint: str, secret: str, model: str, messages: list[dict]) -> str:
+        calls = 0
+        while True:
+            reply = await chat(endpoint, secret, model, messages, toolbox.schemas)
+            tool_calls = reply.get("tool_calls") or []
+            if not tool_calls or calls >= self.config.max_tool_calls:
+                return reply.get("content") or ""
+            messages.append({"role": "assistant", "content": reply.get("content") or "", "tool_calls": tool_calls})
+            for call in tool_calls[: self.config.max_tool_calls - calls]:
+                result = await toolbox.call(call)
+                messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": result})
+                calls += 1
 
 
 __all__ = [
@@ -143,6 +176,8 @@ __all__ = [
     "InProcessChatHarness",
     "ModelCallError",
     "SharedChatSession",
+    "Toolbox",
+    "chat",
     "chat_messages",
     "complete",
     "shared_session",

@@ -1,11 +1,10 @@
-"""tool-calc: an offline tool-use verifiers environment with an in-process tool loop (see README)."""
+"""tool-calc: an offline tool-use verifiers environment; its tools are an MCP toolset (see README)."""
 
 import verifiers.v1 as vf
 from in_process_chat import SharedChatSession
 
-from tool_calc.harness import ToolCalcHarness, ToolCalcHarnessConfig
 from tool_calc.taskset import ToolCalcConfig, ToolCalcData, ToolCalcTask, ToolCalcTaskset, last_number
-from tool_calc.tools import TOOLS, find_call, run_call
+from tool_calc.tools import CalcToolset
 
 
 class ToolCalcEnvConfig(vf.EnvConfig):
@@ -18,16 +17,12 @@ class ToolCalcEnv(SharedChatSession, vf.Env[ToolCalcEnvConfig]):
 
 
 __all__ = [
-    "TOOLS",
+    "CalcToolset",
     "ToolCalcConfig",
     "ToolCalcData",
     "ToolCalcEnv",
     "ToolCalcEnvConfig",
-    "ToolCalcHarness",
-    "ToolCalcHarnessConfig",
     "ToolCalcTask",
     "ToolCalcTaskset",
-    "find_call",
     "last_number",
-    "run_call",
 ]

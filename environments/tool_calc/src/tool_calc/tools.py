@@ -1,44 +1,26 @@
-"""The tool set and the text protocol for calling it: `<tool_call>{json}</tool_call>` in, a
-`<tool_response>` turn out."""
+"""The calculator's tools, an MCP server as verifiers documents (`vf.Toolset`, `@vf.tool` methods).
+
+verifiers starts it with `python -m tool_calc.tools` beside the rollouts (one server for the taskset,
+shared by every rollout: the tools keep no state) and hands its URL to the harness."""
 
 from __future__ import annotations
 
-import json
-import re
-
-TOOLS = {
-    "add": (lambda a, b: a + b, "add(a: int, b: int) -> a + b"),
-    "multiply": (lambda a, b: a * b, "multiply(a: int, b: int) -> a * b"),
-}
-CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+import verifiers.v1 as vf
 
 
-def tools_prompt() -> str:
-    listed = "\n".join(f"- {signature}" for _, signature in TOOLS.values())
-    return (
-        "You can use these tools:\n"
-        f"{listed}\n"
-        'Call one with <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> and wait for '
-        "the <tool_response>. When you know the answer, reply with the number only."
-    )
+class CalcToolset(vf.Toolset[vf.SharedToolsetConfig]):
+    TOOL_PREFIX = None  # offered as `add` and `multiply`, not `calc_toolset_add`
+
+    @vf.tool
+    def add(self, a: int, b: int) -> int:
+        """Return a + b."""
+        return a + b
+
+    @vf.tool
+    def multiply(self, a: int, b: int) -> int:
+        """Return a * b."""
+        return a * b
 
 
-def find_call(text: str) -> str | None:
-    """The first tool call's JSON text, or None when the reply calls no tool."""
-    match = CALL.search(text or "")
-    return match.group(1) if match else None
-
-
-def run_call(call: str) -> str:
-    """Execute one call; a bad call gets an error message the model can read (never an exception)."""
-    try:
-        request = json.loads(call)
-        function, _ = TOOLS[request["name"]]
-        arguments = request.get("arguments", {})
-        return str(function(int(arguments["a"]), int(arguments["b"])))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        return f"error: {type(e).__name__}: {e}; tools are {sorted(TOOLS)}"
-
-
-def response_message(result: str) -> dict:
-    return {"role": "user", "content": f"<tool_response>{result}</tool_response>"}
+if __name__ == "__main__":
+    CalcToolset.run()
