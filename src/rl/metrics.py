@@ -11,7 +11,11 @@ from rl.config import WandbConfig
 from rl.protocol import RunPaths, append_metrics, atomic_write_text
 
 
-def setup_logging(process: str) -> logging.Logger:
+PER_REQUEST_LOGGERS = ("verifiers", "httpx", "httpx2", "mcp", "aiohttp.access")
+"""Libraries that log a line per rollout, request or tool call at INFO: warnings and errors only."""
+
+
+def setup_logging(process: str, quiet: tuple[str, ...] = ()) -> logging.Logger:
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {process} %(levelname)s %(message)s",
@@ -19,6 +23,8 @@ def setup_logging(process: str) -> logging.Logger:
         stream=sys.stdout,
         force=True,
     )
+    for name in quiet:
+        logging.getLogger(name).setLevel(logging.WARNING)
     return logging.getLogger(process)
 
 

@@ -26,7 +26,7 @@ class Server:
     """`toml`: extra InferenceConfig settings, passed as a config file (`@ file`) beside the log."""
 
     def __init__(self, model: Path, weights_dir: Path, log: Path, token: str = "test-token", timeout_s: float = 300,
-                 env: dict[str, str] | None = None, toml: str | None = None):
+                 env: dict[str, str] | None = None, toml: str | None = None, max_model_len: int = 512):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
@@ -34,7 +34,7 @@ class Server:
         self.log = log
         cmd = [
             sys.executable, "-m", "rl.inference.main", "--model.name", str(model), "--port", str(self.port),
-            "--weights-dir", str(weights_dir), "--admin-token", token, "--max-model-len", "512",
+            "--weights-dir", str(weights_dir), "--admin-token", token, "--max-model-len", str(max_model_len),
         ]
         if toml is not None:
             config = log.with_suffix(".toml")

@@ -11,7 +11,7 @@ from guess_number import feedback, parse_guess
 from in_process_chat import ModelCallError, SharedChatSession, complete
 from rl.config import EnvConfig
 from rl.orchestrator.environment import load_environment as load_spec
-from tool_calc import find_call, last_number, run_call
+from tool_calc import CalcToolset, ToolCalcTaskset, last_number
 
 
 def load_environment(env_id: str, args: dict, overrides: dict | None = None):
@@ -30,15 +30,13 @@ def test_guess_number_tasks_and_feedback():
     ]
 
 
-def test_tool_calc_tools_run_in_process():
+def test_tool_calc_serves_its_tools_as_a_shared_mcp_toolset():
     env = load_environment("tool-calc", {"num_examples": 3, "seed": 1})
-    task = env.tasks[0].data
-    assert "add(a: int, b: int)" in task.system_prompt and task.prompt.startswith("What is (")
-    call = find_call('I will add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
-    assert run_call(call) == "5"
-    assert run_call('{"name": "multiply", "arguments": {"a": 4, "b": 6}}') == "24"
-    assert run_call('{"name": "divide", "arguments": {"a": 4, "b": 2}}').startswith("error: KeyError")
-    assert find_call("just 12") is None and last_number("it is 3 then 12") == 12
+    assert env.tasks[0].data.prompt.startswith("What is (") and env.toolsets == ["CalcToolset"]
+    (toolset,) = ToolCalcTaskset.toolsets(env.env.taskset.config)
+    assert isinstance(toolset, CalcToolset) and toolset.server_name == ""  # offered bare: add, multiply
+    assert (toolset.add(2, 3), toolset.multiply(4, 6)) == (5, 24)
+    assert last_number("it is 3 then 12") == 12 and last_number("none") is None
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import shutil
 import sys
 import time
@@ -30,7 +29,7 @@ from rl.eval.config import EvalCommandConfig
 from rl.launcher.checks import check_model
 from rl.launcher.config import client_host
 from rl.launcher.supervisor import ChildSpec, Supervisor
-from rl.metrics import setup_logging
+from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
 from rl.orchestrator.environment import EnvLoadError, Environment, load_environments, serving
 from rl.orchestrator.eval import Groups, eval_stats, group_scores, run_eval_groups
 from rl.orchestrator.rollouts import InferenceClient, RolloutResult
@@ -240,9 +239,7 @@ def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logg
 
 def main(argv: list[str] | None = None) -> None:
     config = run_cli(EvalCommandConfig, argv)
-    logger = setup_logging("eval")
-    for noisy in ("verifiers", "httpx", "aiohttp.access"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logger = setup_logging("eval", quiet=PER_REQUEST_LOGGERS)
     try:
         out = output_dir(config)
         if config.client.base_url is None:

@@ -52,7 +52,8 @@ def check_environments(config: OrchestratorConfig) -> None:
             loaded += load_environments(envs, where)
         except EnvLoadError as e:
             raise ConfigError(str(e)) from None
-    chat_renderer(config.model.renderer, config.model.name, loaded)
+    if config.model.renderer != "auto" or any(env.toolsets for env in loaded):  # else nothing can be wrong yet
+        chat_renderer(config.model.renderer, config.model.name, loaded)
 
 
 def check_output_dir(paths: RunPaths, resuming: bool) -> None:

@@ -4,14 +4,13 @@ of rollouts, compute advantages and write the step's batch for the trainer."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from rl.config import ConfigError, run_cli
-from rl.metrics import MetricsLogger, setup_logging
+from rl.metrics import PER_REQUEST_LOGGERS, MetricsLogger, setup_logging
 from rl.orchestrator.advantage import group_advantages
 from rl.orchestrator.batch import balance_by_tokens
 from rl.orchestrator.config import OrchestratorConfig
@@ -282,9 +281,7 @@ def to_sample(
 
 def main() -> None:
     config = run_cli(OrchestratorConfig)
-    logger = setup_logging("orchestrator")
-    for noisy in ("verifiers", "httpx", "aiohttp.access"):  # one line per rollout or request otherwise
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logger = setup_logging("orchestrator", quiet=PER_REQUEST_LOGGERS)
     try:
         orchestrator = Orchestrator(config, logger)
     except (ConfigError, EnvLoadError) as e:

@@ -1,0 +1,122 @@
+"""Tool environments without a server: the renderer rl picks per model, the start-up refusals, and the
+in-process harness's tool loop against a stand-in model and toolbox."""
+
+import asyncio
+
+import pytest
+import verifiers.v1 as vf
+from renderers.configs import DefaultRendererConfig, Qwen3RendererConfig
+
+import in_process_chat
+from in_process_chat import InProcessChatConfig, InProcessChatHarness
+from in_process_chat.tools import ERROR_PREFIX, Toolbox, parse_arguments, tool_messages
+from rl.config import ConfigError, EnvConfig
+from rl.orchestrator.environment import EnvLoadError, load_environment
+from rl.renderer import chat_renderer, renderer_config
+from rl.tiny_model import build_tiny_model, build_tokenizer
+from tests.conftest import ROOT
+
+FIXTURES = ROOT / "tests" / "fixtures" / "environments"
+
+
+@pytest.fixture
+def fixtures_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tools") / "model"))
+
+
+def test_auto_picks_verifiers_renderer_for_a_qwen3_hub_name():
+    config, why = renderer_config("auto", "Qwen/Qwen3-0.6B")  # by name: nothing is downloaded
+    assert isinstance(config, Qwen3RendererConfig) and "Qwen/Qwen3-0.6B" in why
+
+
+def test_auto_reads_a_local_models_template(tiny, tmp_path):
+    config, why = renderer_config("auto", tiny)
+    assert config == DefaultRendererConfig(tool_parser="qwen3") and "<tool_call>" in why
+    plain = build_tokenizer()
+    plain.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    plain.save_pretrained(tmp_path)
+    assert renderer_config("auto", str(tmp_path))[0] == DefaultRendererConfig()
+
+
+def test_explicit_renderers_and_bad_ones(tiny):
+    assert renderer_config("qwen3", tiny)[0] == Qwen3RendererConfig()
+    table = {"name": "default", "tool_parser": "qwen3"}
+    assert renderer_config(table, tiny) == (DefaultRendererConfig(tool_parser="qwen3"), "as configured")
+    with pytest.raises(ConfigError, match="model.renderer = 'no-such'"):
+        renderer_config("no-such", tiny)
+    with pytest.raises(ConfigError, match="model.renderer"):
+        renderer_config({"name": "qwen3", "bogus": 1}, tiny)
+
+
+def test_tool_environments_are_refused_a_renderer_without_tools(tiny):
+    env = load_environment(EnvConfig(id="tool-calc", args={"num_examples": 2}))
+    assert chat_renderer("auto", tiny, [env])[0].tool_parser == "qwen3"
+    with pytest.raises(ConfigError, match=r"'tool-calc' \(toolsets CalcToolset\) serves tools.*default \(as configured"):
+        chat_renderer("default", tiny, [env])
+    chat = load_environment(EnvConfig(id="reverse-text", args={"num_examples": 2}))
+    assert chat.toolsets == [] and chat_renderer("default", tiny, [chat])[0] == DefaultRendererConfig()
+
+
+def test_a_harness_without_mcp_is_refused_for_a_tool_environment(fixtures_importable):
+    env = load_environment(EnvConfig(id="toolset-env"))  # vf-init --add-tool's shape: a task-scoped toolset
+    assert env.toolsets == ["kv"] and "harness 'in-process-chat'" in env.describe()
+    with pytest.raises(EnvLoadError, match="'toolset-env'.*toolsets kv.*harness 'no-tools-harness' cannot offer tools"):
+        load_environment(EnvConfig(id="toolset-env", harness={"id": "no-tools-harness"}))
+
+
+def test_arguments_that_are_not_a_json_object_are_answered_as_errors():
+    assert parse_arguments('{"a": 1}') == {"a": 1} and parse_arguments({"a": 1}) == {"a": 1}
+    assert parse_arguments('{"a": ').startswith(ERROR_PREFIX + "the arguments are not valid JSON")
+    assert parse_arguments("[1]") == ERROR_PREFIX + "the arguments must be a JSON object, not list"
+
+
+class StandInToolbox(Toolbox):
+    """Answers `add` and refuses anything else, as the MCP-backed toolbox does."""
+
+    def __init__(self):
+        super().__init__([{"type": "function", "function": {"name": "add"}}], {"add": ("", "add")}, {}, 5.0)
+
+    async def call(self, tool_call):
+        name = tool_call["function"]["name"]
+        if name != "add":
+            return f"{ERROR_PREFIX}unknown tool {name!r}"
+        arguments = parse_arguments(tool_call["function"]["arguments"])
+        return str(arguments["a"] + arguments["b"])
+
+
+def call(name: str, arguments: str, id_: str = "c") -> dict:
+    return {"id": id_, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_the_tool_loop_runs_calls_until_an_answer_or_the_budget(monkeypatch):
+    replies = [
+        {"content": None, "tool_calls": [call("add", '{"a": 2, "b": 3}', "1"), call("nope", "{}", "2")]},
+        {"content": "5", "tool_calls": None},
+    ]
+    seen = []
+
+    async def stand_in_chat(endpoint, secret, model, messages, tools=None):
+        seen.append(([dict(m) for m in messages], tools))
+        return replies[len(seen) - 1]
+
+    monkeypatch.setattr(in_process_chat, "chat", stand_in_chat)
+    harness = InProcessChatHarness(InProcessChatConfig(id="in-process-chat"))
+    start = [{"role": "user", "content": "2 + 3?"}]
+    assert asyncio.run(harness.tool_loop(StandInToolbox(), "e", "s", "m", list(start))) == "5"
+    second_prompt, offered = seen[1]
+    assert offered == [{"type": "function", "function": {"name": "add"}}]
+    assert [(m["role"], m.get("content")) for m in second_prompt[-2:]] == [
+        ("tool", "5"), ("tool", f"{ERROR_PREFIX}unknown tool 'nope'")
+    ]
+    assert tool_messages(second_prompt) == ["5", f"{ERROR_PREFIX}unknown tool 'nope'"]
+
+    seen.clear()
+    replies[1] = replies[0]  # the model keeps calling: the budget ends the rollout
+    budget = InProcessChatHarness(InProcessChatConfig(id="in-process-chat", max_tool_calls=1))
+    assert asyncio.run(budget.tool_loop(StandInToolbox(), "e", "s", "m", list(start))) == ""
+    assert len(seen) == 2 and len(tool_messages(seen[1][0])) == 1
