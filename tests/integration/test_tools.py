@@ -76,8 +76,6 @@ def test_scripted_tool_calls_get_the_tools_real_results(tiny_model, tmp_path, to
 
 
 TOOL_RUN = """
-batch_size = 4  # one group a step: a task-scoped toolset starts a server (a Python process) per rollout
-rollouts_per_example = 4
 [[env]]
 id = "toolset-env"
 harness = { id = "in-process-chat", max_tool_calls = 2 }
@@ -90,7 +88,9 @@ def test_rl_trains_a_tool_environment_and_eval_reports_its_tools(tiny_model, tmp
     orch = tmp_path / "tools.toml"
     orch.write_text(TOOL_RUN)
     out = tmp_path / "run"
-    run = Launched(rl_command(tiny_model, out, 3, "--orchestrator", "@", str(orch), "--seq-len", str(PROMPT_TOKENS)))
+    # one group of 4 a step: a task-scoped toolset starts a server (a Python process, ~190 MB) per rollout
+    small = ["--orchestrator.batch-size", "4", "--orchestrator.rollouts-per-example", "4"]
+    run = Launched(rl_command(tiny_model, out, 3, "--orchestrator", "@", str(orch), "--seq-len", str(PROMPT_TOKENS), *small))
     assert run.wait(timeout=900) == 0, run.output[-5000:]
     log = (out / "logs" / "orchestrator.log").read_text()
     assert "toolsets kv" in log and "renders with default {'tool_parser': 'qwen3'}" in log
