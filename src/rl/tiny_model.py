@@ -113,8 +113,13 @@ def build_tiny_model(
     out = Path(out)
     tokenizer = build_tokenizer()
     config = build_config(tokenizer, hidden_size, layers, heads, kv_heads)
+    # Draw the weights for the vocabulary without the tool tokens, then append rows for those: every other
+    # weight is what the same seed gave before the tool tokens existed, so the quickstart's measured SFT and
+    # RL behaviour (docs/architecture.md, Measurements) still holds.
+    config.vocab_size -= len(TOOL_TOKENS)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out.mkdir(parents=True, exist_ok=True)
