@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     weights = tmp_path_factory.mktemp("weights")  # the runs below publish into their own run dirs
-    server = Server(model_dir, weights.parent, weights / "inference.log")
+    server = Server(model_dir, weights.parent, weights / "inference.log", max_model_len=2048)  # tool-calc: tool schemas
     yield server
     server.stop()
 
