@@ -5,6 +5,7 @@ manifests checked against Kubernetes' own schemas)."""
 import json
 import subprocess
 import time
+from dataclasses import asdict, replace
 
 import pytest
 import yaml
@@ -12,9 +13,9 @@ import yaml
 from rl.config import ConfigError, parse_config
 from rl.launcher.config import RLConfig
 from rl.launcher.deploy import as_given, render_k8s, render_slurm
-from rl.launcher.hosts import HostBoard
+from rl.launcher.hosts import Host, HostBoard
 from rl.launcher.main import child_specs, load
-from rl.protocol import RunPaths
+from rl.protocol import RunPaths, atomic_write_text
 from tests.conftest import ROOT
 
 CONFIGS = ROOT / "configs" / "reverse_text"
@@ -95,6 +96,18 @@ def test_a_silent_host_is_named_first_down(tmp_path):
     c = board(tmp_path, "c", ("inference",), timeout_s=1.0)
     c.join()  # a later launch of the run forgets the hosts that stopped beating
     assert [h.name for h in c.hosts()] == ["c"]
+
+
+def test_a_peer_whose_clock_is_an_hour_behind_is_alive_while_its_file_changes(tmp_path):
+    a = board(tmp_path, "a", ("trainer",), 0, nodes=2, timeout_s=1.0)
+    a.join()
+    behind = Host("b", ("trainer",), "running", "", time.time() - 3600, 1)
+    for beat in range(4):  # b beats every 0.5 s with its own (wrong) clock
+        atomic_write_text(tmp_path / "hosts" / "b.json", json.dumps(asdict(replace(behind, time=behind.time + beat))))
+        assert a.trouble() is None
+        time.sleep(0.5)
+    time.sleep(1.1)  # then b stops beating: silent on a's own clock
+    assert a.trouble().name == "b"
 
 
 def rendered_k8s(tmp_path, *argv) -> list[dict]:

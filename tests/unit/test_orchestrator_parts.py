@@ -76,11 +76,11 @@ def test_gc_tuned_for_serving_freezes_the_startup_heap_and_collects_young_object
         gc.set_threshold(*before)
 
 
-def rollout(reward: float, metrics: dict | None = None, rewards: dict | None = None):
+def rollout(reward: float, metrics: dict | None = None, rewards: dict | None = None, task_index: int = 0, **tools):
     from rl.orchestrator.rollouts import RolloutResult, TokenSegment
 
     segment = TokenSegment([1, 2], [3, 4], [1, 1], [-0.1, -0.2])
-    return RolloutResult(0, "t", [segment], reward, rewards or {"r": reward}, metrics or {}, False, 1)
+    return RolloutResult(task_index, "t", [segment], reward, rewards or {"r": reward}, metrics or {}, False, 1, **tools)
 
 
 def test_step_stats_carry_each_environments_metrics_components_and_counts():
@@ -98,7 +98,7 @@ def test_step_stats_carry_each_environments_metrics_components_and_counts():
 
 
 def test_pass_at_k_is_the_unbiased_estimate_and_avg_at_n_the_mean_reward():
-    from rl.orchestrator.eval import eval_stats, group_scores, ks, pass_at_k
+    from rl.orchestrator.eval import EvalGroups, eval_stats, group_scores, ks, pass_at_k
 
     assert ks(1) == [1] and ks(4) == [1, 2, 4] and ks(6) == [1, 2, 4, 6]
     assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 2) == 0.5 and pass_at_k(4, 1, 4) == 1.0
@@ -108,6 +108,45 @@ def test_pass_at_k_is_the_unbiased_estimate_and_avg_at_n_the_mean_reward():
     scores = group_scores([one_right, none_right], pass_threshold=1.0)
     assert scores == pytest.approx({"pass@1": 0.125, "pass@2": 0.25, "pass@4": 0.5, "avg@4": (0.4 + 0.9) / 2})
     assert group_scores([none_right], pass_threshold=0.9)["pass@1"] == 1.0  # the threshold decides
-    stats = eval_stats({"a": [one_right], "b": [none_right]}, 1.0)
+    stats = eval_stats(EvalGroups({"a": [one_right], "b": [none_right]}, {"a": [], "b": []}, 4), 1.0)
     assert stats["eval/pass@4"] == 0.5 and stats["eval/pass@4/a"] == 1.0 and stats["eval/pass@4/b"] == 0.0
-    assert stats["eval/rollouts/a"] == 4
+    assert stats["eval/rollouts/a"] == 4 and stats["eval/dropped"] == 0
+
+
+def test_a_failing_eval_group_is_retried_then_dropped_and_counted(monkeypatch):
+    """One eval task's rollouts always fail: the others are scored, it is counted under eval/dropped."""
+    import asyncio
+
+    from rl.orchestrator import rollouts
+    from rl.orchestrator.config import EvalConfig
+    from rl.orchestrator.eval import eval_stats, run_eval_groups
+
+    attempts = []
+
+    async def stand_in_group(env, task_index, n, client, sampling, semaphore=None, timeout_s=None):
+        attempts.append(task_index)
+        if task_index == 1:
+            raise rollouts.RolloutError("rollout of task 1 failed: ProviderError: boom")
+        return [rollout(1.0, task_index=task_index)] * n
+
+    class Env:
+        name, num_tasks = "echo", 3
+
+    monkeypatch.setattr(rollouts, "run_group", stand_in_group)
+    logged = []
+    config = EvalConfig(num_examples=3, rollouts_per_example=2, sampling={"temperature": 1.0})
+    evaluated = asyncio.run(run_eval_groups(config, [Env()], 3, [None], asyncio.Semaphore(4), None, 2, logged.append))
+    assert sorted(attempts) == [0, 1, 1, 1, 2] and len(logged) == 3  # task 1: once and 2 retries
+    assert [[r.task_index for r in g] for g in evaluated.groups["echo"]] == [[0, 0], [2, 2]]
+    assert evaluated.dropped == {"echo": ["RolloutError: rollout of task 1 failed: ProviderError: boom"]}
+    stats = eval_stats(evaluated, 1.0)
+    assert stats["eval/dropped"] == 2 and stats["eval/dropped/echo"] == 2 and stats["eval/rollouts/echo"] == 4
+
+
+def test_tool_and_turn_stats_per_environment():
+    from rl.orchestrator.stats import rollout_stats
+
+    with_tools = [rollout(1.0, tool_calls=2, tool_errors=1), rollout(0.0, tool_calls=0, tool_errors=0)]
+    stats = rollout_stats({"calc": with_tools, "chat": [rollout(1.0)]})
+    assert stats["tools/calc/calls"] == 1.0 and stats["tools/calc/errors"] == 0.5
+    assert stats["turns/calc"] == 1 and "tools/chat/calls" not in stats

@@ -22,7 +22,6 @@ class EvalClientConfig(Section):
     served_model: Annotated[
         str | None, Field(description="the model name that server serves; unset: model.name")
     ] = None
-    timeout_s: Annotated[float, Field(gt=0, description="deadline for one request to the server")] = 300.0
     startup_timeout_s: Annotated[float, Field(gt=0, description="deadline for the server to become healthy")] = 600.0
 
 
@@ -43,6 +42,9 @@ class EvalCommandConfig(Settings, EvalSettings):
     rollout_timeout_s: Annotated[
         float | None, Field(gt=0, description="deadline for one rollout, from when it holds a concurrency slot")
     ] = None
+    max_retries: Annotated[
+        int, Field(ge=0, description="times a failed group is run again before it is dropped (and reported)")
+    ] = 1
     adapter: Annotated[
         Path | None,
         Field(description="a LoRA adapter directory (PEFT layout: adapter_config.json, adapter_model.safetensors; a "

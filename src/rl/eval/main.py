@@ -31,7 +31,7 @@ from rl.launcher.config import client_host
 from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
 from rl.orchestrator.environment import EnvLoadError, Environment, load_environments, serving
-from rl.orchestrator.eval import Groups, eval_stats, group_scores, run_eval_groups
+from rl.orchestrator.eval import EvalGroups, eval_stats, group_scores, run_eval_groups
 from rl.orchestrator.rollouts import InferenceClient, RolloutResult
 from rl.renderer import chat_renderer
 from rl.renderer import describe as describe_renderer
@@ -123,17 +123,20 @@ def wait_healthy(url: str, timeout_s: float, supervisor: Supervisor | None) -> N
     raise TimeoutError(f"inference server {url} was not healthy after {timeout_s:.0f}s")
 
 
-async def run(config: EvalCommandConfig, envs: list[Environment], client: InferenceClient) -> Groups:
+async def run(config: EvalCommandConfig, envs: list[Environment], client: InferenceClient, logger) -> EvalGroups:
     semaphore = asyncio.Semaphore(config.max_concurrent)
     async with serving(envs):
-        return await run_eval_groups(config, envs, config.num_examples, [client], semaphore, config.rollout_timeout_s)
+        return await run_eval_groups(
+            config, envs, config.num_examples, [client], semaphore, config.rollout_timeout_s, config.max_retries,
+            logger.warning,
+        )
 
 
-def rollout_records(groups: Groups, threshold: float, decode) -> list[dict]:
+def rollout_records(evaluated: EvalGroups, threshold: float, decode) -> list[dict]:
     return [
-        rollout_record(name, task_index, j, result, threshold, decode)
-        for name, env_groups in groups.items()
-        for task_index, group in enumerate(env_groups)
+        rollout_record(name, result.task_index, j, result, threshold, decode)
+        for name, env_groups in evaluated.groups.items()
+        for group in env_groups
         for j, result in enumerate(group)
     ]
 
@@ -158,22 +161,27 @@ def rollout_record(name: str, task_index: int, j: int, r: RolloutResult, thresho
     }
 
 
-def summarize(groups: Groups, config: EvalCommandConfig, elapsed_s: float) -> dict:
-    """Per environment and overall: tasks, rollouts, mean reward, components, metrics, pass@k, avg@n."""
+def summarize(evaluated: EvalGroups, config: EvalCommandConfig, elapsed_s: float) -> dict:
+    """Per environment and overall: tasks, rollouts, mean reward, components, metrics, pass@k, avg@n, and the
+    groups dropped after their retries (with their errors). An environment whose every group was dropped
+    has no reward."""
     per_env = {}
-    for name, env_groups in groups.items():
+    for name, env_groups in evaluated.groups.items():
         results = [r for g in env_groups for r in g]
+        dropped = evaluated.dropped[name]
         per_env[name] = {
-            "tasks": len(env_groups),
+            "tasks": len(env_groups) + len(dropped),
             "rollouts": len(results),
-            "reward": sum(r.reward for r in results) / len(results),
+            "dropped": len(dropped) * evaluated.group_size,
+            "reward": mean([r.reward for r in results]) if results else None,
             **group_scores(env_groups, config.pass_threshold),
             **{f"reward/{k}": v for k, v in means(r.rewards for r in results).items()},
             **{f"metric/{k}": v for k, v in means(r.metrics for r in results).items()},
             "turns": mean([r.num_turns for r in results]),
             **{f"tools/{k}": v for k, v in tool_stats(results).items()},
+            **({"errors": sorted(set(dropped))} if dropped else {}),
         }
-    overall = eval_stats(groups, config.pass_threshold, prefix="")
+    overall = eval_stats(evaluated, config.pass_threshold, prefix="")
     return {
         "model": config.model.name,
         "adapter": str(config.adapter) if config.adapter else None,
@@ -187,16 +195,18 @@ def summarize(groups: Groups, config: EvalCommandConfig, elapsed_s: float) -> di
 
 
 def format_table(summary: dict) -> str:
-    rows = [("env", "tasks", "rollouts", "reward", *score_keys(summary))]
+    keys = score_keys(summary)
+    rows = [("env", "tasks", "rollouts", "dropped", "reward", *keys)]
     for name, env in summary["envs"].items():
-        rows.append((name, env["tasks"], env["rollouts"], env["reward"], *(env[k] for k in score_keys(summary))))
+        rows.append((name, env["tasks"], env["rollouts"], env["dropped"], env["reward"], *(env.get(k, "-") for k in keys)))
     widths = [max(len(_cell(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(_cell(v).ljust(w) for v, w in zip(row, widths)) for row in rows)
 
 
 def score_keys(summary: dict) -> list[str]:
-    first = next(iter(summary["envs"].values()))
-    return [k for k in first if k.startswith(("pass@", "avg@"))]
+    """pass@k and avg@n, in order, of every environment that has them (none where all groups were dropped)."""
+    keys = [k for env in summary["envs"].values() for k in env if k.startswith(("pass@", "avg@"))]
+    return list(dict.fromkeys(keys))
 
 
 def _cell(value) -> str:
@@ -223,7 +233,7 @@ def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logg
         logger.info(f"model {config.model.name!r} renders with {describe_renderer(renderer)} ({why})")
         client = InferenceClient(url, served, config.model.name, renderer)
         start = time.perf_counter()
-        groups = asyncio.run(run(config, envs, client))
+        evaluated = asyncio.run(run(config, envs, client, logger))
         elapsed = time.perf_counter() - start
     finally:
         if supervisor is not None:
@@ -231,8 +241,8 @@ def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logg
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
-    records = rollout_records(groups, config.pass_threshold, tokenizer.decode)
-    summary = summarize(groups, config, elapsed)
+    records = rollout_records(evaluated, config.pass_threshold, tokenizer.decode)
+    summary = summarize(evaluated, config, elapsed)
     write_results(out, records, summary)
     return summary
 

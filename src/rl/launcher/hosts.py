@@ -5,6 +5,8 @@ the processes it runs, its state (running, finished, failed), why it failed, and
 launcher reads the others' files on each poll, so a run spread over hosts ends together: a host that
 failed, or whose file stopped changing for `timeout_s` (the host died, or lost the shared filesystem), stops
 the others, which name it. No network between launchers is needed, only the filesystem they already share.
+Silence is measured on the reader's monotonic clock from when it saw a peer's beat change, never by comparing
+the peer's clock with its own: hosts' clocks may disagree by more than `timeout_s`.
 """
 
 from __future__ import annotations
@@ -25,15 +27,8 @@ class Host:
     roles: tuple[str, ...]
     state: str  # running | finished | failed
     reason: str
-    time: float  # of the last beat, or of the failure
+    time: float  # of the last beat, or of the failure, on the writer's clock
     trainer_node: int | None  # node rank, on hosts running the trainer
-
-    def silent_for(self, now: float) -> float:
-        return now - self.time if self.state == "running" else 0.0
-
-    def down(self, now: float, timeout_s: float) -> bool:
-        """Failed, or silent for longer than `timeout_s`."""
-        return self.state == "failed" or self.silent_for(now) > timeout_s
 
     def describe(self) -> str:
         node = f", trainer node {self.trainer_node}" if self.trainer_node is not None else ""
@@ -49,9 +44,11 @@ class HostBoard:
         self.me = Host(name, roles, "running", "", time.time(), trainer_node)
         self.trainer_nodes, self.timeout_s = trainer_nodes, timeout_s
         self.last_beat = 0.0
+        self.seen: dict[str, tuple[float, float]] = {}  # peer -> (its last beat's time, when we saw it: monotonic)
 
     def join(self) -> None:
-        """Forget the files of hosts that are no longer beating (an earlier launch of this run), then beat."""
+        """Forget the files of hosts that are no longer beating (an earlier launch of this run), then beat. Only
+        here are clocks compared: a live host's file removed by a skewed clock is back at its next beat."""
         now = time.time()
         for host in self.hosts():
             if host.name != self.me.name and now - host.time > self.timeout_s:
@@ -82,10 +79,22 @@ class HostBoard:
     def peers(self) -> list[Host]:
         return [h for h in self.hosts() if h.name != self.me.name]
 
+    def silent_for(self, host: Host) -> float:
+        """Seconds since this host saw `host`'s beat change (0 when it changed now, or it is not running)."""
+        now = time.monotonic()
+        beat, seen = self.seen.get(host.name, (None, now))
+        if beat != host.time:
+            self.seen[host.name] = (host.time, now)
+            return 0.0
+        return now - seen if host.state == "running" else 0.0
+
+    def down(self, host: Host) -> bool:
+        """Failed, or silent for longer than `timeout_s`."""
+        return host.state == "failed" or self.silent_for(host) > self.timeout_s
+
     def trouble(self) -> Host | None:
         """The peer that failed, or went silent, first; None while every peer is well."""
-        now = time.time()
-        down = [h for h in self.peers() if h.down(now, self.timeout_s)]
+        down = [h for h in self.peers() if self.down(h)]
         return min(down, key=lambda h: h.time, default=None)
 
     def run_finished(self) -> bool:
@@ -99,12 +108,10 @@ class HostBoard:
         """After this host failed: wait (at most `timeout_s` past the last beat of any peer still running) for
         every peer to fail, finish or fall silent, and return the host that went down first, this one
         included: a peer killed outright beats last before this host's processes notice it."""
-        deadline = time.time() + self.timeout_s + BEAT_S
-        while time.time() < deadline:
-            now = time.time()
-            if not any(h.state == "running" and h.silent_for(now) <= self.timeout_s for h in self.peers()):
+        deadline = time.monotonic() + self.timeout_s + BEAT_S
+        while time.monotonic() < deadline:
+            if not any(h.state == "running" and not self.down(h) for h in self.peers()):
                 break
             time.sleep(0.5)
-        now = time.time()
-        down = [h for h in self.peers() if h.down(now, self.timeout_s)] + [self.me]
+        down = [h for h in self.peers() if self.down(h)] + [self.me]
         return min(down, key=lambda h: h.time)

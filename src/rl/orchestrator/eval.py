@@ -13,11 +13,13 @@ avg@n is the mean over tasks of the mean reward of the task's n rollouts.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
 from math import comb
 
 from rl.orchestrator.config import EvalConfig, EvalSettings, SamplingConfig
 from rl.orchestrator.environment import Environment
-from rl.orchestrator.rollouts import InferenceClient, RolloutResult, Sampling, run_group
+from rl.orchestrator.rollouts import InferenceClient, RolloutResult, Sampling, run_group_retried
 from rl.orchestrator.stats import mean, rollout_stats
 
 Groups = dict[str, list[list[RolloutResult]]]
@@ -39,6 +41,16 @@ def eval_due(config: EvalConfig, step: int, max_steps: int) -> bool:
     return config.interval is not None and ((step + 1) % config.interval == 0 or step + 1 == max_steps)
 
 
+@dataclass
+class EvalGroups:
+    """Per environment name, one group of rollouts per evaluated task that finished, and the groups dropped
+    after their retries (each error's type and text)."""
+
+    groups: Groups
+    dropped: dict[str, list[str]]
+    group_size: int  # rollouts per group
+
+
 async def run_eval_groups(
     settings: EvalSettings,
     envs: list[Environment],
@@ -46,20 +58,26 @@ async def run_eval_groups(
     clients: list[InferenceClient],
     semaphore: asyncio.Semaphore,
     timeout_s: float | None,
-) -> Groups:
-    """Every eval task (the first `num_examples` of each env; all if None) once, as one group; a failed
-    rollout raises."""
+    max_retries: int,
+    log: Callable[[str], None],
+) -> EvalGroups:
+    """Every eval task (the first `num_examples` of each env; all if None) once, as one group; a failed group is
+    run again up to `max_retries` times, then dropped and counted (as training groups are)."""
     sampling = to_sampling(settings.sampling, settings.sampling.seed)
-    jobs, owners = [], []
+    jobs = []
     for env in envs:
         for index in range(min(num_examples or env.num_tasks, env.num_tasks)):
             client = clients[len(jobs) % len(clients)]
-            jobs.append(run_group(env, index, settings.rollouts_per_example, client, sampling, semaphore, timeout_s))
-            owners.append(env.name)
-    groups: Groups = {env.name: [] for env in envs}
-    for name, group in zip(owners, await asyncio.gather(*jobs)):
-        groups[name].append(group)
-    return groups
+            jobs.append(run_group_retried(
+                env, index, settings.rollouts_per_example, client, sampling, semaphore, timeout_s, max_retries, log
+            ))
+    evaluated = EvalGroups({env.name: [] for env in envs}, {env.name: [] for env in envs}, settings.rollouts_per_example)
+    for outcome in await asyncio.gather(*jobs):
+        if outcome.results is None:
+            evaluated.dropped[outcome.env.name].append(f"{outcome.error}: {outcome.message}")
+        else:
+            evaluated.groups[outcome.env.name].append(outcome.results)
+    return evaluated
 
 
 def pass_at_k(n: int, passed: int, k: int) -> float:
@@ -84,13 +102,18 @@ def group_scores(groups: list[list[RolloutResult]], pass_threshold: float) -> di
     return scores
 
 
-def eval_stats(groups: Groups, pass_threshold: float, prefix: str = "eval/") -> dict:
-    """rollout_stats of every rollout, plus pass@k and avg@n overall and per environment (`pass@1/<env>`)."""
+def eval_stats(evaluated: EvalGroups, pass_threshold: float, prefix: str = "eval/") -> dict:
+    """rollout_stats of every rollout, plus pass@k and avg@n overall and per environment (`pass@1/<env>`), and
+    the rollouts of dropped groups (`dropped`, `dropped/<env>`)."""
+    groups = evaluated.groups
     stats = rollout_stats({name: [r for g in gs for r in g] for name, gs in groups.items()}, prefix)
     every_group = [g for gs in groups.values() for g in gs]
     stats |= {f"{prefix}{key}": value for key, value in group_scores(every_group, pass_threshold).items()}
     for name, env_groups in groups.items():
         stats |= {f"{prefix}{key}/{name}": value for key, value in group_scores(env_groups, pass_threshold).items()}
+    dropped = {name: len(errors) * evaluated.group_size for name, errors in evaluated.dropped.items()}
+    stats[f"{prefix}dropped"] = sum(dropped.values())
+    stats |= {f"{prefix}dropped/{name}": count for name, count in dropped.items() if count}
     return stats
 
 
@@ -100,7 +123,9 @@ async def evaluate(
     clients: list[InferenceClient],
     semaphore: asyncio.Semaphore,
     timeout_s: float | None,
+    max_retries: int,
+    log: Callable[[str], None],
 ) -> dict:
     """The orchestrator's periodic eval: eval/... metrics of one pass over the eval tasks."""
-    groups = await run_eval_groups(config, envs, config.num_examples, clients, semaphore, timeout_s)
-    return eval_stats(groups, config.pass_threshold)
+    evaluated = await run_eval_groups(config, envs, config.num_examples, clients, semaphore, timeout_s, max_retries, log)
+    return eval_stats(evaluated, config.pass_threshold)

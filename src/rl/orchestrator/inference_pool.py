@@ -54,11 +54,3 @@ class InferencePool:
         if served.get("step") != step:
             raise InferenceError(f"{url} was asked for step {step} but reports it serves {served}")
         return served
-
-    async def policy_steps(self) -> list[dict]:
-        async def one(url: str) -> dict:
-            response = await self.http.get(f"{url}/policy_step")
-            response.raise_for_status()
-            return response.json()
-
-        return await asyncio.gather(*(one(u) for u in self.base_urls))

@@ -19,7 +19,9 @@ from rl.renderer import chat_renderer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.eval import eval_due, evaluate, to_sampling
 from rl.orchestrator.inference_pool import InferencePool
-from rl.orchestrator.rollouts import InferenceClient, RolloutResult, TokenSegment, run_group, tune_gc_for_serving
+from rl.orchestrator.rollouts import (
+    GroupOutcome, InferenceClient, RolloutResult, TokenSegment, run_group_retried, tune_gc_for_serving,
+)
 from rl.orchestrator.sampler import TaskSampler
 from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
@@ -36,16 +38,6 @@ def groups_per_env(total: int, ratios: list[float]) -> list[int]:
     for i in by_remainder[: total - sum(counts)]:
         counts[i] += 1
     return counts
-
-
-@dataclass
-class GroupOutcome:
-    env: Environment
-    results: list[RolloutResult] | None
-    error: str | None = None  # why the group was dropped after its last attempt: the error's type
-    message: str = ""  # and its text
-    retries: int = 0
-    policy_step: int = 0  # the policy served while the group was generated
 
 
 @dataclass
@@ -172,18 +164,13 @@ class Orchestrator:
         n = self.config.rollouts_per_example
         seed = None if s.seed is None else s.seed + (step * self.config.batch_size) + g * n
         policy_step = self.policy_step
-        error = None
-        for attempt in range(self.config.rollout.max_retries + 1):
-            try:
-                results = await run_group(
-                    env, task_index, n, client, to_sampling(s, seed), self.semaphore, self.config.rollout.timeout_s
-                )
-                return GroupOutcome(env, results, retries=attempt, policy_step=policy_step)
-            except Exception as e:  # noqa: BLE001 - retried, then dropped and counted by reason, never silently
-                self.logger.warning(f"group of task {task_index} of {env.name} failed (attempt {attempt + 1}): {e!r}")
-                error = e
-        retries = self.config.rollout.max_retries
-        return GroupOutcome(env, None, type(error).__name__, str(error), retries=retries, policy_step=policy_step)
+        rollout = self.config.rollout
+        outcome = await run_group_retried(
+            env, task_index, n, client, to_sampling(s, seed), self.semaphore, rollout.timeout_s, rollout.max_retries,
+            self.logger.warning,
+        )
+        outcome.policy_step = policy_step
+        return outcome
 
     def build_batch(self, outcomes: list[GroupOutcome]) -> StepBatch:
         batch = StepBatch([])
@@ -229,8 +216,10 @@ class Orchestrator:
 
     async def run_eval(self) -> dict:
         start = time.perf_counter()
+        rollout = self.config.rollout
         stats = await evaluate(
-            self.config.eval, self.eval_envs, self.clients, self.semaphore, self.config.rollout.timeout_s
+            self.config.eval, self.eval_envs, self.clients, self.semaphore, rollout.timeout_s, rollout.max_retries,
+            self.logger.warning,
         )
         return stats | {"eval/time_s": time.perf_counter() - start}
 

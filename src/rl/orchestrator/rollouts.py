@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import Any
 
 import verifiers.v1 as vf
@@ -142,27 +143,39 @@ async def run_slot(
             raise RolloutError(f"rollout of task {task_index} timed out after {timeout_s}s") from e
 
 
-async def run_groups(
+@dataclass
+class GroupOutcome:
+    """A group after its attempts: its results, or None and why it was dropped."""
+
+    env: Environment
+    results: list[RolloutResult] | None
+    error: str | None = None  # the last attempt's error type, where the group was dropped
+    message: str = ""  # and its text
+    retries: int = 0
+    policy_step: int = 0  # training: the policy served while the group was generated
+
+
+async def run_group_retried(
     environment: Environment,
-    task_indices: list[int],
+    task_index: int,
     n: int,
     client: InferenceClient,
     sampling: Sampling,
-    semaphore: asyncio.Semaphore | None = None,
-) -> list[list[RolloutResult]]:
-    """One group per task index, all in flight together; group g samples with seeds from seed + g * n."""
-
-    def group_sampling(g: int) -> Sampling:
-        return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + g * n)
-
-    return list(
-        await asyncio.gather(
-            *(
-                run_group(environment, index, n, client, group_sampling(g), semaphore)
-                for g, index in enumerate(task_indices)
-            )
-        )
-    )
+    semaphore: asyncio.Semaphore | None,
+    timeout_s: float | None,
+    max_retries: int,
+    log: Callable[[str], None],
+) -> GroupOutcome:
+    """run_group, run again up to `max_retries` times after a failure (logged), then dropped with its error."""
+    error: Exception | None = None
+    for attempt in range(max_retries + 1):
+        try:
+            results = await run_group(environment, task_index, n, client, sampling, semaphore, timeout_s)
+            return GroupOutcome(environment, results, retries=attempt)
+        except Exception as e:  # noqa: BLE001 - retried, then dropped and counted by reason, never silently
+            log(f"group of task {task_index} of {environment.name} failed (attempt {attempt + 1}): {e!r}")
+            error = e
+    return GroupOutcome(environment, None, type(error).__name__, str(error), retries=max_retries)
 
 
 def model_context(client: InferenceClient, sampling: Sampling, offset: int) -> vf.ModelContext:
