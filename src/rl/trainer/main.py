@@ -4,6 +4,7 @@ publish weights -> log -> checkpoint, once per step."""
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from functools import partial
 from typing import Callable
@@ -95,8 +96,9 @@ def main() -> None:
     config = run_cli(TrainerConfig)
     try:
         check_device(config)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+    except ConfigError as e:  # exit 2, as every entrypoint does on a config error
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     logger = setup_logging("trainer")
     world = init_world()
     paths = RunPaths(config.output_dir)
