@@ -247,10 +247,25 @@ def parse_config(cls: type[C], argv: list[str] | None = None) -> C:
     return build_config(cls, toml_data, cli_data)
 
 
-def config_help(cls: type[BaseModel], prefix: str = "") -> str:
-    """One line per field: --dotted.name (type, default): description."""
+def config_help(cls: type[BaseModel], prefix: str = "", skip: tuple[str, ...] = ()) -> str:
+    """One line per field: --dotted.name (type, default): description; a tagged union's variants each list
+    their own fields."""
     lines = []
     for name, field in cls.model_fields.items():
+        if name in skip:
+            continue
+        variants = _union_sections(field.annotation) if field.discriminator else []
+        if variants:  # a tagged union: each variant's fields under its tag
+            tag = field.discriminator
+            default = getattr(field.get_default(call_default_factory=True), tag, None)
+            tags = [v.model_fields[tag].default for v in variants]
+            lines.append(f"  --{prefix}{name}.{tag}  [{default!r}]  {field.description or ''}: one of "
+                         + ", ".join(map(repr, tags)))
+            for variant, value in zip(variants, tags):
+                own = config_help(variant, f"{prefix}{name}.", skip=(tag,))
+                own = "\n".join("    " + line for line in own.splitlines())
+                lines.append(f"    with {tag} = {value!r}:" + (f"\n{own}" if own else " no other fields"))
+            continue
         section = _section_type(field.annotation)
         if section is not None:
             if field.default is None:  # an optional section: `--name` alone turns it on
@@ -260,6 +275,12 @@ def config_help(cls: type[BaseModel], prefix: str = "") -> str:
         default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
         lines.append(f"  --{prefix}{name}  [{default}]  {field.description or ''}")
     return "\n".join(lines)
+
+
+def _union_sections(annotation: Any) -> list[type[BaseModel]]:
+    """The config classes of a union of several sections (`A | B | C`), else []."""
+    models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models if len(models) > 1 else []
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:

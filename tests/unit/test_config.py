@@ -177,3 +177,16 @@ def test_example_configs_pass_every_start_up_check(orch, tmp_path, capsys):
         "--model.name", str(model), "--output-dir", str(tmp_path / "run"), "--dry-run",
     ])
     assert "# ---- commands ----" in capsys.readouterr().out
+
+
+def test_help_lists_the_fields_of_every_variant_of_a_tagged_union():
+    from rl.config import config_help
+    from rl.orchestrator.config import OrchestratorConfig
+    from rl.trainer.config import TrainerConfig
+
+    trainer = config_help(TrainerConfig)
+    assert "--loss.norm.type  ['dapo']" in trainer and "one of 'dapo', 'grpo', 'dr_grpo'" in trainer
+    assert "with type = 'truncate':\n      --loss.mismatch.cap  [2.0]" in trainer
+    assert "--loss.mismatch.max_log_ratio" in trainer and "--loss.norm.tokens_per_sample" in trainer
+    orchestrator = config_help(OrchestratorConfig)
+    assert "--advantage.type  ['grpo']" in orchestrator and "--advantage.truncated" in orchestrator
