@@ -4,13 +4,15 @@ docs/architecture.md ("Patches of other libraries"):
 
 - pydantic: its inspection of default factories is cached (`cache_default_factory_inspection`);
 - verifiers: its training client sends requests through our `EngineClient` (`use_engine_client`);
-  both applied by the orchestrator's rollouts module when it is imported (`apply_orchestrator_patches`);
+  both applied by the orchestrator's rollouts module when it is imported (`apply_orchestrator_patches`, which
+  it hands the client class: this module imports nothing of rl's);
 - vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
   general plugin that vLLM runs in each of its processes, active only where `RL_VLLM_SHM_POLL_S` is set
   (the inference server sets it on CPU hosts).
 
 The imports of the patched libraries stay inside the functions: vLLM loads this module in every process
-it starts, where neither pydantic's internals nor verifiers are needed.
+it starts, where neither pydantic's internals nor verifiers are needed. A patch whose target is gone (the
+library changed) raises `PatchTargetMissing` when it is applied, at start-up: it never silently stops applying.
 """
 
 from __future__ import annotations
@@ -21,6 +23,23 @@ import os
 import time
 
 logger = logging.getLogger(__name__)
+
+
+class PatchTargetMissing(RuntimeError):
+    """A library no longer has what rl patches: pin the version rl was measured with, or update the patch."""
+
+
+def patch_target(module, name: str, library: str):
+    """`module.name`, or PatchTargetMissing naming it and the installed version of `library`."""
+    from importlib.metadata import version
+
+    target = getattr(module, name, None)
+    if target is None:
+        raise PatchTargetMissing(
+            f"{module.__name__}.{name} is gone in {library} {version(library)}: rl/patches.py replaces it; install "
+            f"the {library} version in uv.lock or update the patch"
+        )
+    return target
 
 
 # --------------------------------------------------------------------------------------------------
@@ -36,7 +55,7 @@ def cache_default_factory_inspection() -> None:
     attributes only)."""
     from pydantic._internal import _fields as pydantic_fields
 
-    inspect_factory = pydantic_fields.takes_validated_data_argument
+    inspect_factory = patch_target(pydantic_fields, "takes_validated_data_argument", "pydantic")
     if hasattr(inspect_factory, "cache_info"):
         return
     cached = functools.lru_cache(maxsize=4096)(inspect_factory)
@@ -57,23 +76,19 @@ def cache_default_factory_inspection() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def use_engine_client() -> None:
-    """verifiers' training client builds an OpenAI SDK client for vLLM's generate route; it builds our
-    `EngineClient` (orchestrator/engine_client.py: the members it uses, over aiohttp, at a fraction of the
-    SDK's CPU per request) instead."""
+def use_engine_client(client_class: type) -> None:
+    """verifiers' training client builds an OpenAI SDK client for vLLM's generate route; it builds
+    `client_class` (rl's `EngineClient`, orchestrator/engine_client.py: the members it uses, over aiohttp, at a
+    fraction of the SDK's CPU per request) instead."""
     import verifiers.v1.clients.train as verifiers_train
 
-    from rl.orchestrator.engine_client import EngineClient
-
-    if not hasattr(verifiers_train, "build_async_openai"):
-        logger.warning("verifiers.v1.clients.train has no build_async_openai: its training client keeps the SDK")
-        return
-    verifiers_train.build_async_openai = EngineClient
+    patch_target(verifiers_train, "build_async_openai", "verifiers")
+    verifiers_train.build_async_openai = client_class
 
 
-def apply_orchestrator_patches() -> None:
+def apply_orchestrator_patches(client_class: type) -> None:
     cache_default_factory_inspection()
-    use_engine_client()
+    use_engine_client(client_class)
 
 
 # --------------------------------------------------------------------------------------------------

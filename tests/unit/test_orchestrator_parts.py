@@ -150,3 +150,15 @@ def test_tool_and_turn_stats_per_environment():
     stats = rollout_stats({"calc": with_tools, "chat": [rollout(1.0)]})
     assert stats["tools/calc/calls"] == 1.0 and stats["tools/calc/errors"] == 0.5
     assert stats["turns/calc"] == 1 and "tools/chat/calls" not in stats
+
+
+def test_a_patch_whose_target_is_gone_fails_loudly_naming_it():
+    import types
+
+    from rl.patches import PatchTargetMissing, patch_target
+
+    moved = types.ModuleType("verifiers.v1.clients.train")
+    with pytest.raises(PatchTargetMissing, match=r"verifiers.v1.clients.train.build_async_openai is gone in verifiers 0\.4\.0"):
+        patch_target(moved, "build_async_openai", "verifiers")
+    moved.build_async_openai = object
+    assert patch_target(moved, "build_async_openai", "verifiers") is object

@@ -20,6 +20,7 @@ from typing import Any
 import verifiers.v1 as vf
 from in_process_chat.tools import tool_messages
 
+from rl.orchestrator.engine_client import EngineClient
 from rl.orchestrator.environment import Environment
 from rl.patches import apply_orchestrator_patches
 
@@ -27,7 +28,7 @@ API_KEY_VAR = "RL_INFERENCE_API_KEY"
 """Environment variable holding the inference API key (unset sends "EMPTY"). Naming our own keeps
 verifiers from reading the Prime CLI config it falls back to for its default variable."""
 
-apply_orchestrator_patches()  # verifiers' per-turn costs: see rl/patches.py
+apply_orchestrator_patches(EngineClient)  # verifiers' per-turn costs: see rl/patches.py
 
 
 YOUNG_GC_THRESHOLD = 10_000
