@@ -12,13 +12,14 @@ def capture(pane: str) -> str:
     return subprocess.run(["tmux", "capture-pane", "-p", "-t", pane], capture_output=True, text=True).stdout
 
 
-def test_tmux_panes_show_launcher_and_each_log(tmp_path):
+def test_tmux_panes_show_launcher_and_each_log(tiny_model, tmp_path):
     out = tmp_path / "run"
     (out / "logs").mkdir(parents=True)
     for name in ("trainer", "orchestrator", "inference"):
         (out / "logs" / f"{name}.log").write_text(f"line from the {name} log\n")
     session = f"rltest{int(time.time() * 1000) % 10**8}"
-    subprocess.run(["bash", str(ROOT / "scripts/tmux.sh"), "-s", session, "-d", str(out), "--dry-run"], check=True)
+    subprocess.run(["bash", str(ROOT / "scripts/tmux.sh"), "-s", session, "-d", str(out), "--model.name", str(tiny_model),
+                    "--dry-run"], check=True)
     try:
         panes = subprocess.run(
             ["tmux", "list-panes", "-t", session, "-F", "#{pane_id} #{pane_title}"], capture_output=True, text=True

@@ -166,6 +166,29 @@ def model_cases(tmp_path: Path) -> list[tuple[str, str]]:
     ]
 
 
+def test_a_hub_looking_name_that_is_neither_here_nor_on_the_hub_is_refused(monkeypatch):
+    """The README's `rl` command before `tiny-model` built models/tiny: refused at start, naming both readings."""
+    import huggingface_hub
+    from huggingface_hub.utils import RepositoryNotFoundError
+
+    from rl.config import ConfigError
+    from rl.launcher.checks import check_model
+
+    def no_such_model(name, timeout):
+        error = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # its __init__ wants an HTTP response
+        Exception.__init__(error, f"{name} not found")
+        raise error
+
+    with pytest.raises(ConfigError, match=r"neither a local directory .* nor a model on the Hugging Face hub.*"
+                                          r"uv run tiny-model --out models/tiny"):
+        check_model("models/tiny")  # offline here: the hub is unreachable, and it is not cached
+    monkeypatch.setattr(huggingface_hub, "model_info", no_such_model)
+    with pytest.raises(ConfigError, match="the hub has no such model"):
+        check_model("models/tiny")
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda name, file: f"/cache/{name}/{file}")
+    check_model("Qwen/Qwen3-0.6B")  # in the local cache: vLLM loads it offline
+
+
 def test_bad_model_paths(tmp_path, capsys, refuse_to_start, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for name, named in model_cases(tmp_path):

@@ -12,8 +12,12 @@ from rl.protocol import RunPaths
 from rl.trainer.config import TrainerConfig
 
 
+TINY_MODEL_HINT = "the tiny local model is built with `uv run tiny-model --out models/tiny`"
+
+
 def check_model(name: str) -> None:
-    """A local model must be a Hugging Face directory; a name that is not on disk must read as a hub id.
+    """A local model must be a Hugging Face directory; a name that is not on disk must be a hub id that is in the
+    local cache or on the hub (otherwise vLLM fails minutes later with a hub traceback in its log).
 
     `org/model` is a hub id unless `org` is a local directory, in which case a local path was meant."""
     path = Path(name).expanduser()
@@ -26,7 +30,28 @@ def check_model(name: str) -> None:
         path.is_absolute() or name.startswith((".", "~")) or len(parts) != 2 or Path(parts[0]).is_dir()
     )
     if looks_local or not all(parts):
-        raise ConfigError(f"model {name!r} does not exist (neither a local directory nor a hub id org/name)")
+        raise ConfigError(f"model {name!r} does not exist (neither a local directory nor a hub id org/name); "
+                          f"{TINY_MODEL_HINT}")
+    missing = hub_model_missing(name)
+    if missing:
+        raise ConfigError(f"model {name!r} is neither a local directory (no {path.absolute()}) nor a model on the "
+                          f"Hugging Face hub: {missing}; {TINY_MODEL_HINT}")
+
+
+def hub_model_missing(name: str) -> str | None:
+    """Why hub id `name` cannot be loaded (not cached, and not found or the hub unreachable), else None."""
+    from huggingface_hub import model_info, try_to_load_from_cache
+    from huggingface_hub.utils import RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return None
+    try:
+        model_info(name, timeout=10)
+    except RepositoryNotFoundError:
+        return "the hub has no such model (or it is gated: set HF_TOKEN)"
+    except Exception as e:  # noqa: BLE001 - offline, DNS, proxy, timeout: all mean it cannot be downloaded
+        return f"it is not in the local cache and the hub is unreachable ({type(e).__name__}: {e})"
+    return None
 
 
 def check_lora_targets(config: TrainerConfig) -> None:
