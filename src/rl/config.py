@@ -8,7 +8,6 @@ variables (``RL_<PROCESS>__<SECTION>__<FIELD>``) < command-line overrides (``--s
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tomllib
 import typing
@@ -19,6 +18,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict
+
+from rl.atomic import atomic_write_text
 
 # (class, TOML layer) of the config being built; read by settings_customise_sources (a classmethod, so
 # it cannot take the files as an argument). Keyed by class so nested defaults do not pick it up.
@@ -327,8 +328,4 @@ def _masked(data: Any) -> Any:
 def write_config(config: BaseModel, path: Path) -> None:
     """Write the config readable by its owner only: resolved configs carry the admin token."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(to_toml(config))
-    tmp.replace(path)
+    atomic_write_text(path, to_toml(config), private=True)

@@ -29,6 +29,8 @@ from pathlib import Path, PurePosixPath
 
 from zlib_ng import zlib_ng
 
+from rl.atomic import atomic_write_text
+
 STABLE = "STABLE"
 MAX_MARKER_BYTES = 8 * 2**20  # a marker lists ~100 bytes per file
 MAX_NAME_BYTES = 255  # one path component (NAME_MAX)
@@ -78,10 +80,7 @@ def mark_stable(directory: Path, **info) -> None:
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != STABLE and not is_temp(p)
     }
-    marker = directory / STABLE
-    tmp = marker.with_name(f".{STABLE}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"time": time.time(), **info, "files": files}) + "\n")
-    tmp.replace(marker)
+    atomic_write_text(directory / STABLE, json.dumps({"time": time.time(), **info, "files": files}) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
+from rl.atomic import atomic_write_text, temp_path  # noqa: F401 - re-exported: writers import them from here
 from rl.manifest import (  # noqa: F401 - the marker API, re-exported: readers and writers import it from here
     STABLE,
     CorruptFileError,
@@ -120,17 +121,6 @@ class RunPaths:
 # ---------------------------------------------------------------------------------------------------
 # Atomic writes and STABLE markers
 # ---------------------------------------------------------------------------------------------------
-
-
-def temp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp{os.getpid()}")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def publish_dir(tmp_dir: Path, final_dir: Path, **info) -> None:

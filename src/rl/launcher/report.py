@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 
+from rl.atomic import atomic_write
 from rl.protocol import RunPaths, atomic_write_text, read_metrics
 
 
@@ -56,10 +57,8 @@ def plot(paths: RunPaths, reward: dict[int, float], loss: dict[int, float]) -> N
     bottom.grid(alpha=0.3)
     fig.suptitle(paths.root.name)
     fig.tight_layout()
-    tmp = paths.root / ".reward.png.tmp"
-    fig.savefig(tmp, format="png", dpi=100)
+    atomic_write(paths.root / "reward.png", lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     plt.close(fig)
-    tmp.replace(paths.root / "reward.png")
 
 
 def format_summary(summary: dict) -> str:

@@ -19,7 +19,6 @@ by rank 0), its checksum recorded in the STABLE marker; or, with `lora.publish_m
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -32,6 +31,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_checksum, adapter_config_bytes
+from rl.atomic import atomic_write
 from rl.protocol import RunPaths, publish_dir
 from rl.trainer.config import TrainerConfig
 from rl.trainer.lora import adapter_tensors, full_tensor, lora_layers, merged_weight
@@ -149,12 +149,13 @@ def partial_dir(paths: RunPaths, step: int) -> Path:
     return paths.weights_root / f".step_{step}.tmp"
 
 
+FORMAT = {"format": "pt"}  # safetensors metadata transformers expects
+
+
 def write_shards(directory: Path, shards: StepShards) -> None:
     """This rank's shard files, each written under a temporary name and renamed (rank 0 waits for the names)."""
     for file, tensors in shards.mine.items():
-        tmp = directory / f".{file}.tmp{os.getpid()}"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        tmp.replace(directory / file)
+        atomic_write(directory / file, lambda tmp, tensors=tensors: save_file(tensors, str(tmp), metadata=FORMAT))
 
 
 def write_side_files(directory: Path, shards: StepShards, side_files: dict[str, bytes]) -> None:
