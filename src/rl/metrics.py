@@ -36,7 +36,7 @@ def _format(value) -> str:
 
 def wandb_run_id(paths: RunPaths, process: str) -> str:
     """The W&B run id of `process` in this run directory: made once, kept across resumes."""
-    path = paths.root / "wandb" / f"{process}.run_id"
+    path = paths.wandb_run_id(process)
     if path.is_file():
         return path.read_text().strip()
     run_id = f"{process}-{uuid.uuid4().hex[:12]}"

@@ -70,6 +70,34 @@ class RunPaths:
     def checkpoints_root(self) -> Path:
         return self.root / "checkpoints"
 
+    @property
+    def hosts(self) -> Path:
+        return self.root / "hosts"  # each launcher's heartbeat file (launcher/hosts.py)
+
+    @property
+    def slurm(self) -> Path:
+        return self.root / "slurm"  # the sbatch script, its config and the job's log
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def reward_plot(self) -> Path:
+        return self.root / "reward.png"
+
+    def wandb_run_id(self, process: str) -> Path:
+        return self.root / "wandb" / f"{process}.run_id"
+
+    def partial_weights(self, step: int) -> Path:
+        """Where the trainer's ranks write step `step` before it is renamed to weights/step_k."""
+        return self.weights_root / f".step_{step}.tmp"
+
+    def partial_step_dirs(self) -> list[Path]:
+        """Step directories of weights and rollouts that were still being written (temporary names)."""
+        roots = [r for r in (self.rollouts_root, self.weights_root) if r.is_dir()]
+        return [p for root in roots for p in sorted(root.glob(".step_*.tmp*"))]
+
     def rollouts(self, step: int) -> Path:
         return self.rollouts_root / f"step_{step}"
 

@@ -75,7 +75,7 @@ def render_slurm(config: RLConfig, paths: RunPaths, config_file: Path) -> str:
 
 def slurm_job(config: RLConfig, paths: RunPaths) -> Path:
     """Write <output_dir>/slurm/rl.toml and rl.sbatch; the script's path."""
-    directory = paths.root / "slurm"
+    directory = paths.slurm
     config_file = directory / "rl.toml"
     atomic_write_text(config_file, as_given(config, str(paths.root)))
     script = directory / "rl.sbatch"

@@ -40,7 +40,7 @@ class HostBoard:
 
     def __init__(self, paths: RunPaths, name: str, roles: tuple[str, ...], trainer_node: int | None,
                  trainer_nodes: int, timeout_s: float):
-        self.directory = paths.root / "hosts"
+        self.directory = paths.hosts
         self.me = Host(name, roles, "running", "", time.time(), trainer_node)
         self.trainer_nodes, self.timeout_s = trainer_nodes, timeout_s
         self.last_beat = 0.0

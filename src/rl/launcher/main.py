@@ -187,13 +187,13 @@ def deploy(config: RLConfig, given: RLConfig, paths: RunPaths) -> None:
         return
     check_start(config, paths, config.resume or config.resume_step is not None, devices_here=False)
     if config.dry_run:
-        print(render_slurm(given, paths, paths.root / "slurm" / "rl.toml"), end="")
+        print(render_slurm(given, paths, paths.slurm / "rl.toml"), end="")
         return
     script = slurm_job(given, paths)
     if not config.slurm.submit:
         print(f"rl: wrote {script}; submit it with: sbatch {script}")
         return
-    print(f"rl: submitted SLURM job {submit(script)} ({script}); its log: {paths.root / 'slurm'}/<job id>.log, "
+    print(f"rl: submitted SLURM job {submit(script)} ({script}); its log: {paths.slurm}/<job id>.log, "
           f"each host's in {paths.logs}/<host>/")
 
 

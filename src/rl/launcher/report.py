@@ -36,7 +36,7 @@ def summarize(paths: RunPaths, elapsed_s: float) -> dict:
         **reward_change([reward[s] for s in steps]),
         "time_s": elapsed_s,
     }
-    atomic_write_text(paths.root / "summary.json", json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(paths.summary, json.dumps(summary, indent=1) + "\n")
     plot(paths, reward, per_step(records, "trainer", "loss"))
     return summary
 
@@ -57,7 +57,7 @@ def plot(paths: RunPaths, reward: dict[int, float], loss: dict[int, float]) -> N
     bottom.grid(alpha=0.3)
     fig.suptitle(paths.root.name)
     fig.tight_layout()
-    atomic_write(paths.root / "reward.png", lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    atomic_write(paths.reward_plot, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     plt.close(fig)
 
 

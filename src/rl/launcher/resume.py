@@ -49,10 +49,9 @@ def discard_after(paths: RunPaths, step: int) -> list[str]:
         if s > step:
             shutil.rmtree(paths.weights(s), ignore_errors=True)
             removed.append(f"weights/step_{s}")
-    for root in (paths.rollouts_root, paths.weights_root):
-        for tmp in root.glob(".step_*.tmp*") if root.is_dir() else []:
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(f"{root.name}/{tmp.name}")
+    for tmp in paths.partial_step_dirs():
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(f"{tmp.parent.name}/{tmp.name}")
     if paths.metrics.exists():
         lines = paths.metrics.read_text().splitlines()
         kept = [line for line in lines if line.strip() and _step_of(line) < step]

@@ -98,7 +98,7 @@ class Supervisor:
         elapsed = time.monotonic() - start
         if code == 0:
             print(f"rl: finished: {format_summary(summarize(self.paths, elapsed))}", flush=True)
-            print(f"rl: plot {self.paths.root / 'reward.png'}, logs in {self.paths.logs}", flush=True)
+            print(f"rl: plot {self.paths.reward_plot}, logs in {self.paths.logs}", flush=True)
         else:
             print(f"rl: failed after {elapsed:.0f}s (exit {code}); logs in {self.paths.logs}", flush=True)
         return code

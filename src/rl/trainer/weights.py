@@ -144,11 +144,6 @@ def hf_side_files(model_config, tokenizer) -> dict[str, bytes]:
         return {str(p.relative_to(tmp)): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
 
 
-def partial_dir(paths: RunPaths, step: int) -> Path:
-    """Where every rank writes step `step` before rank 0 renames it into place (one name for all ranks)."""
-    return paths.weights_root / f".step_{step}.tmp"
-
-
 FORMAT = {"format": "pt"}  # safetensors metadata transformers expects
 
 
@@ -170,7 +165,7 @@ def write_side_files(directory: Path, shards: StepShards, side_files: dict[str, 
 
 def finish_step(paths: RunPaths, step: int, shards: StepShards, side_files: dict[str, bytes], timeout_s: float) -> None:
     """Rank 0: the config, tokenizer and index files, then, once every rank's shards are there, the step in place."""
-    directory = partial_dir(paths, step)
+    directory = paths.partial_weights(step)
     write_side_files(directory, shards, side_files)
     deadline = time.monotonic() + timeout_s
     while missing := [f for f in shards.files if not (directory / f).is_file()]:
@@ -182,7 +177,7 @@ def finish_step(paths: RunPaths, step: int, shards: StepShards, side_files: dict
 
 def publish_step(paths: RunPaths, step: int, shards: StepShards, side_files: dict[str, bytes]) -> None:
     """One process holding every shard: write weights/step_k/ at once (tools and tests)."""
-    directory = partial_dir(paths, step)
+    directory = paths.partial_weights(step)
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     write_shards(directory, shards)
@@ -233,8 +228,8 @@ class WeightPublisher:
         Returns the adapter's checksum on rank 0 when publishing an adapter."""
         self.wait()
         if self.world.is_main:  # before the gather: no rank can write into it before rank 0 joins the gather
-            shutil.rmtree(partial_dir(self.paths, step), ignore_errors=True)
-            partial_dir(self.paths, step).mkdir(parents=True)
+            shutil.rmtree(self.paths.partial_weights(step), ignore_errors=True)
+            self.paths.partial_weights(step).mkdir(parents=True)
         if self.adapter:
             shards = gather_adapter(model, self.dtype, self.world)
         else:
@@ -246,7 +241,7 @@ class WeightPublisher:
         return (shards.marker_info or {}).get("adapter_checksum")
 
     def _write(self, step: int, shards: StepShards) -> None:
-        write_shards(partial_dir(self.paths, step), shards)
+        write_shards(self.paths.partial_weights(step), shards)
         if self.world.is_main:
             finish_step(self.paths, step, shards, self.side_files, self.timeout_s)
 
