@@ -110,10 +110,10 @@ def wait_healthy(url: str, timeout_s: float, supervisor: Supervisor | None) -> N
     """Poll <url>/health; fail at the deadline, or as soon as the server eval started has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if supervisor is not None and (code := supervisor.procs["inference"].poll()) is not None:
-            log = supervisor.specs["inference"].log
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-            raise RuntimeError(f"the inference server exited with code {code} before it was healthy; {log}:\n{tail}")
+        if supervisor is not None and (code := supervisor.exit_code("inference")) is not None:
+            tail = "\n".join(supervisor.log_tail("inference", 30))
+            raise RuntimeError(f"the inference server exited with code {code} before it was healthy; "
+                               f"{supervisor.log('inference')}:\n{tail}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return

@@ -142,20 +142,30 @@ class Supervisor:
         if first.name != board.me.name:
             print(f"rl: the first host to go down was {first.describe()}: {_host_down(first)}", file=sys.stderr)
 
+    def exit_code(self, name: str) -> int | None:
+        """The child's exit code, None while it runs."""
+        return self.procs[name].poll()
+
+    def log(self, name: str) -> Path:
+        return self.specs[name].log
+
+    def log_tail(self, name: str, lines: int | None = None) -> list[str]:
+        """The last `lines` (default: tail_lines) lines of the child's log."""
+        log = self.log(name)
+        return log.read_text(errors="replace").splitlines()[-(lines or self.tail_lines) :] if log.exists() else []
+
     def _report_failures(self, failed: dict[str, int]) -> str:
         """Name the cause with the end of its log, then the others that ended with it; return the cause.
 
         Children ended since the last poll are seen together: one killed by a signal is the cause of the
         others' exits (an orchestrator whose inference server was killed exits within a second)."""
         cause = next((name for name, code in failed.items() if code < 0), next(iter(failed)))
-        log = self.specs[cause].log
-        lines = log.read_text(errors="replace").splitlines()[-self.tail_lines :] if log.exists() else []
-        print(f"rl: {cause} {_why_ended(failed[cause])}; last lines of {log}:", file=sys.stderr)
-        for line in lines:
+        print(f"rl: {cause} {_why_ended(failed[cause])}; last lines of {self.log(cause)}:", file=sys.stderr)
+        for line in self.log_tail(cause):
             print(f"  | {line}", file=sys.stderr)
         for name, code in failed.items():
             if name != cause:
-                print(f"rl: {name} {_why_ended(code)} too; log {self.specs[name].log}", file=sys.stderr)
+                print(f"rl: {name} {_why_ended(code)} too; log {self.log(name)}", file=sys.stderr)
         sys.stderr.flush()
         return cause
 
