@@ -45,7 +45,11 @@ class ClientConfig(Section):
     admin_token: Annotated[
         str | None, Field(min_length=1, description="bearer token for the servers' admin routes")
     ] = None
-    timeout_s: Annotated[float, Field(gt=0, description="deadline for one request to an inference server")] = 300.0
+    timeout_s: Annotated[
+        float,
+        Field(gt=0, description="deadline for one admin request to an inference server (a weight update, health); "
+                                "rollouts are bounded by rollout.timeout_s"),
+    ] = 300.0
     startup_timeout_s: Annotated[float, Field(gt=0, description="deadline for the servers to become healthy")] = 600.0
 
 
