@@ -7,6 +7,7 @@ from rl.config import ConfigError, parse_argv, parse_config
 from rl.launcher.config import RLConfig, resolve
 from rl.launcher.devices import DevicePlan, cpu_plan
 from rl.launcher.main import child_specs, load, plan_devices
+from rl.launcher.placement import given_host
 from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.protocol import RunPaths
@@ -75,7 +76,7 @@ def test_shared_fields_fill_every_process():
         ["--model.name", "m", "--output-dir", "/tmp/x", "--max-steps", "5", "--async-level", "2", "--seq-len", "256",
          "--wandb.project", "p", "--ckpt.interval", "2", "--inference-replicas", "2", "--trainer-processes", "2"],
     )
-    r = resolve(config, cpu_plan(2, 2))
+    r = resolve(config, given_host(config, cpu_plan(2, 2)))
     assert r.trainer.model.name == r.orchestrator.model.name == r.inference.model.name == "m"
     assert r.trainer.output_dir == r.orchestrator.output_dir == Path("/tmp/x")
     assert r.trainer.max_steps == r.orchestrator.max_steps == 5
@@ -93,16 +94,16 @@ def test_shared_value_contradicting_a_subconfig_names_both(tmp_path):
     t = write(tmp_path, "t.toml", "max_steps = 3\n")
     config = parse_config(RLConfig, ["--trainer", "@", t, "--max-steps", "5"])
     with pytest.raises(ConfigError, match=r"max-steps.*5.*trainer.max_steps.*3"):
-        resolve(config, cpu_plan(2, 1))
+        resolve(config, given_host(config, cpu_plan(2, 1)))
     # the same value in both places is fine
     config = parse_config(RLConfig, ["--trainer", "@", t, "--max-steps", "3"])
-    assert resolve(config, cpu_plan(2, 1)).orchestrator.max_steps == 3
+    assert resolve(config, given_host(config, cpu_plan(2, 1))).orchestrator.max_steps == 3
 
 
 def test_processes_that_disagree_without_shared_flag_are_an_error():
     config = parse_config(RLConfig, ["--trainer.max-steps", "3", "--orchestrator.max-steps", "4"])
     with pytest.raises(ConfigError, match="max_steps differs"):
-        resolve(config, cpu_plan(2, 1))
+        resolve(config, given_host(config, cpu_plan(2, 1)))
 
 
 def test_batch_that_does_not_split_over_ranks_fails_before_start():
@@ -125,14 +126,14 @@ def test_trainer_takes_the_sampling_temperature():
 
 def test_cpu_host_defaults_to_one_trainer_process_whose_openmp_workers_sleep(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    config, plan = load(["--output-dir", str(tmp_path)])
-    assert plan.trainer_processes == 1 and config.orchestrator.trainer_world_size == 1
-    envs = {spec.name: spec.env for spec in child_specs(config, plan, RunPaths(tmp_path))}
+    config, host = load(["--output-dir", str(tmp_path)])
+    assert host.devices.trainer_processes == 1 and config.orchestrator.trainer_world_size == 1
+    envs = {spec.name: spec.env for spec in child_specs(config, host, RunPaths(tmp_path))}
     assert envs == {"inference": {}, "orchestrator": {}, "trainer": {"OMP_WAIT_POLICY": "PASSIVE"}}
-    gpu_plan = DevicePlan(2, [2, 3], [[0], [1]])
-    assert all("OMP_WAIT_POLICY" not in spec.env for spec in child_specs(config, gpu_plan, RunPaths(tmp_path)))
+    gpu_host = given_host(config, DevicePlan(2, [2, 3], [[0], [1]]))
+    assert all("OMP_WAIT_POLICY" not in spec.env for spec in child_specs(config, gpu_host, RunPaths(tmp_path)))
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
-    assert all(spec.env == {} for spec in child_specs(config, plan, RunPaths(tmp_path)))
+    assert all(spec.env == {} for spec in child_specs(config, host, RunPaths(tmp_path)))
 
 
 def test_child_gets_its_spec_environment_over_the_launchers(tmp_path, monkeypatch):

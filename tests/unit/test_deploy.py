@@ -6,13 +6,14 @@ import json
 import subprocess
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import yaml
 
 from rl.config import ConfigError, parse_config
 from rl.launcher.config import RLConfig
-from rl.launcher.deploy import as_given, render_k8s, render_slurm
+from rl.launcher.deploy import as_given, render_k8s, slurm_job
 from rl.launcher.hosts import Host, HostBoard
 from rl.launcher.main import child_specs, load
 from rl.protocol import RunPaths, atomic_write_text
@@ -24,8 +25,8 @@ FILES = ["--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", s
 
 
 def commands(argv: list[str], tmp_path) -> dict[str, list[str]]:
-    config, plan = load(FILES + ["--output-dir", str(tmp_path / "run")] + argv)
-    return {spec.name: spec.cmd for spec in child_specs(config, plan, RunPaths(tmp_path / "run"))}
+    config, host = load(FILES + ["--output-dir", str(tmp_path / "run")] + argv)
+    return {spec.name: spec.cmd for spec in child_specs(config, host, RunPaths(tmp_path / "run"))}
 
 
 def test_each_host_starts_only_its_roles(tmp_path):
@@ -116,11 +117,20 @@ def rendered_k8s(tmp_path, *argv) -> list[dict]:
     return [d for d in yaml.safe_load_all(render_k8s(config, RunPaths(tmp_path / "demo"), token="tok3n")) if d]
 
 
-def test_k8s_manifests_pass_kubernetes_schemas_and_hold_the_token_only_in_the_secret(tmp_path):
+def pod_argv(command: str, index: int, files: dict[str, Path]) -> list[str]:
+    """What a pod's shell makes of its command at JOB_COMPLETION_INDEX=index (the ConfigMap's files at `files`)."""
+    words = subprocess.run(["sh", "-c", "set -- " + command.removeprefix("exec ") + '; printf "%s\\n" "$@"'],
+                           env={"JOB_COMPLETION_INDEX": str(index)}, capture_output=True, text=True, check=True)
+    return [str(files.get(word, word)) for word in words.stdout.splitlines()[1:]]  # without the rl program
+
+
+def test_k8s_manifests_pass_kubernetes_schemas_and_each_pod_starts_its_part_of_the_plan(tmp_path, monkeypatch):
     import kubernetes_validate
 
+    from rl.launcher import main as launcher
+
     documents = rendered_k8s(tmp_path, "--k8s.trainer-pods", "2", "--k8s.inference-pods", "2",
-                             "--k8s.trainer-gpus", "8", "--k8s.inference-gpus", "2")
+                             "--k8s.trainer-gpus", "8", "--k8s.inference-gpus", "2", "--inference.dtype", "bfloat16")
     for document in documents:
         kubernetes_validate.validate(document, "1.30.0", strict=True)
     kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in documents)
@@ -128,19 +138,38 @@ def test_k8s_manifests_pass_kubernetes_schemas_and_hold_the_token_only_in_the_se
                      "PersistentVolumeClaim/rl-run", "Secret/rl-admin-token", "Service/rl-inference", "Service/rl-trainer"]
     text = yaml.safe_dump_all(documents)
     assert text.count("tok3n") == 1  # the Secret; pods read it into their environment
+    data = next(d for d in documents if d["kind"] == "ConfigMap")["data"]
+    assert "admin_token" not in data["rl.toml"] and "output_dir" not in data["rl.toml"] and "batch_size = 128" in data["rl.toml"]
+    files = {f"/etc/rl/{name}": tmp_path / name for name in data}
+    for name, text in data.items():
+        (tmp_path / name).write_text(text)
     jobs = {d["metadata"]["name"]: d["spec"] for d in documents if d["kind"] == "Job"}
     trainer = jobs["rl-trainer"]
     assert (trainer["completions"], trainer["completionMode"], trainer["template"]["spec"]["subdomain"]) == (2, "Indexed", "rl-trainer")
-    command = trainer["template"]["spec"]["containers"][0]["args"][0]
-    assert "--roles '[\"trainer\"]' --trainer-nodes 2 --node-rank \"$JOB_COMPLETION_INDEX\"" in command
-    assert "--rdzv-endpoint rl-trainer-0.rl-trainer:29400" in command
-    orchestrator = jobs["rl-orchestrator"]["template"]["spec"]["containers"][0]["args"][0]
-    urls = ["http://rl-inference-0.rl-inference:8000", "http://rl-inference-0.rl-inference:8001",
-            "http://rl-inference-1.rl-inference:8000", "http://rl-inference-1.rl-inference:8001"]
-    assert json.dumps(urls) in orchestrator and "--trainer-gpus 8" in orchestrator
     assert trainer["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
-    config = next(d for d in documents if d["kind"] == "ConfigMap")["data"]["rl.toml"]
-    assert "admin_token" not in config and "output_dir" not in config and "batch_size = 128" in config
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 8)
+    monkeypatch.setenv("RL_INFERENCE__ADMIN_TOKEN", "tok3n")
+    hosts = {}
+    for job, spec in jobs.items():
+        command = spec["template"]["spec"]["containers"][0]["args"][0]
+        for index in range(spec["completions"]):
+            config, host = launcher.load(pod_argv(command, index, files))
+            hosts[host.name] = (job, host, config)
+    assert sorted(hosts) == ["rl-inference-0.rl-inference", "rl-inference-1.rl-inference", "rl-orchestrator",
+                             "rl-trainer-0.rl-trainer", "rl-trainer-1.rl-trainer"]
+    assert {job: host.roles for job, host, _ in hosts.values()} == {
+        "rl-inference": ("inference",), "rl-orchestrator": ("orchestrator",), "rl-trainer": ("trainer",)}
+    _, orchestrator, config = hosts["rl-orchestrator"]
+    assert config.orchestrator.client.base_urls == [
+        "http://rl-inference-0.rl-inference:8000", "http://rl-inference-0.rl-inference:8001",
+        "http://rl-inference-1.rl-inference:8000", "http://rl-inference-1.rl-inference:8001"]
+    assert config.orchestrator.trainer_world_size == 16
+    for rank in (0, 1):
+        _, trainer_host, config = hosts[f"rl-trainer-{rank}.rl-trainer"]
+        assert (trainer_host.node_rank, trainer_host.rdzv_endpoint) == (rank, "rl-trainer-0.rl-trainer:29400")
+        assert trainer_host.devices.trainer_gpus == list(range(8))
+    _, inference, config = hosts["rl-inference-1.rl-inference"]
+    assert inference.devices.inference_gpus == [[0], [1]] and config.inference.host == "0.0.0.0"
 
 
 def test_k8s_with_an_existing_claim_makes_no_volume(tmp_path):
@@ -151,20 +180,67 @@ def test_k8s_with_an_existing_claim_makes_no_volume(tmp_path):
     assert {d["metadata"]["name"] for d in documents if d["kind"] == "Job"} == {"exp1-inference", "exp1-orchestrator", "exp1-trainer"}
 
 
-@pytest.mark.parametrize("trainer_nodes", ["0", "2"])
-def test_the_slurm_job_is_valid_bash_and_gives_each_node_its_roles(tmp_path, trainer_nodes):
-    config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm",
-                                             "--slurm.trainer-nodes", trainer_nodes, "--slurm.partition", "gpu",
-                                             "--slurm.setup", '["module load cuda"]'])
-    script = render_slurm(config, RunPaths(tmp_path / "run"), tmp_path / "run" / "slurm" / "rl.toml")
-    check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+def slurm_steps(config: RLConfig, tmp_path, nodes: list[str]) -> dict[str, list[str]]:
+    """Run the job's script with SLURM's commands stubbed: each node's `rl` command line (srun's arguments
+    after the node)."""
+    script = slurm_job(config, RunPaths(tmp_path / "run"))
+    check = subprocess.run(["bash", "-n", str(script)], text=True, capture_output=True)
     assert check.returncode == 0, check.stderr
-    assert "#SBATCH --partition=gpu" in script and "module load cuda" in script
-    assert f"#SBATCH --nodes={1 + int(trainer_nodes)}" in script
-    if trainer_nodes == "2":
-        assert '--trainer-nodes 2 --node-rank "$i" --rdzv-endpoint "${TRAINER_NODES[0]}:29400"' in script
-    else:
-        assert "roles='[\"inference\", \"orchestrator\", \"trainer\"]'" in script
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    stubs = (f'scontrol() {{ printf "%s\\n" {" ".join(nodes)}; }}\n'
+             f'srun() {{ while [ "$1" != -w ]; do shift; done; node=$2; shift 2; printf "%s\\0" "$@" > {steps}/"$node"; }}\n')
+    ran = subprocess.run(["bash", "-c", stubs + f"source {script}"], text=True, capture_output=True,
+                         env={"SLURM_JOB_NODELIST": "stubbed", "PATH": "/usr/bin:/bin"})
+    assert ran.returncode == 0, ran.stderr
+    return {node: (steps / node).read_text().split("\0")[:-1] for node in nodes}
+
+
+def slurm_hosts(tmp_path, monkeypatch, gpus: int, argv: list[str], nodes: list[str]):
+    """Each node's (resolved config, plan) as `rl` on it computes them from the rendered job."""
+    from rl.launcher import main as launcher
+
+    config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm", *argv])
+    steps = slurm_steps(config, tmp_path, nodes)
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: gpus)
+    monkeypatch.setenv("RL_INFERENCE__ADMIN_TOKEN", "t0ken")
+    found = {}
+    for node, argv in steps.items():
+        assert argv[1:3] == ["-m", "rl.launcher.main"]
+        config, host = launcher.load(argv[3:])
+        found[node] = (config, host)
+    return found
+
+
+def test_the_slurm_job_places_a_trainer_beside_inference_on_the_first_node_with_every_server_listed(tmp_path, monkeypatch):
+    """The defect this plan fixes: with the trainer beside inference, the first node splits its GPUs and starts
+    half as many servers as a node running inference alone; the orchestrator lists exactly those."""
+    hosts = slurm_hosts(tmp_path, monkeypatch, 4, ["--inference.dtype", "bfloat16", "--slurm.inference-nodes", "2",
+                                                    "--slurm.trainer-nodes", "0",
+                                                    "--slurm.gpus-per-node", "4", "--slurm.partition", "gpu"],
+                        ["n1", "n2"])
+    (first_config, first), (_, second) = hosts["n1"], hosts["n2"]
+    assert first.roles == ("inference", "orchestrator", "trainer") and second.roles == ("inference",)
+    assert first.devices.inference_gpus == [[0], [1]] and first.devices.trainer_gpus == [2, 3]
+    assert second.devices.inference_gpus == [[0], [1], [2], [3]]
+    assert first_config.orchestrator.client.base_urls == [
+        "http://n1:8000", "http://n1:8001", "http://n2:8000", "http://n2:8001", "http://n2:8002", "http://n2:8003"]
+    assert first.trainer_nodes == 1 and first_config.orchestrator.trainer_world_size == 2
+    script = (tmp_path / "run" / "slurm" / "rl.sbatch").read_text()
+    assert "#SBATCH --partition=gpu" in script and "#SBATCH --nodes=2" in script
+    assert "#   node 0: inference (2 servers on 2 GPUs), orchestrator (to 6 servers), trainer node 0 of 1 (2 GPUs)" in script
+
+
+def test_the_slurm_job_gives_each_trainer_node_its_rank_and_the_first_ones_rendezvous(tmp_path, monkeypatch):
+    hosts = slurm_hosts(tmp_path, monkeypatch, 0, ["--slurm.trainer-nodes", "2", "--trainer-processes", "2",
+                                                    "--slurm.setup", '["true module load cuda"]'], ["a", "b", "c"])
+    assert [host.roles for _, host in hosts.values()] == [("inference", "orchestrator"), ("trainer",), ("trainer",)]
+    assert [(host.node_rank, host.rdzv_endpoint, host.node_addr) for _, host in list(hosts.values())[1:]] == [
+        (0, "b:29400", "b"), (1, "b:29400", "c")]
+    config, host = hosts["a"]
+    assert config.orchestrator.client.base_urls == ["http://a:8000"] and config.orchestrator.trainer_world_size == 4
+    assert config.inference.host == "0.0.0.0" and host.spans_hosts
+    assert "true module load cuda" in (tmp_path / "run" / "slurm" / "rl.sbatch").read_text()
 
 
 def test_the_config_every_host_starts_from_is_the_one_given(tmp_path):

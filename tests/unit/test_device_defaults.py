@@ -15,10 +15,15 @@ from rl.inference.config import resolve_device_defaults as resolve_inference
 from rl.launcher import main as launcher
 from rl.launcher.config import RLConfig, resolve
 from rl.launcher.devices import DevicePlan, cpu_plan
+from rl.launcher.placement import given_host
 from rl.trainer.config import TrainerConfig, check_device, vllm_auto_dtype
 from rl.trainer.config import resolve_device_defaults as resolve_trainer
 
 GPU_PLAN = DevicePlan(1, [1], [[0]])
+
+
+def resolved(config: RLConfig, devices: DevicePlan) -> RLConfig:
+    return resolve(config, given_host(config, devices))
 
 
 def model_dir(tmp_path: Path, **config) -> str:
@@ -106,7 +111,7 @@ def test_the_mirror_agrees_with_vllms_own_rule(tmp_path):
 
 def test_launcher_fills_both_processes_for_a_gpu_plan(tmp_path):
     config = parse_config(RLConfig, ["--model.name", model_dir(tmp_path, torch_dtype="bfloat16")])
-    r = resolve(config, GPU_PLAN)
+    r = resolved(config, GPU_PLAN)
     assert (r.trainer.dtype, r.trainer.activation_checkpointing, r.trainer.publish_dtype) == ("bfloat16", True, "bfloat16")
     assert (r.inference.dtype, r.inference.enforce_eager) == ("auto", False)
     assert r.device_choices["trainer.dtype"] == "auto: CUDA"
@@ -115,29 +120,29 @@ def test_launcher_fills_both_processes_for_a_gpu_plan(tmp_path):
 
 
 def test_launcher_keeps_cpu_defaults_for_a_cpu_plan():
-    r = resolve(parse_config(RLConfig, []), cpu_plan(1, 1))
+    r = resolved(parse_config(RLConfig, []), cpu_plan(1, 1))
     assert (r.trainer.dtype, r.trainer.activation_checkpointing, r.trainer.publish_dtype) == ("float32", False, "float32")
     assert (r.inference.dtype, r.inference.enforce_eager) == ("float32", True)
 
 
 def test_an_explicit_inference_dtype_sets_the_publish_dtype_and_a_conflict_names_both(tmp_path):
     model = model_dir(tmp_path, torch_dtype="bfloat16")
-    r = resolve(parse_config(RLConfig, ["--model.name", model, "--inference.dtype", "float16"]), GPU_PLAN)
+    r = resolved(parse_config(RLConfig, ["--model.name", model, "--inference.dtype", "float16"]), GPU_PLAN)
     assert r.trainer.publish_dtype == "float16" and r.trainer.dtype == "bfloat16"
     assert r.device_choices["trainer.publish_dtype"] == "as inference.dtype"
-    r = resolve(parse_config(RLConfig, ["--model.name", model, "--inference.dtype", "float32",
+    r = resolved(parse_config(RLConfig, ["--model.name", model, "--inference.dtype", "float32",
                                         "--trainer.dtype", "float32"]), GPU_PLAN)
     assert (r.trainer.dtype, r.trainer.publish_dtype, r.inference.dtype) == ("float32", "float32", "float32")
     conflict = parse_config(RLConfig, ["--model.name", model, "--inference.dtype", "float16",
                                        "--trainer.publish-dtype", "bfloat16"])
     with pytest.raises(ConfigError, match="trainer.publish_dtype = 'bfloat16' but inference.dtype = 'float16'"):
-        resolve(conflict, GPU_PLAN)
+        resolved(conflict, GPU_PLAN)
 
 
 def test_an_unreadable_model_config_asks_for_an_explicit_dtype(tmp_path):
     config = parse_config(RLConfig, ["--model.name", str(tmp_path / "missing")])
     with pytest.raises(ConfigError, match="--inference.dtype"):
-        resolve(config, GPU_PLAN)
+        resolved(config, GPU_PLAN)
 
 
 def test_dry_run_prints_what_the_device_chose_and_the_mapped_gpus(tmp_path, monkeypatch, capsys):

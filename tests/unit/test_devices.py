@@ -7,6 +7,7 @@ from rl.config import ConfigError, parse_config
 from rl.launcher import main as launcher
 from rl.launcher.config import RLConfig
 from rl.launcher.devices import DevicePlan, child_visible_devices, nvidia_gpus_present, split_gpus
+from rl.launcher.placement import given_host
 from rl.protocol import RunPaths
 
 
@@ -16,9 +17,9 @@ def test_counts_give_inference_the_first_gpus():
     assert plan.trainer_gpus == [4, 5, 6, 7] and plan.trainer_processes == 4
 
 
-def test_tensor_parallel_groups_make_replicas():
-    plan = split_gpus(8, trainer_gpus=4, inference_gpus=4, tensor_parallel_size=2)
-    assert plan.inference_gpus == [[0, 1], [2, 3]] and plan.replicas == 2
+def test_tensor_parallel_above_one_is_refused_by_the_config():
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        parse_config(RLConfig, ["--inference.tensor-parallel-size", "2"])
 
 
 def test_explicit_ids():
@@ -38,7 +39,6 @@ def test_one_count_takes_the_rest():
         (dict(trainer_gpu_ids=[0, 9], inference_gpu_ids=[1]), "do not exist"),
         (dict(trainer_gpu_ids=[0, 1], inference_gpu_ids=[1]), "overlap"),
         (dict(trainer_gpu_ids=[0, 0], inference_gpu_ids=[1]), "twice"),
-        (dict(trainer_gpus=5, inference_gpus=3, tensor_parallel_size=2), "tensor_parallel_size"),
         (dict(trainer_gpus=8, inference_gpus=0), "at least one GPU"),
     ],
 )
@@ -65,8 +65,8 @@ def gpu_children(tmp_path, monkeypatch, **env) -> dict:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     config, _ = launcher.load(["--output-dir", str(tmp_path)])
-    plan = DevicePlan(1, [1], [[0]])
-    return {spec.name: spec.extra_env for spec in launcher.child_specs(config, plan, RunPaths(tmp_path))}
+    host = given_host(config, DevicePlan(1, [1], [[0]]))
+    return {spec.name: spec.extra_env for spec in launcher.child_specs(config, host, RunPaths(tmp_path))}
 
 
 def test_children_of_a_launcher_given_gpus_4_and_5_get_gpus_4_and_5(tmp_path, monkeypatch):

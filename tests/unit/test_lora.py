@@ -123,8 +123,10 @@ def resolved(*argv: str):
     from rl.config import parse_config
     from rl.launcher.config import RLConfig, resolve
     from rl.launcher.devices import cpu_plan
+    from rl.launcher.placement import given_host
 
-    return resolve(parse_config(RLConfig, ["--model.name", "m", "--output-dir", "/tmp/x", *argv]), cpu_plan(2, 1))
+    config = parse_config(RLConfig, ["--model.name", "m", "--output-dir", "/tmp/x", *argv])
+    return resolve(config, given_host(config, cpu_plan(2, 1)))
 
 
 def test_the_launcher_derives_lora_serving_from_the_trainer():

@@ -24,10 +24,9 @@ import httpx
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, next_vllm_rank
 from rl.config import ConfigError, run_cli, write_config
-from rl.inference.config import LoraServingConfig
+from rl.inference.config import LoraServingConfig, client_host
 from rl.eval.config import EvalCommandConfig
 from rl.launcher.checks import check_model
-from rl.launcher.config import client_host
 from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
 from rl.orchestrator.environment import EnvLoadError, Environment, load_environments, serving

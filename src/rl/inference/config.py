@@ -16,6 +16,11 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 by `ipaddress.is_loopback` in the server: without an admin token the admin routes answer only those.)"""
 
 
+def client_host(bind_host: str) -> str:
+    """The address a client on this host reaches a server bound to `bind_host` at."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
+
+
 def _vllm_rank(rank: int) -> int:
     if rank not in VLLM_MAX_RANKS:
         raise ValueError(f"vLLM takes a max LoRA rank of {', '.join(map(str, VLLM_MAX_RANKS))}, not {rank}")

@@ -15,7 +15,7 @@ from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig, o
 from rl.adapter import next_vllm_rank
 from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference_device
-from rl.launcher.devices import DevicePlan
+from rl.launcher.placement import HostPlan, PlacementConfig
 from rl.orchestrator.config import OrchestratorConfig
 from rl.trainer.config import TrainerConfig, vllm_auto_dtype
 from rl.trainer.config import resolve_device_defaults as resolve_trainer_device
@@ -124,6 +124,11 @@ class RLConfig(Settings):
         list[str] | None,
         Field(min_length=1, description="the inference servers this host's orchestrator uses (default: this host's)"),
     ] = None
+    placement: Annotated[
+        PlacementConfig | None, BeforeValidator(optional_section),
+        Field(description="this host's place in a run over several hosts, from the topology every host shares "
+                          "(what --slurm and --k8s write; replaces the per-host flags above)"),
+    ] = None
     slurm: Annotated[
         SlurmConfig | None, BeforeValidator(optional_section),
         Field(description="render the run as one sbatch job and submit it (`--slurm`, `--slurm.trainer-nodes 2` ...)"),
@@ -148,10 +153,6 @@ class RLConfig(Settings):
     @property
     def device_choices(self) -> dict[str, str]:
         return self._device_choices
-
-    @property
-    def single_host(self) -> bool:
-        return sorted(self.roles) == sorted(ROLES) and self.trainer_nodes == 1
 
     @property
     def uses_gpu_flags(self) -> bool:
@@ -180,8 +181,8 @@ def _require_equal(name: str, values: dict[str, Any]) -> None:
         raise ConfigError(f"{name} differs between processes ({listed}); set it once with --{name.replace('_', '-')}")
 
 
-def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
-    """Fill every process config from the shared fields and the device plan; return a new config."""
+def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
+    """Fill every process config from the shared fields and this host's plan; return a new config."""
     config = config.model_copy(deep=True)
     t, o, i = config.trainer, config.orchestrator, config.inference
     sections = {"trainer": t, "orchestrator": o, "inference": i}
@@ -213,20 +214,23 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
     _require_equal("max_steps", {"trainer": t.max_steps, "orchestrator": o.max_steps})
 
     # Derived cross-process values.
-    check_hosts(config)
+    if host.inference_bind is not None:
+        _fill(host.inference_bind, i, "host", "placement (servers other hosts reach)", "inference")
+    check_admin_token(i, host)
     i.weights_dir = (t.output_dir / "weights").absolute()
     if i.admin_token is None:
         i.admin_token = secrets.token_hex(16)
-    if i.port + plan.replicas - 1 > 65535:
+    replicas = host.devices.replicas
+    if i.port + replicas - 1 > 65535:
         raise ConfigError(
-            f"inference.port = {i.port} with {plan.replicas} replicas needs ports up to {i.port + plan.replicas - 1}, "
+            f"inference.port = {i.port} with {replicas} replicas needs ports up to {i.port + replicas - 1}, "
             "past 65535; choose a lower port"
         )
-    urls = config.inference_urls or [f"http://{client_host(i.host)}:{i.port + r}" for r in range(plan.replicas)]
-    if urls:  # a host running neither inference nor the orchestrator has none to give
-        _fill(urls, o.client, "base_urls", "inference.port (one server per replica) / --inference-urls", "orchestrator.client")
+    if host.inference_urls:  # only the orchestrator's host has them
+        _fill(list(host.inference_urls), o.client, "base_urls",
+              "inference.port (one server per replica) / --inference-urls", "orchestrator.client")
     _fill(i.admin_token, o.client, "admin_token", "inference.admin-token", "orchestrator.client")
-    world_size = plan.trainer_processes * config.trainer_nodes
+    world_size = host.devices.trainer_processes * host.trainer_nodes
     _fill(world_size, o, "trainer_world_size", "trainer-processes / --trainer-gpus x --trainer-nodes", "orchestrator")
     if o.sampling.temperature <= 0:
         raise ConfigError("orchestrator.sampling.temperature must be > 0 for training: greedy rollouts have no "
@@ -238,7 +242,7 @@ def resolve(config: RLConfig, plan: DevicePlan) -> RLConfig:
             f"trainer.keep_weights = {t.keep_weights} would delete weights inference may still serve or roll back "
             f"to with async_level = {o.async_level}; set it to at least {o.async_level + 2}"
         )
-    config._device_choices = resolve_devices(t, i, plan.device)
+    config._device_choices = resolve_devices(t, i, host.devices.device)
     return config
 
 
@@ -286,8 +290,18 @@ def resolve_devices(t: TrainerConfig, i: InferenceConfig, device: str) -> dict[s
     return {f"trainer.{k}": v for k, v in trainer.items()} | {f"inference.{k}": v for k, v in inference.items()}
 
 
+PER_HOST_FLAGS = ("roles", "trainer_nodes", "node_rank", "rdzv_endpoint", "node_addr", "inference_urls")
+
+
 def check_hosts(config: RLConfig) -> None:
-    """What a run over several hosts needs from each host's command line."""
+    """What a run over several hosts needs from each host's command line (its flags, or its placement)."""
+    if config.placement is not None:
+        given = [f"--{name.replace('_', '-')}" for name in PER_HOST_FLAGS if name in config.model_fields_set]
+        if given:
+            raise ConfigError(f"--placement places this host; {', '.join(given)} would place it again: remove them")
+        if config.placement.index is None or not config.placement.hosts:
+            raise ConfigError("--placement needs this host's --placement.index and every host's --placement.hosts")
+        return
     if len(set(config.roles)) != len(config.roles):
         raise ConfigError(f"--roles {config.roles} lists a process twice")
     if "orchestrator" in config.roles and "inference" not in config.roles and not config.inference_urls:
@@ -298,14 +312,12 @@ def check_hosts(config: RLConfig) -> None:
                           "the same on every trainer host)")
     if config.node_rank >= config.trainer_nodes:
         raise ConfigError(f"--node-rank {config.node_rank} is not below --trainer-nodes {config.trainer_nodes}")
-    routable = config.inference.host not in LOOPBACK_HOSTS
-    if config.inference.admin_token is None and (routable or not config.single_host):
-        why = (f"inference.host = {config.inference.host!r} lets other hosts reach the admin routes"
+
+
+def check_admin_token(i: InferenceConfig, host: HostPlan) -> None:
+    routable = i.host not in LOOPBACK_HOSTS
+    if i.admin_token is None and (routable or host.spans_hosts):
+        why = (f"inference.host = {i.host!r} lets other hosts reach the admin routes"
                if routable else "every host of the run must send and expect the same admin token")
         raise ConfigError(f"{why}: set inference.admin_token, the same on every host "
                           "(e.g. export RL_INFERENCE__ADMIN_TOKEN=$(openssl rand -hex 16))")
-
-
-def client_host(bind_host: str) -> str:
-    """The address a client on this host reaches a server bound to `bind_host` at."""
-    return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host

@@ -23,11 +23,12 @@ import tomli_w
 
 from rl.config import SECRET_FIELDS, ConfigError
 from rl.launcher.config import RLConfig
+from rl.launcher.placement import HostPlan, PlacementConfig, plan
 from rl.protocol import RunPaths, atomic_write_text
 
 TEMPLATES = Path(__file__).parent / "templates"
 PER_HOST = {"slurm", "k8s", "dry_run", "roles", "host_name", "node_rank", "node_addr", "rdzv_endpoint", "inference_urls",
-            "trainer_nodes"}
+            "trainer_nodes", "placement"}
 SBATCH_TIMEOUT_S = 60
 
 
@@ -49,6 +50,29 @@ def _without_secrets(data: Any) -> Any:
     return data
 
 
+def placement_toml(topology: PlacementConfig) -> str:
+    """The topology every host shares; each adds its own --placement.index (and SLURM the node names)."""
+    return tomli_w.dumps({"placement": topology.model_dump(mode="json", exclude_defaults=True, exclude={"index"})})
+
+
+def describe(hosts: list[HostPlan]) -> list[str]:
+    """One line per host: what it runs, on what."""
+    lines = []
+    for host in hosts:
+        devices, parts = host.devices, []
+        if host.runs("inference"):
+            gpus = sum(len(g) for g in devices.inference_gpus)
+            parts.append(f"inference ({devices.replicas} server{'s' * (devices.replicas > 1)}"
+                         + (f" on {gpus} GPUs)" if gpus else ")"))
+        if host.runs("orchestrator"):
+            parts.append(f"orchestrator (to {len(host.inference_urls)} servers)")
+        if host.runs("trainer"):
+            on = f"{len(devices.trainer_gpus)} GPUs" if devices.trainer_gpus else f"{devices.trainer_processes} processes"
+            parts.append(f"trainer node {host.node_rank} of {host.trainer_nodes} ({on})")
+        lines.append(f"{host.name}: {', '.join(parts)}")
+    return lines
+
+
 def _template(name: str) -> jinja2.Template:
     environment = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined, keep_trailing_newline=True
@@ -61,25 +85,31 @@ def _template(name: str) -> jinja2.Template:
 # --------------------------------------------------------------------------------------------------
 
 
-def render_slurm(config: RLConfig, paths: RunPaths, config_file: Path) -> str:
+def slurm_topology(config: RLConfig) -> PlacementConfig:
     slurm = config.slurm
-    layout = (f"{slurm.inference_nodes} inference (the first also runs the orchestrator)"
-              + (f", {slurm.trainer_nodes} trainer" if slurm.trainer_nodes else ", the trainer beside the first"))
+    return PlacementConfig(inference_hosts=slurm.inference_nodes, trainer_hosts=slurm.trainer_nodes,
+                           inference_gpus=slurm.gpus_per_node, trainer_gpus=slurm.gpus_per_node,
+                           rdzv_port=slurm.rdzv_port)
+
+
+def render_slurm(config: RLConfig, paths: RunPaths, config_file: Path, placement_file: Path) -> str:
+    topology = slurm_topology(config)
+    layout = describe(plan(config, topology.model_copy(update={"hosts": [f"node {i}" for i in range(topology.size)]})))
     return _template("rl.sbatch.j2").render(
-        slurm=slurm, layout=layout, nodes=slurm.inference_nodes + slurm.trainer_nodes,
-        output_dir=shlex.quote(str(paths.root)), config_file=shlex.quote(str(config_file)),
-        python=shlex.quote(sys.executable), inference_port=config.inference.port,
-        inference_replicas=slurm.gpus_per_node or config.inference_replicas,  # servers per inference node
+        slurm=config.slurm, layout=layout, nodes=topology.size, output_dir=shlex.quote(str(paths.root)),
+        config_file=shlex.quote(str(config_file)), placement_file=shlex.quote(str(placement_file)),
+        python=shlex.quote(sys.executable),
     )
 
 
 def slurm_job(config: RLConfig, paths: RunPaths) -> Path:
-    """Write <output_dir>/slurm/rl.toml and rl.sbatch; the script's path."""
+    """Write <output_dir>/slurm/rl.toml (the run), placement.toml (its topology) and rl.sbatch; the script's path."""
     directory = paths.slurm
-    config_file = directory / "rl.toml"
+    config_file, placement_file = directory / "rl.toml", directory / "placement.toml"
     atomic_write_text(config_file, as_given(config, str(paths.root)))
+    atomic_write_text(placement_file, placement_toml(slurm_topology(config)))
     script = directory / "rl.sbatch"
-    atomic_write_text(script, render_slurm(config, paths, config_file))
+    atomic_write_text(script, render_slurm(config, paths, config_file, placement_file))
     return script
 
 
@@ -102,24 +132,29 @@ def submit(script: Path) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+def k8s_topology(config: RLConfig) -> PlacementConfig:
+    """Pods reach each other by their headless services' DNS names: <job>-<index>.<job>."""
+    k8s, name = config.k8s, config.k8s.name
+    hosts = ([f"{name}-inference-{i}.{name}-inference" for i in range(k8s.inference_pods)] + [f"{name}-orchestrator"]
+             + [f"{name}-trainer-{i}.{name}-trainer" for i in range(k8s.trainer_pods)])
+    return PlacementConfig(hosts=hosts, inference_hosts=k8s.inference_pods, orchestrator_host=True,
+                           trainer_hosts=k8s.trainer_pods, inference_gpus=k8s.inference_gpus,
+                           trainer_gpus=k8s.trainer_gpus, rdzv_port=k8s.rdzv_port)
+
+
 def render_k8s(config: RLConfig, paths: RunPaths, token: str | None = None) -> str:
     k8s = config.k8s
-    name, port = k8s.name, config.inference.port
+    name = k8s.name
+    topology = k8s_topology(config)
     run_dir = f"{k8s.mount_path}/{paths.root.name}"
-    replicas = k8s.inference_gpus or config.inference_replicas  # servers per inference pod
-    urls = [f"http://{name}-inference-{i}.{name}-inference:{port + r}" for i in range(k8s.inference_pods)
-            for r in range(replicas)]
-    rl = f"{k8s.rl} @ /etc/rl/rl.toml --output-dir {shlex.quote(run_dir)} --host-name \"$(hostname)\""
-    gpus = f" --trainer-gpus {k8s.trainer_gpus}" if k8s.trainer_gpus else ""
-    jobs = [
+    rl = f"{k8s.rl} @ /etc/rl/rl.toml @ /etc/rl/placement.toml --output-dir {shlex.quote(run_dir)} --placement.index"
+    first_trainer = k8s.inference_pods + 1
+    jobs = [  # an Indexed Job's pods are hosts <first> + JOB_COMPLETION_INDEX of the plan
         {"role": "inference", "pods": k8s.inference_pods, "indexed": True, "gpus": k8s.inference_gpus,
-         "command": f"{rl} --roles '[\"inference\"]' --inference.host 0.0.0.0"},
-        {"role": "orchestrator", "pods": 1, "indexed": False, "gpus": None,
-         "command": f"{rl} --roles '[\"orchestrator\"]' --inference-urls '{json.dumps(urls)}' "
-                    f"--trainer-nodes {k8s.trainer_pods}{gpus}"},
+         "command": f'{rl} "$JOB_COMPLETION_INDEX"'},
+        {"role": "orchestrator", "pods": 1, "indexed": False, "gpus": None, "command": f"{rl} {k8s.inference_pods}"},
         {"role": "trainer", "pods": k8s.trainer_pods, "indexed": True, "gpus": k8s.trainer_gpus,
-         "command": f"{rl} --roles '[\"trainer\"]' --trainer-nodes {k8s.trainer_pods} "
-                    f"--node-rank \"$JOB_COMPLETION_INDEX\" --rdzv-endpoint {name}-trainer-0.{name}-trainer:{k8s.rdzv_port}"},
+         "command": f'{rl} "$(({first_trainer} + JOB_COMPLETION_INDEX))"'},
     ]
 
     def labels(role: str | None = None) -> str:
@@ -127,8 +162,8 @@ def render_k8s(config: RLConfig, paths: RunPaths, token: str | None = None) -> s
         return json.dumps(found)
 
     return _template("rl.k8s.yaml.j2").render(
-        k8s=k8s, name=name, labels=labels, jobs=jobs, inference_port=port,
+        k8s=k8s, name=name, labels=labels, jobs=jobs, inference_port=config.inference.port,
         token=token or config.inference.admin_token or secrets.token_hex(16),
-        config_toml=as_given(config, None).rstrip("\n"), claim=k8s.existing_claim or f"{name}-run",
-        mount=k8s.mount_path,
+        config_toml=as_given(config, None).rstrip("\n"), placement_toml=placement_toml(topology).rstrip("\n"),
+        layout=describe(plan(config, topology)), claim=k8s.existing_claim or f"{name}-run", mount=k8s.mount_path,
     )

@@ -45,11 +45,8 @@ def split_gpus(
     inference_gpus: int | None = None,
     trainer_gpu_ids: list[int] | None = None,
     inference_gpu_ids: list[int] | None = None,
-    tensor_parallel_size: int = 1,
 ) -> DevicePlan:
-    """Give inference its GPUs first (consecutive from 0 unless ids are given), the trainer the next ones.
-
-    One inference replica per `tensor_parallel_size` GPUs."""
+    """Give inference its GPUs first (consecutive from 0 unless ids are given), the trainer the next ones."""
     if inference_gpu_ids is None:
         count = inference_gpus if inference_gpus is not None else max(available - (trainer_gpus or 0), 0) // 2
         inference_gpu_ids = list(range(count))
@@ -68,14 +65,12 @@ def split_gpus(
         raise ConfigError(f"trainer GPUs {trainer_gpu_ids} and inference GPUs {inference_gpu_ids} overlap")
     if not trainer_gpu_ids or not inference_gpu_ids:
         raise ConfigError("both the trainer and inference need at least one GPU (--trainer-gpus, --inference-gpus)")
-    if len(inference_gpu_ids) % tensor_parallel_size:
-        raise ConfigError(
-            f"{len(inference_gpu_ids)} inference GPUs do not split into replicas of "
-            f"inference.tensor_parallel_size={tensor_parallel_size}"
-        )
-    tp = tensor_parallel_size
-    replicas = [inference_gpu_ids[i : i + tp] for i in range(0, len(inference_gpu_ids), tp)]
-    return DevicePlan(len(trainer_gpu_ids), trainer_gpu_ids, replicas)
+    return DevicePlan(len(trainer_gpu_ids), trainer_gpu_ids, replicas_of(inference_gpu_ids))
+
+
+def replicas_of(ids: list[int]) -> list[list[int]]:
+    """One inference replica per GPU (inference.tensor_parallel_size is 1: see its description)."""
+    return [[i] for i in ids]
 
 
 def one_role_gpus(
@@ -92,7 +87,7 @@ def one_role_gpus(
     if inference_here:
         ids = inference_gpu_ids or list(range(inference_gpus or available))
         check_gpu_ids(ids, "--inference-gpu-ids", available)
-        return DevicePlan(trainer_gpus or 1, [], [[i] for i in ids])
+        return DevicePlan(trainer_gpus or 1, [], replicas_of(ids))
     if trainer_here:
         ids = trainer_gpu_ids or list(range(trainer_gpus or available))
         check_gpu_ids(ids, "--trainer-gpu-ids", available)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
-import socket
 import sys
 from pathlib import Path
 
@@ -16,11 +15,12 @@ from pydantic import ValidationError
 
 from rl.config import ConfigError, format_validation_error, parse_config, config_help, to_toml, write_config
 from rl.launcher.checks import check_environments, check_lora_targets, check_model, check_output_dir
-from rl.launcher.config import RLConfig, resolve
+from rl.launcher.config import RLConfig, check_hosts, resolve
 from rl.launcher.devices import (
-    DevicePlan, child_visible_devices, cpu_plan, cuda_unavailable, gpu_flags_without_gpus, nvidia_gpus_present,
-    one_role_gpus, split_gpus,
+    DevicePlan, check_gpu_ids, child_visible_devices, cpu_plan, cuda_unavailable, gpu_flags_without_gpus,
+    nvidia_gpus_present, one_role_gpus, split_gpus,
 )
+from rl.launcher.placement import HostPlan, given_host, plan
 from rl.launcher.resume import choose_checkpoint, discard_after
 from rl.launcher.deploy import render_k8s, render_slurm, slurm_job, submit
 from rl.launcher.hosts import HostBoard
@@ -39,6 +39,20 @@ def gpus_hidden_on_purpose() -> bool:
     """CUDA_VISIBLE_DEVICES set to '' (or -1): this host's GPUs are not for this run."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
     return value is not None and value.strip() in ("", "-1")
+
+
+def this_host(config: RLConfig, available: int) -> HostPlan:
+    """What this host starts: its entry of the run's plan (`--placement`), or what its own flags say."""
+    check_hosts(config)
+    if config.placement is None:
+        return given_host(config, plan_devices(config, available))
+    host = plan(config, config.placement)[config.placement.index]
+    if config.uses_gpu_flags:
+        raise ConfigError("--placement splits each host's GPUs (placement.inference_gpus, placement.trainer_gpus); "
+                          "--trainer-gpus/--inference-gpus/--*-gpu-ids apply only where the trainer shares a host")
+    planned = host.devices.trainer_gpus + [g for replica in host.devices.inference_gpus for g in replica]
+    check_gpu_ids(planned, f"the GPUs placed on host {host.name!r}", available)
+    return host
 
 
 def plan_devices(config: RLConfig, available: int) -> DevicePlan:
@@ -65,7 +79,6 @@ def plan_devices(config: RLConfig, available: int) -> DevicePlan:
         config.inference_gpus,
         config.trainer_gpu_ids,
         config.inference_gpu_ids,
-        config.inference.tensor_parallel_size,
     )
 
 
@@ -100,65 +113,61 @@ def gpu_child_env(role: str) -> dict[str, str]:
     return {name: value for name, value in wanted.items() if name not in os.environ}
 
 
-def host_name(config: RLConfig) -> str:
-    return config.host_name or socket.gethostname()
-
-
-def host_dirs(config: RLConfig, paths: RunPaths) -> tuple[Path, Path]:
+def host_dirs(host: HostPlan, paths: RunPaths) -> tuple[Path, Path]:
     """Where this host's resolved configs and logs go: configs/ and logs/, or a folder per host when the run
     spans several (each host derives its own values, and two hosts must not write one log)."""
-    if config.single_host:
+    if not host.spans_hosts:
         return paths.configs.absolute(), paths.logs.absolute()
-    name = host_name(config)
-    return (paths.configs / name).absolute(), (paths.logs / name).absolute()
+    return (paths.configs / host.name).absolute(), (paths.logs / host.name).absolute()
 
 
-def torchrun_args(config: RLConfig, plan: DevicePlan, paths: RunPaths) -> list[str]:
+def torchrun_args(host: HostPlan, paths: RunPaths) -> list[str]:
     """One node: standalone. Several: c10d rendezvous hosted by trainer node 0 (said outright: torchrun guesses
     it from hostnames, which fails where a host's name does not resolve to the endpoint's address), one id
     per run directory."""
-    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={plan.trainer_processes}"]
-    if config.trainer_nodes == 1:
+    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={host.devices.trainer_processes}"]
+    if host.trainer_nodes == 1:
         return args + ["--standalone"]
     run_id = "rl-" + hashlib.sha1(str(paths.root.absolute()).encode()).hexdigest()[:12]
-    args += [f"--nnodes={config.trainer_nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}",
-             f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={str(config.node_rank == 0).lower()}"]
-    return args + ([f"--local-addr={config.node_addr}"] if config.node_addr else [])
+    args += [f"--nnodes={host.trainer_nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={host.rdzv_endpoint}",
+             f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={str(host.node_rank == 0).lower()}"]
+    return args + ([f"--local-addr={host.node_addr}"] if host.node_addr else [])
 
 
-def child_specs(config: RLConfig, plan: DevicePlan, paths: RunPaths) -> list[ChildSpec]:
+def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[ChildSpec]:
     """Plan GPU ids are indices into the launcher's visible GPUs; children get them as its CUDA_VISIBLE_DEVICES
     names them."""
     python = sys.executable
-    configs, logs = host_dirs(config, paths)
+    plan = host.devices
+    configs, logs = host_dirs(host, paths)
     parent_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     specs = []
-    if "inference" in config.roles:
+    if host.runs("inference"):
         for r, gpus in enumerate(plan.inference_gpus):
             name = "inference" if plan.replicas == 1 else f"inference-{r}"
             cmd = [python, "-m", "rl.inference.main", "@", str(configs / "inference.toml")]
             cmd += ["--port", str(config.inference.port + r)]
             visible, env = (child_visible_devices(gpus, parent_gpus), gpu_child_env("inference")) if gpus else (None, {})
             specs.append(ChildSpec(name, cmd, visible, logs / f"{name}.log", env))
-    if "orchestrator" in config.roles:
+    if host.runs("orchestrator"):
         cmd = [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")]
         specs.append(ChildSpec("orchestrator", cmd, [], logs / "orchestrator.log"))  # no GPU
-    if "trainer" in config.roles:
-        cmd = torchrun_args(config, plan, paths) + ["-m", "rl.trainer.main", "@", str(configs / "trainer.toml")]
+    if host.runs("trainer"):
+        cmd = torchrun_args(host, paths) + ["-m", "rl.trainer.main", "@", str(configs / "trainer.toml")]
         gpus = plan.trainer_gpus
         visible, env = (child_visible_devices(gpus, parent_gpus), gpu_child_env("trainer")) if gpus else (None, {})
         specs.append(ChildSpec("trainer", cmd, visible, logs / "trainer.log", env | cpu_trainer_env(plan)))
     return specs
 
 
-def print_dry_run(config: RLConfig, specs: list[ChildSpec]) -> None:
-    for name in config.roles:
+def print_dry_run(config: RLConfig, host: HostPlan, specs: list[ChildSpec]) -> None:
+    for name in host.roles:
         print(f"# ---- {name} config ----")
         print(to_toml(getattr(config, name), mask_secrets=True))
     print("# ---- chosen by device ----")
     for field, why in config.device_choices.items():
         section, name = field.split(".")
-        if section in config.roles:
+        if host.runs(section):
             value = getattr(getattr(config, section), name)
             print(f"{field} = {str(value).lower() if isinstance(value, bool) else value} ({why})")
     print("# ---- commands ----")
@@ -167,16 +176,16 @@ def print_dry_run(config: RLConfig, specs: list[ChildSpec]) -> None:
         print(f"{spec.name}: {prefix}{shlex.join(spec.cmd)}  > {spec.log}")
 
 
-def load(argv: list[str]) -> tuple[RLConfig, DevicePlan]:
+def load(argv: list[str]) -> tuple[RLConfig, HostPlan]:
     config = parse_config(RLConfig, argv)
-    plan = plan_devices(config, visible_gpus())
+    host = this_host(config, visible_gpus())
     try:
-        return resolve(config, plan), plan
+        return resolve(config, host), host
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
 
 
-def deploy(config: RLConfig, given: RLConfig, paths: RunPaths) -> None:
+def deploy(config: RLConfig, host: HostPlan, given: RLConfig, paths: RunPaths) -> None:
     """`--k8s`: print the manifests. `--slurm`: check as for a start here (the nodes share this filesystem),
     write the job and submit it; with --dry-run print the job and write nothing. `config` is resolved for
     this host, `given` as the user gave it (what every host of the job starts from)."""
@@ -185,9 +194,9 @@ def deploy(config: RLConfig, given: RLConfig, paths: RunPaths) -> None:
     if config.k8s:
         print(render_k8s(given, paths), end="")
         return
-    check_start(config, paths, config.resume or config.resume_step is not None, devices_here=False)
+    check_start(config, host, paths, config.resume or config.resume_step is not None, devices_here=False)
     if config.dry_run:
-        print(render_slurm(given, paths, paths.slurm / "rl.toml"), end="")
+        print(render_slurm(given, paths, paths.slurm / "rl.toml", paths.slurm / "placement.toml"), end="")
         return
     script = slurm_job(given, paths)
     if not config.slurm.submit:
@@ -197,21 +206,21 @@ def deploy(config: RLConfig, given: RLConfig, paths: RunPaths) -> None:
           f"each host's in {paths.logs}/<host>/")
 
 
-def check_start(config: RLConfig, paths: RunPaths, resuming: bool, devices_here: bool = True) -> None:
+def check_start(config: RLConfig, host: HostPlan, paths: RunPaths, resuming: bool, devices_here: bool = True) -> None:
     """The checks before anything starts, for the processes this host runs (`devices_here`: and on its
     devices; not where a SLURM job is submitted from). The host running the orchestrator (one per run) owns
     the run directory: it checks it and, on resume, trims it."""
-    if devices_here and "trainer" in config.roles:
+    if devices_here and host.runs("trainer"):
         check_device(config.trainer)
-    if "orchestrator" in config.roles:
+    if host.runs("orchestrator"):
         check_output_dir(paths, resuming)
     if resuming:
         plan_resume(config, paths)
-    for name in {getattr(config, role).model.name for role in config.roles}:
+    for name in {getattr(config, role).model.name for role in host.roles}:
         check_model(name)
-    if "orchestrator" in config.roles:
+    if host.runs("orchestrator"):
         check_environments(config.orchestrator)
-    if "trainer" in config.roles:
+    if host.runs("trainer"):
         check_lora_targets(config.trainer)
 
 
@@ -222,28 +231,27 @@ def main(argv: list[str] | None = None) -> None:
         print(config_help(RLConfig))
         return
     try:
-        config, plan = load(argv)
+        config, host = load(argv)
         paths = RunPaths(config.trainer.output_dir.absolute())
         if config.slurm or config.k8s:
-            return deploy(config, parse_config(RLConfig, argv), paths)
+            return deploy(config, host, parse_config(RLConfig, argv), paths)
         resuming = config.resume or config.resume_step is not None
-        check_start(config, paths, resuming)
-        specs = child_specs(config, plan, paths)
+        check_start(config, host, paths, resuming)
+        specs = child_specs(config, host, paths)
     except ConfigError as e:
         print(f"rl: error: {e}", file=sys.stderr)
         sys.exit(2)
     if config.dry_run:
-        print_dry_run(config, specs)
+        print_dry_run(config, host, specs)
         return
-    if resuming and "orchestrator" in config.roles:
+    if resuming and host.runs("orchestrator"):
         removed = discard_after(paths, config.trainer.resume_step)
         print(f"rl: resuming from step {config.trainer.resume_step}; discarded {', '.join(removed) or 'nothing'}")
-    configs, _ = host_dirs(config, paths)
-    for name in config.roles:
+    configs, _ = host_dirs(host, paths)
+    for name in host.roles:
         write_config(getattr(config, name), configs / f"{name}.toml")
     write_config(config, configs / "rl.toml")
-    board = HostBoard(paths, host_name(config), tuple(config.roles), config.node_rank if "trainer" in config.roles
-                      else None, config.trainer_nodes, config.host_timeout_s)
+    board = HostBoard(paths, host.name, host.roles, host.node_rank, host.trainer_nodes, config.host_timeout_s)
     supervisor = Supervisor(paths, config.log_tail_lines, config.shutdown_timeout_s)
     sys.exit(supervisor.run(specs, board))
 
