@@ -12,7 +12,7 @@ out="${1:-outputs/quickstart-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$out"
 uv run tiny-model --out "$out/model-tiny"
 uv run torchrun --standalone --nproc-per-node 2 -m rl.trainer.sft @ configs/reverse_text/sft.toml \
-  --model.name "$out/model-tiny" --out "$out/model-sft"
+  --model.name "$out/model-tiny" --output-dir "$out/model-sft"
 uv run rl \
   --trainer @ configs/reverse_text/train.toml \
   --orchestrator @ configs/reverse_text/orch.toml \

@@ -45,7 +45,7 @@ def run_trainer(model: Path, out: Path, ranks: int, max_steps: int, *extra: str)
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
         "--master-port", str(free_port()), "-m", "rl.trainer.main", "--model.name", str(model),
         "--output-dir", str(out), "--max-steps", str(max_steps),
-        "--seq-len", "48", "--optim.lr", "1e-3", "--rollout-timeout-s", "60", *extra,
+        "--seq-len", "48", "--optim.lr", "1e-3", "--batch-timeout-s", "60", *extra,
     ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 

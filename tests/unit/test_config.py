@@ -191,3 +191,12 @@ def test_help_lists_the_fields_of_every_variant_of_a_tagged_union():
     assert "--loss.mismatch.max_log_ratio" in trainer and "--loss.norm.tokens_per_sample" in trainer
     orchestrator = config_help(OrchestratorConfig)
     assert "--advantage.type  ['grpo']" in orchestrator and "--advantage.truncated" in orchestrator
+
+
+def test_sft_speaks_the_trainers_words_and_names_the_old_ones():
+    from rl.trainer.sft import SFTConfig
+
+    config = parse_config(SFTConfig, ["@", str(Path(__file__).resolve().parents[2] / "configs/reverse_text/sft.toml")])
+    assert (config.max_steps, config.optim.lr, config.optim.schedule, config.dtype) == (200, 3e-3, "cosine", "auto")
+    with pytest.raises(ConfigError, match="out is now output_dir; steps is now max_steps; lr is now optim.lr"):
+        parse_config(SFTConfig, ["--out", "x", "--steps", "3", "--lr", "0.1"])

@@ -169,7 +169,7 @@ class TrainerConfig(Settings):
     loss: LossConfig = LossConfig()
     ckpt: CkptConfig = CkptConfig()
     wandb: WandbConfig = WandbConfig()
-    rollout_timeout_s: Annotated[
+    batch_timeout_s: Annotated[
         float, Field(gt=0, description="deadline for the orchestrator's batch of a step to appear")
     ] = 900.0
     keep_rollouts: Annotated[int, Field(ge=1, description="newest trained rollout batches kept on disk")] = 2

@@ -31,7 +31,7 @@ LINE_KEYS = (
 
 
 def wait_for_batch(paths: RunPaths, step: int, config: TrainerConfig, world: World) -> list[Sample]:
-    wait_for_stable(paths.rollouts(step), config.rollout_timeout_s, f"the orchestrator's batch for step {step}")
+    wait_for_stable(paths.rollouts(step), config.batch_timeout_s, f"the orchestrator's batch for step {step}")
     return read_batch(paths, step, world.rank)
 
 

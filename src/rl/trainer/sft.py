@@ -15,10 +15,10 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 from transformers import AutoTokenizer
 
@@ -39,19 +39,32 @@ class SFTConfig(Settings):
     model: ModelConfig = ModelConfig()
     env: EnvConfig = EnvConfig(id="reverse-text")
     answer_field: Annotated[str, Field(description="task data field holding the reference answer")] = "answer"
-    out: Annotated[Path, Field(description="directory the fine-tuned model is written to (HF layout)")] = Path(
+    output_dir: Annotated[Path, Field(description="directory the fine-tuned model is written to (HF layout)")] = Path(
         "models/sft"
     )
-    steps: Annotated[int, Field(ge=1, description="optimizer steps")] = 200
+    max_steps: Annotated[int, Field(ge=1, description="optimizer steps")] = 200
     batch_size: Annotated[int, Field(ge=1, description="examples per optimizer step (all ranks)")] = 64
     micro_batch_size: Annotated[int, Field(ge=1, description="examples per forward/backward pass")] = 64
     seq_len: Annotated[int, Field(ge=16, description="examples longer than this are truncated")] = 256
-    lr: Annotated[float, Field(gt=0, description="AdamW learning rate (cosine decay after warmup)")] = 1e-3
-    warmup_steps: Annotated[int, Field(ge=0, description="linear warmup steps")] = 10
-    max_grad_norm: Annotated[float, Field(gt=0, description="gradient norm clip")] = 1.0
-    dtype: Annotated[str, Field(description="parameter dtype (float32 on CPU)")] = "float32"
+    optim: OptimConfig = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=10)
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16"],
+        Field(description="compute dtype, as the trainer's: bfloat16 (GPU only) with fp32 master weights; auto: "
+                          "bfloat16 on CUDA, float32 on CPU"),
+    ] = "auto"
     log_interval: Annotated[int, Field(ge=1, description="log every N steps")] = 10
     seed: Annotated[int, Field(description="seed of the example order")] = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        """Names of earlier versions, refused naming the trainer's words that replaced them."""
+        renamed = {"out": "output_dir", "steps": "max_steps", "lr": "optim.lr", "warmup_steps": "optim.warmup_steps",
+                   "max_grad_norm": "optim.max_grad_norm"}
+        old = [name for name in renamed if isinstance(data, dict) and name in data]
+        if old:
+            raise ValueError("; ".join(f"{name} is now {renamed[name]}" for name in old) + " (the trainer's names)")
+        return data
 
 
 def build_examples(config: SFTConfig, tokenizer) -> list[Sample]:
@@ -84,13 +97,6 @@ def prompt_messages(data) -> list[dict]:
     return messages + [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in data.prompt]
 
 
-def optim_config(config: SFTConfig) -> OptimConfig:
-    """Cosine decay to 0 after a linear warmup (the RL trainer's schedule)."""
-    return OptimConfig(
-        lr=config.lr, schedule="cosine", warmup_steps=config.warmup_steps, max_grad_norm=config.max_grad_norm
-    )
-
-
 def sft_step(model, optimizer, batch: list[Sample], config: SFTConfig, world: World, pad_id: int) -> float:
     local = [truncate(s, config.seq_len) for s in batch[world.rank :: world.world_size]]
     total_tokens, = world.all_reduce([sum(trained_tokens(s) for s in local)])
@@ -105,7 +111,7 @@ def sft_step(model, optimizer, batch: list[Sample], config: SFTConfig, world: Wo
         token_loss = -(logprobs * mb.loss_mask).sum()
         (token_loss * world.world_size / max(total_tokens, 1)).backward()
         loss_sum += token_loss.item()
-    clip_gradients(model, config.max_grad_norm)
+    clip_gradients(model, config.optim.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss, = world.all_reduce([loss_sum])
@@ -117,28 +123,29 @@ def main() -> None:
     logger = setup_logging("sft")
     world = init_world()
     torch.manual_seed(config.seed)
-    model = prepare_for_training(load_model(config.model.name, config.dtype, world), activation_checkpointing=False)
+    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if world.device.type == "cuda" else "float32")
+    model = prepare_for_training(load_model(config.model.name, dtype, world), activation_checkpointing=False)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
     examples = build_examples(config, tokenizer)
-    optimizer = build_optimizer(model, optim_config(config))
-    scheduler = build_scheduler(optimizer, optim_config(config), config.steps)
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.optim, config.max_steps)
     order = random.Random(config.seed)
     if world.is_main:
-        logger.info(f"SFT on {len(examples)} examples of {config.env.id} for {config.steps} steps")
+        logger.info(f"SFT on {len(examples)} examples of {config.env.id} for {config.max_steps} steps")
     start, history = time.perf_counter(), []
-    for step in range(config.steps):
+    for step in range(config.max_steps):
         lr = scheduler.get_last_lr()[0]
         batch = order.sample(examples, min(config.batch_size, len(examples)))
         loss = sft_step(model, optimizer, batch, config, world, tokenizer.pad_token_id)
         scheduler.step()
         history.append(loss)
-        if world.is_main and (step % config.log_interval == 0 or step == config.steps - 1):
+        if world.is_main and (step % config.log_interval == 0 or step == config.max_steps - 1):
             logger.info(f"step {step} | loss={loss:.4f} lr={lr:.3g} time={time.perf_counter() - start:.1f}s")
     side_files = hf_side_files(model.config, tokenizer) if world.is_main else {}
-    save_model_dir(model, config.out, side_files, world, torch.float32, DEFAULT_SHARD_BYTES)
+    save_model_dir(model, config.output_dir, side_files, world, torch.float32, DEFAULT_SHARD_BYTES)
     if world.is_main:
-        (config.out / "sft_history.json").write_text(json.dumps({"loss": history}) + "\n")
-        logger.info(f"wrote {config.out}")
+        (config.output_dir / "sft_history.json").write_text(json.dumps({"loss": history}) + "\n")
+        logger.info(f"wrote {config.output_dir}")
     world.close()
 
 
