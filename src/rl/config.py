@@ -275,7 +275,17 @@ def config_help(cls: type[BaseModel], prefix: str = "", skip: tuple[str, ...] = 
             continue
         default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
         lines.append(f"  --{prefix}{name}  [{default}]  {field.description or ''}")
+        table = _table_type(field.annotation)
+        if table is not None:  # a list of tables (TOML [[name]]): each table's fields
+            lines.append(f"    each [[{name}]] table:")
+            lines += ["    " + line.replace("--", "", 1) for line in config_help(table).splitlines()]
     return "\n".join(lines)
+
+
+def _table_type(annotation: Any) -> type[BaseModel] | None:
+    """The config class of a list of tables (`list[X]`), else None."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) is list else ()
+    return args[0] if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel) else None
 
 
 def _union_sections(annotation: Any) -> list[type[BaseModel]]:

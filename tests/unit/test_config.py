@@ -1,4 +1,5 @@
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,34 @@ def test_help_lists_the_fields_of_every_variant_of_a_tagged_union():
     assert "--loss.mismatch.max_log_ratio" in trainer and "--loss.norm.tokens_per_sample" in trainer
     orchestrator = config_help(OrchestratorConfig)
     assert "--advantage.type  ['grpo']" in orchestrator and "--advantage.truncated" in orchestrator
+
+
+def leaf_fields(cls, prefix: str = "") -> list[str]:
+    """Every field's dotted name, through sections and lists of tables (a tagged union's are tested above)."""
+    from pydantic import BaseModel
+
+    names = []
+    for name, field in cls.model_fields.items():
+        args = typing.get_args(field.annotation) or (field.annotation,)
+        models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if field.discriminator:
+            names.append(f"{prefix}{name}.{field.discriminator}")
+        elif len(models) == 1:
+            names += leaf_fields(models[0], prefix + name + ".")
+        else:
+            names.append(prefix + name)
+    return names
+
+
+def test_help_names_every_field_of_every_command():
+    from rl.config import config_help
+    from rl.eval.config import EvalCommandConfig
+    from rl.trainer.sft import SFTConfig
+
+    for cls in (RLConfig, EvalCommandConfig, SFTConfig):
+        text = config_help(cls)
+        listed = lambda name: f"--{name}  " in text or f"      {name.rsplit('.', 1)[1]}  " in text  # noqa: E731
+        assert [name for name in leaf_fields(cls) if not listed(name)] == [], cls.__name__
 
 
 def test_sft_speaks_the_trainers_words_and_names_the_old_ones():
