@@ -3,7 +3,9 @@
 One run directory goes through every fault in turn (each resume starts where the previous kill left it):
 the trainer, the orchestrator, the inference server and the launcher itself are killed; each time the run
 must end within 30 s, exit non-zero naming the dead process, and leave no process behind. A final
-`--resume` then finishes the run, and every step must appear exactly once per process in metrics.jsonl.
+`--resume-step` from the checkpoint before the newest (what is after it is discarded) then finishes the run:
+every step must appear exactly once per process in metrics.jsonl, and inference serve the checkpoint's
+policy, not the base model's.
 Set RL_FAULT_SEED to replay the moments of a failed run.
 """
 
@@ -20,7 +22,7 @@ from tests.integration.launched import Launched, rl_command, wait_gone
 pytestmark = pytest.mark.integration
 # Each fault's run goes on for a checkpoint and up to a second more, which can be several of the tiny
 # model's warm steps: enough must remain for the last fault to find the run still going.
-MAX_STEPS = 30
+MAX_STEPS = 24
 VICTIMS = ["trainer", "orchestrator", "inference", "launcher"]
 STOP_WITHIN_S = 30
 
@@ -73,10 +75,14 @@ def test_each_process_killed_then_resumed_to_completion(tiny_model, tmp_path):
         assert not left, f"after {victim} was killed, still running: {left}"
         resumed_from = max(paths.complete_checkpoints())
 
-    final = Launched(rl_command(tiny_model, out, MAX_STEPS, *extra, "--resume"))
+    older = paths.complete_checkpoints()[-2]  # one per fault at least, so 3 or later
+    final = Launched(rl_command(tiny_model, out, MAX_STEPS, *extra, "--resume-step", str(older)))
     assert final.wait(timeout=900) == 0, final.output[-5000:]
+    assert f"resuming from step {older}" in final.output
     metrics = read_metrics(paths)
     for process in ("trainer", "orchestrator"):
         steps = [m["step"] for m in metrics if m["process"] == process]
         assert steps == list(range(MAX_STEPS)), f"{process} logged steps {steps}"
+    orchestrator = {m["step"]: m for m in metrics if m["process"] == "orchestrator"}
+    assert orchestrator[older]["policy_step"] >= older - 1  # async_level 1: the checkpoint's policy, or one before
     assert stable_steps(paths.weights_root)[-1] == MAX_STEPS

@@ -1,5 +1,5 @@
 """The whole loop for real: vLLM server, orchestrator with a verifiers environment, torchrun trainer.
-The trainer killed mid-run, and `--resume` after it, are in test_faults.py (with each other process)."""
+Each process killed mid-run, `--resume` and `--resume-step` after it, are in test_faults.py."""
 
 import pytest
 import torch
@@ -41,21 +41,3 @@ def test_five_steps_end_to_end(tiny_model, tmp_path):
     assert torch.equal(files["lm_head.weight"], files["model.embed_tokens.weight"])  # written explicitly
     assert (out / "configs" / "trainer.toml").is_file()
     assert "step 4 trainer" in run.output  # the launcher's one line per step
-
-
-def test_resume_continues_every_step_exactly_once(tiny_model, tmp_path):
-    out = tmp_path / "run"
-    first = Launched(rl_command(tiny_model, out, 3, "--ckpt.interval", "2"))
-    assert first.wait(timeout=900) == 0, first.output[-5000:]
-    assert (out / "checkpoints" / "step_2" / "trainer" / "STABLE").is_file()
-    resumed = Launched(rl_command(tiny_model, out, 5, "--ckpt.interval", "2", "--resume-step", "2"))
-    assert resumed.wait(timeout=900) == 0, resumed.output[-5000:]
-    assert "resuming from step 2" in resumed.output
-    metrics = read_metrics(RunPaths(out))
-    for process in ("trainer", "orchestrator"):
-        steps = [m["step"] for m in metrics if m["process"] == process]
-        assert steps == [0, 1, 2, 3, 4], f"{process} logged steps {steps}"
-    orchestrator = {m["step"]: m for m in metrics if m["process"] == "orchestrator"}
-    # after the resume inference was moved to the checkpoint's weights, not left on the base model
-    assert orchestrator[2]["policy_step"] >= 1
-    assert stable_steps(RunPaths(out).weights_root)[-1] == 5
