@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rl.inference.server import add_token_strings, is_loopback, private_ipc_dir, route_of
+from rl.inference.gate import add_token_strings, is_loopback, route_of
+from rl.inference.server import private_ipc_dir
 
 
 def test_token_strings_are_added_to_token_id_logprobs():
@@ -54,7 +55,7 @@ class FakeWeights:
     """Stands in for PolicyWeights: admit() answers `refusal`; records how many were in flight and the updates."""
 
     def __init__(self, refusal=None, admin_token="admin-secret", api_keys=("api-secret",)):
-        from rl.inference.server import AdminSettings
+        from rl.inference.policy import AdminSettings
 
         self.settings = AdminSettings("model", None, admin_token, api_keys)
         self.refusal, self.in_flight, self.seen_in_flight, self.updates = refusal, 0, [], []
@@ -77,7 +78,7 @@ def call(weights: FakeWeights, path: str, headers: dict | None = None, body: byt
     `root_path` as vLLM's --root-path sets it); (status, JSON body, messages sent, body chunks read)."""
     import asyncio
 
-    from rl.inference.server import AdminMiddleware
+    from rl.inference.gate import AdminMiddleware
 
     async def vllm_app(scope, receive, send):  # answers 200 "generated", noting the requests in flight
         weights.seen_in_flight.append(weights.in_flight)
@@ -263,7 +264,7 @@ def test_a_well_formed_update_passes():
 
 def test_error_details_always_encode():
     """A detail quoting a lone surrogate (say, from a refused path) is escaped, not a UnicodeEncodeError."""
-    from rl.inference.server import refusal
+    from rl.inference.gate import refusal
 
     assert json.loads(refusal(400, "path '\ud800'").body) == {"detail": "path '\ud800'"}
 
@@ -287,7 +288,7 @@ def test_without_an_admin_token_admin_routes_answer_loopback_clients_only():
 def test_a_path_past_the_os_limit_is_a_bad_request_not_a_crash(tmp_path):
     from fastapi import HTTPException
 
-    from rl.inference.server import AdminSettings, PolicyWeights
+    from rl.inference.policy import AdminSettings, PolicyWeights
 
     weights = PolicyWeights.__new__(PolicyWeights)  # _resolve needs only the settings
     weights.settings = AdminSettings(base_model=str(tmp_path), weights_dir=str(tmp_path), admin_token=None)
@@ -373,7 +374,7 @@ def adapter_step(weights, step: int, full: bool = False) -> str:
 
 
 def lora_weights(tmp_path, engine, lora_name=LORA):
-    from rl.inference.server import AdminSettings, PolicyWeights
+    from rl.inference.policy import AdminSettings, PolicyWeights
 
     (tmp_path / "model").mkdir(parents=True)
     (tmp_path / "weights").mkdir()
