@@ -379,7 +379,7 @@ def lora_weights(tmp_path, engine, lora_name=LORA):
     (tmp_path / "model").mkdir(parents=True)
     (tmp_path / "weights").mkdir()
     settings = AdminSettings(base_model=str(tmp_path / "model"), weights_dir=str(tmp_path / "weights"),
-                             admin_token=None, lora_name=lora_name, lora_max_rank=8 if lora_name else None)
+                             admin_token=None, lora_name=lora_name)
     return PolicyWeights(engine, settings, FakeModels()), tmp_path / "weights"
 
 
@@ -491,14 +491,16 @@ def test_adapter_steps_follow_the_step_rules(tmp_path):
 
 
 def test_a_lora_server_starts_with_vllms_lora_flags_and_a_name_unlike_the_model():
-    from rl.inference.config import LoraServingConfig
+    from rl.inference.config import InferenceConfig, LoraServingConfig
     from rl.inference.server import check_lora_name, vllm_argv
 
     lora = LoraServingConfig(name="policy-lora", max_rank=8)
-    argv = vllm_argv("/m", "127.0.0.1", 8000, "float32", 512, True, 0, 0.2, 1, "org/model", ["--max-loras", "2"], lora)
-    assert argv[-7:] == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--max-loras", "2"]
-    assert "--enable-lora" not in vllm_argv("/m", "h", 1, "auto", 512, True, 0, 0.2, 1, None, [])
-    check_lora_name(lora, "/m", "org/model")
-    for model, served in (("/m", "policy-lora"), ("policy-lora", None)):
+    config = InferenceConfig(model={"name": "org/model"}, dtype="float32", lora=lora, extra_args=["--max-loras", "2"])
+    argv = vllm_argv(config, "/m", 0.2, ["--max-loras", "3"])  # the host's arguments, then the user's, override
+    assert argv[-9:] == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--max-loras", "3",
+                         "--max-loras", "2"]
+    assert "--enable-lora" not in vllm_argv(InferenceConfig(dtype="auto"), "/m", 0.2, [])
+    check_lora_name(config, "/m")
+    for model_dir, name in (("/m", "policy-lora"), ("policy-lora", "org/model")):
         with pytest.raises(ValueError, match="inference.lora.name 'policy-lora' is the served model's name"):
-            check_lora_name(lora, model, served)
+            check_lora_name(InferenceConfig(model={"name": name}, lora=lora), model_dir)

@@ -35,7 +35,6 @@ class AdminSettings:
     admin_token: str | None
     api_keys: tuple[str, ...] = ()  # vLLM's --api-key / VLLM_API_KEY: required on every generation route
     lora_name: str | None = None  # the served adapter's name (None: LoRA off, full-weight steps only)
-    lora_max_rank: int | None = None
 
 
 class PolicyWeights:

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from rl import patches
-from rl.inference.config import LoraServingConfig
+from rl.inference.config import InferenceConfig
 from rl.inference.gate import AdminMiddleware
 from rl.inference.policy import AdminSettings
 
@@ -31,33 +31,31 @@ SOCKET_PATH_MAX = 107  # a unix socket's path in bytes (sockaddr_un.sun_path, le
 UUID_CHARS = 36  # vLLM names each socket by a uuid4
 
 
-def vllm_argv(model: str, host: str, port: int, dtype: str, max_model_len: int, enforce_eager: bool, seed: int,
-              gpu_memory_utilization: float, tensor_parallel_size: int, served_model_name: str | None,
-              extra_args: list[str], lora: LoraServingConfig | None = None) -> list[str]:
-    """vLLM's command line for our server; `extra_args` come last, so they can override."""
+def vllm_argv(config: InferenceConfig, model_dir: str, memory_share: float, host_args: list[str]) -> list[str]:
+    """vLLM's command line for our server; `host_args`, then the user's `config.extra_args`, come last, so they
+    can override."""
     argv = [
-        "--model", model, "--host", host, "--port", str(port), "--dtype", dtype,
-        "--max-model-len", str(max_model_len), "--seed", str(seed),
-        "--gpu-memory-utilization", str(gpu_memory_utilization),
-        "--tensor-parallel-size", str(tensor_parallel_size),
+        "--model", model_dir, "--served-model-name", config.model.name,
+        "--host", config.host, "--port", str(config.port), "--dtype", config.dtype,
+        "--max-model-len", str(config.max_model_len), "--seed", str(config.seed),
+        "--gpu-memory-utilization", str(memory_share),
         "--enable-scale-out",  # vLLM serves /inference/v1/generate only with it
         # logprobs of the distribution actually sampled from, which importance ratios at temperature != 1 need
         "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", WORKER_EXTENSION, "--middleware", MIDDLEWARE,
     ]
-    argv += ["--enforce-eager"] if enforce_eager else []
-    argv += ["--served-model-name", served_model_name] if served_model_name else []
+    argv += ["--enforce-eager"] if config.enforce_eager else []
     # One adapter slot: the policy's adapter, replaced in place at every step.
-    argv += ["--enable-lora", "--max-lora-rank", str(lora.max_rank), "--max-loras", "1"] if lora else []
-    return argv + list(extra_args)
+    argv += ["--enable-lora", "--max-lora-rank", str(config.lora.max_rank), "--max-loras", "1"] if config.lora else []
+    return argv + host_args + config.extra_args
 
 
-def check_lora_name(lora: LoraServingConfig | None, model: str, served_model_name: str | None) -> None:
+def check_lora_name(config: InferenceConfig, model_dir: str) -> None:
     """vLLM refuses an adapter named like a served base model, but only when it is first loaded: refuse at start-up."""
-    served = served_model_name or model
-    if lora is not None and lora.name in (model, served):
-        raise ValueError(f"inference.lora.name {lora.name!r} is the served model's name {served!r} (model {model!r}): "
-                         "vLLM refuses an adapter named like its base model; choose another adapter name")
+    lora, served = config.lora, config.model.name
+    if lora is not None and lora.name in (model_dir, served):
+        raise ValueError(f"inference.lora.name {lora.name!r} is the served model's name {served!r} (model "
+                         f"{model_dir!r}): vLLM refuses an adapter named like its base model; choose another adapter name")
 
 
 def _log_to_stderr() -> None:
@@ -99,59 +97,62 @@ def private_ipc_dir():
         shutil.rmtree(path, ignore_errors=True)
 
 
-def serve(
-    model: str,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    weights_dir: str | None = None,
-    dtype: str = "float32",
-    max_model_len: int = 2048,
-    enforce_eager: bool = True,
-    seed: int = 0,
-    gpu_memory_utilization: float = 0.9,
-    tensor_parallel_size: int = 1,
-    extra_args: list[str] = (),
-    admin_token: str | None = None,
-    served_model_name: str | None = None,
-    lora: LoraServingConfig | None = None,
-) -> None:
-    """Run vLLM's OpenAI-compatible server with our admin routes until it is stopped.
+def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_args: list[str]) -> None:
+    """Run vLLM's OpenAI-compatible server with rl's parts until it is stopped.
 
-    On CPU hosts `gpu_memory_utilization` is the fraction of the node's memory vLLM reserves. `lora`: serve one
-    LoRA adapter over the model, replaced by /update_weights (None: full-weight updates).
+    `config` has its device defaults resolved (`resolve_device_defaults`). `model_dir` holds the model's files, which
+    the served weights are verified against (`config.model.name`, the name requests use, may be a hub id);
+    `memory_share` is the share of GPU memory (on CPU: of the NUMA node) vLLM reserves; `host_args` are the vLLM
+    arguments this host needs, given before the user's `config.extra_args`.
     """
     import uvloop
-    from vllm import envs as vllm_envs
     from vllm.entrypoints.launchers.api_server.entry import run_server
+
+    if not Path(model_dir).is_dir():
+        raise ValueError(f"model {model_dir!r} must be a local Hugging Face directory (its files are verified)")
+    check_lora_name(config, model_dir)
+    args = parsed_vllm_args(vllm_argv(config, model_dir, memory_share, host_args))
+    args.rl_admin = AdminSettings(  # what the gate and the policy it serves read
+        base_model=model_dir, weights_dir=str(config.weights_dir) if config.weights_dir else None,
+        admin_token=config.admin_token, api_keys=api_keys(args), lora_name=config.lora.name if config.lora else None,
+    )
+    set_shm_poll()
+    with private_ipc_dir():
+        uvloop.run(run_server(args, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+
+
+def parsed_vllm_args(argv: list[str]):
+    """vLLM's args namespace for `argv`, parsed and validated as `vllm serve` does, with logging set up."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
-    from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    if not Path(model).is_dir():
-        raise ValueError(f"model {model!r} must be a local Hugging Face directory (its files are verified)")
-    if tensor_parallel_size != 1:
-        raise ValueError("tensor_parallel_size must be 1: weight verification reads unsharded layers")
-    check_lora_name(lora, model, served_model_name)
     cli_env_setup()
     # Clients (httpx) drop an idle keep-alive connection after 5 s; a server that closes at the same
     # 5 s can close one just as a request is sent on it ("Connection error" under CPU load). Closing
     # later than any client leaves the decision to the client.
     os.environ.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(KEEP_ALIVE_S))
-    argv = vllm_argv(model, host, port, dtype, max_model_len, enforce_eager, seed, gpu_memory_utilization,
-                     tensor_parallel_size, served_model_name, extra_args, lora)
     args = make_arg_parser(FlexibleArgumentParser(prog="rl.inference.server")).parse_args(argv)
     configure_logging_from_args(args)
     _log_to_stderr()
     validate_parsed_serve_args(args)
-    api_keys = tuple(key for key in (args.api_key or [vllm_envs.VLLM_API_KEY]) if key)  # as vLLM reads them
-    args.rl_admin = AdminSettings(base_model=model, weights_dir=weights_dir, admin_token=admin_token, api_keys=api_keys,
-                                  lora_name=lora.name if lora else None, lora_max_rank=lora.max_rank if lora else None)
+    return args
+
+
+def api_keys(args) -> tuple[str, ...]:
+    """The API keys vLLM requires on generation routes, read as vLLM reads them (--api-key, else VLLM_API_KEY)."""
+    from vllm import envs as vllm_envs
+
+    return tuple(key for key in (args.api_key or [vllm_envs.VLLM_API_KEY]) if key)
+
+
+def set_shm_poll() -> None:
+    """On CPU hosts, let vLLM's shared-memory queues sleep between polls (see `rl.patches`)."""
+    from vllm.platforms import current_platform
+
     if current_platform.is_cpu():
         os.environ.setdefault(patches.POLL_ENV, str(patches.CPU_POLL_S))
     poll_s = patches.poll_interval()  # a bad value fails here, before vLLM starts its processes
     if poll_s is not None:
         logger.info("vLLM's shared-memory queues sleep %s s per poll (%s)", poll_s, patches.POLL_ENV)
-    with private_ipc_dir():
-        uvloop.run(run_server(args, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))

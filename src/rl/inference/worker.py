@@ -348,8 +348,6 @@ class WeightSyncExtension:
 
     def _rl_served(self) -> dict[str, Fingerprint]:
         config = self.vllm_config
-        if config.parallel_config.tensor_parallel_size != 1:
-            raise NotImplementedError("weight verification supports tensor_parallel_size=1 only")
         with torch.inference_mode():
             model = self.model_runner.get_model()
             prints = served_fingerprint(model, config.model_config.dtype, config.model_config.get_vocab_size(), self.device)
