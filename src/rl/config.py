@@ -318,21 +318,30 @@ def run_cli(cls: type[C], argv: list[str] | None = None) -> C:
 
 
 SECRET_FIELDS = ("admin_token",)
+SECRET_MASK = "<hidden>"
 
 
 def to_toml(config: BaseModel, mask_secrets: bool = False) -> str:
     """Serialise a config so that `@ file.toml` reproduces it (None fields are left out); `mask_secrets`
     replaces the value of every secret field, for printing."""
     data = config.model_dump(mode="json", exclude_none=True)
-    return tomli_w.dumps(_masked(data) if mask_secrets else data)
+    return tomli_w.dumps(without_secrets(data, drop=False) if mask_secrets else data)
 
 
-def _masked(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: "<hidden>" if k in SECRET_FIELDS and v is not None else _masked(v) for k, v in data.items()}
+def without_secrets(data: Any, drop: bool) -> Any:
+    """A config dump (nested dicts and lists) with every secret field that holds a value masked (`SECRET_MASK`:
+    printed, it still shows the field is set) or dropped (`drop`: for a file that must not carry it)."""
     if isinstance(data, list):
-        return [_masked(v) for v in data]
-    return data
+        return [without_secrets(v, drop) for v in data]
+    if not isinstance(data, dict):
+        return data
+    public = {}
+    for key, value in data.items():
+        if key not in SECRET_FIELDS:
+            public[key] = without_secrets(value, drop)
+        elif not drop:
+            public[key] = None if value is None else SECRET_MASK
+    return public
 
 
 def write_config(config: BaseModel, path: Path) -> None:

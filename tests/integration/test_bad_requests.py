@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rl.inference.worker import probe_inputs
+from rl.inference.fingerprint import probe_inputs
 from rl.protocol import STABLE, mark_stable
 from tests.integration.inference_server import Server, model_and_weights_dir
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl.inference.worker import checkpoint_fingerprint
+from rl.inference.fingerprint import checkpoint_fingerprint
 from rl.protocol import RunPaths
 from rl.tiny_model import build_tiny_model
 from rl.trainer.weights import DEFAULT_SHARD_BYTES, hf_side_files, publish_step, single_process_shards

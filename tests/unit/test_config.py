@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.config import ConfigError, parse_argv, parse_config
+from rl.config import ConfigError, parse_argv, parse_config, without_secrets
 from rl.launcher.config import RLConfig, resolve
 from rl.launcher.devices import DevicePlan, cpu_plan
 from rl.launcher.main import child_specs, load, plan_devices
@@ -59,6 +59,14 @@ def test_flags_and_lists():
     toml_data, cli = parse_argv(["--dry-run", "--no-enforce-eager", "--x.y=[1, 2]"])
     assert toml_data == {}
     assert cli == {"dry_run": "true", "enforce_eager": "false", "x": {"y": [1, 2]}}
+
+
+def test_secrets_are_masked_for_printing_and_dropped_from_files_shared_with_hosts():
+    dump = {"inference": {"admin_token": "s3cret", "port": 8000}, "servers": [{"admin_token": "s3cret"}],
+            "admin_token": None}
+    assert without_secrets(dump, drop=False) == {"inference": {"admin_token": "<hidden>", "port": 8000},
+                                                 "servers": [{"admin_token": "<hidden>"}], "admin_token": None}
+    assert without_secrets(dump, drop=True) == {"inference": {"port": 8000}, "servers": [{}]}
 
 
 def test_rl_sections_from_files_and_one_rl_toml(tmp_path):

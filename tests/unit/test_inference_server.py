@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rl.inference.server import add_token_strings, is_loopback, private_ipc_dir, route_of
+from rl.inference.gate import add_token_strings, is_loopback, route_of
+from rl.inference.server import private_ipc_dir
 
 
 def test_token_strings_are_added_to_token_id_logprobs():
@@ -54,7 +55,7 @@ class FakeWeights:
     """Stands in for PolicyWeights: admit() answers `refusal`; records how many were in flight and the updates."""
 
     def __init__(self, refusal=None, admin_token="admin-secret", api_keys=("api-secret",)):
-        from rl.inference.server import AdminSettings
+        from rl.inference.policy import AdminSettings
 
         self.settings = AdminSettings("model", None, admin_token, api_keys)
         self.refusal, self.in_flight, self.seen_in_flight, self.updates = refusal, 0, [], []
@@ -77,7 +78,7 @@ def call(weights: FakeWeights, path: str, headers: dict | None = None, body: byt
     `root_path` as vLLM's --root-path sets it); (status, JSON body, messages sent, body chunks read)."""
     import asyncio
 
-    from rl.inference.server import AdminMiddleware
+    from rl.inference.gate import AdminMiddleware
 
     async def vllm_app(scope, receive, send):  # answers 200 "generated", noting the requests in flight
         weights.seen_in_flight.append(weights.in_flight)
@@ -263,7 +264,7 @@ def test_a_well_formed_update_passes():
 
 def test_error_details_always_encode():
     """A detail quoting a lone surrogate (say, from a refused path) is escaped, not a UnicodeEncodeError."""
-    from rl.inference.server import refusal
+    from rl.inference.gate import refusal
 
     assert json.loads(refusal(400, "path '\ud800'").body) == {"detail": "path '\ud800'"}
 
@@ -287,7 +288,7 @@ def test_without_an_admin_token_admin_routes_answer_loopback_clients_only():
 def test_a_path_past_the_os_limit_is_a_bad_request_not_a_crash(tmp_path):
     from fastapi import HTTPException
 
-    from rl.inference.server import AdminSettings, PolicyWeights
+    from rl.inference.policy import AdminSettings, PolicyWeights
 
     weights = PolicyWeights.__new__(PolicyWeights)  # _resolve needs only the settings
     weights.settings = AdminSettings(base_model=str(tmp_path), weights_dir=str(tmp_path), admin_token=None)
@@ -373,12 +374,12 @@ def adapter_step(weights, step: int, full: bool = False) -> str:
 
 
 def lora_weights(tmp_path, engine, lora_name=LORA):
-    from rl.inference.server import AdminSettings, PolicyWeights
+    from rl.inference.policy import AdminSettings, PolicyWeights
 
     (tmp_path / "model").mkdir(parents=True)
     (tmp_path / "weights").mkdir()
     settings = AdminSettings(base_model=str(tmp_path / "model"), weights_dir=str(tmp_path / "weights"),
-                             admin_token=None, lora_name=lora_name, lora_max_rank=8 if lora_name else None)
+                             admin_token=None, lora_name=lora_name)
     return PolicyWeights(engine, settings, FakeModels()), tmp_path / "weights"
 
 
@@ -490,14 +491,16 @@ def test_adapter_steps_follow_the_step_rules(tmp_path):
 
 
 def test_a_lora_server_starts_with_vllms_lora_flags_and_a_name_unlike_the_model():
-    from rl.inference.config import LoraServingConfig
+    from rl.inference.config import InferenceConfig, LoraServingConfig
     from rl.inference.server import check_lora_name, vllm_argv
 
     lora = LoraServingConfig(name="policy-lora", max_rank=8)
-    argv = vllm_argv("/m", "127.0.0.1", 8000, "float32", 512, True, 0, 0.2, 1, "org/model", ["--max-loras", "2"], lora)
-    assert argv[-7:] == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--max-loras", "2"]
-    assert "--enable-lora" not in vllm_argv("/m", "h", 1, "auto", 512, True, 0, 0.2, 1, None, [])
-    check_lora_name(lora, "/m", "org/model")
-    for model, served in (("/m", "policy-lora"), ("policy-lora", None)):
+    config = InferenceConfig(model={"name": "org/model"}, dtype="float32", lora=lora, extra_args=["--max-loras", "2"])
+    argv = vllm_argv(config, "/m", 0.2, ["--max-loras", "3"])  # the host's arguments, then the user's, override
+    assert argv[-9:] == ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1", "--max-loras", "3",
+                         "--max-loras", "2"]
+    assert "--enable-lora" not in vllm_argv(InferenceConfig(dtype="auto"), "/m", 0.2, [])
+    check_lora_name(config, "/m")
+    for model_dir, name in (("/m", "policy-lora"), ("policy-lora", "org/model")):
         with pytest.raises(ValueError, match="inference.lora.name 'policy-lora' is the served model's name"):
-            check_lora_name(lora, model, served)
+            check_lora_name(InferenceConfig(model={"name": name}, lora=lora), model_dir)

@@ -4,7 +4,7 @@ fingerprints, and reading a published step's files once."""
 import pytest
 import torch
 
-from rl.inference.worker import compare, probe_inputs, tensor_fingerprint
+from rl.inference.fingerprint import compare, probe_inputs, tensor_fingerprint
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -40,7 +40,7 @@ def test_the_checksum_tells_apart_weights_that_differ_outside_the_sampled_column
     """The fingerprint samples a few columns exactly; the checksum must cover every element."""
     from safetensors.torch import save_file
 
-    from rl.inference.worker import checkpoint_fingerprint
+    from rl.inference.fingerprint import checkpoint_fingerprint
 
     w = torch.randn(16, 64)
     cols, _ = probe_inputs(64, torch.float32)

@@ -27,6 +27,14 @@ def _vllm_rank(rank: int) -> int:
     return rank
 
 
+def _one_gpu(tensor_parallel_size: int) -> int:
+    """The one check of the tensor parallel size: rl starts, plans and verifies unsharded replicas only."""
+    if tensor_parallel_size != 1:
+        raise ValueError(f"must be 1, not {tensor_parallel_size}: weight verification reads unsharded layers; "
+                         "run more replicas instead (one server per GPU)")
+    return tensor_parallel_size
+
+
 class LoraServingConfig(Section):
     """Serve one LoRA adapter over the base model, replaced in place by /update_weights (rl fills this section
     from trainer.lora)."""
@@ -56,8 +64,8 @@ class InferenceConfig(Settings):
     ] = None
     max_model_len: Annotated[int, Field(ge=16, description="longest sequence the server accepts")] = 2048
     tensor_parallel_size: Annotated[
-        int, Field(ge=1, le=1, description="GPUs per replica: 1 (weight verification reads unsharded layers); "
-                                           "use more replicas instead")
+        int, AfterValidator(_one_gpu), Field(description="GPUs per replica: 1 (weight verification reads unsharded "
+                                                         "layers); use more replicas instead")
     ] = 1
     gpu_memory_utilization: Annotated[
         float | None,

@@ -42,22 +42,7 @@ def main() -> None:
     if memory_share is None:
         memory_share = 0.9 if on_gpu else CPU_MEMORY_SHARE
     host_args = [] if on_gpu else cpu_vllm_args(config.max_model_len)
-    serve(
-        model=local_model_dir(config.model.name),
-        host=config.host,
-        port=config.port,
-        weights_dir=str(config.weights_dir) if config.weights_dir else None,
-        dtype=config.dtype,
-        max_model_len=config.max_model_len,
-        enforce_eager=config.enforce_eager,
-        seed=config.seed,
-        gpu_memory_utilization=memory_share,
-        tensor_parallel_size=config.tensor_parallel_size,
-        extra_args=host_args + list(config.extra_args),  # the user's last: they override
-        admin_token=config.admin_token,
-        served_model_name=config.model.name,
-        lora=config.lora,
-    )
+    serve(config, local_model_dir(config.model.name), memory_share, host_args)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,12 @@
 they are read, before anything is loaded; then the headers for a shape check, and tensors that view those
 bytes (no second copy, no second read) for the reload, the fingerprint and the checksum. An adapter step's two
 files are read the same way (`read_adapter`).
+
+A model directory's files (the base model: the user's own, under no manifest) are read with safetensors
+(`checkpoint_tensors`, `checkpoint_shapes`). Tied embeddings: vLLM's Qwen3 loader does not skip `lm_head.weight`, and its in-place
+reload leaves the tied LM head's packed kernel stale when the files lack that tensor. `with_tied_head` yields
+`lm_head.weight` = `model.embed_tokens.weight` for a tied model whose files lack it, so a tied checkpoint reloads
+correctly either way; the verification would catch it if it did not.
 """
 
 from __future__ import annotations
@@ -12,12 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.manifest import CorruptFileError, Entry, read_listed
 from rl.safetensors_io import MAX_HEADER_BYTES, parse_header, tensors_of
 
 MAX_ADAPTER_CONFIG_BYTES = 2**20  # PEFT's adapter_config.json is ~1 KB
+TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
 @dataclass
@@ -93,3 +101,52 @@ def read_adapter(directory: Path, manifest: dict[str, Entry], count: ReadCount
     count.data_bytes += len(data)
     count.files.append(ADAPTER_WEIGHTS)
     return list(tensors_of(data, str(directory / ADAPTER_WEIGHTS))), config
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def model_dir_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the *.safetensors files of a model directory (the base model: the user's own files,
+    under no STABLE marker), by name within each file."""
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in sorted(handle.keys()):
+                yield name, handle.get_tensor(name)
+
+
+def with_tied_head(tensors: Iterator[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors`, plus the tied LM head (= the input embedding) if the files lack it."""
+    names, embedding = set(), None
+    for name, tensor in tensors:
+        names.add(name)
+        embedding = tensor if name == EMBEDDING else embedding
+        yield name, tensor
+    if tied and TIED_HEAD not in names and embedding is not None:
+        yield TIED_HEAD, embedding
+
+
+def checkpoint_tensors(path: str | Path, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the *.safetensors files in `path`, plus the tied LM head if it is missing."""
+    return with_tied_head(model_dir_tensors(path), tied)
+
+
+def with_tied_shape(shapes: dict[str, tuple[int, ...]], tied: bool) -> dict[str, tuple[int, ...]]:
+    if tied and TIED_HEAD not in shapes and EMBEDDING in shapes:
+        shapes[TIED_HEAD] = shapes[EMBEDDING]
+    return shapes
+
+
+def checkpoint_shapes(path: str | Path, tied: bool) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in `path`, from the files' headers alone (no tensor is read)."""
+    shapes = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return with_tied_shape(shapes, tied)
+

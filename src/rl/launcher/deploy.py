@@ -16,12 +16,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import jinja2
 import tomli_w
 
-from rl.config import SECRET_FIELDS, ConfigError
+from rl.config import ConfigError, without_secrets
 from rl.launcher.config import RLConfig
 from rl.launcher.placement import HostPlan, PlacementConfig, plan
 from rl.protocol import RunPaths, atomic_write_text
@@ -41,13 +40,7 @@ def as_given(config: RLConfig, output_dir: str | None) -> str:
     data.pop("output_dir", None)
     if output_dir is not None:
         data["output_dir"] = output_dir
-    return tomli_w.dumps(_without_secrets(data))
-
-
-def _without_secrets(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _without_secrets(v) for k, v in data.items() if k not in SECRET_FIELDS}
-    return data
+    return tomli_w.dumps(without_secrets(data, drop=True))
 
 
 def placement_toml(topology: PlacementConfig) -> str:

@@ -1,0 +1,218 @@
+"""The fingerprint that proves what vLLM serves, and its comparison with the files'.
+
+Why a checksum of vLLM's parameters is not enough: on CPU, vLLM packs every linear weight into a
+kernel handle (oneDNN / sgl) and leaves an empty parameter behind, and its in-place reload only logs
+a warning for a layer it could not load (reloading a tied-embedding checkpoint without
+`lm_head.weight` leaves the LM head's packed kernel on the old weights, so logits match neither
+model). So we fingerprint *what the kernels compute*:
+
+- each matrix W [out, in] behind a kernel is read back through that kernel with K one-hot probes,
+  kernel(e_j) = W[:, j] bit for bit (products by 1 and sums of zeros are exact), and with one dense
+  random probe x, kernel(x) ~ W @ x, which involves every element;
+- parameters used directly (norms, biases, the input embedding) get the same fingerprint from the
+  tensor itself.
+
+A fingerprint, keyed by checkpoint tensor name, is (exact: W[:, cols] or the whole 1-D tensor,
+dense: W @ x). The same fingerprint is computed from the safetensors files (`FileTally`,
+`checkpoint_fingerprint`; no vLLM needed). Verification passes when the names match, every exact part is equal
+and every dense part agrees within rounding; `weights_checksum` then hashes every tensor of the files. What it
+proves: every tensor of the files reaches the kernel that serves it, K columns of each matrix are served bit
+for bit (so even a tiny training update that was not applied is caught), and W @ x agrees within
+rounding along a random x (a stale or garbage head, row, column or shard is caught; a small change
+confined to unsampled columns is not). Cost: a (K + 1)-row product per matrix of the files as its tensors pass
+to the reload, then a (K + 1)-row product per served layer, after the reload.
+
+With LoRA on (`--enable-lora`), vLLM wraps each layer it can adapt and keeps the original as `<name>.base_layer`:
+the fingerprint reads the base layer under its checkpoint name, so the base model verifies as without LoRA.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from rl.inference.reading import checkpoint_tensors
+
+PROBE_COLUMNS = 4
+ROW_CHUNK = 8192  # rows of a matrix cast to float32 at a time, to bound the memory of a fingerprint
+# Largest dense-probe error, relative to max_i sum_j |W_ij x_j|, that still counts as rounding.
+DENSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+LORA_BASE = ".base_layer"  # where vLLM's LoRA wrapper keeps the layer it adapts
+
+
+@dataclass
+class Fingerprint:
+    exact: torch.Tensor  # [K, out] sampled columns W[:, cols].T of a matrix, or a whole 1-D tensor
+    dense: torch.Tensor | None  # [out] W @ x in float32, for a matrix
+    shape: tuple[int, ...]  # of the tensor in checkpoint layout
+    scale: float = 0.0  # max_i sum_j |W_ij x_j|: the size of the dense probe's terms (file side)
+
+
+@functools.lru_cache(maxsize=64)
+def probe_inputs(n: int, dtype: torch.dtype, device="cpu") -> tuple[list[int], torch.Tensor]:
+    """K one-hot rows then one dense row, [K + 1, n]; the same for every matrix with n inputs (cached:
+    a model has a few input sizes; callers must not modify the tensor)."""
+    generator = torch.Generator().manual_seed(n)
+    cols = sorted(torch.randperm(n, generator=generator)[:PROBE_COLUMNS].tolist())
+    x = torch.zeros(len(cols) + 1, n, dtype=dtype)
+    x[torch.arange(len(cols)), cols] = 1
+    x[-1] = torch.randn(n, generator=generator).to(dtype)
+    return cols, x.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _file_probes(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`probe_inputs` in float32 [K + 1, n] and the dense probe's magnitudes |x| [n]."""
+    _, x = probe_inputs(n, torch.float32, device)
+    return x, x[-1].abs()
+
+
+def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype) -> Fingerprint:
+    """Fingerprint of a tensor as stored (a file tensor, or a parameter the model uses directly).
+
+    Computed where `w` lives, in row chunks; only the small results are brought to the CPU.
+    """
+    w = w.detach()
+    if w.ndim == 1:
+        return Fingerprint(exact=w.to("cpu", dtype).clone(), dense=None, shape=tuple(w.shape))
+    probes, magnitudes = _file_probes(w.shape[1], w.device)
+    ys, scale = [], 0.0
+    for rows in w.split(ROW_CHUNK):
+        rows = rows.to(dtype).float()  # cast like the served copy, then compute in float32
+        # x W^T as a linear layer computes it ([K + 1, rows]; on CPU much faster than W @ x^T for K + 1 rows).
+        # One-hot rows give exact columns, as in the kernel's product.
+        ys.append(torch.nn.functional.linear(probes, rows))
+        scale = max(scale, torch.mv(rows.abs(), magnitudes).max().item())
+    y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)).cpu()
+    return Fingerprint(exact=y[:-1].to(dtype), dense=y[-1], shape=tuple(w.shape), scale=scale)
+
+
+def kernel_fingerprint(y: torch.Tensor, dtype: torch.dtype, in_features: int) -> Fingerprint:
+    """Fingerprint from a kernel's output on `probe_inputs`, y [K + 1, out]."""
+    y = y.detach().to("cpu", dtype)
+    return Fingerprint(exact=y[:-1].contiguous(), dense=y[-1].float(), shape=(y.shape[1], in_features))
+
+
+
+def shape_mismatches(served: dict[str, tuple], files: dict[str, tuple]) -> list[str]:
+    """What keeps `files` from being a checkpoint of the served model: missing, extra or reshaped tensors."""
+    mismatched = [f"not served: {n}" for n in sorted(files.keys() - served.keys())]
+    mismatched += [f"not in the files: {n}" for n in sorted(served.keys() - files.keys())]
+    return mismatched + [f"{n}: served shape {served[n]}, files {files[n]}"
+                         for n in sorted(files.keys() & served.keys()) if served[n] != files[n]]
+
+
+class FileTally:
+    """The fingerprint of every tensor of a checkpoint, cast to the served dtype, and `weights_checksum`: xxh3-128
+    of every tensor's name, dtype, shape and bytes; both taken as the tensors pass on their way to the reload,
+    so the files are read once. Once the served fingerprint matches, the checksum names what is served; it
+    covers every element (the fingerprint samples a few columns exactly)."""
+
+    def __init__(self, dtype: torch.dtype, device="cpu"):
+        self.dtype, self.device = dtype, device
+        self.prints: dict[str, Fingerprint] = {}
+        self.digest = xxhash.xxh3_128()
+        self.seconds = 0.0
+
+    def through(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            start = time.perf_counter()
+            self.digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+            self.digest.update(tensor.contiguous().view(torch.uint8).numpy())
+            tensor = tensor.to(self.device)  # fingerprinted where it is served, and copied there once
+            self.prints[name] = tensor_fingerprint(tensor, self.dtype)
+            self.seconds += time.perf_counter() - start
+            yield name, tensor
+
+    @property
+    def checksum(self) -> str:
+        return self.digest.hexdigest()
+
+
+def checkpoint_fingerprint(path: str | Path, dtype: torch.dtype, tied: bool) -> tuple[dict[str, Fingerprint], str]:
+    """The fingerprint and checksum of a model directory's files (see FileTally)."""
+    tally = FileTally(dtype)
+    for _ in tally.through(checkpoint_tensors(path, tied)):
+        pass
+    return tally.prints, tally.checksum
+
+
+def compare(served: dict[str, Fingerprint], files: dict[str, Fingerprint], dtype: torch.dtype) -> dict:
+    """Compare served with file fingerprints; the report says what differs and by how much.
+
+    `mismatched` lists tensors that differ in structure (missing, extra, other shape): the files
+    are not a checkpoint of the served model. `differing` lists tensors whose values differ.
+    """
+    mismatched = shape_mismatches({n: p.shape for n, p in served.items()}, {n: p.shape for n, p in files.items()})
+    differing, max_exact, max_dense = [], 0.0, 0.0
+    for name in sorted(files.keys() & served.keys()):
+        s, f = served[name], files[name]
+        if s.shape != f.shape:
+            continue
+        exact = 0.0 if torch.equal(s.exact, f.exact) else (s.exact.float() - f.exact.float()).abs().max().item()
+        dense = 0.0 if f.dense is None else (s.dense - f.dense).abs().max().item() / max(f.scale, 1e-30)
+        max_exact, max_dense = max(max_exact, exact), max(max_dense, dense)
+        if not (exact == 0 and dense <= DENSE_TOLERANCE.get(dtype, 2e-2)):  # NaN differs too
+            differing.append(f"{name}: exact part differs by {exact:.3g}, dense probe by {dense:.3g}")
+    return {
+        "ok": not mismatched and not differing,
+        "tensors": len(files),
+        "max_exact_diff": max_exact,
+        "max_dense_rel_err": max_dense,
+        "mismatched": mismatched[:20],
+        "differing": differing[:20],
+    }
+
+
+def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, vocab_size: int, device) -> dict[str, Fingerprint]:
+    """Fingerprint of what a vLLM model computes (tensor parallel size 1), by checkpoint name."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    packed = getattr(model, "packed_modules_mapping", {})
+    prints: dict[str, Fingerprint] = {}
+    for prefix, module in model.named_modules():
+        prefix = prefix.replace(LORA_BASE + ".", ".").removesuffix(LORA_BASE)  # a LoRA-wrapped layer's own name
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            prints |= _kernel_prints(prefix, module, dtype, vocab_size, packed, device)
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if isinstance(module, VocabParallelEmbedding):
+                param = param[:vocab_size]  # [padded vocab, hidden]: padding rows are never looked up
+            prints[f"{prefix}.{pname}"] = tensor_fingerprint(param, dtype)
+    return prints
+
+
+def _kernel_prints(prefix: str, module, dtype: torch.dtype, vocab_size: int, packed: dict, device) -> dict:
+    """Read a kernel-held weight back through the layer's own `quant_method.apply`, as in forward."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    _, x = probe_inputs(module.input_size, dtype, device)
+    y = module.quant_method.apply(module, x)  # [K + 1, out], no bias
+    if isinstance(module, ParallelLMHead):
+        y = y[:, :vocab_size]
+    prints = {
+        f"{name}.weight": kernel_fingerprint(part, dtype, module.input_size)
+        for name, part in _unfuse(prefix, module, y, packed)
+    }
+    if getattr(module, "bias", None) is not None:
+        for name, part in _unfuse(prefix, module, module.bias, packed):
+            prints[f"{name}.bias"] = tensor_fingerprint(part, dtype)
+    return prints
+
+
+def _unfuse(prefix: str, module, y: torch.Tensor, packed: dict) -> list[tuple[str, torch.Tensor]]:
+    """Split a fused layer's outputs by checkpoint name (qkv_proj -> q/k/v_proj), along the last dim."""
+    parent, _, leaf = prefix.rpartition(".")
+    shards = packed.get(leaf)
+    if not shards:
+        return [(prefix, y)]
+    parts = y.split(list(module.output_sizes), dim=-1)
+    return [(f"{parent}.{shard}", part) for shard, part in zip(shards, parts, strict=True)]
+

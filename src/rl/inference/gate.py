@@ -1,0 +1,366 @@
+"""The ASGI gate in front of vLLM's app: `AdminMiddleware`, installed with vLLM's `--middleware`, routes every
+request by allow-list, answers the admin routes itself (once their bearer token, or a loopback client when no
+token is set, authorizes them), checks vLLM's API key on the generation routes and holds those while
+`PolicyWeights` changes the weights. Bodies are read bounded and parsed with a depth limit; what a client sends
+is compared and quoted as bytes or ASCII, so no request can make an answer fail to encode. It also adds the token
+strings verifiers' training client reads to the logprobs of `/inference/v1/generate`.
+"""
+
+import hmac
+import ipaddress
+import json
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rl.inference.policy import AdminSettings, PolicyWeights
+
+ADMIN_PATHS = {"/update_weights", "/policy_step"}
+GENERATE_PATH = "/inference/v1/generate"
+# Routes by allow-list: a route not named here is refused (403), whatever vLLM serves now or adds later (its
+# control and development routes change what is served, or how, without verification).
+# Open: answer without running the model, so no API key, no hold.
+OPEN_PATHS = {"/health", "/ping", "/version", "/metrics", "/load", "/v1/models"}
+# Generation: what rl's clients call (verifiers' training client, the in-process harness) and documents;
+# authenticated with the API key if one is set, held while the weights change, counted in flight, refused
+# while broken.
+GENERATION_PATHS = {GENERATE_PATH, "/v1/chat/completions", "/v1/completions"}
+# A route in plain form: segments of letters, digits, `_`, `-`, `.` (no empty, `.` or `..` segment, no
+# percent-encoding, no trailing slash). Any other spelling is refused rather than normalised, so what the
+# rules check is exactly what vLLM's router matches.
+PLAIN_ROUTE = re.compile(r"(?:/(?!\.\.?(?:/|$))[A-Za-z0-9_.\-]+)+")
+MAX_JSON_DEPTH = 8  # an update request is one flat object
+# A JSON string (one left open runs to the end: every match is linear) or any character but a bracket.
+JSON_STRING_OR_NOT_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|[^\[\]{}]', re.DOTALL)
+MAX_INT_DIGITS = 100  # an int64 has 19
+NAME_MAX = 255  # bytes in one path component (Linux)
+PATH_MAX = 4096  # bytes in a path (Linux)
+MAX_ADMIN_BODY = 64 * 1024  # an update request is ~100 bytes
+MAX_STEP = 2**63 - 1  # policy versions travel as int64
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    step: Annotated[StrictInt, Field(ge=0, le=MAX_STEP, description="policy version the weights hold")]
+    path: Annotated[
+        str, Field(min_length=1, max_length=PATH_MAX, pattern=r"^[^\x00]*$",
+                   description="the step's step_<step> directory, inside the weights dir")
+    ]
+
+    @field_validator("path")
+    @classmethod
+    def _fits_the_filesystem(cls, path: str) -> str:
+        """A path the OS can take: UTF-8 (no lone surrogate), components of at most NAME_MAX bytes."""
+        try:
+            encoded = path.encode()
+        except UnicodeEncodeError:
+            raise ValueError("holds a lone surrogate: not UTF-8") from None
+        if len(encoded) > PATH_MAX:
+            raise ValueError(f"is over {PATH_MAX} bytes")
+        if any(len(part) > NAME_MAX for part in encoded.split(b"/")):
+            raise ValueError(f"has a component over {NAME_MAX} bytes")
+        return path
+
+
+def served_weights(request: Request) -> PolicyWeights:
+    """The app's `PolicyWeights` (the caller was authorized by `AdminMiddleware`)."""
+    return request.app.state.weights
+
+
+admin_router = APIRouter()
+
+
+@admin_router.get("/policy_step")
+async def policy_step(weights: Annotated[PolicyWeights, Depends(served_weights)]) -> dict:
+    """-> {"step": k, "weights_checksum": "...", "requests_in_flight": n}, with "adapter": <name> while an adapter is
+    served (its weights_checksum is rl.adapter.adapter_checksum)."""
+    return await weights.current()
+
+
+@admin_router.post("/update_weights")
+async def update_weights(request: Request, weights: Annotated[PolicyWeights, Depends(served_weights)]) -> dict:
+    """{"step": k, "path": "step_k"} -> {"step": k, "weights_checksum": "...", ...}, with "adapter" as /policy_step.
+    Errors are {"detail": "..."} with a 4xx status, or 500 when a reload failed."""
+    body = update_request(await request.body())  # parsed here, bounded: FastAPI's parser has no depth limit
+    return await weights.update(body.step, body.path)
+
+
+def update_request(body: bytes) -> UpdateWeightsRequest:
+    """The update request a body holds; HTTPException(422) naming what is wrong with it."""
+    try:
+        data = parse_json(body, MAX_JSON_DEPTH)
+    except ValueError as e:
+        raise HTTPException(422, f"the request body {e}") from None
+    try:
+        return UpdateWeightsRequest.model_validate(data)
+    except ValidationError as e:  # named by field and reason; the input is not echoed (it may not encode)
+        problems = [f"{'.'.join(map(str, error['loc'])) or 'body'}: {error['msg']}" for error in e.errors()]
+        raise HTTPException(422, "; ".join(problems)) from None
+
+
+def parse_json(body: bytes, max_depth: int) -> object:
+    """JSON in UTF-8 nested at most `max_depth` arrays/objects deep, with finite numbers and UTF-8 strings;
+    ValueError saying what is wrong otherwise. The depth is checked before parsing (json recurses per level)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"is not UTF-8 ({e.reason} at byte {e.start})") from None
+    if json_depth(text) > max_depth:
+        raise ValueError(f"is nested deeper than {max_depth} levels")
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_short_int)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"is not JSON: {e}") from None
+    try:  # a "\ud800" escape parses to a lone surrogate, which no file name or response can encode
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("holds a lone surrogate (an unpaired \\ud800-\\udfff escape): strings must be UTF-8") from None
+    return data
+
+
+def json_depth(text: str) -> int:
+    """How deep arrays and objects nest in JSON `text` (brackets inside strings do not count)."""
+    brackets = JSON_STRING_OR_NOT_BRACKET.sub("", text)
+    depth = deepest = 0
+    for bracket in brackets:
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"holds {name}, which is not a JSON number")
+
+
+def _short_int(literal: str) -> int:
+    if len(literal) > MAX_INT_DIGITS:  # Python refuses to parse past 4300 digits; no field needs more than 19
+        raise ValueError(f"holds an integer of {len(literal)} digits (at most {MAX_INT_DIGITS})")
+    return int(literal)
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"holds the number {literal[:32]}, which overflows a float")
+    return value
+
+
+class PlainJSONResponse(JSONResponse):
+    """JSON escaped to ASCII: a detail quoting what a client sent (even a lone surrogate) always encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def refusal(status: int, detail: str, headers: dict | None = None) -> JSONResponse:
+    return PlainJSONResponse({"detail": detail}, status, headers)
+
+
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    return refusal(error.status_code, str(error.detail), error.headers)
+
+
+def build_admin_app() -> FastAPI:
+    """The admin routes, as a small FastAPI app that `AdminMiddleware` forwards matching requests to."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.include_router(admin_router)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    return app
+
+
+def route_of(scope) -> str:
+    """The route vLLM's router matches: the request path less the root path (vLLM's `--root-path`), stripped as
+    starlette strips it (when the path is the root path or continues it with "/"). ValueError unless the route
+    is plain: `PLAIN_ROUTE`, and not percent-encoded. No other spelling is normalised: it is refused."""
+    path, root, raw = scope["path"], scope.get("root_path", ""), scope.get("raw_path")
+    if raw is not None and raw != path.encode("utf-8", "surrogatepass"):
+        raise ValueError(f"the request path {raw.decode('latin-1')!a} is percent-encoded: rl's routes need no encoding")
+    route = path[len(root):] if root and (path == root or path.startswith(root + "/")) else path
+    if not PLAIN_ROUTE.fullmatch(route):
+        raise ValueError(f"the request path {path!a} is not a plain route (segments of letters, digits, '_', '-', "
+                         "'.'; no empty, '.' or '..' segment, no trailing '/')")
+    return route
+
+
+class AdminMiddleware:
+    """ASGI middleware, installed with vLLM's `--middleware`, in front of vLLM's app.
+
+    Routes by allow-list, on the route vLLM's router matches (`route_of`; 400 if it is not plain):
+    sends the admin paths to `build_admin_app()` once the caller is authorized (from the headers alone,
+    before any body is read; bodies are bounded); passes `OPEN_PATHS` through; treats `GENERATION_PATHS`
+    as generation: checks vLLM's API key when one is set, holds the request while the weights change, counts
+    those in flight (`PolicyWeights.admit`) and refuses them while the weights are broken; refuses every other
+    route (403). Adds `"token": "token_id:<id>"` to every logprob entry of `/inference/v1/generate` JSON
+    responses (vLLM writes only `"token_id": <id>`; the `renderers` client of verifiers' training client
+    requires the string form). Websockets are refused: nothing of rl uses them.
+    """
+
+    def __init__(self, app):
+        self.app = app
+        self.admin = build_admin_app()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008, "reason": "this server answers HTTP only"})
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        weights = self._weights(scope)
+        try:
+            route = route_of(scope)
+        except ValueError as e:
+            return await refusal(400, str(e))(scope, receive, send)
+        if route in ADMIN_PATHS:  # the admin app sees the route it was authorized for, however it was prefixed
+            admin_scope = scope | {"path": route, "raw_path": route.encode(), "root_path": ""}
+            return await self._admin(admin_scope, receive, send, weights.settings)
+        if route in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if route not in GENERATION_PATHS:
+            return await refusal(403, f"{route} is not served: rl serves its generation, health and admin routes "
+                                      "only, and changes weights only through /update_weights")(scope, receive, send)
+        return await self._generate(scope, receive, send, weights, route)
+
+    async def _generate(self, scope, receive, send, weights: PolicyWeights, route: str) -> None:
+        refused = api_key_refusal(scope, weights.settings)
+        if refused is None and (reason := await weights.admit()):
+            refused = refusal(503, reason)
+        if refused is not None:
+            return await refused(scope, receive, send)
+        weights.in_flight += 1  # no await since admit(): an update starting now sees this request
+        try:
+            return await self.app(scope, receive, TokenStringRewrite(send) if route == GENERATE_PATH else send)
+        finally:
+            weights.in_flight -= 1
+
+    async def _admin(self, scope, receive, send, settings: AdminSettings) -> None:
+        refused = admin_refusal(scope, settings)
+        if refused is None:
+            body = await read_body(receive, MAX_ADMIN_BODY)
+            if body is None:
+                refused = refusal(413, f"the request body is over {MAX_ADMIN_BODY} bytes")
+        if refused is not None:
+            return await refused(scope, receive, send)
+        return await self.admin(scope, replay(body, receive), send)
+
+    def _weights(self, scope) -> PolicyWeights:
+        """The one `PolicyWeights` of this app, made from vLLM's app state on the first request."""
+        if not hasattr(self.admin.state, "weights"):
+            vllm_state = scope["app"].state
+            settings = getattr(vllm_state.args, "rl_admin", None)
+            if settings is None:
+                raise RuntimeError("AdminMiddleware needs the server started by rl.inference.server.serve()")
+            models = getattr(vllm_state, "openai_serving_models", None)  # set by vLLM before it serves requests
+            self.admin.state.weights = PolicyWeights(vllm_state.engine_client, settings, models)
+        return self.admin.state.weights
+
+
+def header(scope, name: bytes) -> bytes:
+    """A request header's raw bytes (b"" if absent): compared as bytes, any byte a client sends is safe."""
+    return next((value for key, value in scope["headers"] if key.lower() == name), b"")
+
+
+def bearer_matches(scope, secrets: tuple[str, ...]) -> bool:
+    presented = header(scope, b"authorization")
+    return any(hmac.compare_digest(presented, f"Bearer {secret}".encode()) for secret in secrets)
+
+
+def admin_refusal(scope, settings: AdminSettings) -> JSONResponse | None:
+    """Why an admin request is refused, from its headers alone; None if it may proceed."""
+    if settings.admin_token is None:
+        if not is_loopback((scope.get("client") or (None,))[0]):
+            return refusal(403, "admin routes answer loopback clients only when no admin token is set")
+        return None
+    if not bearer_matches(scope, (settings.admin_token,)):
+        return refusal(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+    return None
+
+
+def is_loopback(host) -> bool:
+    """Whether a client's address is loopback: 127.0.0.0/8, ::1, or either mapped into IPv6 (::ffff:127.0.0.2).
+    Anything not an IP address (a unix socket's client, a name) is not."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+def api_key_refusal(scope, settings: AdminSettings) -> JSONResponse | None:
+    if settings.api_keys and not bearer_matches(scope, settings.api_keys):
+        return refusal(401, "missing or wrong API key", {"WWW-Authenticate": "Bearer"})
+    return None
+
+
+async def read_body(receive, limit: int) -> bytes | None:
+    """The whole request body, or None as soon as it passes `limit` bytes (the rest is never read)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks)  # the client went away; the app sees an empty or partial body
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive):
+    """A `receive` that gives the body already read, then defers to the connection's own."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
+class TokenStringRewrite:
+    """ASGI `send` wrapper: buffers a 200 JSON response and adds token strings to its logprobs.
+
+    Error responses and event streams (`"stream": true`) pass through unchanged.
+    """
+
+    def __init__(self, send):
+        self.send, self.start, self.body, self.passthrough = send, None, [], False
+
+    async def __call__(self, message):
+        if message["type"] == "http.response.start":
+            self.start = message
+            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+            self.passthrough = message["status"] != 200 or not content_type.startswith(b"application/json")
+            if self.passthrough:
+                await self.send(message)
+            return
+        if self.passthrough or message["type"] != "http.response.body":
+            return await self.send(message)
+        self.body.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        body = add_token_strings(b"".join(self.body))
+        headers = [(k, v) for k, v in self.start["headers"] if k.lower() != b"content-length"]
+        await self.send(self.start | {"headers": headers + [(b"content-length", str(len(body)).encode())]})
+        await self.send({"type": "http.response.body", "body": body})
+
+
+def add_token_strings(body: bytes) -> bytes:
+    """`{"token_id": 343, ...}` -> `{"token": "token_id:343", "token_id": 343, ...}` in every choice."""
+    response = json.loads(body)
+    if not isinstance(response, dict):  # vLLM answers `null` to a request whose client went away
+        return body
+    for choice in response.get("choices") or []:
+        for entry in (choice.get("logprobs") or {}).get("content") or []:
+            for item in [entry, *(entry.get("top_logprobs") or [])]:
+                if "token_id" in item:  # tokens mode; text mode already has `token` strings
+                    item["token"] = f"token_id:{item['token_id']}"
+    return json.dumps(response).encode()

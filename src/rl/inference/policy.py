@@ -1,0 +1,328 @@
+"""The served policy: which step's weights this server serves, and every change to them. `PolicyWeights` takes an
+update (a `step_<k>` directory the trainer published inside the weights dir) through resolution, the checks of its
+STABLE marker and manifest, a hold on generation, the reload on every vLLM worker (`rl.inference.worker`) and its
+verification, and rolls back, or refuses generation as broken, when a load fails. With LoRA on (InferenceConfig.lora:
+`--enable-lora --max-lora-rank R --max-loras 1`) a step is an adapter (its manifest lists `adapter_config.json`),
+which replaces the served adapter in place under the one adapter name; requests select it with
+`"model": <adapter name>` (the base model stays servable under its own name), and since vLLM's own adapter routes
+stay refused, adapters change only here. Requests reach this state through `rl.inference.gate`.
+"""
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import HTTPException
+
+from rl.adapter import ADAPTER_CONFIG
+from rl.manifest import STABLE, CorruptFileError, Entry, check_listed, read_manifest, read_marker
+
+logger = logging.getLogger(__name__)
+
+ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
+ADAPTER_ID = 1  # vLLM's lora_int_id of the one adapter a LoRA server serves, replaced in place at every step
+
+
+@dataclass(frozen=True)
+class AdminSettings:
+    """What the admin routes need from `serve()`; carried to the app on vLLM's args namespace."""
+
+    base_model: str
+    weights_dir: str | None
+    admin_token: str | None
+    api_keys: tuple[str, ...] = ()  # vLLM's --api-key / VLLM_API_KEY: required on every generation route
+    lora_name: str | None = None  # the served adapter's name (None: LoRA off, full-weight steps only)
+
+
+class PolicyWeights:
+    """Owns which policy step this server serves; every change goes through `update`, one at a time.
+
+    Step 0 is the base model. A load that fails verification is rolled back to the previous step;
+    if even that fails, the server refuses generation (`broken`) until a checkpoint verifies.
+    A LoRA server (`settings.lora_name`) serves adapter steps only, over the base model; its step 0 may be the base
+    model or step 0's adapter. `models` is vLLM's OpenAI model registry, where requests find the adapter by name.
+    """
+
+    def __init__(self, engine, settings: AdminSettings, models=None):
+        self.engine, self.settings, self.models = engine, settings, models
+        self.step, self.path, self.checksum = 0, str(Path(settings.base_model).resolve()), None
+        self.marker: bytes | None = None  # the STABLE marker of the served step directory, as loaded
+        self.manifest: dict[str, Entry] | None = None  # its files (None: the base model's directory)
+        self.broken: str | None = None
+        self.lock = asyncio.Lock()
+        # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
+        # while the weights change, so only requests already in flight need vLLM to pause.
+        self.in_flight = 0
+        self.admitting = asyncio.Event()
+        self.admitting.set()
+        self.engine_paused = False
+
+    async def current(self) -> dict:
+        if self.checksum is None:
+            async with self.lock:
+                await self._verify_base()
+        if self.broken:
+            raise HTTPException(503, self.broken)
+        served = {"step": self.step, "weights_checksum": self.checksum, "requests_in_flight": self.in_flight}
+        return served | ({"adapter": self.adapter} if self.adapter else {})
+
+    @property
+    def adapter(self) -> str | None:
+        """The name of the adapter served, None while the base model is (or on a server without LoRA)."""
+        return self.settings.lora_name if is_adapter_step(self.manifest) else None
+
+    async def admit(self) -> str | None:
+        """Wait while the weights change; None once a generation request may enter, else why it may not."""
+        deadline = time.monotonic() + ADMIT_TIMEOUT_S
+        while not self.admitting.is_set():  # re-checked on waking: another update may have begun since
+            try:
+                await asyncio.wait_for(self.admitting.wait(), max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                return f"waited {ADMIT_TIMEOUT_S} s for a weight update to finish"
+        return self.broken
+
+    async def update(self, step: int, path: str) -> dict:
+        target = self._resolve(path, step)
+        try:  # files truncated or changed since the trainer published them are never loaded
+            marker, manifest = await asyncio.to_thread(published_step, Path(target))
+        except CorruptFileError as e:
+            raise HTTPException(422, f"step {step} refused, still serving step {self.step}: {e}") from None
+        self._check_kind(step, target, manifest)
+        async with self.lock:
+            await self._verify_base()
+            # step 0's adapter may replace the base model served as step 0 since start-up
+            over_base = step == 0 and self.manifest is None and is_adapter_step(manifest)
+            if step < self.step or (step == self.step and target != self.path and not over_base):
+                raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
+            if step == self.step and not self.broken and marker == self.marker:
+                return {"step": self.step, "weights_checksum": self.checksum}  # a retried request, same files
+            start, frozen = time.perf_counter(), 0
+            self.admitting.clear()  # new generation requests wait in AdminMiddleware until the switch is done
+            try:
+                frozen = await self._freeze_in_flight()
+                return await self._switch(step, target, marker, manifest) | {"paused_requests": frozen}
+            finally:
+                try:
+                    await self._release()
+                finally:
+                    self.admitting.set()
+                logger.info("update to step %d from %s in %.3f s (%d requests paused); %s step %d",
+                            step, target, time.perf_counter() - start, frozen,
+                            "BROKEN, generation refused; last verified" if self.broken else "serving", self.step)
+
+    async def _freeze_in_flight(self) -> int:
+        """Freeze the requests vLLM is running, so that no token is sampled between the reload and the new
+        weight version (vLLM labels each output token with the version that sampled it). New requests
+        wait at `admitting`, so with none in flight there is nothing to pause."""
+        frozen = self.in_flight
+        if frozen and not self.engine_paused:
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
+            self.engine_paused = True
+        return frozen
+
+    async def _release(self) -> None:
+        """Resume what was frozen; if the weights are broken, abort it and keep vLLM paused instead."""
+        if self.broken:
+            await self.engine.pause_generation(mode="abort", clear_cache=False)
+            self.engine_paused = True
+        elif self.engine_paused:
+            await self.engine.resume_generation()
+            self.engine_paused = False
+
+    def _check_kind(self, step: int, target: str, manifest: dict[str, Entry]) -> None:
+        """400 unless the step is what this server loads: adapter steps with LoRA on, full weights without."""
+        name = self.settings.lora_name
+        if is_adapter_step(manifest) and name is None:
+            raise HTTPException(400, f"step {step} at {target} is a LoRA adapter step (it lists {ADAPTER_CONFIG}), "
+                                     "but this server was started without LoRA (inference.lora): it loads full weights")
+        if not is_adapter_step(manifest) and name is not None:
+            raise HTTPException(400, f"step {step} at {target} holds full weights (it lists no {ADAPTER_CONFIG}), but "
+                                     f"this server serves the LoRA adapter {name!r} over a fixed base model: it loads "
+                                     "adapter steps only")
+
+    async def _switch(self, step: int, target: str, marker: bytes, manifest: dict[str, Entry]) -> dict:
+        """Load and verify `target` while generation is held; needs the lock."""
+        load = self._load_adapter if is_adapter_step(manifest) else self._load
+        report = await load(target, step, manifest)
+        if not report["ok"]:
+            raise await self._refuse(step, target, report)
+        self.step, self.path, self.checksum, self.broken = step, target, report["checksum"], None
+        self.marker, self.manifest = marker, manifest
+        served = {"step": step, "weights_checksum": self.checksum} | ({"adapter": self.adapter} if self.adapter else {})
+        return served | _timings(report)
+
+    def _resolve(self, path: str, step: int) -> str:
+        """The real path of the step's own `step_<step>` directory, strictly inside the weights dir, with a
+        STABLE marker and no file that leads outside the weights dir."""
+        if self.settings.weights_dir is None:
+            raise HTTPException(403, "this server was started without a weights dir: updates are off")
+        try:
+            return self._resolve_in(Path(os.path.realpath(self.settings.weights_dir)), path, step)
+        except OSError as e:  # e.g. the weights dir and the path together past the OS's path limit
+            raise HTTPException(400, f"{path[:200]!a} cannot be resolved: {e.strerror}") from None
+
+    def _resolve_in(self, root: Path, path: str, step: int) -> str:
+        target = Path(os.path.realpath(root / path))
+        if target == root or not target.is_relative_to(root):
+            raise HTTPException(403, f"{path!r} resolves to {target}, outside the weights dir {root}")
+        if not target.is_dir():
+            raise HTTPException(404, f"no step directory at {target}")
+        if target.name != f"step_{step}":
+            raise HTTPException(400, f"{path!r} is {target.name}: step {step} loads only from step_{step}")
+        if not (target / STABLE).exists():
+            raise HTTPException(409, f"{target} has no {STABLE} marker yet: it may be half written")
+        for entry in target.rglob("*"):
+            if entry.is_symlink() and not Path(os.path.realpath(entry)).is_relative_to(root):
+                raise HTTPException(403, f"{entry} links to {os.path.realpath(entry)}, outside the weights dir {root}")
+        return str(target)
+
+    async def _verify_base(self) -> None:
+        """Verify the weights loaded at start-up once, giving step 0 its checksum. Needs the lock."""
+        if self.checksum is not None:
+            return
+        report = _merge(await self.engine.collective_rpc("rl_check_served", args=(self.path,)))
+        if not report["ok"]:
+            raise HTTPException(500, f"the base model's served weights do not match {self.path}: {_why(report)}")
+        self.checksum = report["checksum"]
+        await self.engine.update_weight_version("0")
+
+    async def _load(self, path: str, step: int, manifest: dict[str, Entry] | None) -> dict:
+        """Reload `path` on every worker, which reads its listed weight files once (`manifest`; None: the base
+        model's directory) and verifies what it then serves; once verified, vLLM labels what it samples with `step`.
+
+        Needs generation held (no KV is computed until `_release`), so the prefix cache can be dropped
+        while the worker reloads: running requests are preempted and their prompts and tokens so far
+        recomputed with the new weights when generation resumes.
+        """
+        files = None if manifest is None else {name: [e.bytes, e.crc32] for name, e in manifest.items()}
+        reset = asyncio.create_task(self.engine.reset_prefix_cache(reset_running_requests=True))
+        report = _merge(await self.engine.collective_rpc("rl_load_weights", args=(path, files)))
+        await reset
+        if report["ok"]:
+            await self.engine.update_weight_version(str(step))
+        return report
+
+    async def _refuse(self, step: int, target: str, report: dict) -> HTTPException:
+        """Answer a failed load, rolling back to the served step when weights were touched. A file that failed
+        its check when the worker read it is the caller's bad input (422), as when the server's own check finds it."""
+        if not report["reloaded"]:
+            if corrupt := report.get("corrupt"):
+                return HTTPException(422, f"step {step} refused, still serving step {self.step}: {corrupt}")
+            return HTTPException(400, f"step {step} at {target} does not fit the served model, "
+                                      f"still serving step {self.step}: {_why(report)}")
+        failure = f"step {step} at {target} failed after reload: {_why(report)}"
+        rollback = await self._restore()
+        if rollback["ok"]:
+            served = (f" (adapter {self.adapter!r})" if self.adapter
+                      else " (the base model)" if self.settings.lora_name else "")
+            return HTTPException(500, f"{failure}; rolled back to step {self.step}{served}, which verifies")
+        self.broken = (f"{failure}; rollback to step {self.step} failed too: {_why(rollback)}; "
+                       "generation is refused until a checkpoint loads and verifies")
+        return HTTPException(500, self.broken)
+
+    async def _restore(self) -> dict:
+        """Serve again the step served before a failed load, loaded as it was the first time."""
+        if is_adapter_step(self.manifest):
+            return await self._load_adapter(self.path, self.step, self.manifest)
+        if self.settings.lora_name is not None:  # no adapter was served yet: the base model, step 0
+            return await self._remove_adapter()
+        return await self._load(self.path, self.step, self.manifest)
+
+    async def _load_adapter(self, path: str, step: int, manifest: dict[str, Entry]) -> dict:
+        """Serve the adapter step at `path` in place of the served adapter, under the one adapter name. Needs
+        generation held (see `_load`).
+
+        a. each worker reads the step's files once, checked against `manifest`, and refuses an adapter that does not
+           fit the served LoRA layers (nothing is loaded then);
+        b. vLLM's `add_lora` loads the directory itself, in place (`load_inplace`), into the adapter's slot;
+        c. each worker reads that slot back and compares it with the tensors it checked in a (vLLM's read is a
+           second read of the files: the comparison proves it got the same bytes).
+        Once verified, requests find the adapter in vLLM's model registry, and vLLM labels what it samples with
+        `step`. The report's checksum is `rl.adapter.adapter_checksum` of the files' tensors.
+        """
+        files = {name: [e.bytes, e.crc32] for name, e in manifest.items()}
+        report = _merge(await self.engine.collective_rpc("rl_read_adapter", args=(path, files)))
+        if not report["ok"]:
+            return report
+        reset = asyncio.create_task(self.engine.reset_prefix_cache(reset_running_requests=True))
+        try:
+            start = time.perf_counter()
+            try:
+                await self.engine.add_lora(self._lora_request(path, load_inplace=True))
+            except Exception as error:  # vLLM refused or failed to load it: the slot may hold anything now
+                return report | {"ok": False, "reloaded": True, "mismatched": [f"vLLM's add_lora failed: {error}"]}
+            reload_s = time.perf_counter() - start
+            verified = _merge(await self.engine.collective_rpc("rl_verify_adapter", args=(ADAPTER_ID,)))
+        finally:
+            await reset
+        report = report | verified | {"reloaded": True, "reload_s": round(reload_s, 3)}
+        if report["ok"]:
+            self._register_adapter(path)
+            await self.engine.update_weight_version(str(step))
+        return report
+
+    def _lora_request(self, path: str, load_inplace: bool):
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora_name=self.settings.lora_name, lora_int_id=ADAPTER_ID, lora_path=path,
+                           load_inplace=load_inplace)
+
+    def _register_adapter(self, path: str) -> None:
+        """Let requests select the served adapter by name. The registry's request rides on every later generation
+        request, so it must not ask for an in-place load: vLLM would reload the adapter from disk at every step."""
+        if self.models is None:
+            raise RuntimeError("this server has no OpenAI model registry to serve its adapter from")
+        self.models.lora_requests[self.settings.lora_name] = self._lora_request(path, load_inplace=False)
+
+    async def _remove_adapter(self) -> dict:
+        """Serve the base model as step 0 again, after an adapter that failed to load when none was served before."""
+        if self.models is not None:
+            self.models.lora_requests.pop(self.settings.lora_name, None)
+        try:
+            await self.engine.remove_lora(ADAPTER_ID)
+            still_loaded = ADAPTER_ID in await self.engine.list_loras()
+        except Exception as error:
+            return {"ok": False, "mismatched": [f"removing the adapter failed: {error}"], "differing": []}
+        if still_loaded:
+            return {"ok": False, "mismatched": ["vLLM still lists the adapter after removing it"], "differing": []}
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        await self.engine.update_weight_version("0")
+        return {"ok": True, "mismatched": [], "differing": []}
+
+
+def is_adapter_step(manifest: dict[str, Entry] | None) -> bool:
+    """Whether a step's files are a LoRA adapter (rl.adapter's layout) rather than full weights."""
+    return manifest is not None and ADAPTER_CONFIG in manifest
+
+
+def published_step(directory: Path) -> tuple[bytes, dict[str, Entry]]:
+    """The step's marker bytes (what identifies its files) and manifest, both from one read of the marker: the
+    directory holds exactly its listed files, and every one but the weight files (which the worker checks as it
+    reads them, once) is checked here."""
+    marker = read_marker(directory)
+    manifest = read_manifest(directory, marker)
+    for name, entry in manifest.items():
+        if not name.endswith(".safetensors"):
+            check_listed(directory, name, entry)
+    return marker, manifest
+
+
+def _merge(reports: list[dict]) -> dict:
+    """One report from every worker's: ok only if all are."""
+    first = dict(reports[0])
+    first["ok"] = all(r["ok"] for r in reports)
+    first["reloaded"] = any(r.get("reloaded", False) for r in reports)
+    return first
+
+
+def _why(report: dict) -> str:
+    problems = report.get("mismatched", []) + report.get("differing", [])
+    return "; ".join(problems[:5]) or "no reason reported"
+
+
+def _timings(report: dict) -> dict:
+    keys = ("files_s", "reload_s", "verify_s", "bytes_read")
+    return {k: report[k] for k in keys if k in report}
