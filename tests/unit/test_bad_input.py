@@ -166,8 +166,9 @@ def model_cases(tmp_path: Path) -> list[tuple[str, str]]:
     ]
 
 
-def test_a_hub_looking_name_that_is_neither_here_nor_on_the_hub_is_refused(monkeypatch):
+def test_a_hub_looking_name_that_is_neither_here_nor_on_the_hub_is_refused(monkeypatch, tmp_path):
     """The README's `rl` command before `tiny-model` built models/tiny: refused at start, naming both readings."""
+    monkeypatch.chdir(tmp_path)  # where no models/tiny was built
     import huggingface_hub
     from huggingface_hub.utils import RepositoryNotFoundError
 
