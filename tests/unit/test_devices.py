@@ -20,6 +20,8 @@ def test_counts_give_inference_the_first_gpus():
 def test_tensor_parallel_above_one_is_refused_by_the_config():
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         parse_config(RLConfig, ["--inference.tensor-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="-tp shards the model"):
+        parse_config(RLConfig, ["--inference.extra-args", '["--max-num-seqs", "8", "-tp", "2"]'])
 
 
 def test_explicit_ids():

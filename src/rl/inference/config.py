@@ -35,6 +35,18 @@ def _one_gpu(tensor_parallel_size: int) -> int:
     return tensor_parallel_size
 
 
+SHARDING_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp")
+
+
+def _no_sharding(extra_args: list[str]) -> list[str]:
+    """tensor_parallel_size's check, for the same settings passed to vLLM directly."""
+    given = [a for a in extra_args if a.split("=", 1)[0] in SHARDING_FLAGS]
+    if given:
+        raise ValueError(f"{given[0]} shards the model, which weight verification cannot read; run more "
+                         "replicas instead (one server per GPU)")
+    return extra_args
+
+
 class LoraServingConfig(Section):
     """Serve one LoRA adapter over the base model, replaced in place by /update_weights (rl fills this section
     from trainer.lora)."""
@@ -85,7 +97,10 @@ class InferenceConfig(Settings):
     lora: Annotated[
         LoraServingConfig | None, Field(description="serve a LoRA adapter (set by rl when trainer.lora is on)")
     ] = None
-    extra_args: Annotated[list[str], Field(description="any other vLLM server arguments, passed through")] = []
+    extra_args: Annotated[
+        list[str], AfterValidator(_no_sharding),
+        Field(description="any other vLLM server arguments, passed through (after rl's: they win)"),
+    ] = []
 
 
 def resolve_device_defaults(config: InferenceConfig, device: Literal["cuda", "cpu"]) -> dict[str, str]:
