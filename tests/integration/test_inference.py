@@ -271,16 +271,22 @@ def test_a_step_is_exactly_its_manifest(server, run_dir):
     assert max_mismatch(server, sharded) < TOLERANCE
 
 
-def test_sigterm_ends_the_server_while_an_update_waits_on_a_stalled_engine(tmp_path):
+def test_sigterm_ends_the_server_while_an_update_waits_on_a_stalled_engine_leaving_no_sockets(tmp_path, monkeypatch):
     """vLLM stops its engine before its HTTP server, so an update still waiting for the engine's reply can never
     finish; the server must exit anyway. A launcher killed by SIGKILL leaves only this SIGTERM (its children's
-    parent-death signal) to end the server, and nobody to escalate."""
+    parent-death signal) to end the server, and nobody to escalate. vLLM's processes talk over ZMQ sockets in
+    the temp directory and leave them there at exit; the server gives them a directory of its own and removes
+    it as SIGTERM ends it, even this way."""
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
     build_tiny_model(tmp_path / "model")
     (tmp_path / "weights").mkdir()
-    server = Server(tmp_path / "model", tmp_path / "weights", tmp_path / "inference.log")
+    temp = Path(tempfile.mkdtemp(prefix="ipc-test-"))  # short: pytest's tmp_path is too long for a socket path
+    server = Server(tmp_path / "model", tmp_path / "weights", tmp_path / "inference.log", env={"TMPDIR": str(temp)})
     children = psutil.Process(server.proc.pid).children(recursive=True)  # engine core, its worker, resource tracker
     try:
+        assert server.generate(PROMPTS[0])[0]
         assert server.admin("GET", "/policy_step").status_code == 200  # verifies the base model first
+        assert [p for p in temp.rglob("*") if p.is_socket()], "vLLM made no sockets under TMPDIR: look elsewhere"
         step = perturbed_step(tmp_path, 1, seed=1)
         for process in children:
             process.suspend()
@@ -295,28 +301,10 @@ def test_sigterm_ends_the_server_while_an_update_waits_on_a_stalled_engine(tmp_p
             server.proc.wait(limit_s)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the server still runs {limit_s} s after SIGTERM:\n{server.log.read_text()[-2000:]}")
+        assert [p for p in temp.rglob("*") if p.is_socket()] == []
     finally:
         for process in children:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         server.stop()  # SIGKILL if SIGTERM did not end it
-
-
-def test_a_stopped_server_leaves_no_sockets_in_the_temp_directory(tmp_path, monkeypatch):
-    """vLLM's processes talk over ZMQ sockets in the temp directory and leave them there at exit; the server
-    gives them a directory of its own and removes it when SIGTERM ends it."""
-    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    build_tiny_model(tmp_path / "model")
-    (tmp_path / "weights").mkdir()
-    temp = Path(tempfile.mkdtemp(prefix="ipc-test-"))  # short: pytest's tmp_path is too long for a socket path
-    try:
-        server = Server(tmp_path / "model", tmp_path / "weights", tmp_path / "inference.log", env={"TMPDIR": str(temp)})
-        try:
-            assert server.generate(PROMPTS[0])[0]
-            serving = [p for p in temp.rglob("*") if p.is_socket()]
-        finally:
-            server.stop()
-        assert serving, "vLLM made no sockets under TMPDIR: the test no longer looks where they are"
-        assert [p for p in temp.rglob("*") if p.is_socket()] == []
-    finally:
         shutil.rmtree(temp)
