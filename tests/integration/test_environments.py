@@ -1,6 +1,6 @@
 """Environments a user brings, for real: a Taskset-only package (tests/fixtures/environments, put on PYTHONPATH
 as an installed package would be) trained through `rl` mixed with reverse-text, and the `eval` command on
-the tiny model, starting its own vLLM server or using a running one."""
+the tiny model, starting its own vLLM server or using a running one (plain vLLM: test_eval_plain_vllm.py)."""
 
 import json
 import subprocess
@@ -107,11 +107,12 @@ def test_eval_starts_its_own_server_and_writes_results(tiny_model, tmp_path, tas
 
 
 def test_eval_on_a_running_server(tiny_model, tmp_path, taskset_only_installed):
+    """rl's server at client.base_url, sampled token by token as on the server eval starts (client.api tokens)."""
     server = Server(tiny_model, tmp_path / "weights", tmp_path / "inference.log")
     try:
         out = tmp_path / "eval"
-        done = subprocess.run(eval_command(tiny_model, out, "--client.base-url", server.url), cwd=ROOT,
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(eval_command(tiny_model, out, "--client.base-url", server.url, "--client.api", "tokens"),
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
     finally:
         server.stop()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -2,27 +2,63 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rl.config import ChatModelConfig, EnvConfig, Section, Settings, check_env_labels
 from rl.inference.config import InferenceConfig
 from rl.orchestrator.config import EvalSettings
+from rl.orchestrator.rollouts import API_KEY_VAR
+
+ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class EvalClientConfig(Section):
     base_url: Annotated[
         str | None,
-        Field(description="a running server to evaluate on (rl's inference, or vLLM with --enable-scale-out); "
-                          "unset: eval starts its own"),
+        Field(description="a running OpenAI-compatible server to evaluate on: a plain `vllm serve`, a hosted API "
+                          "(https://api.openai.com/v1), rl's inference server; a URL without a path gets /v1. Unset: "
+                          "eval starts rl's inference server"),
     ] = None
+    api: Annotated[
+        Literal["auto", "chat", "tokens"],
+        Field(description="how rollouts sample. 'chat': OpenAI chat completions, which any OpenAI-compatible server "
+                          "answers (it applies its own chat template and tool-call parser; results hold the chat "
+                          "messages). 'tokens': as training does, prompts rendered with model.renderer and token ids "
+                          "sampled through rl's inference server only (results hold the rendered text). 'auto': "
+                          "tokens on the server eval starts, chat at client.base_url"),
+    ] = "auto"
+    api_key_var: Annotated[
+        str,
+        Field(description="the NAME of the environment variable that holds the server's API key, e.g. OPENAI_API_KEY "
+                          "(never the key itself), sent as a bearer token; a variable other than the default must be "
+                          f"set, the default {API_KEY_VAR} (rl's servers' key) sends 'EMPTY' where unset"),
+    ] = API_KEY_VAR
     served_model: Annotated[
-        str | None, Field(description="the model name that server serves; unset: model.name")
+        str | None, Field(description="the model name that server serves (a hosted API's model id); unset: model.name")
     ] = None
-    startup_timeout_s: Annotated[float, Field(gt=0, description="deadline for the server to become healthy")] = 600.0
+    startup_timeout_s: Annotated[
+        float,
+        Field(gt=0, description="deadline for the server to answer: /health on the server eval starts, /v1/models at "
+                                "client.base_url (a hosted API has no /health)"),
+    ] = 600.0
+
+    @field_validator("api_key_var")
+    @classmethod
+    def _a_variable_name(cls, value: str) -> str:
+        if not ENV_VAR_NAME.fullmatch(value):  # the value is not echoed: it may be a pasted key
+            raise ValueError("give the name of the environment variable that holds the API key (letters, digits, _; "
+                             "e.g. OPENAI_API_KEY), not the key: keys do not belong in configs or command lines")
+        return value
+
+    def resolved_api(self) -> Literal["chat", "tokens"]:
+        if self.api != "auto":
+            return self.api
+        return "tokens" if self.base_url is None else "chat"
 
 
 class EvalCommandConfig(Settings, EvalSettings):
@@ -40,8 +76,10 @@ class EvalCommandConfig(Settings, EvalSettings):
     ] = None
     max_concurrent: Annotated[int, Field(ge=1, description="rollouts in flight at once")] = 64
     rollout_timeout_s: Annotated[
-        float | None, Field(gt=0, description="deadline for one rollout, from when it holds a concurrency slot")
-    ] = None
+        float | None,
+        Field(gt=0, description="deadline for one rollout, from when it holds a concurrency slot (a server that stops "
+                                "answering fails it, and its group is retried)"),
+    ] = 3600.0
     max_retries: Annotated[
         int, Field(ge=0, description="times a failed group is run again before it is dropped (and reported)")
     ] = 1

@@ -3,17 +3,24 @@
     uv run eval @ eval.toml --model.name outputs/run/weights/step_60 --rollouts-per-example 4
     uv run eval @ eval.toml --model.name models/tiny --adapter outputs/lora/weights/step_60   (a LoRA adapter)
 
-The model is a Hugging Face directory (a run's `weights/step_k` is one), served by a vLLM server that eval
-starts (`[inference]`) or one already running (`--client.base-url`). Every task of every `[[env]]` (the first
-`num_examples`) gets `rollouts_per_example` rollouts, scored by the environment. Written to `output_dir`:
-`results.jsonl` (one line per rollout: reward, components, metrics, pass, prompt and completion text) and
-`summary.json` (per environment and overall: mean reward, components, metrics, pass@k, avg@n).
+    uv run eval @ eval.toml --client.base-url http://127.0.0.1:8000 --model.name Qwen/Qwen3-0.6B   (a `vllm serve`)
+    OPENAI_API_KEY=... uv run eval @ eval.toml --client.base-url https://api.openai.com/v1 \
+        --client.api-key-var OPENAI_API_KEY --model.name gpt-4o-mini                           (a hosted API)
+
+The model is a Hugging Face directory (a run's `weights/step_k` is one), served by rl's inference server that
+eval starts (`[inference]`) and sampled token by token as training samples it; or any OpenAI-compatible server
+already running (`--client.base-url`), sampled through chat completions (`client.api`). Every task of every
+`[[env]]` (the first `num_examples`) gets `rollouts_per_example` rollouts, scored by the environment. Written to
+`output_dir`: `results.jsonl` (one line per rollout: reward, components, metrics, pass, prompt and completion:
+text, or chat messages with the chat api) and `summary.json` (per environment and overall: mean reward,
+components, metrics, pass@k, avg@n).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import sys
 import time
@@ -31,8 +38,8 @@ from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
 from rl.orchestrator.environment import EnvLoadError, Environment, load_environments, serving
 from rl.orchestrator.eval import EvalGroups, eval_stats, group_scores, run_eval_groups
-from rl.orchestrator.rollouts import InferenceClient, RolloutResult
-from rl.renderer import chat_renderer
+from rl.orchestrator.rollouts import API_KEY_VAR, ChatClient, InferenceClient, RolloutResult, openai_api_root
+from rl.renderer import chat_renderer, load_tokenizer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.stats import mean, means, tool_stats
 from rl.manifest import mark_stable
@@ -41,6 +48,11 @@ from rl.protocol import STABLE, CorruptFileError, RunPaths, atomic_write_text, v
 ADAPTER_LOAD_TIMEOUT_S = 600  # a load holds generation; the server's own bound on an update is the same order
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
+POLL_REQUEST_TIMEOUT_S = 10
+
+
+class EvalError(RuntimeError):
+    """Eval cannot go on or produced nothing; the message names the server and model and says why."""
 
 
 def output_dir(config: EvalCommandConfig) -> Path:
@@ -88,7 +100,7 @@ def stage_adapter(adapter: Path, out: Path) -> Path:
 def load_adapter(url: str, step: Path) -> dict:
     response = httpx.post(f"{url}/update_weights", json={"step": 1, "path": step.name}, timeout=ADAPTER_LOAD_TIMEOUT_S)
     if response.status_code != 200:
-        raise RuntimeError(f"the server refused the adapter {step}: {response.status_code} {response.text}")
+        raise EvalError(f"the server refused the adapter {step}: {response.status_code} {response.text}")
     return response.json()
 
 
@@ -111,18 +123,72 @@ def wait_healthy(url: str, timeout_s: float, supervisor: Supervisor | None) -> N
     while time.monotonic() < deadline:
         if supervisor is not None and (code := supervisor.exit_code("inference")) is not None:
             tail = "\n".join(supervisor.log_tail("inference", 30))
-            raise RuntimeError(f"the inference server exited with code {code} before it was healthy; "
-                               f"{supervisor.log('inference')}:\n{tail}")
+            raise EvalError(f"the inference server exited with code {code} before it was healthy; "
+                            f"{supervisor.log('inference')}:\n{tail}")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise TimeoutError(f"inference server {url} was not healthy after {timeout_s:.0f}s")
+    raise EvalError(f"inference server {url} was not healthy after {timeout_s:.0f}s")
 
 
-async def run(config: EvalCommandConfig, envs: list[Environment], client: InferenceClient, logger) -> EvalGroups:
+def api_key(var: str) -> str:
+    return os.environ.get(var) or "EMPTY"
+
+
+def check_api_key_var(var: str) -> None:
+    """A variable the user named must hold a key; only rl's own variable may be unset (servers without keys)."""
+    if var != API_KEY_VAR and not os.environ.get(var):
+        raise ConfigError(f"client.api_key_var = {var!r}, but the environment variable {var} is not set: export the "
+                          "server's API key in it")
+
+
+def wait_for_models(api_root: str, key_var: str, timeout_s: float) -> list[str] | None:
+    """Poll <api_root>/models (any OpenAI-compatible server has it; a hosted API has no /health) until it answers;
+    the model ids it serves, or None where it lists none (404). A refused key fails at once."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.get(f"{api_root}/models", headers={"Authorization": f"Bearer {api_key(key_var)}"},
+                                 timeout=POLL_REQUEST_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            last = repr(e)
+        else:
+            if response.status_code in (401, 403):
+                raise EvalError(f"server {api_root} refused the API key in ${key_var} ({response.status_code}: "
+                                f"{response.text[:300]}); set client.api_key_var to the variable holding its key")
+            if response.status_code == 404:
+                return None
+            if response.status_code == 200:
+                return model_ids(api_root, response)
+            last = f"{response.status_code}: {response.text[:300]}"
+        time.sleep(1)
+    raise EvalError(f"server {api_root} did not answer GET /models within {timeout_s:.0f}s (last: {last}); "
+                    "is client.base_url right and the server up?")
+
+
+def model_ids(api_root: str, response: httpx.Response) -> list[str]:
+    try:
+        return [model["id"] for model in response.json()["data"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise EvalError(f"server {api_root}: GET /models did not answer an OpenAI model list ({e!r}): "
+                        f"{response.text[:300]}") from None
+
+
+def check_served(api_root: str, model: str, served: list[str] | None, logger) -> None:
+    if served is None:
+        logger.warning(f"server {api_root} lists no models (GET /models: 404); model {model!r} is not checked")
+    elif model not in served:
+        raise EvalError(f"server {api_root} does not serve model {model!r}; it serves {', '.join(served[:20])}. "
+                        "Set client.served_model (or model.name) to one of them")
+
+
+async def run(
+    config: EvalCommandConfig, envs: list[Environment], client: InferenceClient | ChatClient, logger
+) -> EvalGroups:
     semaphore = asyncio.Semaphore(config.max_concurrent)
     async with serving(envs):
         return await run_eval_groups(
@@ -155,9 +221,15 @@ def rollout_record(name: str, task_index: int, j: int, r: RolloutResult, thresho
         "tool_errors": r.tool_errors,
         "truncated": r.is_truncated,
         "completion_tokens": r.sampled_tokens,
-        "prompt": decode(r.segments[0].prompt_ids),
-        "completion": decode(r.segments[-1].completion_ids),
+        **conversation(r, decode),
     }
+
+
+def conversation(r: RolloutResult, decode) -> dict:
+    """What the model saw and wrote: a chat rollout's messages, else the text of its tokens."""
+    if r.chat is not None:
+        return {"prompt": r.chat.prompt, "completion": r.chat.completion}
+    return {"prompt": decode(r.segments[0].prompt_ids), "completion": decode(r.segments[-1].completion_ids)}
 
 
 def summarize(evaluated: EvalGroups, config: EvalCommandConfig, elapsed_s: float) -> dict:
@@ -184,6 +256,7 @@ def summarize(evaluated: EvalGroups, config: EvalCommandConfig, elapsed_s: float
     return {
         "model": config.model.name,
         "adapter": str(config.adapter) if config.adapter else None,
+        "api": config.client.resolved_api(),
         "rollouts_per_example": config.rollouts_per_example,
         "pass_threshold": config.pass_threshold,
         "sampling": config.sampling.model_dump(mode="json"),
@@ -217,33 +290,56 @@ def write_results(out: Path, records: list[dict], summary: dict) -> None:
     atomic_write_text(out / SUMMARY, json.dumps(summary, indent=2) + "\n")
 
 
+def inference_client(config: EvalCommandConfig, url: str, served: str, envs: list[Environment], logger):
+    """The chat client, or the token client with the model's renderer."""
+    if config.client.resolved_api() == "chat":
+        logger.info(f"sampling {served!r} through chat completions at {openai_api_root(url)}")
+        return ChatClient(url, served, config.client.api_key_var)
+    renderer, why = chat_renderer(config.model.renderer, config.model.name, envs)
+    logger.info(f"model {config.model.name!r} renders with {describe_renderer(renderer)} ({why})")
+    return InferenceClient(url, served, config.model.name, renderer, config.client.api_key_var)
+
+
 def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logger) -> dict:
     step = stage_adapter(config.adapter, out) if config.adapter is not None else None
     supervisor, url = (None, config.client.base_url) if config.client.base_url else start_server(config, out)
+    served = config.client.served_model or config.model.name
     try:
         logger.info(f"waiting for inference server {url}")
-        wait_healthy(url.rstrip("/"), config.client.startup_timeout_s, supervisor)
-        served = config.client.served_model or config.model.name
+        if supervisor is None:
+            api_root = openai_api_root(url)
+            check_served(api_root, served, wait_for_models(api_root, config.client.api_key_var,
+                                                           config.client.startup_timeout_s), logger)
+        else:
+            wait_healthy(url.rstrip("/"), config.client.startup_timeout_s, supervisor)
         if step is not None:
             reply = load_adapter(url.rstrip("/"), step)
             served = reply.get("adapter") or LoraServingConfig().name
             logger.info(f"serving adapter {config.adapter} as {served!r} (checksum {reply.get('weights_checksum')})")
-        renderer, why = chat_renderer(config.model.renderer, config.model.name, envs)
-        logger.info(f"model {config.model.name!r} renders with {describe_renderer(renderer)} ({why})")
-        client = InferenceClient(url, served, config.model.name, renderer)
+        client = inference_client(config, url, served, envs, logger)
         start = time.perf_counter()
         evaluated = asyncio.run(run(config, envs, client, logger))
         elapsed = time.perf_counter() - start
     finally:
         if supervisor is not None:
             supervisor.stop_all()
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
-    records = rollout_records(evaluated, config.pass_threshold, tokenizer.decode)
+    decode = load_tokenizer(config.model.name).decode if isinstance(client, InferenceClient) else None
+    records = rollout_records(evaluated, config.pass_threshold, decode)
     summary = summarize(evaluated, config, elapsed)
     write_results(out, records, summary)
+    if not records and any(evaluated.dropped.values()):
+        raise EvalError(nothing_finished(config, url, served, evaluated, out))
     return summary
+
+
+def nothing_finished(config: EvalCommandConfig, url: str, served: str, evaluated: EvalGroups, out: Path) -> str:
+    first_error = next(error for dropped in evaluated.dropped.values() for error in dropped)
+    hint = ""
+    if config.client.base_url is not None and config.client.resolved_api() == "tokens":
+        hint = ("; client.api = 'tokens' needs rl's inference server, set client.api = 'chat' for any other "
+                "OpenAI-compatible server")
+    return (f"every rollout failed on {url} (model {served!r}, api {config.client.resolved_api()!r}; the errors are "
+            f"in {out / SUMMARY}). The first: {first_error}{hint}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,8 +352,10 @@ def main(argv: list[str] | None = None) -> None:
             check_weights(config.model.name)
             if config.adapter is not None:
                 check_adapter(config.adapter)
+        check_api_key_var(config.client.api_key_var)
         envs = load_environments(config.env, "env")
-        chat_renderer(config.model.renderer, config.model.name, envs)
+        if config.client.resolved_api() == "tokens":
+            chat_renderer(config.model.renderer, config.model.name, envs)
     except (ConfigError, EnvLoadError) as e:
         print(f"eval: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -265,7 +363,11 @@ def main(argv: list[str] | None = None) -> None:
     write_config(config, out / "configs" / "eval.toml")
     for env in envs:
         logger.info(env.describe())
-    summary = evaluate(config, envs, out, logger)
+    try:
+        summary = evaluate(config, envs, out, logger)
+    except EvalError as e:
+        print(f"eval: error: {e}", file=sys.stderr)
+        sys.exit(1)
     print(format_table(summary))
     print(f"eval: {sum(e['rollouts'] for e in summary['envs'].values())} rollouts in {summary['time_s']:.0f}s; "
           f"{out / RESULTS}, {out / SUMMARY}")

@@ -19,7 +19,7 @@ from math import comb
 
 from rl.orchestrator.config import EvalConfig, EvalSettings, SamplingConfig
 from rl.orchestrator.environment import Environment
-from rl.orchestrator.rollouts import InferenceClient, RolloutResult, Sampling, run_group_retried
+from rl.orchestrator.rollouts import ChatClient, InferenceClient, RolloutResult, Sampling, run_group_retried
 from rl.orchestrator.stats import mean, rollout_stats
 
 Groups = dict[str, list[list[RolloutResult]]]
@@ -55,7 +55,7 @@ async def run_eval_groups(
     settings: EvalSettings,
     envs: list[Environment],
     num_examples: int | None,
-    clients: list[InferenceClient],
+    clients: list[InferenceClient | ChatClient],
     semaphore: asyncio.Semaphore,
     timeout_s: float | None,
     max_retries: int,

@@ -2,7 +2,9 @@
 
 verifiers does the rollout: its training client (`TrainClientConfig`) renders the prompt with the
 model's chat template, calls vLLM's `/inference/v1/generate`, and records token ids, the sampled-token
-mask and the sampling logprobs on the trace; the task scores the trace. This module only runs `n`
+mask and the sampling logprobs on the trace; the task scores the trace. Evaluation may instead sample
+through verifiers' chat client (`EvalClientConfig`, `ChatClient` here): plain OpenAI chat completions,
+which any OpenAI-compatible server answers, with text and no tokens. This module only runs `n`
 episodes of one task of a loaded environment (`environment.py`), and flattens each episode's trace into
 a plain `RolloutResult`. Task order is the environment's own and indexable, so the orchestrator owns the
 sampler position (and can resume it).
@@ -14,6 +16,7 @@ import asyncio
 import contextlib
 import gc
 from dataclasses import dataclass, field, replace
+from urllib.parse import urlparse
 from collections.abc import Callable
 from typing import Any
 
@@ -49,12 +52,43 @@ def tune_gc_for_serving() -> None:
 
 @dataclass(frozen=True)
 class InferenceClient:
-    """Where rollouts sample from."""
+    """Where rollouts sample from: rl's inference server, token ids in and out (what training needs)."""
 
     base_url: str  # OpenAI-compatible server root, with or without /v1
     model: str  # the name the server serves the policy under
     tokenizer: str  # local model/tokenizer directory the prompt is rendered with
     renderer: Any  # a typed renderers config (rl/renderer.py picks it per model)
+    api_key_var: str = API_KEY_VAR
+
+    def client_config(self) -> vf.TrainClientConfig:
+        base_url = self.base_url.rstrip("/")
+        return vf.TrainClientConfig(
+            # renderers finds /inference/v1/generate beside /v1 and reads max_model_len from /v1/models.
+            base_url=base_url if base_url.endswith("/v1") else f"{base_url}/v1",
+            api_key_var=self.api_key_var,
+            renderer=self.renderer,
+            renderer_model_name=self.tokenizer,
+        )
+
+
+@dataclass(frozen=True)
+class ChatClient:
+    """Any OpenAI-compatible server (vLLM, a hosted API) through chat completions: the server renders the chat and
+    parses the reply, so results have text and no token ids (evaluation only)."""
+
+    base_url: str  # the API root (https://api.openai.com/v1), or a server root, which gets /v1
+    model: str
+    api_key_var: str = API_KEY_VAR
+
+    def client_config(self) -> vf.EvalClientConfig:
+        return vf.EvalClientConfig(base_url=openai_api_root(self.base_url), api_key_var=self.api_key_var)
+
+
+def openai_api_root(url: str) -> str:
+    """The URL as given where it has a path (`.../v1`, a provider's `.../openai`), else `<url>/v1`: a bare host is a
+    vLLM server's root."""
+    url = url.rstrip("/")
+    return url if urlparse(url).path else f"{url}/v1"
 
 
 @dataclass(frozen=True)
@@ -79,6 +113,15 @@ class TokenSegment:
 
 
 @dataclass
+class ChatText:
+    """A chat rollout's conversation: the prompt messages and the messages from the first sampled reply on."""
+
+    prompt: list[dict]
+    completion: list[dict]
+    completion_tokens: int  # as the server reported them (0 where it reports no usage)
+
+
+@dataclass
 class RolloutResult:
     """One rollout as the trainer needs it.
 
@@ -89,7 +132,7 @@ class RolloutResult:
 
     task_index: int
     task_id: str  # the task's durable id, else its content hash
-    segments: list[TokenSegment]
+    segments: list[TokenSegment]  # none for a chat rollout (ChatClient): it has no token ids
     reward: float  # sum of weight * score over `rewards`
     rewards: dict[str, float]  # reward components, unweighted scores
     metrics: dict[str, float]
@@ -97,9 +140,12 @@ class RolloutResult:
     num_turns: int
     tool_calls: int | None = None  # tool results the model got back; None where no tools were offered
     tool_errors: int | None = None  # of those, the calls that failed (`error: ...` results)
+    chat: ChatText | None = None  # a chat rollout's text, in place of segments
 
     @property
     def sampled_tokens(self) -> int:
+        if self.chat is not None:
+            return self.chat.completion_tokens
         return sum(sum(segment.completion_mask) for segment in self.segments)
 
 
@@ -111,7 +157,7 @@ async def run_group(
     environment: Environment,
     task_index: int,
     n: int,
-    client: InferenceClient,
+    client: InferenceClient | ChatClient,
     sampling: Sampling,
     semaphore: asyncio.Semaphore | None = None,
     timeout_s: float | None = None,
@@ -125,7 +171,8 @@ async def run_group(
     episodes = await asyncio.gather(
         *(run_slot(environment, task_index, slot, ctx, semaphore, timeout_s) for slot, ctx in zip(slots, contexts))
     )
-    return [to_result(task_index, task, episode) for episode in episodes]
+    convert = to_chat_result if isinstance(client, ChatClient) else to_result
+    return [convert(task_index, task, episode) for episode in episodes]
 
 
 async def run_slot(
@@ -160,7 +207,7 @@ async def run_group_retried(
     environment: Environment,
     task_index: int,
     n: int,
-    client: InferenceClient,
+    client: InferenceClient | ChatClient,
     sampling: Sampling,
     semaphore: asyncio.Semaphore | None,
     timeout_s: float | None,
@@ -179,16 +226,8 @@ async def run_group_retried(
     return GroupOutcome(environment, None, type(error).__name__, str(error), retries=max_retries)
 
 
-def model_context(client: InferenceClient, sampling: Sampling, offset: int) -> vf.ModelContext:
-    """verifiers' per-rollout model context: the training client, and this rollout's sampling."""
-    base_url = client.base_url.rstrip("/")
-    train_client = vf.TrainClientConfig(
-        # renderers finds /inference/v1/generate beside /v1 and reads max_model_len from /v1/models.
-        base_url=base_url if base_url.endswith("/v1") else f"{base_url}/v1",
-        api_key_var=API_KEY_VAR,
-        renderer=client.renderer,
-        renderer_model_name=client.tokenizer,
-    )
+def model_context(client: InferenceClient | ChatClient, sampling: Sampling, offset: int) -> vf.ModelContext:
+    """verifiers' per-rollout model context: the client's verifiers config, and this rollout's sampling."""
     seed = None if sampling.seed is None else sampling.seed + offset
     settings = vf.SamplingConfig(
         temperature=sampling.temperature,
@@ -197,25 +236,52 @@ def model_context(client: InferenceClient, sampling: Sampling, offset: int) -> v
         **({"seed": seed} if seed is not None else {}),
         **sampling.extra,
     )
-    return vf.ModelContext(model=client.model, client=train_client, sampling=settings)
+    return vf.ModelContext(model=client.model, client=client.client_config(), sampling=settings)
 
 
-def to_result(task_index: int, task: vf.Task, episode: vf.Episode) -> RolloutResult:
-    """Flatten a single-trace episode; each trainable branch of the trace is one segment."""
+def scored_trace(task_index: int, episode: vf.Episode) -> vf.Trace:
+    """The episode's one trace, where it finished and was scored; else RolloutError says why not."""
     trace = episode.traces[0] if len(episode.traces) == 1 else None
     if not episode.ok or trace is None:
         error = (trace.last_error if trace else None) or episode.last_error
         detail = f"{error.type}: {error.message}" if error else f"{len(episode.traces)} traces"
         raise RolloutError(f"rollout of task {task_index} failed: {detail}")
+    if any(score is None for score in trace.rewards.values()):
+        raise RolloutError(f"rollout of task {task_index} was not scored: {trace.rewards}")
+    return trace
+
+
+def to_result(task_index: int, task: vf.Task, episode: vf.Episode) -> RolloutResult:
+    """Flatten a single-trace episode; each trainable branch of the trace is one segment."""
+    trace = scored_trace(task_index, episode)
     branches = [branch for branch in trace.branches if branch.trainable]
     if not branches:
         raise RolloutError(f"rollout of task {task_index} has no trainable branch")
-    if any(score is None for score in trace.rewards.values()):
-        raise RolloutError(f"rollout of task {task_index} was not scored: {trace.rewards}")
     return RolloutResult(
         task_index=task_index,
         task_id=task.data.id or task.key,
         segments=to_segments(task_index, branches),
+        **outcome(trace),
+    )
+
+
+def to_chat_result(task_index: int, task: vf.Task, episode: vf.Episode) -> RolloutResult:
+    """A chat rollout: its scores and its final conversation, split where the model's first reply starts."""
+    trace = scored_trace(task_index, episode)
+    nodes = trace.branches[-1].nodes if trace.nodes else []
+    first_reply = next((i for i, node in enumerate(nodes) if node.sampled), None)
+    if first_reply is None:
+        raise RolloutError(f"rollout of task {task_index} got no reply from the model")
+    messages = [node.message.model_dump(mode="json", exclude_none=True) for node in nodes]
+    usage = trace.usage
+    chat = ChatText(messages[:first_reply], messages[first_reply:], usage.completion_tokens if usage else 0)
+    return RolloutResult(task_index=task_index, task_id=task.data.id or task.key, segments=[], chat=chat,
+                         **outcome(trace))
+
+
+def outcome(trace: vf.Trace) -> dict[str, Any]:
+    """The RolloutResult fields every client's trace gives alike."""
+    return dict(
         reward=trace.reward,
         rewards={name: score.score for name, score in trace.rewards.items()},
         metrics={name: value for name, value in trace.metrics.items() if value is not None},
