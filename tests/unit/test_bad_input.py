@@ -173,7 +173,7 @@ def test_a_hub_looking_name_that_is_neither_here_nor_on_the_hub_is_refused(monke
     from huggingface_hub.utils import RepositoryNotFoundError
 
     from rl.config import ConfigError
-    from rl.launcher.checks import check_model
+    from rl.checks import check_model
 
     def no_such_model(name, timeout):
         error = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # its __init__ wants an HTTP response

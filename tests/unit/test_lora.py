@@ -148,7 +148,7 @@ def test_lora_settings_that_cannot_serve_are_named():
 
 
 def test_an_unmatched_target_is_refused_before_anything_starts(tiny_model):
-    from rl.launcher.checks import check_lora_targets
+    from rl.checks import check_lora_targets
 
     config = TrainerConfig(model={"name": str(tiny_model)}, lora={"target_modules": ["q_proj", "qkv_proj"]})
     with pytest.raises(ConfigError, match=r"\['qkv_proj'\] match no linear layer of Qwen3ForCausalLM; its linear "

@@ -20,39 +20,31 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
-import httpx
 
-from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, next_vllm_rank
 from rl.config import ConfigError, run_cli, write_config
-from rl.inference.config import LoraServingConfig, client_host
+from rl.inference.config import LoraServingConfig
 from rl.eval.config import EvalCommandConfig
-from rl.launcher.checks import check_model
-from rl.launcher.supervisor import ChildSpec, Supervisor
+from rl.eval.serving import (
+    EvalError, check_adapter, check_api_key_var, check_served, check_weights, load_adapter, stage_adapter,
+    start_server, wait_for_models, wait_for_own_server,
+)
+from rl.checks import check_model
 from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
 from rl.orchestrator.environment import EnvLoadError, Environment, load_environments, serving
 from rl.orchestrator.eval import EvalGroups, eval_stats, group_scores, run_eval_groups
-from rl.orchestrator.rollouts import API_KEY_VAR, ChatClient, InferenceClient, RolloutResult, openai_api_root
+from rl.orchestrator.rollouts import ChatClient, InferenceClient, RolloutResult, openai_api_root
 from rl.renderer import chat_renderer, load_tokenizer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.stats import mean, means, tool_stats
-from rl.manifest import mark_stable
-from rl.protocol import STABLE, CorruptFileError, RunPaths, atomic_write_text, verify_stable
+from rl.protocol import atomic_write_text
 
-ADAPTER_LOAD_TIMEOUT_S = 600  # a load holds generation; the server's own bound on an update is the same order
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
-POLL_REQUEST_TIMEOUT_S = 10
-
-
-class EvalError(RuntimeError):
-    """Eval cannot go on or produced nothing; the message names the server and model and says why."""
 
 
 def output_dir(config: EvalCommandConfig) -> Path:
@@ -62,128 +54,6 @@ def output_dir(config: EvalCommandConfig) -> Path:
     if taken:
         raise ConfigError(f"output_dir {out} already holds {taken[0]}; choose another --output-dir or delete it")
     return out
-
-
-def check_weights(model: str) -> None:
-    """A run's `weights/step_k` carries a STABLE marker: refuse files that were truncated or changed."""
-    path = Path(model)
-    if (path / STABLE).is_file():
-        try:
-            verify_stable(path)
-        except CorruptFileError as e:
-            raise ConfigError(f"model {model}: {e}") from None
-
-
-def check_adapter(adapter: Path) -> int:
-    """A PEFT adapter directory (its files verified against a run's STABLE marker when it has one); its rank."""
-    missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (adapter / name).is_file()]
-    if missing:
-        raise ConfigError(f"adapter {adapter} is not a LoRA adapter directory: it lacks {', '.join(missing)}")
-    check_weights(str(adapter))
-    try:
-        return int(json.loads((adapter / ADAPTER_CONFIG).read_text())["r"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"adapter {adapter}: {ADAPTER_CONFIG} has no integer rank 'r' ({e!r})") from None
-
-
-def stage_adapter(adapter: Path, out: Path) -> Path:
-    """The adapter copied as step 1 of eval's own weights dir, marked STABLE: the server loads it through its update
-    route and verifies what it serves, as in a run (any PEFT directory, not only a run's step)."""
-    step = out / "adapter" / "step_1"
-    step.mkdir(parents=True)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        shutil.copyfile(adapter / name, step / name)
-    mark_stable(step)
-    return step
-
-
-def load_adapter(url: str, step: Path) -> dict:
-    response = httpx.post(f"{url}/update_weights", json={"step": 1, "path": step.name}, timeout=ADAPTER_LOAD_TIMEOUT_S)
-    if response.status_code != 200:
-        raise EvalError(f"the server refused the adapter {step}: {response.status_code} {response.text}")
-    return response.json()
-
-
-def start_server(config: EvalCommandConfig, out: Path) -> tuple[Supervisor, str]:
-    """rl's inference server for the model (with LoRA on for an adapter), logging to <out>/logs/inference.log."""
-    inference = config.inference.model_copy(update={"model": config.model})
-    if config.adapter is not None:
-        lora = LoraServingConfig(max_rank=next_vllm_rank(check_adapter(config.adapter)))
-        inference = inference.model_copy(update={"lora": lora, "weights_dir": (out / "adapter").absolute()})
-    write_config(inference, out / "configs" / "inference.toml")
-    cmd = [sys.executable, "-m", "rl.inference.main", "@", str((out / "configs" / "inference.toml").absolute())]
-    supervisor = Supervisor(RunPaths(out), tail_lines=40, shutdown_timeout_s=10)
-    supervisor.start(ChildSpec("inference", cmd, None, out / "logs" / "inference.log"))
-    return supervisor, f"http://{client_host(inference.host)}:{inference.port}"
-
-
-def wait_healthy(url: str, timeout_s: float, supervisor: Supervisor | None) -> None:
-    """Poll <url>/health; fail at the deadline, or as soon as the server eval started has exited."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if supervisor is not None and (code := supervisor.exit_code("inference")) is not None:
-            tail = "\n".join(supervisor.log_tail("inference", 30))
-            raise EvalError(f"the inference server exited with code {code} before it was healthy; "
-                            f"{supervisor.log('inference')}:\n{tail}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise EvalError(f"inference server {url} was not healthy after {timeout_s:.0f}s")
-
-
-def api_key(var: str) -> str:
-    return os.environ.get(var) or "EMPTY"
-
-
-def check_api_key_var(var: str) -> None:
-    """A variable the user named must hold a key; only rl's own variable may be unset (servers without keys)."""
-    if var != API_KEY_VAR and not os.environ.get(var):
-        raise ConfigError(f"client.api_key_var = {var!r}, but the environment variable {var} is not set: export the "
-                          "server's API key in it")
-
-
-def wait_for_models(api_root: str, key_var: str, timeout_s: float) -> list[str] | None:
-    """Poll <api_root>/models (any OpenAI-compatible server has it; a hosted API has no /health) until it answers;
-    the model ids it serves, or None where it lists none (404). A refused key fails at once."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            response = httpx.get(f"{api_root}/models", headers={"Authorization": f"Bearer {api_key(key_var)}"},
-                                 timeout=POLL_REQUEST_TIMEOUT_S)
-        except httpx.HTTPError as e:
-            last = repr(e)
-        else:
-            if response.status_code in (401, 403):
-                raise EvalError(f"server {api_root} refused the API key in ${key_var} ({response.status_code}: "
-                                f"{response.text[:300]}); set client.api_key_var to the variable holding its key")
-            if response.status_code == 404:
-                return None
-            if response.status_code == 200:
-                return model_ids(api_root, response)
-            last = f"{response.status_code}: {response.text[:300]}"
-        time.sleep(1)
-    raise EvalError(f"server {api_root} did not answer GET /models within {timeout_s:.0f}s (last: {last}); "
-                    "is client.base_url right and the server up?")
-
-
-def model_ids(api_root: str, response: httpx.Response) -> list[str]:
-    try:
-        return [model["id"] for model in response.json()["data"]]
-    except (ValueError, KeyError, TypeError) as e:
-        raise EvalError(f"server {api_root}: GET /models did not answer an OpenAI model list ({e!r}): "
-                        f"{response.text[:300]}") from None
-
-
-def check_served(api_root: str, model: str, served: list[str] | None, logger) -> None:
-    if served is None:
-        logger.warning(f"server {api_root} lists no models (GET /models: 404); model {model!r} is not checked")
-    elif model not in served:
-        raise EvalError(f"server {api_root} does not serve model {model!r}; it serves {', '.join(served[:20])}. "
-                        "Set client.served_model (or model.name) to one of them")
 
 
 async def run(
@@ -311,7 +181,7 @@ def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logg
             check_served(api_root, served, wait_for_models(api_root, config.client.api_key_var,
                                                            config.client.startup_timeout_s), logger)
         else:
-            wait_healthy(url.rstrip("/"), config.client.startup_timeout_s, supervisor)
+            wait_for_own_server(url.rstrip("/"), config.client.startup_timeout_s, supervisor)
         if step is not None:
             reply = load_adapter(url.rstrip("/"), step)
             served = reply.get("adapter") or LoraServingConfig().name

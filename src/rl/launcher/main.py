@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from rl.config import ConfigError, format_validation_error, parse_config, config_help, to_toml, write_config
-from rl.launcher.checks import check_environments, check_lora_targets, check_model, check_output_dir
+from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir
 from rl.launcher.config import RLConfig, check_hosts, resolve
 from rl.launcher.devices import (
     DevicePlan, check_gpu_ids, child_visible_devices, cpu_plan, cuda_unavailable, gpu_flags_without_gpus,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
+
+from rl import health
 
 
 class InferenceError(RuntimeError):
@@ -22,22 +23,11 @@ class InferencePool:
         await self.http.aclose()
 
     async def wait_healthy(self, timeout_s: float) -> None:
-        """Poll every server's /health until all answer 200; raise naming the ones that never did."""
-        deadline = time.monotonic() + timeout_s
-        pending = list(self.base_urls)
-        while pending:
-            results = await asyncio.gather(*(self._healthy(u) for u in pending))
-            pending = [u for u, ok in zip(pending, results) if not ok]
-            if pending and time.monotonic() > deadline:
-                raise InferenceError(f"inference servers {pending} were not healthy after {timeout_s:.0f}s")
-            if pending:
-                await asyncio.sleep(1.0)
-
-    async def _healthy(self, url: str) -> bool:
+        """Until every server answers /health; InferenceError naming the ones that never did."""
         try:
-            return (await self.http.get(f"{url}/health", timeout=5.0)).status_code == 200
-        except httpx.HTTPError:
-            return False
+            await health.wait_healthy(self.http, self.base_urls, timeout_s)
+        except TimeoutError as e:
+            raise InferenceError(str(e)) from None
 
     async def update_weights(self, step: int, path: str) -> list[dict]:
         """Move every server to weights/step_{step}; return what each reports it now serves."""

@@ -1,4 +1,4 @@
-"""Checks the launcher runs before it starts anything: what would otherwise fail minutes later, inside a
+"""Checks `rl` and `eval` run before they start anything: what would otherwise fail minutes later, inside a
 child process, after vLLM has loaded (a model path that is not there, an environment that is not
 installed or whose arguments do not validate)."""
 
