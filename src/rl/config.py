@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, InitSettingsSource, SettingsConfigDict
 
 from rl.atomic import atomic_write_text
 
@@ -234,11 +234,25 @@ def format_validation_error(error: ValidationError) -> str:
 def build_config(cls: type[C], toml_data: dict, cli_data: dict) -> C:
     token = _toml_layer.set((cls, toml_data))
     try:
-        return cls(**cli_data)
+        config = cls(**cli_data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
     finally:
         _toml_layer.reset(token)
+    given = deep_merge(deep_merge(toml_data, EnvSettingsSource(cls)()), cli_data)
+    _keep_given_fields_set(config, given)
+    return config
+
+
+def _keep_given_fields_set(config: BaseModel, given: dict) -> None:
+    """A section given in part is built from its default instance (nested_model_default_partial_update, so a
+    default like SFT's `optim` keeps its other values), which marks every field of it as set; keep only those
+    the files, environment or command line gave (the launcher refuses a shared value contradicting a set one)."""
+    for name in type(config).model_fields:
+        section, part = getattr(config, name), given.get(name)
+        if isinstance(section, BaseModel) and isinstance(part, dict):
+            section.__pydantic_fields_set__.intersection_update(part)
+            _keep_given_fields_set(section, part)
 
 
 def parse_config(cls: type[C], argv: list[str] | None = None) -> C:

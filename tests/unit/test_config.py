@@ -237,3 +237,17 @@ def test_sft_speaks_the_trainers_words_and_names_the_old_ones():
     assert (config.max_steps, config.optim.lr, config.optim.schedule, config.dtype) == (200, 3e-3, "cosine", "auto")
     with pytest.raises(ConfigError, match="out is now output_dir; steps is now max_steps; lr is now optim.lr"):
         parse_config(SFTConfig, ["--out", "x", "--steps", "3", "--lr", "0.1"])
+
+
+def test_one_field_of_a_section_given_leaves_its_other_fields_to_the_launcher(monkeypatch):
+    """Setting client.timeout_s alone does not count as setting client.admin_token (which rl fills), from the
+    command line or the environment; a section's own default values stay (SFT's optim keeps its schedule)."""
+    config, _ = load(["--orchestrator.client.timeout-s", "5"])
+    assert config.orchestrator.client.timeout_s == 5 and config.orchestrator.client.admin_token
+    monkeypatch.setenv("RL_ORCHESTRATOR__CLIENT__STARTUP_TIMEOUT_S", "7")
+    config, _ = load([])
+    assert config.orchestrator.client.startup_timeout_s == 7 and config.orchestrator.client.admin_token
+    from rl.trainer.sft import SFTConfig
+
+    sft = parse_config(SFTConfig, ["--optim.lr", "0.5"])
+    assert (sft.optim.lr, sft.optim.schedule, sft.optim.model_fields_set) == (0.5, "cosine", {"lr"})

@@ -32,10 +32,11 @@ def commands(argv: list[str], tmp_path) -> dict[str, list[str]]:
 def test_each_host_starts_only_its_roles(tmp_path):
     token = ["--inference.admin-token", "t0ken"]
     host_a = commands(token + ["--roles", '["inference", "orchestrator"]', "--host-name", "a",
-                               "--inference-urls", '["http://a:8000", "http://c:8000"]', "--trainer-nodes", "2"], tmp_path)
+                               "--orchestrator.client.base-urls", '["http://a:8000", "http://c:8000"]', "--trainer-nodes", "2"], tmp_path)
     assert set(host_a) == {"inference", "orchestrator"}
     assert str(tmp_path / "run" / "configs" / "a" / "orchestrator.toml") in host_a["orchestrator"]
-    config, _ = load(FILES + token + ["--roles", '["inference", "orchestrator"]', "--inference-urls", '["http://a:8000"]',
+    config, _ = load(FILES + token + ["--roles", '["inference", "orchestrator"]',
+                                      "--orchestrator.client.base-urls", '["http://a:8000"]',
                                       "--trainer-nodes", "2", "--trainer-processes", "2"])
     assert config.orchestrator.client.base_urls == ["http://a:8000"] and config.orchestrator.trainer_world_size == 4
     host_b = commands(token + ["--roles", '["trainer"]', "--host-name", "b", "--trainer-nodes", "2", "--node-rank", "1",
@@ -47,7 +48,7 @@ def test_each_host_starts_only_its_roles(tmp_path):
 
 
 HOST_ERRORS = [
-    (["--roles", '["orchestrator"]', "--inference.admin-token", "t"], "--inference-urls"),
+    (["--roles", '["orchestrator"]', "--inference.admin-token", "t"], "--orchestrator.client.base-urls"),
     (["--roles", '["trainer"]', "--trainer-nodes", "2", "--inference.admin-token", "t"], "--rdzv-endpoint"),
     (["--trainer-nodes", "2", "--node-rank", "2", "--rdzv-endpoint", "a:1", "--inference.admin-token", "t"], "--node-rank 2"),
     (["--roles", '["inference"]'], "the same admin token"),

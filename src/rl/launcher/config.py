@@ -15,7 +15,7 @@ from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig, o
 from rl.adapter import next_vllm_rank
 from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference_device
-from rl.launcher.placement import HostPlan, PlacementConfig
+from rl.launcher.placement import HostPlan, PlacementConfig, given_base_urls
 from rl.orchestrator.config import OrchestratorConfig
 from rl.trainer.config import TrainerConfig, vllm_auto_dtype
 from rl.trainer.config import resolve_device_defaults as resolve_trainer_device
@@ -119,10 +119,6 @@ class RLConfig(Settings):
     node_addr: Annotated[
         str | None, Field(min_length=1, description="this host's address the trainer's other nodes reach "
                                                     "(torchrun --local-addr; default: its hostname)")
-    ] = None
-    inference_urls: Annotated[
-        list[str] | None,
-        Field(min_length=1, description="the inference servers this host's orchestrator uses (default: this host's)"),
     ] = None
     placement: Annotated[
         PlacementConfig | None, BeforeValidator(optional_section),
@@ -228,7 +224,7 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
         )
     if host.inference_urls:  # only the orchestrator's host has them
         _fill(list(host.inference_urls), o.client, "base_urls",
-              "inference.port (one server per replica) / --inference-urls", "orchestrator.client")
+              "the servers rl starts (inference.port + replica) or places", "orchestrator.client")
     _fill(i.admin_token, o.client, "admin_token", "inference.admin-token", "orchestrator.client")
     world_size = host.devices.trainer_processes * host.trainer_nodes
     _fill(world_size, o, "trainer_world_size", "trainer-processes / --trainer-gpus x --trainer-nodes", "orchestrator")
@@ -290,7 +286,7 @@ def resolve_devices(t: TrainerConfig, i: InferenceConfig, device: str) -> dict[s
     return {f"trainer.{k}": v for k, v in trainer.items()} | {f"inference.{k}": v for k, v in inference.items()}
 
 
-PER_HOST_FLAGS = ("roles", "trainer_nodes", "node_rank", "rdzv_endpoint", "node_addr", "inference_urls")
+PER_HOST_FLAGS = ("roles", "trainer_nodes", "node_rank", "rdzv_endpoint", "node_addr")
 
 
 def check_hosts(config: RLConfig) -> None:
@@ -304,8 +300,9 @@ def check_hosts(config: RLConfig) -> None:
         return
     if len(set(config.roles)) != len(config.roles):
         raise ConfigError(f"--roles {config.roles} lists a process twice")
-    if "orchestrator" in config.roles and "inference" not in config.roles and not config.inference_urls:
-        raise ConfigError("this host runs the orchestrator but no inference: give the servers with --inference-urls "
+    if "orchestrator" in config.roles and "inference" not in config.roles and not given_base_urls(config):
+        raise ConfigError("this host runs the orchestrator but no inference: give the servers with "
+                          "--orchestrator.client.base-urls "
                           "'[\"http://host:8000\", ...]'")
     if config.trainer_nodes > 1 and "trainer" in config.roles and config.rdzv_endpoint is None:
         raise ConfigError(f"--trainer-nodes {config.trainer_nodes} needs --rdzv-endpoint host:port (on trainer node 0, "

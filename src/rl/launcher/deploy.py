@@ -26,7 +26,7 @@ from rl.launcher.placement import HostPlan, PlacementConfig, plan
 from rl.protocol import RunPaths, atomic_write_text
 
 TEMPLATES = Path(__file__).parent / "templates"
-PER_HOST = {"slurm", "k8s", "dry_run", "roles", "host_name", "node_rank", "node_addr", "rdzv_endpoint", "inference_urls",
+PER_HOST = {"slurm", "k8s", "dry_run", "roles", "host_name", "node_rank", "node_addr", "rdzv_endpoint",
             "trainer_nodes", "placement"}
 SBATCH_TIMEOUT_S = 60
 

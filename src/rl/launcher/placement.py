@@ -125,17 +125,24 @@ def _devices(run, topology: PlacementConfig, roles: tuple[str, ...], per_node: i
     return DevicePlan(per_node, [], [])
 
 
+def given_base_urls(config) -> list[str]:
+    """The servers the user named for this host's orchestrator (none: rl gives it its own or the planned ones)."""
+    client = config.orchestrator.client
+    return client.base_urls if "base_urls" in client.model_fields_set else []
+
+
 def given_host(config, devices: DevicePlan) -> HostPlan:
     """This host as its own flags place it: by default one host running all three processes, the orchestrator
-    using this host's servers unless --inference-urls names others."""
+    using this host's servers unless orchestrator.client.base_urls names others."""
     i = config.inference
     local_urls = server_urls(client_host(i.host), i.port, devices.replicas)
-    alone = sorted(config.roles) == sorted(ALL_ROLES) and config.trainer_nodes == 1 and not config.inference_urls
+    given_urls = given_base_urls(config)
+    alone = sorted(config.roles) == sorted(ALL_ROLES) and config.trainer_nodes == 1 and not given_urls
     trainer = "trainer" in config.roles
     return HostPlan(
         name=config.host_name or socket.gethostname(), roles=tuple(config.roles), devices=devices,
         trainer_nodes=config.trainer_nodes, node_rank=config.node_rank if trainer else None,
         rdzv_endpoint=config.rdzv_endpoint if trainer else None, node_addr=config.node_addr if trainer else None,
-        inference_urls=tuple(config.inference_urls or local_urls) if "orchestrator" in config.roles else (),
+        inference_urls=tuple(given_urls or local_urls) if "orchestrator" in config.roles else (),
         inference_bind=None, spans_hosts=not alone,
     )
