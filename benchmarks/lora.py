@@ -83,7 +83,8 @@ def main() -> None:
     peak = {name: p for name, (_, p, _) in runs.items()}
     published = {name: b for name, (_, _, b) in runs.items()}
     for name in runs:
-        print(f"{name:5s} step {step[name]:.2f} s  peak memory {peak[name]:.2f} GiB  published {published[name] / 2**20:.1f} MiB")
+        print(f"{name:5s} step {step[name]:.2f} s  peak memory {peak[name]:.2f} GiB  "
+              f"published {published[name] / 2**20:.1f} MiB")
     print(f"LoRA vs full at ~100M: step time {step['lora'] / step['full']:.2f}x, peak memory "
           f"{peak['lora'] / peak['full']:.2f}x, bytes published {published['lora'] / published['full']:.4f}x")
 

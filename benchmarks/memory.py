@@ -82,7 +82,8 @@ def main() -> None:
         one_pass(fn, hidden, weight, targets)  # warm-up
         results[name] = (peak_bytes(fn, hidden, weight, targets), seconds(fn, hidden, weight, targets, args.repeats))
         peak, secs = results[name]
-        print(f"{name:>16}: peak {peak / 2**30:.2f} GiB beyond the inputs, {args.tokens / secs:,.0f} tokens/s ({secs:.2f} s)")
+        print(f"{name:>16}: peak {peak / 2**30:.2f} GiB beyond the inputs, "
+              f"{args.tokens / secs:,.0f} tokens/s ({secs:.2f} s)")
     (naive_peak, naive_s), (chunk_peak, chunk_s) = results.values()
     print(f"peak memory {chunk_peak / naive_peak:.3f}x naive, tokens/s {naive_s / chunk_s:.2f}x naive")
 

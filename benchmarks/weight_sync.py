@@ -98,7 +98,8 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
             served = response.json()
             reload_s = served["reload_s"]
             bounds.append(bound_write + reload_s)
-            timed = {"publish": published - start, "files": served["files_s"], "reload": reload_s, "verify": served["verify_s"]}
+            timed = {"publish": published - start, "files": served["files_s"], "reload": reload_s,
+                     "verify": served["verify_s"]}
             overlapped = reload_s  # the worker fingerprints the files as they pass to the reload
             parts.append(timed | {"rest": totals[-1] - timed["publish"] - overlapped - timed["verify"]})
     finally:
@@ -189,16 +190,19 @@ def main() -> None:
         print("\nweight publish -> served (median of %d)" % args.repeats)
         for r in results:
             print(
-                f"  {r['model']:>5} ({r['params'] / 1e6:.1f}M params): publish-to-served {r['publish_to_served_s']:.3f}s, "
+                f"  {r['model']:>5} ({r['params'] / 1e6:.1f}M params): "
+                f"publish-to-served {r['publish_to_served_s']:.3f}s, "
                 f"lower bound (write + reload) {r['lower_bound_s']:.3f}s, ratio {r['ratio']:.2f}x (target <= 1.5x)"
             )
             print("        " + ", ".join(f"{k} {v:.3f}s" for k, v in r["breakdown"].items())
                   + "\n        (publish: write + CRC + STABLE; files: fingerprint of the files, in the server's process"
                   " while the worker reloads; verify: of the served weights, and the comparison; rest: CRC check of"
                   " the files, header check, HTTP, RPCs)")
-        print("\nLoRA adapter (rank 16, every projection) publish -> served vs full weights (median of %d)" % args.repeats)
+        print("\nLoRA adapter (rank 16, every projection) publish -> served vs full weights (median of %d)"
+              % args.repeats)
         for r, a in zip(results, adapters):
-            print(f"  {r['model']:>5}: adapter {a['bytes'] / 2**20:.1f} MiB, publish-to-served {a['publish_to_served_s']:.3f}s "
+            print(f"  {r['model']:>5}: adapter {a['bytes'] / 2**20:.1f} MiB, "
+                  f"publish-to-served {a['publish_to_served_s']:.3f}s "
                   f"({a['publish_to_served_s'] / r['publish_to_served_s']:.2f}x full), reload {a['reload_s']:.3f}s "
                   f"({a['reload_s'] / r['breakdown']['reload']:.2f}x full)")
         server = Server(root / "tiny", root / "run_tiny" / "weights", root / "inference_gen.log")

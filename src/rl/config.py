@@ -44,7 +44,9 @@ class Settings(BaseSettings):
     )
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ):
         target, toml_data = _toml_layer.get()
         toml_data = toml_data if target is settings_cls else {}
         return (init_settings, env_settings, InitSettingsSource(settings_cls, init_kwargs=toml_data))
@@ -97,7 +99,9 @@ class EnvConfig(Section):
     """One verifiers environment: its taskset (`id`, `args`) and how its seats run (`harness`, `runtime`,
     `overrides`, all validated by verifiers itself when the environment loads)."""
 
-    id: Annotated[str, Field(min_length=1, description="verifiers environment id (an installed package), e.g. reverse-text")]
+    id: Annotated[
+        str, Field(min_length=1, description="verifiers environment id (an installed package), e.g. reverse-text")
+    ]
     name: Annotated[
         str | None, Field(min_length=1, description="label in metrics and logs (default: the id); unique per run")
     ] = None
@@ -115,7 +119,8 @@ class EnvConfig(Section):
     ] = None
     overrides: Annotated[
         dict[str, Any],
-        Field(description="further verifiers EnvConfig fields, e.g. {agent = {max_turns = 4}, timeout = {episode = 60}}"),
+        Field(description="further verifiers EnvConfig fields, "
+                          "e.g. {agent = {max_turns = 4}, timeout = {episode = 60}}"),
     ] = {}
 
     @property

@@ -247,10 +247,14 @@ def read_manifest(directory: Path, marker: bytes | None = None) -> dict[str, Ent
         raise CorruptFileError(f"{directory / unlisted[0]} is not listed in {directory / STABLE}")
     for name, entry in recorded.items():
         if name not in present:
-            raise CorruptFileError(f"{directory / name} is listed in {directory / STABLE} but missing (or not a plain file)")
+            raise CorruptFileError(
+                f"{directory / name} is listed in {directory / STABLE} but missing (or not a plain file)"
+            )
         size = present[name].st_size
         if size != entry.bytes:
-            raise CorruptFileError(f"{directory / name} has {size} bytes, {entry.bytes} were written: truncated or changed")
+            raise CorruptFileError(
+                f"{directory / name} has {size} bytes, {entry.bytes} were written: truncated or changed"
+            )
     return recorded
 
 
@@ -281,7 +285,9 @@ def check_listed(directory: Path, name: str, entry: Entry) -> None:
     with open_regular(directory, name) as f:
         size = os.fstat(f.fileno()).st_size
         if size != entry.bytes:
-            raise CorruptFileError(f"{directory / name} has {size} bytes, {entry.bytes} were written: truncated or changed")
+            raise CorruptFileError(
+                f"{directory / name} has {size} bytes, {entry.bytes} were written: truncated or changed"
+            )
         crc = 0
         if size:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:

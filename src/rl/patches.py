@@ -1,6 +1,6 @@
 """Every change rl makes to another library's code at run time, in one place. Nothing else in rl assigns into
-another library's modules. Each patch says what it replaces, why, and who applies it; what each was measured to save is in
-docs/architecture.md ("Patches of other libraries"):
+another library's modules. Each patch says what it replaces, why, and who applies it; what each was measured to
+save is in docs/architecture.md ("Patches of other libraries"):
 
 - pydantic: its inspection of default factories is cached (`cache_default_factory_inspection`);
 - verifiers: its training client sends requests through our `EngineClient` (`use_engine_client`);

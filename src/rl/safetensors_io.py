@@ -71,7 +71,8 @@ def tensors_of(data: bytearray, where: str) -> Iterator[tuple[str, torch.Tensor]
         elif begin % dtype.itemsize:  # unaligned for its dtype: copied (writers align, so this is rare)
             yield name, torch.frombuffer(bytearray(data[begin:end]), dtype=dtype).reshape(shape)
         else:
-            yield name, torch.frombuffer(data, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin).reshape(shape)
+            count = (end - begin) // dtype.itemsize
+            yield name, torch.frombuffer(data, dtype=dtype, count=count, offset=begin).reshape(shape)
 
 
 

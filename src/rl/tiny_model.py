@@ -32,9 +32,12 @@ CHAT_TEMPLATE = """\
 {%- macro turn(role, content) %}{{- '<|im_start|>' + role + '\n' + content + '<|im_end|>\n' }}{%- endmacro %}
 {%- if tools %}
 {%- set head = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' else '' %}
-{{- '<|im_start|>system\n' + head + '# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+{{- '<|im_start|>system\n' + head
+    + '# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
 {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
-{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '
+    + '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    + '</tool_call><|im_end|>\n' }}
 {%- endif %}
 {%- for message in messages %}
 {%- if message['role'] == 'system' and loop.first and tools %}
@@ -43,7 +46,8 @@ CHAT_TEMPLATE = """\
 {%- for call in message['tool_calls'] %}
 {%- set call = call['function'] if call.get('function') else call %}
 {%- set arguments = call['arguments'] if call['arguments'] is string else call['arguments'] | tojson %}
-{{- ('\n' if message['content'] or not loop.first else '') + '<tool_call>\n{"name": "' + call['name'] + '", "arguments": ' + arguments + '}\n</tool_call>' }}
+{{- ('\n' if message['content'] or not loop.first else '')
+    + '<tool_call>\n{"name": "' + call['name'] + '", "arguments": ' + arguments + '}\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\n' }}
 {%- elif message['role'] == 'tool' %}

@@ -65,7 +65,8 @@ class Server:
 
     def generate(self, token_ids: list[int], max_tokens: int = 8, seed: int = 0, temperature: float = 1.0,
                  model: str | None = None) -> tuple[list[int], list[float]]:
-        """Token ids and logprobs of a completion; `model`: the model or adapter name (the base model's path if None)."""
+        """Token ids and logprobs of a completion; `model`: the model or adapter name
+        (the base model's path if None)."""
         body = {
             "model": model or str(self.model),
             "token_ids": token_ids,

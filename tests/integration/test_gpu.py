@@ -26,7 +26,8 @@ def test_a_bf16_step_reloads_into_cuda_vllm_and_verifies(tmp_path):
     model_dir = build_tiny_model(tmp_path / "model")
     paths = RunPaths(tmp_path / "run")
     paths.weights_root.mkdir(parents=True)
-    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")  # device defaults: --dtype auto, CUDA graphs
+    # device defaults: --dtype auto, CUDA graphs
+    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")
     try:
         base = load_file(str(model_dir / "model.safetensors"))
         g = torch.Generator().manual_seed(1)
@@ -55,7 +56,9 @@ def test_the_gpu_split_gives_each_child_its_own_devices(tmp_path):
            "--output-dir", str(tmp_path / "run"), "--dry-run"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = {line.split(":", 1)[0]: line for line in out.stdout.splitlines() if line.startswith(("trainer:", "inference"))}
+    lines = {
+        line.split(":", 1)[0]: line for line in out.stdout.splitlines() if line.startswith(("trainer:", "inference"))
+    }
     trainer = next(v for k, v in lines.items() if k.startswith("trainer"))
     inference = next(v for k, v in lines.items() if k.startswith("inference"))
     assert "CUDA_VISIBLE_DEVICES=" in trainer and "CUDA_VISIBLE_DEVICES=" in inference

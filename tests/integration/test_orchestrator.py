@@ -49,7 +49,8 @@ def server(model_dir, tmp_path_factory):
 
 
 def client(server) -> InferenceClient:
-    return InferenceClient(server.url, str(server.model), str(server.model), renderer_config("auto", str(server.model))[0])
+    renderer = renderer_config("auto", str(server.model))[0]
+    return InferenceClient(server.url, str(server.model), str(server.model), renderer)
 
 
 @pytest.mark.parametrize("env_id", list(ENVS))
@@ -185,7 +186,8 @@ def test_each_advantage_type_reaches_the_batch(server, tmp_path, kind):
     assert any(len({s.reward for s in group}) > 1 for group in groups.values()), "every group scored alike"
     for group in groups.values():
         expected = compute_advantages(kind, [s.reward for s in group])
-        assert [s.advantage for s in group] == pytest.approx(expected, rel=1e-3, abs=1e-6), kind  # rewards are stored as float32
+        # rewards are stored as float32
+        assert [s.advantage for s in group] == pytest.approx(expected, rel=1e-3, abs=1e-6), kind
 
 
 def test_a_step_is_logged_before_its_state_is_saved(server, tmp_path):

@@ -13,7 +13,9 @@ from tests.integration.slurm_cluster import SlurmCluster, slurm_available
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(not slurm_available(), reason="needs root and slurm-wlm + munge (apt-get install slurm-wlm munge)"),
+    pytest.mark.skipif(
+        not slurm_available(), reason="needs root and slurm-wlm + munge (apt-get install slurm-wlm munge)"
+    ),
 ]
 
 

@@ -18,8 +18,8 @@ def test_tmux_panes_show_launcher_and_each_log(tiny_model, tmp_path):
     for name in ("trainer", "orchestrator", "inference"):
         (out / "logs" / f"{name}.log").write_text(f"line from the {name} log\n")
     session = f"rltest{int(time.time() * 1000) % 10**8}"
-    subprocess.run(["bash", str(ROOT / "scripts/tmux.sh"), "-s", session, "-d", str(out), "--model.name", str(tiny_model),
-                    "--dry-run"], check=True)
+    subprocess.run(["bash", str(ROOT / "scripts/tmux.sh"), "-s", session, "-d", str(out),
+                    "--model.name", str(tiny_model), "--dry-run"], check=True)
     try:
         panes = subprocess.run(
             ["tmux", "list-panes", "-t", session, "-F", "#{pane_id} #{pane_title}"], capture_output=True, text=True

@@ -90,7 +90,9 @@ def test_rl_trains_a_tool_environment_and_eval_reports_its_tools(tiny_model, tmp
     out = tmp_path / "run"
     # one group of 4 a step: a task-scoped toolset starts a server (a Python process, ~190 MB) per rollout
     small = ["--orchestrator.batch-size", "4", "--orchestrator.rollouts-per-example", "4"]
-    run = Launched(rl_command(tiny_model, out, 3, "--orchestrator", "@", str(orch), "--seq-len", str(PROMPT_TOKENS), *small))
+    run = Launched(
+        rl_command(tiny_model, out, 3, "--orchestrator", "@", str(orch), "--seq-len", str(PROMPT_TOKENS), *small)
+    )
     assert run.wait(timeout=900) == 0, run.output[-5000:]
     log = (out / "logs" / "orchestrator.log").read_text()
     assert "toolsets kv" in log and "renders with default {'tool_parser': 'qwen3'}" in log
@@ -102,8 +104,10 @@ def test_rl_trains_a_tool_environment_and_eval_reports_its_tools(tiny_model, tmp
 
     evaluated = tmp_path / "eval"
     done = subprocess.run(
-        [sys.executable, "-m", "rl.eval.main", "--model.name", str(tiny_model), "--env", json.dumps([{"id": "toolset-env"}]),
-         "--num-examples", "2", "--rollouts-per-example", "2", "--sampling.temperature", "1.0", "--sampling.max-tokens", "24",
+        [sys.executable, "-m", "rl.eval.main", "--model.name", str(tiny_model),
+         "--env", json.dumps([{"id": "toolset-env"}]),
+         "--num-examples", "2", "--rollouts-per-example", "2",
+         "--sampling.temperature", "1.0", "--sampling.max-tokens", "24",
          "--inference.max-model-len", str(PROMPT_TOKENS), "--inference.port", str(free_port()),
          "--output-dir", str(evaluated)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,

@@ -82,7 +82,8 @@ def test_lora_steps_publish_adapters_two_ranks_like_one_and_merged_weights_agree
 
 def test_lora_resume_from_checkpoint_is_bit_exact_and_holds_the_adapter_only(tiny_model, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    schedule = ("--optim.schedule", "cosine", "--optim.warmup-steps", "1", "--ckpt.interval", "2", "--lora.dropout", "0.1")
+    schedule = ("--optim.schedule", "cosine", "--optim.warmup-steps", "1", "--ckpt.interval", "2",
+                "--lora.dropout", "0.1")
     write_batches(straight, range(4), ranks=1)
     train(tiny_model, straight, 1, 4, *LORA, *schedule)
     write_batches(resumed, range(2, 4), ranks=1)

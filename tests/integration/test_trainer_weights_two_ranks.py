@@ -22,7 +22,8 @@ def test_two_ranks_load_their_rows_and_write_their_shards(tmp_path):
     model_mib = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) / 2**20
     shard_bytes = int(model_mib * 2**20 / 2 / 5)  # bf16 halves the model: ~5 shards, shared by the two ranks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "integration" / "two_rank_weights.py"), str(model_dir), str(tmp_path / "run"), str(shard_bytes)]
+           str(ROOT / "tests" / "integration" / "two_rank_weights.py"),
+           str(model_dir), str(tmp_path / "run"), str(shard_bytes)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])

@@ -40,8 +40,11 @@ class TwoHosts:
     def __init__(self):
         tag = f"{os.getpid() % 10000}{random.randrange(100)}"
         subnet = f"10.{random.randrange(200, 250)}.{random.randrange(256)}"
-        self.hosts = {"a": (f"rl-{tag}-a", f"{subnet}.1", f"rla{tag}"), "b": (f"rl-{tag}-b", f"{subnet}.2", f"rlb{tag}")}
-        (ns_a, _, veth_a), (ns_b, _, veth_b) = self.hosts["a"], self.hosts["b"]
+        self.hosts = {
+            "a": (f"rl-{tag}-a", f"{subnet}.1", f"rla{tag}"),
+            "b": (f"rl-{tag}-b", f"{subnet}.2", f"rlb{tag}"),
+        }
+        (_, _, veth_a), (_, _, veth_b) = self.hosts["a"], self.hosts["b"]
         self.run(["ip", "link", "add", veth_a, "type", "veth", "peer", "name", veth_b])
         for ns, address, veth in self.hosts.values():
             self.run(["ip", "netns", "add", ns])

@@ -32,7 +32,8 @@ def commands(argv: list[str], tmp_path) -> dict[str, list[str]]:
 def test_each_host_starts_only_its_roles(tmp_path):
     token = ["--inference.admin-token", "t0ken"]
     host_a = commands(token + ["--roles", '["inference", "orchestrator"]', "--host-name", "a",
-                               "--orchestrator.client.base-urls", '["http://a:8000", "http://c:8000"]', "--trainer-nodes", "2"], tmp_path)
+                               "--orchestrator.client.base-urls", '["http://a:8000", "http://c:8000"]',
+                               "--trainer-nodes", "2"], tmp_path)
     assert set(host_a) == {"inference", "orchestrator"}
     assert str(tmp_path / "run" / "configs" / "a" / "orchestrator.toml") in host_a["orchestrator"]
     config, _ = load(FILES + token + ["--roles", '["inference", "orchestrator"]',
@@ -50,7 +51,8 @@ def test_each_host_starts_only_its_roles(tmp_path):
 HOST_ERRORS = [
     (["--roles", '["orchestrator"]', "--inference.admin-token", "t"], "--orchestrator.client.base-urls"),
     (["--roles", '["trainer"]', "--trainer-nodes", "2", "--inference.admin-token", "t"], "--rdzv-endpoint"),
-    (["--trainer-nodes", "2", "--node-rank", "2", "--rdzv-endpoint", "a:1", "--inference.admin-token", "t"], "--node-rank 2"),
+    (["--trainer-nodes", "2", "--node-rank", "2", "--rdzv-endpoint", "a:1", "--inference.admin-token", "t"],
+     "--node-rank 2"),
     (["--roles", '["inference"]'], "the same admin token"),
     (["--inference.host", "0.0.0.0"], "lets other hosts reach the admin routes"),
     (["--roles", '["trainer", "trainer"]', "--inference.admin-token", "t"], "lists a process twice"),
@@ -136,17 +138,20 @@ def test_k8s_manifests_pass_kubernetes_schemas_and_each_pod_starts_its_part_of_t
         kubernetes_validate.validate(document, "1.30.0", strict=True)
     kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in documents)
     assert kinds == ["ConfigMap/rl-config", "Job/rl-inference", "Job/rl-orchestrator", "Job/rl-trainer",
-                     "PersistentVolumeClaim/rl-run", "Secret/rl-admin-token", "Service/rl-inference", "Service/rl-trainer"]
+                     "PersistentVolumeClaim/rl-run", "Secret/rl-admin-token",
+                     "Service/rl-inference", "Service/rl-trainer"]
     text = yaml.safe_dump_all(documents)
     assert text.count("tok3n") == 1  # the Secret; pods read it into their environment
     data = next(d for d in documents if d["kind"] == "ConfigMap")["data"]
-    assert "admin_token" not in data["rl.toml"] and "output_dir" not in data["rl.toml"] and "batch_size = 128" in data["rl.toml"]
+    assert "admin_token" not in data["rl.toml"] and "output_dir" not in data["rl.toml"]
+    assert "batch_size = 128" in data["rl.toml"]
     files = {f"/etc/rl/{name}": tmp_path / name for name in data}
     for name, text in data.items():
         (tmp_path / name).write_text(text)
     jobs = {d["metadata"]["name"]: d["spec"] for d in documents if d["kind"] == "Job"}
     trainer = jobs["rl-trainer"]
-    assert (trainer["completions"], trainer["completionMode"], trainer["template"]["spec"]["subdomain"]) == (2, "Indexed", "rl-trainer")
+    assert (trainer["completions"], trainer["completionMode"]) == (2, "Indexed")
+    assert trainer["template"]["spec"]["subdomain"] == "rl-trainer"
     assert trainer["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
     monkeypatch.setattr(launcher, "visible_gpus", lambda: 8)
     monkeypatch.setenv("RL_INFERENCE__ADMIN_TOKEN", "tok3n")
@@ -178,7 +183,8 @@ def test_k8s_with_an_existing_claim_makes_no_volume(tmp_path):
     assert not [d for d in documents if d["kind"] == "PersistentVolumeClaim"]
     volumes = [d["spec"]["template"]["spec"]["volumes"][0] for d in documents if d["kind"] == "Job"]
     assert all(v["persistentVolumeClaim"]["claimName"] == "shared-runs" for v in volumes)
-    assert {d["metadata"]["name"] for d in documents if d["kind"] == "Job"} == {"exp1-inference", "exp1-orchestrator", "exp1-trainer"}
+    jobs = {d["metadata"]["name"] for d in documents if d["kind"] == "Job"}
+    assert jobs == {"exp1-inference", "exp1-orchestrator", "exp1-trainer"}
 
 
 def slurm_steps(config: RLConfig, tmp_path, nodes: list[str]) -> dict[str, list[str]]:
@@ -190,7 +196,8 @@ def slurm_steps(config: RLConfig, tmp_path, nodes: list[str]) -> dict[str, list[
     steps = tmp_path / "steps"
     steps.mkdir()
     stubs = (f'scontrol() {{ printf "%s\\n" {" ".join(nodes)}; }}\n'
-             f'srun() {{ while [ "$1" != -w ]; do shift; done; node=$2; shift 2; printf "%s\\0" "$@" > {steps}/"$node"; }}\n')
+             f'srun() {{ while [ "$1" != -w ]; do shift; done; node=$2; shift 2; '
+             f'printf "%s\\0" "$@" > {steps}/"$node"; }}\n')
     ran = subprocess.run(["bash", "-c", stubs + f"source {script}"], text=True, capture_output=True,
                          env={"SLURM_JOB_NODELIST": "stubbed", "PATH": "/usr/bin:/bin"})
     assert ran.returncode == 0, ran.stderr
@@ -213,7 +220,9 @@ def slurm_hosts(tmp_path, monkeypatch, gpus: int, argv: list[str], nodes: list[s
     return found
 
 
-def test_the_slurm_job_places_a_trainer_beside_inference_on_the_first_node_with_every_server_listed(tmp_path, monkeypatch):
+def test_the_slurm_job_places_a_trainer_beside_inference_on_the_first_node_with_every_server_listed(
+    tmp_path, monkeypatch
+):
     """The defect this plan fixes: with the trainer beside inference, the first node splits its GPUs and starts
     half as many servers as a node running inference alone; the orchestrator lists exactly those."""
     hosts = slurm_hosts(tmp_path, monkeypatch, 4, ["--inference.dtype", "bfloat16", "--slurm.inference-nodes", "2",
@@ -229,7 +238,8 @@ def test_the_slurm_job_places_a_trainer_beside_inference_on_the_first_node_with_
     assert first.trainer_nodes == 1 and first_config.orchestrator.trainer_world_size == 2
     script = (tmp_path / "run" / "slurm" / "rl.sbatch").read_text()
     assert "#SBATCH --partition=gpu" in script and "#SBATCH --nodes=2" in script
-    assert "#   node 0: inference (2 servers on 2 GPUs), orchestrator (to 6 servers), trainer node 0 of 1 (2 GPUs)" in script
+    assert ("#   node 0: inference (2 servers on 2 GPUs), orchestrator (to 6 servers), "
+            "trainer node 0 of 1 (2 GPUs)") in script
 
 
 def test_the_slurm_job_gives_each_trainer_node_its_rank_and_the_first_ones_rendezvous(tmp_path, monkeypatch):
@@ -248,7 +258,8 @@ def test_the_config_every_host_starts_from_is_the_one_given(tmp_path):
     argv = FILES + ["--max-steps", "7", "--inference.admin-token", "s3cret", "--roles", '["trainer"]',
                     "--trainer-nodes", "2", "--output-dir", str(tmp_path / "x")]
     text = as_given(parse_config(RLConfig, argv), "/shared/run")
-    again = parse_config(RLConfig, ["@", str(tmp_path / "given.toml")]) if (tmp_path / "given.toml").write_text(text) else None
+    given = tmp_path / "given.toml"
+    again = parse_config(RLConfig, ["@", str(given)]) if given.write_text(text) else None
     assert again.max_steps == 7 and again.output_dir.as_posix() == "/shared/run"
     assert again.trainer.micro_batch_size == 16 and again.orchestrator.batch_size == 128  # the files, merged
     assert "s3cret" not in text and "roles" not in text and "trainer_nodes" not in text

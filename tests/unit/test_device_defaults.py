@@ -112,7 +112,8 @@ def test_the_mirror_agrees_with_vllms_own_rule(tmp_path):
 def test_launcher_fills_both_processes_for_a_gpu_plan(tmp_path):
     config = parse_config(RLConfig, ["--model.name", model_dir(tmp_path, torch_dtype="bfloat16")])
     r = resolved(config, GPU_PLAN)
-    assert (r.trainer.dtype, r.trainer.activation_checkpointing, r.trainer.publish_dtype) == ("bfloat16", True, "bfloat16")
+    trainer = (r.trainer.dtype, r.trainer.activation_checkpointing, r.trainer.publish_dtype)
+    assert trainer == ("bfloat16", True, "bfloat16")
     assert (r.inference.dtype, r.inference.enforce_eager) == ("auto", False)
     assert r.device_choices["trainer.dtype"] == "auto: CUDA"
     assert r.device_choices["trainer.publish_dtype"] == "what vLLM's --dtype auto serves: config.json: bfloat16"
@@ -121,7 +122,8 @@ def test_launcher_fills_both_processes_for_a_gpu_plan(tmp_path):
 
 def test_launcher_keeps_cpu_defaults_for_a_cpu_plan():
     r = resolved(parse_config(RLConfig, []), cpu_plan(1, 1))
-    assert (r.trainer.dtype, r.trainer.activation_checkpointing, r.trainer.publish_dtype) == ("float32", False, "float32")
+    trainer = (r.trainer.dtype, r.trainer.activation_checkpointing, r.trainer.publish_dtype)
+    assert trainer == ("float32", False, "float32")
     assert (r.inference.dtype, r.inference.enforce_eager) == ("float32", True)
 
 
@@ -159,7 +161,8 @@ def test_dry_run_prints_what_the_device_chose_and_the_mapped_gpus(tmp_path, monk
     assert "trainer.activation_checkpointing = true (auto: CUDA)" in out
     assert "inference.dtype = auto (auto: CUDA)" in out and "inference.enforce_eager = false (auto: CUDA)" in out
     commands = {line.split(":", 1)[0]: line for line in out.splitlines() if line.startswith(("inference:", "trainer:"))}
-    assert "CUDA_VISIBLE_DEVICES=4 " in commands["inference"] and "VLLM_WORKER_MULTIPROC_METHOD=spawn" in commands["inference"]
+    assert "CUDA_VISIBLE_DEVICES=4 " in commands["inference"]
+    assert "VLLM_WORKER_MULTIPROC_METHOD=spawn" in commands["inference"]
     assert "CUDA_VISIBLE_DEVICES=5 " in commands["trainer"]
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in commands["trainer"]
     assert all("CUDA_DEVICE_ORDER=PCI_BUS_ID" in line for line in commands.values())

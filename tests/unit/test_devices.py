@@ -93,7 +93,8 @@ def test_a_gpu_host_is_seen_without_torch(tmp_path):
     fails = (sys.executable, "-c", "raise SystemExit(9)")
     assert nvidia_gpus_present(proc, fails) is None
     assert nvidia_gpus_present(proc, ("/nonexistent/nvidia-smi", "-L")) is None
-    lists_two = (sys.executable, "-c", "print('GPU 0: NVIDIA H100 (UUID: GPU-a)'); print('GPU 1: NVIDIA H100 (UUID: GPU-b)')")
+    lists_two = (sys.executable, "-c",
+                 "print('GPU 0: NVIDIA H100 (UUID: GPU-a)'); print('GPU 1: NVIDIA H100 (UUID: GPU-b)')")
     assert nvidia_gpus_present(proc, lists_two) == f"`{' '.join(lists_two)}` lists 2"
     assert nvidia_gpus_present(proc, (sys.executable, "-c", "import time; time.sleep(30)"), timeout_s=0.5) is None
     (proc / "0000:17:00.0").mkdir()
@@ -123,7 +124,8 @@ def test_gpus_hidden_on_purpose_or_a_cluster_job_plan_a_cpu_run(gpu_host_with_cp
 
 
 def test_gpu_flags_with_a_cpu_torch_name_the_build_and_the_fix(gpu_host_with_cpu_torch):
-    with pytest.raises(ConfigError, match=r"no GPU is visible to the installed torch .*RL_STACK=gpu bash scripts/install.sh"):
+    fix = r"no GPU is visible to the installed torch .*RL_STACK=gpu bash scripts/install.sh"
+    with pytest.raises(ConfigError, match=fix):
         launcher.plan_devices(parse_config(RLConfig, ["--trainer-gpu-ids", "[0]"]), 0)
 
 

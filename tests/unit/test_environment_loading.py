@@ -49,7 +49,8 @@ def test_the_users_harness_runtime_and_overrides_reach_verifiers(no_prime_creden
     env = load(id="taskset-only", harness={"id": "null"}, runtime={"type": "docker", "image": "python:3.11"},
                overrides={"agent": {"max_turns": 3}, "timeout": {"episode": 60}}, name="echo")
     config = env.env.config
-    assert (config.agent.harness.id, config.agent.runtime.type, config.agent.runtime.image) == ("null", "docker", "python:3.11")
+    seats = (config.agent.harness.id, config.agent.runtime.type, config.agent.runtime.image)
+    assert seats == ("null", "docker", "python:3.11")
     assert (config.agent.max_turns, config.timeout.episode, env.name) == (3, 60, "echo")
     assert "harness 'null' (as configured), runtime 'docker' (as configured)" in env.describe()
     per_seat = load(id="taskset-only", overrides={"agent": {"harness": {"id": "bash"}}})

@@ -12,7 +12,8 @@ from rl.inference.server import private_ipc_dir
 
 
 def test_token_strings_are_added_to_token_id_logprobs():
-    body = {"choices": [{"logprobs": {"content": [{"token_id": 7, "logprob": -0.5, "top_logprobs": [{"token_id": 9}]}]}}]}
+    entry = {"token_id": 7, "logprob": -0.5, "top_logprobs": [{"token_id": 9}]}
+    body = {"choices": [{"logprobs": {"content": [entry]}}]}
     entry = json.loads(add_token_strings(json.dumps(body).encode()))["choices"][0]["logprobs"]["content"][0]
     assert entry["token"] == "token_id:7" and entry["top_logprobs"][0]["token"] == "token_id:9"
 
@@ -106,7 +107,8 @@ def call(weights: FakeWeights, path: str, headers: dict | None = None, body: byt
         raw_path = path.encode("utf-8", "surrogatepass")
     scope = {"type": scope_type, "path": path, "raw_path": raw_path, "method": method, "client": (client, 5000),
              "app": None, "query_string": b"", "root_path": root_path,
-             "headers": [(k.lower().encode(), v if isinstance(v, bytes) else v.encode()) for k, v in (headers or {}).items()]}
+             "headers": [(k.lower().encode(), v if isinstance(v, bytes) else v.encode())
+                         for k, v in (headers or {}).items()]}
     asyncio.run(middleware(scope, receive, send))
     start = next((m for m in sent if m["type"] == "http.response.start"), {})
     content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -147,9 +149,9 @@ def test_admin_requests_are_authorized_before_their_body_is_read():
 
 
 # Present vLLM routes (control, development, other APIs) and routes no vLLM has yet: all outside the allow-list.
-UNLISTED = ["/scale_elastic_ep", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/collective_rpc", "/pause", "/inference/v1/abort_requests",
-            "/weight_checker", "/invocations", "/generative_scoring", "/tokenize", "/pooling", "/some/future/route",
-            "/update_weights.json", "/v1/models/extra", "/" + "a" * 300]
+UNLISTED = ["/scale_elastic_ep", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/collective_rpc", "/pause",
+            "/inference/v1/abort_requests", "/weight_checker", "/invocations", "/generative_scoring", "/tokenize",
+            "/pooling", "/some/future/route", "/update_weights.json", "/v1/models/extra", "/" + "a" * 300]
 
 
 @pytest.mark.parametrize("path", UNLISTED, ids=lambda path: path[:40])
@@ -235,7 +237,8 @@ BAD_BODIES = [
     ("lone-surrogate-path", b'{"step": 1, "path": "step_1\\ud800"}', "lone surrogate"),
     ("lone-surrogate-key", b'{"step": 1, "path": "step_1", "\\udc80": 0}', "lone surrogate"),
     ("deep-nesting", b'{"step": ' + b"[" * 30_000 + b"]" * 30_000 + b', "path": "step_1"}', "nested deeper than 8"),
-    ("long-component", b'{"step": 1, "path": "' + b"a" * 256 + b'/step_1"}', "path: Value error, has a component over 255"),
+    ("long-component", b'{"step": 1, "path": "' + b"a" * 256 + b'/step_1"}',
+     "path: Value error, has a component over 255"),
     ("long-path", b'{"step": 1, "path": "' + b"a/" * 2100 + b'step_1"}', "path: String should have at most 4096"),
     ("many-digits", b'{"step": ' + b"9" * 5000 + b', "path": "step_1"}', "an integer of 5000 digits"),
     ("past-int64", b'{"step": 9223372036854775808, "path": "step_1"}', "step: Input should be less than or equal"),

@@ -109,7 +109,8 @@ def test_a_weight_file_changed_after_publication_is_refused_before_any_tensor_is
 
 
 @pytest.mark.parametrize("header", [b"\xff" * 8, b"\x04\x00\x00\x00\x00\x00\x00\x00[1]]",
-                                    b'\x30\x00\x00\x00\x00\x00\x00\x00{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 99]}}'])
+                                    b'\x30\x00\x00\x00\x00\x00\x00\x00'
+                                    b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 99]}}'])
 def test_a_malformed_safetensors_header_is_a_corrupt_file(header):
     from rl.inference.reading import tensors_of
     from rl.manifest import CorruptFileError

@@ -67,7 +67,8 @@ def test_targets_by_name_suffix_and_unmatched_named():
     adapted = apply_lora(model, rank=2, alpha=4.0, dropout=0.0, targets=["q_proj", "layers.1.v_proj"])
     assert adapted == ["layers.0.q_proj", "layers.1.q_proj", "layers.1.v_proj"]
     assert lora_parameter_names(model) == {f"{n}.{p}" for n in adapted for p in ("lora_A", "lora_B")}
-    with pytest.raises(ConfigError, match=r"\['gate_proj'\] match no linear layer of Tiny; .*\['out', 'q_proj', 'v_proj'\]"):
+    refusal = r"\['gate_proj'\] match no linear layer of Tiny; .*\['out', 'q_proj', 'v_proj'\]"
+    with pytest.raises(ConfigError, match=refusal):
         apply_lora(Tiny(), rank=2, alpha=4.0, dropout=0.0, targets=["q_proj", "gate_proj"])
 
 

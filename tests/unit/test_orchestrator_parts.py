@@ -158,7 +158,8 @@ def test_a_patch_whose_target_is_gone_fails_loudly_naming_it():
     from rl.patches import PatchTargetMissing, patch_target
 
     moved = types.ModuleType("verifiers.v1.clients.train")
-    with pytest.raises(PatchTargetMissing, match=r"verifiers.v1.clients.train.build_async_openai is gone in verifiers 0\.4\.0"):
+    gone = r"verifiers.v1.clients.train.build_async_openai is gone in verifiers 0\.4\.0"
+    with pytest.raises(PatchTargetMissing, match=gone):
         patch_target(moved, "build_async_openai", "verifiers")
     moved.build_async_openai = object
     assert patch_target(moved, "build_async_openai", "verifiers") is object

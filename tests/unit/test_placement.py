@@ -54,16 +54,19 @@ def test_three_hosts_with_the_trainer_beside_inference_list_each_hosts_own_serve
 
 def test_four_hosts_an_orchestrator_of_its_own_and_two_trainer_nodes_meeting_at_the_first():
     hosts = plan(run("--inference.port", "9000"),
-                 topology(4, inference_hosts=1, orchestrator_host=True, trainer_hosts=2, inference_gpus=2, trainer_gpus=8))
+                 topology(4, inference_hosts=1, orchestrator_host=True, trainer_hosts=2,
+                          inference_gpus=2, trainer_gpus=8))
     assert [h.roles for h in hosts] == [("inference",), ("orchestrator",), ("trainer",), ("trainer",)]
     assert hosts[1].inference_urls == ("http://h0:9000", "http://h0:9001")
     assert hosts[1].devices.trainer_processes == 8 and hosts[1].inference_bind is None
-    assert [(h.node_rank, h.rdzv_endpoint, h.node_addr) for h in hosts[2:]] == [(0, "h2:29400", "h2"), (1, "h2:29400", "h3")]
+    trainers = [(h.node_rank, h.rdzv_endpoint, h.node_addr) for h in hosts[2:]]
+    assert trainers == [(0, "h2:29400", "h2"), (1, "h2:29400", "h3")]
     assert all(h.trainer_nodes == 2 and h.spans_hosts for h in hosts)
 
 
 def test_cpu_hosts_take_processes_and_replicas_from_the_run():
-    hosts = plan(run("--trainer-processes", "3", "--inference-replicas", "2"), topology(3, inference_hosts=1, trainer_hosts=2))
+    hosts = plan(run("--trainer-processes", "3", "--inference-replicas", "2"),
+                 topology(3, inference_hosts=1, trainer_hosts=2))
     assert [h.devices.trainer_processes for h in hosts] == [3, 3, 3]
     assert servers(hosts[0]) == 2 and hosts[0].devices.device == "cpu"
 

@@ -4,7 +4,6 @@ in-process harness's tool loop against a stand-in model and toolbox."""
 import asyncio
 
 import pytest
-import verifiers.v1 as vf
 from renderers.configs import DefaultRendererConfig, Qwen3RendererConfig
 
 import in_process_chat
@@ -56,7 +55,8 @@ def test_explicit_renderers_and_bad_ones(tiny):
 def test_tool_environments_are_refused_a_renderer_without_tools(tiny):
     env = load_environment(EnvConfig(id="tool-calc", args={"num_examples": 2}))
     assert chat_renderer("auto", tiny, [env])[0].tool_parser == "qwen3"
-    with pytest.raises(ConfigError, match=r"'tool-calc' \(toolsets CalcToolset\) serves tools.*default \(as configured"):
+    refusal = r"'tool-calc' \(toolsets CalcToolset\) serves tools.*default \(as configured"
+    with pytest.raises(ConfigError, match=refusal):
         chat_renderer("default", tiny, [env])
     chat = load_environment(EnvConfig(id="reverse-text", args={"num_examples": 2}))
     assert chat.toolsets == [] and chat_renderer("default", tiny, [chat])[0] == DefaultRendererConfig()

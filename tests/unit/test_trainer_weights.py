@@ -15,7 +15,9 @@ from rl.trainer.weights import WeightPublisher, shard_plan
 ONE_RANK = SimpleNamespace(rank=0, world_size=1, is_main=True)
 
 
-def publisher_for(model_dir, paths: RunPaths, dtype=torch.float32, shard_bytes=2**30, background=False) -> WeightPublisher:
+def publisher_for(
+    model_dir, paths: RunPaths, dtype=torch.float32, shard_bytes=2**30, background=False
+) -> WeightPublisher:
     config, tokenizer = AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
     return WeightPublisher(paths, config, tokenizer, ONE_RANK, dtype, shard_bytes, background)
 

@@ -87,7 +87,8 @@ class EvalCommandConfig(Settings, EvalSettings):
         Path | None,
         Field(description="a LoRA adapter directory (PEFT layout: adapter_config.json, adapter_model.safetensors; a "
                           "LoRA run's weights/step_k) evaluated over model.name, its base model; eval's own server "
-                          "loads and verifies it. With client.base_url, name the served adapter in client.served_model"),
+                          "loads and verifies it. With client.base_url, name the served adapter in "
+                          "client.served_model"),
     ] = None
     client: EvalClientConfig = EvalClientConfig()
     inference: InferenceConfig = Field(

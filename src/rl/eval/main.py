@@ -140,7 +140,8 @@ def format_table(summary: dict) -> str:
     keys = score_keys(summary)
     rows = [("env", "tasks", "rollouts", "dropped", "reward", *keys)]
     for name, env in summary["envs"].items():
-        rows.append((name, env["tasks"], env["rollouts"], env["dropped"], env["reward"], *(env.get(k, "-") for k in keys)))
+        scores = (env.get(k, "-") for k in keys)
+        rows.append((name, env["tasks"], env["rollouts"], env["dropped"], env["reward"], *scores))
     widths = [max(len(_cell(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(_cell(v).ljust(w) for v, w in zip(row, widths)) for row in rows)
 

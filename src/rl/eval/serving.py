@@ -90,7 +90,8 @@ def wait_for_own_server(url: str, timeout_s: float, supervisor: Supervisor) -> N
         if code is None:
             return None
         tail = "\n".join(supervisor.log_tail("inference", 30))
-        return f"the inference server exited with code {code} before it was healthy; {supervisor.log('inference')}:\n{tail}"
+        return (f"the inference server exited with code {code} before it was healthy; "
+                f"{supervisor.log('inference')}:\n{tail}")
 
     async def wait() -> None:
         async with httpx.AsyncClient() as http:

@@ -81,7 +81,8 @@ class InferenceConfig(Settings):
     ] = 1
     gpu_memory_utilization: Annotated[
         float | None,
-        Field(gt=0, le=1, description="share of GPU memory vLLM may use (CPU: of the NUMA node); unset: 0.9 GPU, 0.2 CPU"),
+        Field(gt=0, le=1,
+              description="share of GPU memory vLLM may use (CPU: of the NUMA node); unset: 0.9 GPU, 0.2 CPU"),
     ] = None
     enforce_eager: Annotated[
         bool | None, Field(description="skip CUDA graph capture (faster start-up, slower decoding); unset: off with "

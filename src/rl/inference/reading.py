@@ -4,10 +4,10 @@ bytes (no second copy, no second read) for the reload, the fingerprint and the c
 files are read the same way (`read_adapter`).
 
 A model directory's files (the base model: the user's own, under no manifest) are read with safetensors
-(`checkpoint_tensors`, `checkpoint_shapes`). Tied embeddings: vLLM's Qwen3 loader does not skip `lm_head.weight`, and its in-place
-reload leaves the tied LM head's packed kernel stale when the files lack that tensor. `with_tied_head` yields
-`lm_head.weight` = `model.embed_tokens.weight` for a tied model whose files lack it, so a tied checkpoint reloads
-correctly either way; the verification would catch it if it did not.
+(`checkpoint_tensors`, `checkpoint_shapes`). Tied embeddings: vLLM's Qwen3 loader does not skip `lm_head.weight`,
+and its in-place reload leaves the tied LM head's packed kernel stale when the files lack that tensor.
+`with_tied_head` yields `lm_head.weight` = `model.embed_tokens.weight` for a tied model whose files lack it, so a
+tied checkpoint reloads correctly either way; the verification would catch it if it did not.
 """
 
 from __future__ import annotations
@@ -55,10 +55,14 @@ class ReadStep:
         """Name -> shape of every tensor, from the headers; a name in two files is corrupt."""
         shapes: dict[str, tuple[int, ...]] = {}
         for file, data in self.data.items():
-            header, _ = parse_header(memoryview(data)[: min(len(data), 8 + MAX_HEADER_BYTES)], str(self.directory / file))
+            header, _ = parse_header(
+                memoryview(data)[: min(len(data), 8 + MAX_HEADER_BYTES)], str(self.directory / file)
+            )
             for name, info in header.items():
                 if name in shapes:
-                    raise CorruptFileError(f"{self.directory / file}: tensor {name!r} is also in another file of the step")
+                    raise CorruptFileError(
+                        f"{self.directory / file}: tensor {name!r} is also in another file of the step"
+                    )
                 shapes[name] = tuple(info["shape"])
         return shapes
 

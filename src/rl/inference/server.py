@@ -55,7 +55,8 @@ def check_lora_name(config: InferenceConfig, model_dir: str) -> None:
     lora, served = config.lora, config.model.name
     if lora is not None and lora.name in (model_dir, served):
         raise ValueError(f"inference.lora.name {lora.name!r} is the served model's name {served!r} (model "
-                         f"{model_dir!r}): vLLM refuses an adapter named like its base model; choose another adapter name")
+                         f"{model_dir!r}): vLLM refuses an adapter named like its base model; "
+                         "choose another adapter name")
 
 
 def _log_to_stderr() -> None:
@@ -63,7 +64,9 @@ def _log_to_stderr() -> None:
     package = logging.getLogger("rl")
     if not package.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("(rl) %(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+        handler.setFormatter(
+            logging.Formatter("(rl) %(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S")
+        )
         package.addHandler(handler)
         package.setLevel(logging.INFO)
 

@@ -73,7 +73,8 @@ class WeightSyncExtension:
             self.reload_weights(weights_iterator=tally.through(source))
             reload_s = time.perf_counter() - start
         except CorruptFileError as error:  # found before the reload started
-            return {"ok": False, "reloaded": reloaded, "corrupt": str(error), "mismatched": [str(error)], "differing": []}
+            return {"ok": False, "reloaded": reloaded, "corrupt": str(error), "mismatched": [str(error)],
+                    "differing": []}
         except Exception as error:
             logger.exception("reloading weights from %s failed", path)
             return {"ok": False, "reloaded": reloaded, "mismatched": [f"reload failed: {error!r}"], "differing": []}
@@ -92,7 +93,9 @@ class WeightSyncExtension:
         config = self.vllm_config
         with torch.inference_mode():
             model = self.model_runner.get_model()
-            prints = served_fingerprint(model, config.model_config.dtype, config.model_config.get_vocab_size(), self.device)
+            prints = served_fingerprint(
+                model, config.model_config.dtype, config.model_config.get_vocab_size(), self.device
+            )
         self._rl_served_shapes = {name: p.shape for name, p in prints.items()}  # fixed: reloads are in place
         return prints
 

@@ -31,26 +31,37 @@ class SharedModelConfig(Section):
 class SlurmConfig(Section):
     """`rl --slurm`: one sbatch job, the nodes split between inference and the trainer."""
 
-    inference_nodes: Annotated[int, Field(ge=1, description="nodes running inference; the first also runs the orchestrator")] = 1
-    trainer_nodes: Annotated[
-        int, Field(ge=0, description="nodes running the trainer; 0: the trainer runs beside inference on the first node")
+    inference_nodes: Annotated[
+        int, Field(ge=1, description="nodes running inference; the first also runs the orchestrator")
     ] = 1
-    gpus_per_node: Annotated[int | None, Field(ge=1, description="GPUs per node (--gpus-per-node); unset on CPU nodes")] = None
+    trainer_nodes: Annotated[
+        int,
+        Field(ge=0, description="nodes running the trainer; 0: the trainer runs beside inference on the first node"),
+    ] = 1
+    gpus_per_node: Annotated[
+        int | None, Field(ge=1, description="GPUs per node (--gpus-per-node); unset on CPU nodes")
+    ] = None
     cpus_per_task: Annotated[int | None, Field(ge=1, description="CPUs per node's task (--cpus-per-task)")] = None
     partition: Annotated[str | None, Field(description="SLURM partition")] = None
     account: Annotated[str | None, Field(description="SLURM account")] = None
     time: Annotated[str, Field(pattern=r"^[0-9:-]+$", description="wall-clock limit of the job")] = "24:00:00"
     job_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$", description="SLURM job name")] = "rl"
-    rdzv_port: Annotated[int, Field(ge=1, le=65535, description="port of the trainer's rendezvous on its first node")] = 29400
+    rdzv_port: Annotated[
+        int, Field(ge=1, le=65535, description="port of the trainer's rendezvous on its first node")
+    ] = 29400
     sbatch: Annotated[list[str], Field(description="more #SBATCH options, e.g. ['--qos=high']")] = []
     setup: Annotated[list[str], Field(description="shell lines run before rl (module load, source env ...)")] = []
-    submit: Annotated[bool, Field(description="submit with sbatch; false: only write <output_dir>/slurm/rl.sbatch")] = True
+    submit: Annotated[
+        bool, Field(description="submit with sbatch; false: only write <output_dir>/slurm/rl.sbatch")
+    ] = True
 
 
 class K8sConfig(Section):
     """`rl --k8s`: Kubernetes manifests (one Job per role, a shared volume, the token as a Secret) on stdout."""
 
-    name: Annotated[str, Field(pattern=r"^[a-z]([a-z0-9-]{0,30}[a-z0-9])?$", description="prefix of every resource")] = "rl"
+    name: Annotated[
+        str, Field(pattern=r"^[a-z]([a-z0-9-]{0,30}[a-z0-9])?$", description="prefix of every resource")
+    ] = "rl"
     namespace: Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$", description="namespace")] = "default"
     image: Annotated[str, Field(min_length=1, description="image with rl installed (see the Dockerfile)")] = "rl:latest"
     rl: Annotated[str, Field(min_length=1, description="the rl command in the image")] = "/app/.venv/bin/rl"
@@ -60,7 +71,9 @@ class K8sConfig(Section):
     trainer_gpus: Annotated[int | None, Field(ge=1, description="GPUs per trainer pod")] = None
     storage_size: Annotated[str, Field(description="size of the run directory's volume")] = "100Gi"
     storage_class: Annotated[str | None, Field(description="its storage class (ReadWriteMany)")] = None
-    existing_claim: Annotated[str | None, Field(description="use this PersistentVolumeClaim instead of making one")] = None
+    existing_claim: Annotated[
+        str | None, Field(description="use this PersistentVolumeClaim instead of making one")
+    ] = None
     mount_path: Annotated[str, Field(pattern=r"^/", description="where pods mount the volume")] = "/rl"
     rdzv_port: Annotated[int, Field(ge=1, le=65535, description="port of the trainer's rendezvous on pod 0")] = 29400
     env: Annotated[dict[str, str], Field(description="more environment variables of every pod")] = {}
@@ -104,10 +117,13 @@ class RLConfig(Settings):
         list[Role], Field(min_length=1, description="the processes this host starts (default: all three)")
     ] = list(ROLES)
     host_name: Annotated[
-        str | None, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="this host in <output_dir>/hosts/ (default: its hostname)")
+        str | None,
+        Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$",
+              description="this host in <output_dir>/hosts/ (default: its hostname)"),
     ] = None
     host_timeout_s: Annotated[
-        float, Field(gt=0, description="a host silent this long in <output_dir>/hosts/ is taken for dead and the run stops")
+        float,
+        Field(gt=0, description="a host silent this long in <output_dir>/hosts/ is taken for dead and the run stops"),
     ] = 15.0
     trainer_nodes: Annotated[int, Field(ge=1, description="hosts the trainer spans (torchrun --nnodes)")] = 1
     node_rank: Annotated[int, Field(ge=0, description="this host's rank among the trainer's hosts")] = 0
@@ -135,7 +151,9 @@ class RLConfig(Settings):
     ] = None
 
     # Resume
-    resume: Annotated[bool, Field(description="continue the run in output_dir from its latest complete checkpoint")] = False
+    resume: Annotated[
+        bool, Field(description="continue the run in output_dir from its latest complete checkpoint")
+    ] = False
     resume_step: Annotated[int | None, Field(ge=1, description="continue from this checkpoint step instead")] = None
 
     # Launcher behaviour
@@ -152,9 +170,8 @@ class RLConfig(Settings):
 
     @property
     def uses_gpu_flags(self) -> bool:
-        return any(
-            v is not None for v in (self.trainer_gpus, self.inference_gpus, self.trainer_gpu_ids, self.inference_gpu_ids)
-        )
+        flags = (self.trainer_gpus, self.inference_gpus, self.trainer_gpu_ids, self.inference_gpu_ids)
+        return any(v is not None for v in flags)
 
 
 def _fill(value: Any, target: BaseModel, field: str, flag: str, where: str) -> None:

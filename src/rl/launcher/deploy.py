@@ -60,7 +60,8 @@ def describe(hosts: list[HostPlan]) -> list[str]:
         if host.runs("orchestrator"):
             parts.append(f"orchestrator (to {len(host.inference_urls)} servers)")
         if host.runs("trainer"):
-            on = f"{len(devices.trainer_gpus)} GPUs" if devices.trainer_gpus else f"{devices.trainer_processes} processes"
+            on = (f"{len(devices.trainer_gpus)} GPUs" if devices.trainer_gpus
+                  else f"{devices.trainer_processes} processes")
             parts.append(f"trainer node {host.node_rank} of {host.trainer_nodes} ({on})")
         lines.append(f"{host.name}: {', '.join(parts)}")
     return lines
@@ -109,7 +110,8 @@ def slurm_job(config: RLConfig, paths: RunPaths) -> Path:
 def submit(script: Path) -> str:
     """sbatch the script; the job id."""
     if shutil.which("sbatch") is None:
-        raise ConfigError(f"sbatch is not on PATH: submit {script} from a SLURM login node, or pass --slurm.submit false")
+        raise ConfigError(f"sbatch is not on PATH: submit {script} from a SLURM login node, "
+                          "or pass --slurm.submit false")
     try:
         done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
                               timeout=SBATCH_TIMEOUT_S)

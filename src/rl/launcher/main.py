@@ -147,7 +147,9 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
             name = "inference" if plan.replicas == 1 else f"inference-{r}"
             cmd = [python, "-m", "rl.inference.main", "@", str(configs / "inference.toml")]
             cmd += ["--port", str(config.inference.port + r)]
-            visible, env = (child_visible_devices(gpus, parent_gpus), gpu_child_env("inference")) if gpus else (None, {})
+            visible, env = (
+                (child_visible_devices(gpus, parent_gpus), gpu_child_env("inference")) if gpus else (None, {})
+            )
             specs.append(ChildSpec(name, cmd, visible, logs / f"{name}.log", env))
     if host.runs("orchestrator"):
         cmd = [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")]

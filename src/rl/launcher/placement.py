@@ -36,7 +36,9 @@ class PlacementConfig(Section):
     inference_gpus: Annotated[int | None, Field(ge=1, description="GPUs per inference host (one server each); "
                                                                   "unset: CPU hosts")] = None
     trainer_gpus: Annotated[int | None, Field(ge=1, description="GPUs per trainer host; unset: CPU hosts")] = None
-    rdzv_port: Annotated[int, Field(ge=1, le=65535, description="the trainer's rendezvous port on its first host")] = 29400
+    rdzv_port: Annotated[
+        int, Field(ge=1, le=65535, description="the trainer's rendezvous port on its first host")
+    ] = 29400
 
     @property
     def size(self) -> int:

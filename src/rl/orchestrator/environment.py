@@ -273,7 +273,9 @@ def check_runnable(spec: EnvConfig, env: vf.Env, toolsets: list) -> None:
                 f"environment {spec.label!r}, seat {seat!r}: {e} (in rl: `runtime = {{type = 'docker'}}` in its "
                 "[[env]] table)"
             ) from None
-    remote = [f"{seat!r} on {agent.runtime.type!r}" for seat, agent in agents.items() if not runtime_is_local(agent.runtime)]
+    remote = [
+        f"{seat!r} on {agent.runtime.type!r}" for seat, agent in agents.items() if not runtime_is_local(agent.runtime)
+    ]
     tunnel = getattr(env.config.interception, "tunnel", None)
     if remote and not isinstance(tunnel, CustomTunnelConfig):
         try:

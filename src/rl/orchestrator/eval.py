@@ -71,7 +71,9 @@ async def run_eval_groups(
             jobs.append(run_group_retried(
                 env, index, settings.rollouts_per_example, client, sampling, semaphore, timeout_s, max_retries, log
             ))
-    evaluated = EvalGroups({env.name: [] for env in envs}, {env.name: [] for env in envs}, settings.rollouts_per_example)
+    evaluated = EvalGroups(
+        {env.name: [] for env in envs}, {env.name: [] for env in envs}, settings.rollouts_per_example
+    )
     for outcome in await asyncio.gather(*jobs):
         if outcome.results is None:
             evaluated.dropped[outcome.env.name].append(f"{outcome.error}: {outcome.message}")
@@ -127,5 +129,7 @@ async def evaluate(
     log: Callable[[str], None],
 ) -> dict:
     """The orchestrator's periodic eval: eval/... metrics of one pass over the eval tasks."""
-    evaluated = await run_eval_groups(config, envs, config.num_examples, clients, semaphore, timeout_s, max_retries, log)
+    evaluated = await run_eval_groups(
+        config, envs, config.num_examples, clients, semaphore, timeout_s, max_retries, log
+    )
     return eval_stats(evaluated, config.pass_threshold)

@@ -248,7 +248,8 @@ def failures(outcomes: list[GroupOutcome]) -> str:
         failed = [o for o in outcomes if o.env is env and o.results is None]
         total = sum(o.env is env for o in outcomes)
         first = failed[0]
-        lines.append(f"\n  {env.describe()}\n    {len(failed)} of {total} groups failed, first: {first.error}: {first.message}")
+        lines.append(f"\n  {env.describe()}\n    {len(failed)} of {total} groups failed, "
+                     f"first: {first.error}: {first.message}")
     return "".join(lines)
 
 

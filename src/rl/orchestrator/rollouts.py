@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 from collections.abc import Callable
 from typing import Any

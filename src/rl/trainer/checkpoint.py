@@ -1,6 +1,6 @@
 """Trainer checkpoints: model (with LoRA: the adapter alone) and optimizer with torch.distributed.checkpoint
-(sharded, every rank writes its part), plus step, LR scheduler and RNG state (JSON per rank), under checkpoints/step_k/trainer/,
-keeping the last `keep`.
+(sharded, every rank writes its part), plus step, LR scheduler and RNG state (JSON per rank), under
+checkpoints/step_k/trainer/, keeping the last `keep`.
 
 Trust boundary: a checkpoint is data, never code. Its files are checked against their STABLE marker, but
 whoever can rewrite a file of the run directory can rewrite the marker too, so the two places where
@@ -63,7 +63,9 @@ class Checkpointer:
         reader = SafeFileSystemReader(str(target))
         reader.read_metadata()  # refused here with its reason; inside dcp.load it reads as "metadata not found"
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
         meta = json.loads((target / f"rank_{self.world.rank}.json").read_text())
         if meta["step"] != step:
             raise ValueError(f"trainer checkpoint {target} holds step {meta['step']}, not {step}")

@@ -110,7 +110,9 @@ class TrainerConfig(Settings):
     model_config = SettingsConfigDict(env_prefix="RL_TRAINER__")
 
     model: ModelConfig = ModelConfig()
-    output_dir: Annotated[Path, Field(description="run directory shared with the other processes")] = Path("outputs/run")
+    output_dir: Annotated[
+        Path, Field(description="run directory shared with the other processes")
+    ] = Path("outputs/run")
     max_steps: Annotated[int, Field(ge=1, description="train until this many optimizer steps are done")] = 10
     seq_len: Annotated[int, Field(ge=16, description="longest sample (prompt + completion) in tokens")] = 2048
     micro_batch_size: Annotated[int, Field(ge=1, description="padding only: samples per forward/backward pass")] = 8

@@ -2,8 +2,8 @@
 
 Packing (default): samples are placed first-fit, longest first, into rows of at most `row_tokens` tokens
 (`micro_batch_tokens`, or `seq_len`); one row is one micro-batch `[1, T]`. Position ids restart at 0 for
-every sample and no attention mask is passed, so transformers detects the packed samples from the position ids and builds a block-diagonal
-causal mask (no attention across samples) for sdpa and eager attention alike.
+every sample and no attention mask is passed, so transformers detects the packed samples from the position ids
+and builds a block-diagonal causal mask (no attention across samples) for sdpa and eager attention alike.
 
 Padding (fallback, `packing = false`): `micro_batch_size` samples per micro-batch, right-padded to the
 longest, with an attention mask.

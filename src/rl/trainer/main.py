@@ -117,7 +117,9 @@ def main() -> None:
     first_step = config.resume_step or 0
     if config.resume_step is not None:
         checkpointer.load(config.resume_step, policy, optimizer, scheduler)
-    metrics = MetricsLogger("trainer", paths, config.wandb, config.model_dump(mode="json"), logger) if world.is_main else None
+    metrics = (
+        MetricsLogger("trainer", paths, config.wandb, config.model_dump(mode="json"), logger) if world.is_main else None
+    )
     publisher = WeightPublisher.for_config(config, paths, policy, tokenizer, world)
     logger.info(
         f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}); "

@@ -86,7 +86,9 @@ def local_rows(tensor: torch.Tensor, world: World) -> tuple[int, int]:
     return start, min(start + chunk, rows)
 
 
-def load_local_rows(model: torch.nn.Module, directory: Path, world: World, not_in_files: set[str] = frozenset()) -> None:
+def load_local_rows(
+    model: torch.nn.Module, directory: Path, world: World, not_in_files: set[str] = frozenset()
+) -> None:
     """Fill this rank's part of every parameter and persistent buffer from the model directory's safetensors files,
     reading only its rows (pread, no mapping: the rank's memory holds its shard and one slice at a time). A tensor
     of the model that no file holds is an error, but for `not_in_files` (LoRA's A and B)."""
@@ -102,7 +104,9 @@ def load_local_rows(model: torch.nn.Module, directory: Path, world: World, not_i
                     local = target.to_local() if isinstance(target, DTensor) else target
                     start, end = local_rows(target, world)
                     if local.ndim and local.shape[0] != end - start:
-                        raise RuntimeError(f"{name}: rank {world.rank} holds {tuple(local.shape)}, expected rows {start}:{end}")
+                        raise RuntimeError(
+                            f"{name}: rank {world.rank} holds {tuple(local.shape)}, expected rows {start}:{end}"
+                        )
                     local.copy_(read_rows(fd, header, data_start, name, start, end))
                     loaded.add(name)
             finally:
@@ -122,7 +126,9 @@ def init_non_persistent_buffers(model: torch.nn.Module) -> None:
             model._init_weights(module)
             for name in buffers:
                 if not torch.isfinite(getattr(module, name)).all():
-                    raise RuntimeError(f"{type(module).__name__}.{name} was not initialized after loading on the meta device")
+                    raise RuntimeError(
+                        f"{type(module).__name__}.{name} was not initialized after loading on the meta device"
+                    )
 
 
 def shard(model: torch.nn.Module, world: World, dtype: str, whole: bool) -> None:
@@ -142,7 +148,9 @@ def shard(model: torch.nn.Module, world: World, dtype: str, whole: bool) -> None
     fully_shard(model, mesh=world.mesh, mp_policy=mp_policy)
 
 
-def forward_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob and entropy (no gradient) of every token of the micro-batch, [B, T] each, under the distribution the
     tokens were sampled from (logits / temperature in fp32, as vLLM's processed logprobs), computed by the model's
     `LogprobHead` in chunks (trainer/output_head.py): no [B, T, V] tensor is built. Position 0 (no prefix) gets 0;
@@ -151,7 +159,9 @@ def forward_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float 
     would cross them."""
     head = model.get_output_embeddings()
     if not isinstance(head, LogprobHead):
-        raise TypeError(f"{type(model).__name__} has no LogprobHead: call install_logprob_head(model, chunk) before sharding")
+        raise TypeError(
+            f"{type(model).__name__} has no LogprobHead: call install_logprob_head(model, chunk) before sharding"
+        )
     targets = torch.roll(mb.input_ids, -1, dims=1)  # [B, T]: token t + 1 (the last position's is discarded)
     with head.scoring(targets, temperature):
         scored = model(

@@ -60,7 +60,9 @@ class ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         compute = lse.dtype
-        grad_weight = torch.zeros(weight.shape, dtype=compute, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=compute, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             h = hidden[rows]

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_checksum, adapter_config_bytes
 from rl.atomic import atomic_write
@@ -170,7 +169,9 @@ def finish_step(paths: RunPaths, step: int, shards: StepShards, side_files: dict
     deadline = time.monotonic() + timeout_s
     while missing := [f for f in shards.files if not (directory / f).is_file()]:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:.0f} s for the other ranks' shards of step {step}: {missing} never appeared")
+            raise TimeoutError(
+                f"waited {timeout_s:.0f} s for the other ranks' shards of step {step}: {missing} never appeared"
+            )
         time.sleep(0.05)
     publish_dir(directory, paths.weights(step), **(shards.marker_info or {}))
 
@@ -204,12 +205,15 @@ class WeightPublisher:
 
     def __init__(self, paths: RunPaths, model_config, tokenizer, world: World, dtype: torch.dtype, shard_bytes: int,
                  background: bool, timeout_s: float = SHARD_WAIT_S, adapter_config: bytes | None = None):
-        self.paths, self.world, self.dtype, self.shard_bytes, self.timeout_s = paths, world, dtype, shard_bytes, timeout_s
+        self.paths, self.world, self.dtype = paths, world, dtype
+        self.shard_bytes, self.timeout_s = shard_bytes, timeout_s
         self.adapter = adapter_config is not None
         if not world.is_main:
             self.side_files = {}
         else:
-            self.side_files = {ADAPTER_CONFIG: adapter_config} if self.adapter else hf_side_files(model_config, tokenizer)
+            self.side_files = (
+                {ADAPTER_CONFIG: adapter_config} if self.adapter else hf_side_files(model_config, tokenizer)
+            )
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="publish-weights") if background else None
         self._pending: Future | None = None
 
@@ -219,7 +223,9 @@ class WeightPublisher:
         lora = config.lora
         adapter = None
         if lora is not None and not lora.publish_merged:
-            adapter = adapter_config_bytes(config.model.name, lora.rank, lora.alpha, lora.dropout, adapted_leaves(model))
+            adapter = adapter_config_bytes(
+                config.model.name, lora.rank, lora.alpha, lora.dropout, adapted_leaves(model)
+            )
         return cls(paths, model.config, tokenizer, world, getattr(torch, config.publish_dtype),
                    int(config.publish_shard_gib * 2**30), config.publish_in_background, adapter_config=adapter)
 

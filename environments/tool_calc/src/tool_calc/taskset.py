@@ -54,6 +54,9 @@ class ToolCalcTaskset(vf.Taskset[ToolCalcTask, ToolCalcConfig]):
             rng = random.Random(f"tool-calc:{c.seed}:{i}")
             a, b, k = (rng.randint(0, c.max_operand) for _ in range(3))
             data = ToolCalcData(
-                id=f"s{c.seed}-{i}", system_prompt=SYSTEM_PROMPT, prompt=f"What is ({a} + {b}) * {k}?", answer=(a + b) * k
+                id=f"s{c.seed}-{i}",
+                system_prompt=SYSTEM_PROMPT,
+                prompt=f"What is ({a} + {b}) * {k}?",
+                answer=(a + b) * k,
             )
             yield ToolCalcTask(data, c.task)
