@@ -86,8 +86,7 @@ def plan(run, topology: PlacementConfig) -> list[HostPlan]:
     orchestrator = n_inf if topology.orchestrator_host else 0
     trainers = list(range(n_inf + topology.orchestrator_host, topology.size)) or [0]
     roles = [_roles(i, n_inf, orchestrator, trainers) for i in range(topology.size)]
-    trainer_devices = [_devices(run, topology, roles[i], per_node=0) for i in trainers]
-    per_node = trainer_devices[0].trainer_processes
+    per_node = _devices(run, topology, roles[trainers[0]], per_node=0).trainer_processes  # every trainer host's
     devices = [_devices(run, topology, r, per_node) for r in roles]
     urls = [url for i in range(n_inf) for url in server_urls(hosts[i], run.inference.port, devices[i].replicas)]
     rdzv = f"{hosts[trainers[0]]}:{topology.rdzv_port}" if len(trainers) > 1 else None
