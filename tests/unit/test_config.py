@@ -251,3 +251,12 @@ def test_one_field_of_a_section_given_leaves_its_other_fields_to_the_launcher(mo
 
     sft = parse_config(SFTConfig, ["--optim.lr", "0.5"])
     assert (sft.optim.lr, sft.optim.schedule, sft.optim.model_fields_set) == (0.5, "cosine", {"lr"})
+
+
+def test_eval_and_the_orchestrator_bound_rollouts_with_the_same_words():
+    from rl.eval.config import EvalCommandConfig
+
+    config = parse_config(EvalCommandConfig, ["--rollout.max-retries", "0"])
+    assert (config.rollout.max_retries, config.rollout.timeout_s) == (0, 3600.0)  # eval's own default deadline kept
+    orchestrator = parse_config(RLConfig, ["--orchestrator.rollout.timeout-s", "60"]).orchestrator
+    assert type(orchestrator.rollout) is type(config.rollout) and orchestrator.rollout.timeout_s == 60

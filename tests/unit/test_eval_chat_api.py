@@ -124,7 +124,7 @@ def test_refused_key_wrong_model_no_server_and_failing_rollouts_are_named(fake_o
     assert not FakeOpenAI.requests
 
     FakeOpenAI.broken = True
-    code, err = run_eval(eval_argv(fake_openai, tmp_path / "d", "--max-retries", "0"), capsys)
+    code, err = run_eval(eval_argv(fake_openai, tmp_path / "d", "--rollout.max-retries", "0"), capsys)
     assert code == 1 and f"every rollout failed on {fake_openai} (model '{MODEL}', api 'chat'" in err
     assert "the engine is dead" in err
     summary = json.loads((tmp_path / "d" / "summary.json").read_text())

@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 
 from rl.config import ChatModelConfig, EnvConfig, Section, Settings, check_env_labels
 from rl.inference.config import InferenceConfig
-from rl.orchestrator.config import EvalSettings
+from rl.orchestrator.config import EvalSettings, RolloutConfig
 from rl.orchestrator.rollouts import API_KEY_VAR
 
 ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -75,14 +75,11 @@ class EvalCommandConfig(Settings, EvalSettings):
         Path | None, Field(description="where results.jsonl and summary.json go; unset: outputs/eval-<time>")
     ] = None
     max_concurrent: Annotated[int, Field(ge=1, description="rollouts in flight at once")] = 64
-    rollout_timeout_s: Annotated[
-        float | None,
-        Field(gt=0, description="deadline for one rollout, from when it holds a concurrency slot (a server that stops "
-                                "answering fails it, and its group is retried)"),
-    ] = 3600.0
-    max_retries: Annotated[
-        int, Field(ge=0, description="times a failed group is run again before it is dropped (and reported)")
-    ] = 1
+    rollout: Annotated[
+        RolloutConfig,
+        Field(description="the orchestrator's [rollout]: each rollout's deadline (eval's default 1 h: a server that "
+                          "stops answering fails it, and its group is retried) and a failed group's retries"),
+    ] = RolloutConfig(timeout_s=3600.0)
     adapter: Annotated[
         Path | None,
         Field(description="a LoRA adapter directory (PEFT layout: adapter_config.json, adapter_model.safetensors; a "

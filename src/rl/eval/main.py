@@ -62,8 +62,8 @@ async def run(
     semaphore = asyncio.Semaphore(config.max_concurrent)
     async with serving(envs):
         return await run_eval_groups(
-            config, envs, config.num_examples, [client], semaphore, config.rollout_timeout_s, config.max_retries,
-            logger.warning,
+            config, envs, config.num_examples, [client], semaphore, config.rollout.timeout_s,
+            config.rollout.max_retries, logger.warning,
         )
 
 
