@@ -11,7 +11,6 @@ import pytest
 
 from rl.protocol import RunPaths, read_metrics
 from tests.conftest import ROOT
-from tests.integration.inference_server import Server
 from tests.integration.launched import Launched, free_port, rl_command
 
 pytestmark = pytest.mark.integration
@@ -104,17 +103,3 @@ def test_eval_starts_its_own_server_and_writes_results(tiny_model, tmp_path, tas
     assert not leftover, f"the server outlived eval: {leftover}"
     again = subprocess.run(eval_command(tiny_model, out), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already holds results.jsonl" in again.stderr
-
-
-def test_eval_on_a_running_server(tiny_model, tmp_path, taskset_only_installed):
-    """rl's server at client.base_url, sampled token by token as on the server eval starts (client.api tokens)."""
-    server = Server(tiny_model, tmp_path / "weights", tmp_path / "inference.log")
-    try:
-        out = tmp_path / "eval"
-        done = subprocess.run(eval_command(tiny_model, out, "--client.base-url", server.url, "--client.api", "tokens"),
-                              cwd=ROOT, capture_output=True, text=True, timeout=600)
-    finally:
-        server.stop()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    check_results(out)
-    assert not (out / "logs" / "inference.log").exists()

@@ -22,7 +22,7 @@ from tests.integration.launched import Launched, rl_command, wait_gone
 pytestmark = pytest.mark.integration
 # Each fault's run goes on for a checkpoint and up to a second more, which can be several of the tiny
 # model's warm steps: enough must remain for the last fault to find the run still going.
-MAX_STEPS = 24
+MAX_STEPS = 18
 VICTIMS = ["trainer", "orchestrator", "inference", "launcher"]
 STOP_WITHIN_S = 30
 

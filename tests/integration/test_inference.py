@@ -3,10 +3,12 @@ admin requests that must be refused, and a bounded, clean exit on SIGTERM."""
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -21,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from rl.inference.server import SHUTDOWN_GRACE_S
 from rl.protocol import mark_stable
 from rl.tiny_model import build_tiny_model
+from tests.conftest import ROOT
 from tests.integration.inference_server import Server, model_and_weights_dir
 
 pytestmark = pytest.mark.integration
@@ -269,6 +272,28 @@ def test_a_step_is_exactly_its_manifest(server, run_dir):
     assert response.status_code == 422 and "CRC-32" in response.text and "still serving" in response.text, response.text
     assert server.admin("GET", "/policy_step").json()["step"] == step + 10
     assert max_mismatch(server, sharded) < TOLERANCE
+
+
+def test_eval_at_a_base_url_samples_this_server_token_by_token_and_through_chat(server, tmp_path):
+    """eval against a server it did not start (it writes no server log): rl's, token by token as training samples
+    (client.api tokens), and through chat completions as any OpenAI-compatible server (the default at a URL)."""
+    env = json.dumps([{"id": "reverse-text", "args": {"num_examples": 8}}])
+    for api in ("tokens", "chat"):
+        out = tmp_path / api
+        done = subprocess.run(
+            [sys.executable, "-m", "rl.eval.main", "--model.name", str(server.model), "--env", env,
+             "--num-examples", "2", "--rollouts-per-example", "2", "--sampling.temperature", "1.0",
+             "--sampling.max-tokens", "8", "--client.base-url", server.url, "--client.api", api,
+             "--output-dir", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["api"], summary["envs"]["reverse-text"]["rollouts"]) == (api, 4)
+        records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        assert len(records) == 4 and not (out / "logs" / "inference.log").exists()
+        prompt = records[0]["prompt"]  # the text rendered here, or the chat messages the server renders
+        assert prompt.endswith("assistant\n") if api == "tokens" else prompt[-1]["role"] == "user", prompt
 
 
 def test_sigterm_ends_the_server_while_an_update_waits_on_a_stalled_engine_leaving_no_sockets(tmp_path, monkeypatch):
