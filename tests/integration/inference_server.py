@@ -46,18 +46,11 @@ class Server:
         self._wait_healthy(timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"inference server exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"inference server not healthy after {timeout_s}s:\n{self.log.read_text()[-3000:]}")
+        try:
+            wait_serving(self.url, self.proc, self.log, timeout_s)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def admin(self, method: str, path: str, **kwargs) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.token}"} | kwargs.pop("headers", {})
@@ -85,3 +78,18 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def wait_serving(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
+    """Until a vLLM server (rl's or plain) answers /health; at once if its process exited (its log's tail)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the server was not healthy after {timeout_s}s:\n{log.read_text()[-3000:]}")

@@ -6,13 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from rl.inference.main import CPU_MEMORY_SHARE, cpu_vllm_args
 from tests.conftest import ROOT
+from tests.integration.inference_server import wait_serving
 from tests.integration.launched import free_port
 
 pytestmark = pytest.mark.integration
@@ -43,20 +42,6 @@ def plain_vllm(tiny_model, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def wait_serving(url: str, proc: subprocess.Popen, log, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"vLLM not serving after {timeout_s}s:\n{log.read_text()[-3000:]}")
 
 
 def test_eval_on_a_plain_vllm_server_through_chat_completions(tiny_model, tmp_path, plain_vllm):
