@@ -225,7 +225,9 @@ def test_the_slurm_job_places_a_trainer_beside_inference_on_the_first_node_with_
 ):
     """The defect this plan fixes: with the trainer beside inference, the first node splits its GPUs and starts
     half as many servers as a node running inference alone; the orchestrator lists exactly those."""
-    hosts = slurm_hosts(tmp_path, monkeypatch, 4, ["--inference.dtype", "bfloat16", "--slurm.inference-nodes", "2",
+    hosts = slurm_hosts(tmp_path, monkeypatch, 4, ["--inference.dtype", "bfloat16",
+                                                    "--trainer-gpus", "2", "--inference-gpus", "2",
+                                                    "--slurm.inference-nodes", "2",
                                                     "--slurm.trainer-nodes", "0",
                                                     "--slurm.gpus-per-node", "4", "--slurm.partition", "gpu"],
                         ["n1", "n2"])

@@ -47,9 +47,9 @@ def this_host(config: RLConfig, available: int) -> HostPlan:
     if config.placement is None:
         return given_host(config, plan_devices(config, available))
     host = plan(config, config.placement)[config.placement.index]
-    if config.uses_gpu_flags:
-        raise ConfigError("--placement splits each host's GPUs (placement.inference_gpus, placement.trainer_gpus); "
-                          "--trainer-gpus/--inference-gpus/--*-gpu-ids apply only where the trainer shares a host")
+    if config.uses_gpu_flags and config.placement.trainer_hosts > 0:
+        raise ConfigError("--placement gives each host its GPUs (placement.inference_gpus, placement.trainer_gpus); "
+                          "--trainer-gpus/--inference-gpus/--*-gpu-ids split them only where the trainer shares a host")
     planned = host.devices.trainer_gpus + [g for replica in host.devices.inference_gpus for g in replica]
     check_gpu_ids(planned, f"the GPUs placed on host {host.name!r}", available)
     return host
