@@ -27,7 +27,8 @@ RUN apt-get update \
 COPY --from=uv-tool /usr/local/bin/uv /usr/local/bin/uv
 WORKDIR /app
 COPY . .
-ENV UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1
+ENV UV_LINK_MODE=copy
+# install.sh compiles the bytecode (--compile-bytecode)
 RUN --mount=type=cache,target=/root/.cache/uv \
     bash scripts/install.sh && .venv/bin/tiny-model --out models/tiny
 # The venv's own `rl`: nothing is resolved or installed when a container starts.
