@@ -1,13 +1,14 @@
 """A real inference server (`python -m rl.inference.main`) for tests, started once per module."""
 
+import asyncio
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
+from rl import health
 from tests.conftest import ROOT
 from tests.integration.launched import free_port
 
@@ -81,15 +82,16 @@ class Server:
 
 
 def wait_serving(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
-    """Until a vLLM server (rl's or plain) answers /health; at once if its process exited (its log's tail)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"the server was not healthy after {timeout_s}s:\n{log.read_text()[-3000:]}")
+    """Until a vLLM server (rl's or plain) answers /health (rl's own wait, `rl.health.wait_healthy`); at once if
+    its process exited. Either failure carries the log's tail."""
+    def exited() -> str | None:
+        return None if proc.poll() is None else f"the server exited:\n{log.read_text()[-3000:]}"
+
+    async def wait() -> None:
+        async with httpx.AsyncClient() as http:
+            await health.wait_healthy(http, [url], timeout_s, exited)
+
+    try:
+        asyncio.run(wait())
+    except TimeoutError as error:
+        raise TimeoutError(f"{error}:\n{log.read_text()[-3000:]}") from None
