@@ -352,7 +352,10 @@ TOKEN_CASES = [
     ("empty-admin-token", ["--inference.admin-token", ""], "admin_token"),
     ("empty-client-token", ["--orchestrator.client.admin-token", ""], "admin_token"),
     ("replica-ports-past-65535", ["--inference.port", "65535", "--inference-replicas", "2"], "65536"),
-    ("tensor-parallel-above-one", ["--inference.tensor-parallel-size", "2"], "tensor_parallel_size"),
+    ("tensor-parallel-flag-in-extra-args", ["--inference.extra-args", '["--tensor-parallel-size=2"]'],
+     "--tensor-parallel-size=2 duplicates inference.tensor_parallel_size"),
+    ("tensor-parallel-above-the-cores", ["--inference.tensor-parallel-size", "100000"],
+     "inference.tensor_parallel_size = 100000 needs 100000 CPU cores per server"),
     ("empty-value", ["--max-steps="], "max_steps: Input should be a valid integer"),
 ]
 

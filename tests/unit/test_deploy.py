@@ -240,8 +240,24 @@ def test_the_slurm_job_places_a_trainer_beside_inference_on_the_first_node_with_
     assert first.trainer_nodes == 1 and first_config.orchestrator.trainer_world_size == 2
     script = (tmp_path / "run" / "slurm" / "rl.sbatch").read_text()
     assert "#SBATCH --partition=gpu" in script and "#SBATCH --nodes=2" in script
-    assert ("#   node 0: inference (2 servers on 2 GPUs), orchestrator (to 6 servers), "
+    assert ("#   node 0: inference (2 servers on GPUs [0] [1]), orchestrator (to 6 servers), "
             "trainer node 0 of 1 (2 GPUs)") in script
+
+
+def test_tensor_parallel_servers_keep_their_gpus_on_one_node_in_the_slurm_job_and_the_k8s_pods(tmp_path, monkeypatch):
+    tp4 = ["--inference.dtype", "bfloat16", "--inference.tensor-parallel-size", "4"]
+    hosts = slurm_hosts(tmp_path, monkeypatch, 8, tp4 + ["--slurm.gpus-per-node", "8"], ["n1", "n2"])
+    (config, inference), (_, trainer) = hosts["n1"], hosts["n2"]
+    assert inference.devices.inference_gpus == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert trainer.devices.trainer_gpus == list(range(8))
+    assert config.orchestrator.client.base_urls == ["http://n1:8000", "http://n1:8001"]
+    script = (tmp_path / "run" / "slurm" / "rl.sbatch").read_text()
+    assert "#   node 0: inference (2 servers on GPUs [0,1,2,3] [4,5,6,7]), orchestrator (to 2 servers)" in script
+    k8s = FILES + ["--output-dir", str(tmp_path / "d"), "--model.name", "m/m", "--k8s", *tp4]
+    text = render_k8s(parse_config(RLConfig, k8s + ["--k8s.inference-gpus", "8"]), RunPaths(tmp_path / "d"))
+    assert "#   rl-inference-0.rl-inference: inference (2 servers on GPUs [0,1,2,3] [4,5,6,7])" in text
+    with pytest.raises(ConfigError, match=r"6 inference GPUs .* = 4 GPUs each: .*--k8s.inference-gpus"):
+        render_k8s(parse_config(RLConfig, k8s + ["--k8s.inference-gpus", "6"]), RunPaths(tmp_path / "d"))
 
 
 def test_the_slurm_job_gives_each_trainer_node_its_rank_and_the_first_ones_rendezvous(tmp_path, monkeypatch):

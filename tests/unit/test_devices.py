@@ -1,3 +1,4 @@
+import json
 import sys
 
 import pytest
@@ -17,11 +18,68 @@ def test_counts_give_inference_the_first_gpus():
     assert plan.trainer_gpus == [4, 5, 6, 7] and plan.trainer_processes == 4
 
 
-def test_tensor_parallel_above_one_is_refused_by_the_config():
+def test_tensor_parallel_servers_take_consecutive_gpus_and_a_share_that_does_not_divide_is_refused():
+    plan = split_gpus(8, trainer_gpus=4, inference_gpus=4, tensor_parallel_size=2)
+    assert plan.inference_gpus == [[0, 1], [2, 3]] and plan.trainer_gpus == [4, 5, 6, 7]
+    plan = split_gpus(8, trainer_gpu_ids=[0, 1], inference_gpu_ids=[2, 3, 6, 7], tensor_parallel_size=2)
+    assert plan.inference_gpus == [[2, 3], [6, 7]]
+    with pytest.raises(ConfigError, match=r"3 inference GPUs \[0, 1, 2\] do not divide into servers of "
+                                          r"inference.tensor_parallel_size = 2 GPUs each: .*--inference-gpus"):
+        split_gpus(8, trainer_gpus=4, inference_gpus=3, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"2 inference GPUs \[5, 6\] do not divide .* = 4 GPUs each"):
+        split_gpus(8, trainer_gpu_ids=[0], inference_gpu_ids=[5, 6], tensor_parallel_size=4)
+
+
+def test_tensor_parallel_size_is_a_field_and_vllms_own_parallel_flags_are_refused():
+    from rl.inference.server import vllm_argv
+
+    config = parse_config(RLConfig, ["--inference.tensor-parallel-size", "4", "--inference.dtype", "bfloat16"])
+    argv = vllm_argv(config.inference, "/m", 0.9, [])
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        parse_config(RLConfig, ["--inference.tensor-parallel-size", "2"])
-    with pytest.raises(ConfigError, match="-tp shards the model"):
-        parse_config(RLConfig, ["--inference.extra-args", '["--max-num-seqs", "8", "-tp", "2"]'])
+        parse_config(RLConfig, ["--inference.tensor-parallel-size", "0"])
+    for given in (["-tp", "2"], ["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"], ["-tp=2"],
+                  ["--tensor_parallel_size", "2"], ["--tensor-p", "2"]):
+        flag = given[0]
+        with pytest.raises(ConfigError, match=f"{flag} duplicates inference.tensor_parallel_size: set that field"):
+            parse_config(RLConfig, ["--inference.extra-args", json.dumps(["--max-num-seqs", "8", *given])])
+    for given in ("-pp", "--pipeline-parallel-size=2", "--pipeline_parallel"):
+        with pytest.raises(ConfigError, match=f"{given}: pipeline parallelism is not supported"):
+            parse_config(RLConfig, ["--inference.extra-args", json.dumps([given, "2"])])
+    kept = ["--max-num-seqs", "8", "--tokenizer", "t", "--port", "1"]  # short prefixes of other flags pass
+    assert parse_config(RLConfig, ["--inference.extra-args", json.dumps(kept)]).inference.extra_args == kept
+
+
+def test_cpu_servers_bind_each_tp_worker_to_a_core_of_their_own(monkeypatch):
+    monkeypatch.delenv(launcher.CPU_BIND, raising=False)
+    assert launcher.cpu_server_env(0, 1, [0, 1]) == {}  # one worker: as before TP
+    assert [launcher.cpu_server_env(i, 2, [0, 1, 2, 3]) for i in range(3)] == [
+        {launcher.CPU_BIND: "0|1"}, {launcher.CPU_BIND: "2|3"}, {launcher.CPU_BIND: "0|1"}]  # shared once past 4
+    assert launcher.cpu_server_env(1, 2, [4, 5, 7]) == {launcher.CPU_BIND: "7|4"}  # the cores this process may use
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size = 4 needs 4 CPU cores per server .* may use 2: "
+                                          r"set inference.tensor_parallel_size to at most 2"):
+        launcher.cpu_server_env(0, 4, [0, 1])
+    monkeypatch.setenv(launcher.CPU_BIND, "0-1|2-3")
+    assert launcher.cpu_server_env(0, 4, [0, 1]) == {}  # the user's binding is kept
+
+
+def test_a_cpu_host_with_fewer_cores_than_tp_workers_starts_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(launcher.CPU_BIND, raising=False)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(launcher.Supervisor, "run", lambda *a: pytest.fail("a process was started"))
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen3"}')
+    argv = ["--model.name", str(tmp_path / "model"), "--output-dir", str(tmp_path / "run"), "--inference-replicas", "2"]
+    launcher.main(argv + ["--inference.tensor-parallel-size", "2", "--dry-run"])
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("inference-")]
+    assert [line.split(" ", 1)[1].split(" ", 1)[0] for line in commands] == [
+        f"{launcher.CPU_BIND}='0|1'", f"{launcher.CPU_BIND}='0|1'"]  # quoted as a shell would need
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(argv + ["--inference.tensor-parallel-size", "3"])
+    assert exit_info.value.code == 2
+    assert "may use 2: set inference.tensor_parallel_size to at most 2" in capsys.readouterr().err
 
 
 def test_explicit_ids():

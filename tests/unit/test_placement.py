@@ -93,3 +93,36 @@ def test_a_placed_host_refuses_flags_that_would_place_it_again():
               "--inference.admin-token", "t"])
     with pytest.raises(ConfigError, match="--placement.index"):
         load(["--placement.hosts", '["a", "b"]', "--inference.admin-token", "t"])
+
+
+@pytest.mark.parametrize("tp, groups", [
+    (1, [[0], [1], [2], [3], [4], [5], [6], [7]]),
+    (2, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    (4, [[0, 1, 2, 3], [4, 5, 6, 7]]),
+])
+def test_an_inference_host_of_8_gpus_runs_a_server_per_tp_group_on_consecutive_ports(tp, groups):
+    first, _ = plan(run("--inference.tensor-parallel-size", str(tp)), topology(2, inference_gpus=8, trainer_gpus=8))
+    assert first.devices.inference_gpus == groups
+    assert first.inference_urls == tuple(f"http://h0:{8000 + s}" for s in range(8 // tp))
+
+
+def test_two_inference_hosts_with_tp_4_keep_each_group_on_its_host():
+    hosts = plan(run("--inference.tensor-parallel-size", "4"),
+                 topology(3, inference_hosts=2, trainer_hosts=1, inference_gpus=8, trainer_gpus=8))
+    assert [h.devices.inference_gpus for h in hosts[:2]] == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2
+    assert hosts[0].inference_urls == ("http://h0:8000", "http://h0:8001", "http://h1:8000", "http://h1:8001")
+    with pytest.raises(ConfigError, match=r"6 inference GPUs \[0, 1, 2, 3, 4, 5\] do not divide into servers of "
+                                          r"inference.tensor_parallel_size = 4 GPUs each: .*placement.inference_gpus"):
+        plan(run("--inference.tensor-parallel-size", "4"),
+             topology(3, inference_hosts=2, trainer_hosts=1, inference_gpus=6, trainer_gpus=8))
+
+
+def test_a_tp_size_that_does_not_divide_the_inference_share_of_a_shared_host_is_refused_naming_both():
+    shared = topology(1, trainer_hosts=0, inference_gpus=8)
+    (host,) = plan(run("--inference.tensor-parallel-size", "2", "--trainer-gpus", "4", "--inference-gpus", "4"), shared)
+    assert host.devices.inference_gpus == [[0, 1], [2, 3]] and host.devices.trainer_gpus == [4, 5, 6, 7]
+    with pytest.raises(ConfigError, match=r"3 inference GPUs .* inference.tensor_parallel_size = 2 GPUs each"):
+        plan(run("--inference.tensor-parallel-size", "2", "--trainer-gpus", "5", "--inference-gpus", "3"), shared)
+    with pytest.raises(ConfigError, match=r"2 inference GPUs \[1, 2\] .* = 4 GPUs each"):
+        plan(run("--inference.tensor-parallel-size", "4", "--inference-gpu-ids", "[1, 2]", "--trainer-gpu-ids", "[0]"),
+             shared)

@@ -1,4 +1,4 @@
-"""Inference server configuration (one vLLM server per data-parallel replica)."""
+"""Inference server configuration (one vLLM server per data-parallel replica, each over tensor_parallel_size GPUs)."""
 
 from __future__ import annotations
 
@@ -27,23 +27,26 @@ def _vllm_rank(rank: int) -> int:
     return rank
 
 
-def _one_gpu(tensor_parallel_size: int) -> int:
-    """The one check of the tensor parallel size: rl starts, plans and verifies unsharded replicas only."""
-    if tensor_parallel_size != 1:
-        raise ValueError(f"must be 1, not {tensor_parallel_size}: weight verification reads unsharded layers; "
-                         "run more replicas instead (one server per GPU)")
-    return tensor_parallel_size
+def _vllm_takes_as(arg: str, long: str, short: str) -> bool:
+    """Whether vLLM's parser reads `arg` as the option `long` (or `short`): as written, as `--flag=value`, with
+    underscores for dashes, or abbreviated (its argparse takes any unambiguous prefix, e.g. `--tensor-p`)."""
+    name = arg.split("=", 1)[0]
+    if name == short:
+        return True
+    name = name.replace("_", "-")
+    return name.startswith("--") and len(name) > len("--t") and long.startswith(name)
 
 
-SHARDING_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp")
-
-
-def _no_sharding(extra_args: list[str]) -> list[str]:
-    """tensor_parallel_size's check, for the same settings passed to vLLM directly."""
-    given = [a for a in extra_args if a.split("=", 1)[0] in SHARDING_FLAGS]
-    if given:
-        raise ValueError(f"{given[0]} shards the model, which weight verification cannot read; run more "
-                         "replicas instead (one server per GPU)")
+def _no_parallel_flags(extra_args: list[str]) -> list[str]:
+    """vLLM's own parallel sizes, refused: its tensor parallel size is inference.tensor_parallel_size (rl places
+    each server's GPUs, or CPU cores, by it), and pipeline stages are not verified by rl."""
+    for arg in extra_args:
+        if _vllm_takes_as(arg, "--tensor-parallel-size", "-tp"):
+            raise ValueError(f"{arg} duplicates inference.tensor_parallel_size: set that field instead (rl gives "
+                             "each server that many GPUs, or CPU cores)")
+        if _vllm_takes_as(arg, "--pipeline-parallel-size", "-pp"):
+            raise ValueError(f"{arg}: pipeline parallelism is not supported (rl cannot verify weights split into "
+                             "pipeline stages); use inference.tensor_parallel_size")
     return extra_args
 
 
@@ -76,8 +79,7 @@ class InferenceConfig(Settings):
     ] = None
     max_model_len: Annotated[int, Field(ge=16, description="longest sequence the server accepts")] = 2048
     tensor_parallel_size: Annotated[
-        int, AfterValidator(_one_gpu), Field(description="GPUs per replica: 1 (weight verification reads unsharded "
-                                                         "layers); use more replicas instead")
+        int, Field(ge=1, description="GPUs per server (vLLM's --tensor-parallel-size); on CPU hosts, cores per server")
     ] = 1
     gpu_memory_utilization: Annotated[
         float | None,
@@ -99,7 +101,7 @@ class InferenceConfig(Settings):
         LoraServingConfig | None, Field(description="serve a LoRA adapter (set by rl when trainer.lora is on)")
     ] = None
     extra_args: Annotated[
-        list[str], AfterValidator(_no_sharding),
+        list[str], AfterValidator(_no_parallel_flags),
         Field(description="any other vLLM server arguments, passed through (after rl's: they win)"),
     ] = []
 

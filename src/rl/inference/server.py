@@ -38,6 +38,7 @@ def vllm_argv(config: InferenceConfig, model_dir: str, memory_share: float, host
         "--model", model_dir, "--served-model-name", config.model.name,
         "--host", config.host, "--port", str(config.port), "--dtype", config.dtype,
         "--max-model-len", str(config.max_model_len), "--seed", str(config.seed),
+        "--tensor-parallel-size", str(config.tensor_parallel_size),
         "--gpu-memory-utilization", str(memory_share),
         "--enable-scale-out",  # vLLM serves /inference/v1/generate only with it
         # logprobs of the distribution actually sampled from, which importance ratios at temperature != 1 need

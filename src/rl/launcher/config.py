@@ -67,7 +67,9 @@ class K8sConfig(Section):
     rl: Annotated[str, Field(min_length=1, description="the rl command in the image")] = "/app/.venv/bin/rl"
     inference_pods: Annotated[int, Field(ge=1, description="inference pods (an Indexed Job)")] = 1
     trainer_pods: Annotated[int, Field(ge=1, description="trainer pods, one torchrun node each (an Indexed Job)")] = 1
-    inference_gpus: Annotated[int | None, Field(ge=1, description="GPUs per inference pod (one server each)")] = None
+    inference_gpus: Annotated[
+        int | None, Field(ge=1, description="GPUs per inference pod (a server per inference.tensor_parallel_size)")
+    ] = None
     trainer_gpus: Annotated[int | None, Field(ge=1, description="GPUs per trainer pod")] = None
     storage_size: Annotated[str, Field(description="size of the run directory's volume")] = "100Gi"
     storage_class: Annotated[str | None, Field(description="its storage class (ReadWriteMany)")] = None

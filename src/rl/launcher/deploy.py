@@ -53,10 +53,10 @@ def describe(hosts: list[HostPlan]) -> list[str]:
     lines = []
     for host in hosts:
         devices, parts = host.devices, []
-        if host.runs("inference"):
-            gpus = sum(len(g) for g in devices.inference_gpus)
+        if host.runs("inference"):  # each server's GPUs: its TP group
+            groups = " ".join(f"[{','.join(map(str, g))}]" for g in devices.inference_gpus if g)
             parts.append(f"inference ({devices.replicas} server{'s' * (devices.replicas > 1)}"
-                         + (f" on {gpus} GPUs)" if gpus else ")"))
+                         + (f" on GPUs {groups})" if groups else ")"))
         if host.runs("orchestrator"):
             parts.append(f"orchestrator (to {len(host.inference_urls)} servers)")
         if host.runs("trainer"):

@@ -1,5 +1,5 @@
-"""Split the visible GPUs between the trainer and the inference replicas, name them for the children, and
-tell a GPU host from a CPU one without torch's help."""
+"""Split the visible GPUs between the trainer and the inference replicas (each inference.tensor_parallel_size
+consecutive GPUs), name them for the children, and tell a GPU host from a CPU one without torch's help."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ INSTALL_GPU_STACK = "RL_STACK=gpu bash scripts/install.sh"  # runs `uv sync --ex
 class DevicePlan:
     trainer_processes: int  # torchrun processes (one per GPU on a GPU host)
     trainer_gpus: list[int]  # GPU ids for the trainer ([] on a CPU host)
-    inference_gpus: list[list[int]]  # GPU ids per inference replica ([] each on a CPU host)
+    inference_gpus: list[list[int]]  # GPU ids per inference replica, its TP group ([] each on a CPU host)
 
     @property
     def replicas(self) -> int:
@@ -45,6 +45,7 @@ def split_gpus(
     inference_gpus: int | None = None,
     trainer_gpu_ids: list[int] | None = None,
     inference_gpu_ids: list[int] | None = None,
+    tensor_parallel_size: int = 1,
 ) -> DevicePlan:
     """Give inference its GPUs first (consecutive from 0 unless ids are given), the trainer the next ones."""
     if inference_gpu_ids is None:
@@ -65,12 +66,21 @@ def split_gpus(
         raise ConfigError(f"trainer GPUs {trainer_gpu_ids} and inference GPUs {inference_gpu_ids} overlap")
     if not trainer_gpu_ids or not inference_gpu_ids:
         raise ConfigError("both the trainer and inference need at least one GPU (--trainer-gpus, --inference-gpus)")
-    return DevicePlan(len(trainer_gpu_ids), trainer_gpu_ids, replicas_of(inference_gpu_ids))
+    return DevicePlan(len(trainer_gpu_ids), trainer_gpu_ids, replicas_of(inference_gpu_ids, tensor_parallel_size))
 
 
-def replicas_of(ids: list[int]) -> list[list[int]]:
-    """One inference replica per GPU (inference.tensor_parallel_size is 1: see its description)."""
-    return [[i] for i in ids]
+INFERENCE_GPU_FLAGS = "--inference-gpus, --inference-gpu-ids"
+
+
+def replicas_of(ids: list[int], tensor_parallel_size: int = 1, set_by: str = INFERENCE_GPU_FLAGS) -> list[list[int]]:
+    """One inference replica per `tensor_parallel_size` consecutive ids of one host (a TP group never spans
+    hosts). `set_by`: what gave the ids, named by the error."""
+    n = tensor_parallel_size
+    if len(ids) % n:
+        raise ConfigError(f"{len(ids)} inference GPUs {ids} do not divide into servers of "
+                          f"inference.tensor_parallel_size = {n} GPUs each: give inference a multiple of {n} GPUs "
+                          f"({set_by}) or change inference.tensor_parallel_size")
+    return [ids[k:k + n] for k in range(0, len(ids), n)]
 
 
 def one_role_gpus(
@@ -81,13 +91,14 @@ def one_role_gpus(
     inference_gpus: int | None = None,
     trainer_gpu_ids: list[int] | None = None,
     inference_gpu_ids: list[int] | None = None,
+    tensor_parallel_size: int = 1,
 ) -> DevicePlan:
     """A host running the trainer or inference, not both: that one gets every visible GPU (or the ids given).
     A host without the trainer still needs the trainer's per-node size (`trainer_gpus`) to split batches by rank."""
     if inference_here:
         ids = inference_gpu_ids or list(range(inference_gpus or available))
         check_gpu_ids(ids, "--inference-gpu-ids", available)
-        return DevicePlan(trainer_gpus or 1, [], replicas_of(ids))
+        return DevicePlan(trainer_gpus or 1, [], replicas_of(ids, tensor_parallel_size))
     if trainer_here:
         ids = trainer_gpu_ids or list(range(trainer_gpus or available))
         check_gpu_ids(ids, "--trainer-gpu-ids", available)

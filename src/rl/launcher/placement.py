@@ -21,6 +21,7 @@ from rl.launcher.devices import DevicePlan, replicas_of, split_gpus
 
 ALL_ROLES = ("inference", "orchestrator", "trainer")
 ANY_ADDRESS = "0.0.0.0"  # servers other hosts reach
+HOST_GPUS = "placement.inference_gpus, set by --slurm.gpus-per-node or --k8s.inference-gpus"
 
 
 class PlacementConfig(Section):
@@ -33,7 +34,8 @@ class PlacementConfig(Section):
     trainer_hosts: Annotated[int, Field(ge=0, description="hosts running the trainer (one torchrun node each); 0: "
                                                           "the trainer shares the first inference host")] = 1
     orchestrator_host: Annotated[bool, Field(description="the orchestrator gets a host of its own")] = False
-    inference_gpus: Annotated[int | None, Field(ge=1, description="GPUs per inference host (one server each); "
+    inference_gpus: Annotated[int | None, Field(ge=1, description="GPUs per inference host (a server per "
+                                                                  "inference.tensor_parallel_size of them); "
                                                                   "unset: CPU hosts")] = None
     trainer_gpus: Annotated[int | None, Field(ge=1, description="GPUs per trainer host; unset: CPU hosts")] = None
     rdzv_port: Annotated[
@@ -110,11 +112,12 @@ def _roles(i: int, inference_hosts: int, orchestrator: int, trainers: list[int])
 def _devices(run, topology: PlacementConfig, roles: tuple[str, ...], per_node: int) -> DevicePlan:
     """One host's devices. `per_node`: the trainer's processes per host (what a host without it records)."""
     inference, trainer = "inference" in roles, "trainer" in roles
+    tp = run.inference.tensor_parallel_size
     if inference and trainer:
         if topology.inference_gpus is None:
             return DevicePlan(run.trainer_processes, [], [[] for _ in range(run.inference_replicas)])
         return split_gpus(topology.inference_gpus, run.trainer_gpus, run.inference_gpus, run.trainer_gpu_ids,
-                          run.inference_gpu_ids)
+                          run.inference_gpu_ids, tp)
     if trainer:
         if topology.trainer_gpus is None:
             return DevicePlan(run.trainer_processes, [], [])
@@ -122,7 +125,7 @@ def _devices(run, topology: PlacementConfig, roles: tuple[str, ...], per_node: i
     if inference:
         if topology.inference_gpus is None:
             return DevicePlan(per_node, [], [[] for _ in range(run.inference_replicas)])
-        return DevicePlan(per_node, [], replicas_of(list(range(topology.inference_gpus))))
+        return DevicePlan(per_node, [], replicas_of(list(range(topology.inference_gpus)), tp, HOST_GPUS))
     return DevicePlan(per_node, [], [])
 
 
