@@ -17,6 +17,7 @@ files are then whatever regular files it holds (the same no-symlink, no-special-
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -88,7 +89,7 @@ def mark_stable(directory: Path, **info) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def name_parts(directory: Path, name: object) -> tuple[str, ...]:
+def name_parts(directory: Where, name: object) -> tuple[str, ...]:
     """The components of a listed name, refused unless it is a plain relative path inside `directory`."""
     if not isinstance(name, str) or not name:
         raise CorruptFileError(f"{directory / STABLE} lists {name!r}, which is not a file name")
@@ -104,24 +105,88 @@ def name_parts(directory: Path, name: object) -> tuple[str, ...]:
     return parts
 
 
-def open_regular(directory: Path, name: str):
-    """Open `directory/name` for reading (a binary file object): each directory component without following
-    a symlink, the file itself non-blocking (a FIFO or device cannot stall the reader) and only if it is a
-    regular file. Raises CorruptFileError naming the problem."""
-    parts = name_parts(directory, name)
-    path = directory / name
+class OpenDir:
+    """A directory opened once, refusing a symlink at every component: every file beneath it is then opened
+    relative to this handle (openat), so a directory renamed, swapped or replaced by a link after it was opened is
+    never read. Readers take one handle from the check of a STABLE marker to the last read of its files."""
+
+    def __init__(self, fd: int, path: Path):
+        self.fd, self.path = fd, path
+
+    @classmethod
+    def beneath(cls, root: Path, relative: Path | str) -> OpenDir:
+        """Open `root/relative`, each component of `relative` without following a symlink (`root` itself is
+        opened as given). CorruptFileError if a component is a symlink, missing or not a directory."""
+        path = root / relative
+        try:
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise CorruptFileError(f"{root} cannot be opened: {e.strerror}") from None
+        try:
+            for part in Path(relative).parts:
+                child = _open_at(fd, part, os.O_DIRECTORY, path)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, path)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> OpenDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __truediv__(self, name: str) -> Path:  # for messages: the path the handle was opened at
+        return self.path / name
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+Where = Path | OpenDir  # a directory by path (opened at each use) or by an open handle
+
+
+@contextlib.contextmanager
+def _dir_fd(directory: Where):
+    """A descriptor of `directory`: the handle's own, or one opened for the duration."""
+    if isinstance(directory, OpenDir):
+        yield directory.fd
+        return
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         raise CorruptFileError(f"{directory} cannot be opened: {e.strerror}") from None
     try:
-        for part in parts[:-1]:
-            child = _open_at(fd, part, os.O_DIRECTORY, path)
-            os.close(fd)
-            fd = child
-        file_fd = _open_at(fd, parts[-1], os.O_NONBLOCK, path)
+        yield fd
     finally:
         os.close(fd)
+
+
+def open_regular(directory: Where, name: str):
+    """Open `directory/name` for reading (a binary file object): each directory component without following
+    a symlink, the file itself non-blocking (a FIFO or device cannot stall the reader) and only if it is a
+    regular file. Raises CorruptFileError naming the problem."""
+    parts = name_parts(directory, name)
+    path = directory / name
+    with _dir_fd(directory) as root_fd:
+        fd = root_fd
+        try:
+            for part in parts[:-1]:
+                child = _open_at(fd, part, os.O_DIRECTORY, path)
+                if fd != root_fd:
+                    os.close(fd)
+                fd = child
+            file_fd = _open_at(fd, parts[-1], os.O_NONBLOCK, path)
+        finally:
+            if fd != root_fd:
+                os.close(fd)
     mode = os.fstat(file_fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(file_fd)
@@ -137,11 +202,13 @@ def _open_at(dir_fd: int, part: str, flags: int, path: Path) -> int:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             raise CorruptFileError(f"{path}: {part!r} is a symlink or not a directory") from None
         if e.errno == errno.ENOENT:
+            if part == STABLE:
+                raise CorruptFileError(f"{path} is missing: the directory is not marked stable") from None
             raise CorruptFileError(f"{path} is listed in its {STABLE} marker but missing") from None
         raise CorruptFileError(f"{path} cannot be opened: {e.strerror}") from None
 
 
-def read_regular(directory: Path, name: str, limit: int | None = None) -> bytes:
+def read_regular(directory: Where, name: str, limit: int | None = None) -> bytes:
     """All bytes of a regular file (see `open_regular`); refused if it holds more than `limit`."""
     with open_regular(directory, name) as f:
         data = f.read(None if limit is None else limit + 1)
@@ -155,12 +222,12 @@ def read_regular(directory: Path, name: str, limit: int | None = None) -> bytes:
 # ---------------------------------------------------------------------------------------------------
 
 
-def read_marker(directory: Path) -> bytes:
+def read_marker(directory: Where) -> bytes:
     """The STABLE marker's bytes (bounded; opened as any listed file is)."""
     return read_regular(directory, STABLE, MAX_MARKER_BYTES)
 
 
-def stable_info(directory: Path, data: bytes | None = None) -> dict:
+def stable_info(directory: Where, data: bytes | None = None) -> dict:
     """The STABLE marker's contents ({} for an empty marker), from `data` if the caller read it already;
     CorruptFileError if it is not a JSON object of bounded size and depth."""
     marker = directory / STABLE
@@ -182,7 +249,7 @@ def stable_info(directory: Path, data: bytes | None = None) -> dict:
     return info
 
 
-def recorded_files(directory: Path, data: bytes | None = None) -> dict[str, Entry] | None:
+def recorded_files(directory: Where, data: bytes | None = None) -> dict[str, Entry] | None:
     """The marker's file list, checked for shape: name -> Entry. None for a hand-made marker (empty or `{}`)."""
     marker = directory / STABLE
     info = stable_info(directory, data)
@@ -208,33 +275,45 @@ def recorded_files(directory: Path, data: bytes | None = None) -> dict[str, Entr
     return entries
 
 
-def present_files(directory: Path) -> dict[str, os.stat_result]:
-    """Every file beneath `directory` (but the marker), by relative name, from lstat: no link is followed.
-    CorruptFileError for a symlink or special file anywhere beneath it."""
+def present_files(directory: Where) -> dict[str, os.stat_result]:
+    """Every file beneath `directory` (but the marker), by relative name, from lstat through directory descriptors:
+    no link is followed. CorruptFileError for a symlink or special file anywhere beneath it."""
     found: dict[str, os.stat_result] = {}
-    pending = [(directory, "")]
-    while pending:
-        folder, prefix = pending.pop()
+    with _dir_fd(directory) as root_fd:
+        pending = [(os.dup(root_fd), "")]
         try:
-            entries = list(os.scandir(folder))
-        except OSError as e:
-            raise CorruptFileError(f"{folder} cannot be listed: {e.strerror}") from None
-        for entry in entries:
-            name = prefix + entry.name
-            info = entry.stat(follow_symlinks=False)
-            if stat.S_ISDIR(info.st_mode):
-                pending.append((Path(entry.path), name + "/"))
-            elif not stat.S_ISREG(info.st_mode):
-                kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
-                raise CorruptFileError(f"{directory / name} is {kind}: a published directory holds regular files only")
-            elif name != STABLE and not is_temp(Path(name)):  # a writer's temporary file: never read
-                found[name] = info
-            if len(found) > MAX_LISTED:
-                raise CorruptFileError(f"{directory} holds more than {MAX_LISTED} files")
+            while pending:
+                fd, prefix = pending.pop()
+                try:
+                    _list_into(directory, fd, prefix, found, pending)
+                finally:
+                    os.close(fd)
+        finally:
+            for fd, _ in pending:
+                os.close(fd)
     return found
 
 
-def read_manifest(directory: Path, marker: bytes | None = None) -> dict[str, Entry]:
+def _list_into(directory: Where, fd: int, prefix: str, found: dict, pending: list) -> None:
+    try:
+        entries = list(os.scandir(fd))
+    except OSError as e:
+        raise CorruptFileError(f"{directory / prefix} cannot be listed: {e.strerror}") from None
+    for entry in entries:
+        name = prefix + entry.name
+        info = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISDIR(info.st_mode):
+            pending.append((_open_at(fd, entry.name, os.O_DIRECTORY, directory / name), name + "/"))
+        elif not stat.S_ISREG(info.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+            raise CorruptFileError(f"{directory / name} is {kind}: a published directory holds regular files only")
+        elif name != STABLE and not is_temp(Path(name)):  # a writer's temporary file: never read
+            found[name] = info
+        if len(found) > MAX_LISTED:
+            raise CorruptFileError(f"{directory} holds more than {MAX_LISTED} files")
+
+
+def read_manifest(directory: Where, marker: bytes | None = None) -> dict[str, Entry]:
     """The files of a STABLE directory, name -> Entry: exactly the listed ones, each present as a regular file
     of the recorded size (no file's bytes are read). A hand-made marker gives the regular files present, unchecked.
     `marker`: the marker's bytes, if the caller read them already."""
@@ -258,27 +337,29 @@ def read_manifest(directory: Path, marker: bytes | None = None) -> dict[str, Ent
     return recorded
 
 
-def read_listed(directory: Path, name: str, entry: Entry, chunk: int = READ_CHUNK) -> bytearray:
-    """The bytes of a listed file, read once: checked against the recorded size and CRC-32 as they are read."""
+def read_listed(directory: Where, name: str, entry: Entry, chunk: int = READ_CHUNK, allocate=bytearray):
+    """The bytes of a listed file, read once: checked against the recorded size and CRC-32 as they are read, into
+    `allocate(size)` (a writable buffer of that size: a bytearray, or a mapping the caller owns)."""
     path = directory / name
     with open_regular(directory, name) as f:
         size = os.fstat(f.fileno()).st_size
         if entry.checked and size != entry.bytes:
             raise CorruptFileError(f"{path} has {size} bytes, {entry.bytes} were written: truncated or changed")
-        data = bytearray(size)
-        view, done, crc = memoryview(data), 0, 0
-        while done < size:
-            n = f.readinto(view[done : done + chunk])
-            if not n:
-                raise CorruptFileError(f"{path} ended after {done} of {size} bytes: truncated while read")
-            crc = zlib_ng.crc32(view[done : done + n], crc)
-            done += n
+        data = allocate(size)
+        with memoryview(data) as view:
+            done, crc = 0, 0
+            while done < size:
+                n = f.readinto(view[done : done + chunk])
+                if not n:
+                    raise CorruptFileError(f"{path} ended after {done} of {size} bytes: truncated while read")
+                crc = zlib_ng.crc32(view[done : done + n], crc)
+                done += n
     if entry.checked and crc != entry.crc32:
         raise CorruptFileError(f"{path} fails its CRC-32 check: changed after it was written")
     return data
 
 
-def check_listed(directory: Path, name: str, entry: Entry) -> None:
+def check_listed(directory: Where, name: str, entry: Entry) -> None:
     """Check one listed file's size and CRC-32 (mapped, not copied), opened as `open_regular` does."""
     if not entry.checked:
         return

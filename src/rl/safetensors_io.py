@@ -25,15 +25,17 @@ DTYPES = {
 }
 
 
-def parse_header(raw: bytes | bytearray | memoryview, where: str) -> tuple[dict, int]:
-    """The header's tensor entries and the offset at which the data starts; CorruptFileError if malformed."""
+def parse_header(raw: bytes | bytearray | memoryview, where: str, file_bytes: int) -> tuple[dict, int]:
+    """The header's tensor entries and the offset at which the data starts, for a file of `file_bytes` bytes whose
+    first bytes are `raw`; CorruptFileError if the header is malformed, names a tensor twice, or places a tensor past
+    the end of the file or over another tensor's bytes (a loader would stop halfway, or read garbage)."""
     if len(raw) < 8:
         raise CorruptFileError(f"{where} is not a safetensors file: {len(raw)} bytes")
     (size,) = struct.unpack("<Q", bytes(raw[:8]))
     if size > MAX_HEADER_BYTES or 8 + size > len(raw):
         raise CorruptFileError(f"{where}: a safetensors header of {size} bytes does not fit the file")
     try:
-        header = json.loads(bytes(raw[8 : 8 + size]))
+        header = json.loads(bytes(raw[8 : 8 + size]), object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as e:
         raise CorruptFileError(f"{where}: its safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
@@ -41,6 +43,7 @@ def parse_header(raw: bytes | bytearray | memoryview, where: str) -> tuple[dict,
     header.pop("__metadata__", None)
     for name, info in header.items():
         _check_entry(name, info, where)
+    _check_layout(header, where, file_bytes - 8 - size)
     return header, 8 + size
 
 
@@ -58,13 +61,33 @@ def _check_entry(name: str, info, where: str) -> None:
         raise CorruptFileError(f"{where}: tensor {name!r} has data offsets that do not match its shape")
 
 
-def tensors_of(data: bytearray, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        twice = next(key for key in keys if keys.count(key) > 1)
+        raise ValueError(f"{twice!r} appears twice")
+    return dict(pairs)
+
+
+def _check_layout(header: dict, where: str, data_bytes: int) -> None:
+    """Every tensor's bytes inside the file's data and no two tensors' bytes overlapping."""
+    end_of_previous, previous = 0, None
+    for name, info in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        begin, end = info["data_offsets"]
+        if end > data_bytes:
+            raise CorruptFileError(f"{where}: tensor {name!r} ends at byte {end} of the data, past its end "
+                                   f"({data_bytes} bytes): the file is cut short or its header is wrong")
+        if begin < end_of_previous:
+            raise CorruptFileError(f"{where}: tensors {previous!r} and {name!r} overlap in the file")
+        if end > begin:
+            end_of_previous, previous = end, name
+
+
+def tensors_of(data, where: str) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a safetensors file held in `data`, as views of it (in file order)."""
-    header, start = parse_header(memoryview(data)[: min(len(data), 8 + MAX_HEADER_BYTES)], where)
+    header, start = parse_header(memoryview(data)[: min(len(data), 8 + MAX_HEADER_BYTES)], where, len(data))
     for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
         begin, end = (start + offset for offset in info["data_offsets"])
-        if end > len(data):
-            raise CorruptFileError(f"{where}: tensor {name!r} ends past the end of the file")
         dtype, shape = DTYPES[info["dtype"]], info["shape"]
         if end == begin:
             yield name, torch.empty(shape, dtype=dtype)
@@ -82,7 +105,7 @@ def read_file_header(fd: int, where: str) -> tuple[dict, int]:
     head = os.pread(fd, 8, 0)
     size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
     raw = head + os.pread(fd, min(size, MAX_HEADER_BYTES), 8)
-    header, data_start = parse_header(raw, where)
+    header, data_start = parse_header(raw, where, os.fstat(fd).st_size)
     return header, data_start
 
 

@@ -5,6 +5,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import shutil
+
 import pytest
 
 from rl.inference.gate import add_token_strings, is_loopback, route_of
@@ -305,33 +307,47 @@ def test_a_path_past_the_os_limit_is_a_bad_request_not_a_crash(tmp_path):
 LORA = "policy-lora"
 
 
+def step_of(copy: str) -> str:
+    """The step a private copy holds (its directory is named `step_k-<random>`)."""
+    return Path(copy).name.split("-")[0]
+
+
 class FakeEngine:
-    """vLLM's engine client as a LoRA server uses it: `add_lora` keeps the request in slot 1 (or raises for a path in
-    `add_fails`); the worker's read-back fails for a path in `verify_fails`; every call is recorded."""
+    """vLLM's engine client as a LoRA server uses it: `add_lora` keeps the request in slot 1 (or raises for a step in
+    `add_fails`); the worker's read-back fails for a step in `verify_fails`; `generate` gives one token whose logprob
+    is `probe_logprob`; every call is recorded. Steps are named as their directories (`step_1`): the engine sees the
+    server's private copies only."""
 
     def __init__(self, add_fails=(), verify_fails=(), read_reports=None):
         self.add_fails, self.verify_fails, self.read_reports = set(add_fails), set(verify_fails), read_reports or {}
-        self.loras, self.calls, self.version = {}, [], None
+        self.loras, self.calls, self.version, self.probe_logprob = {}, [], None, -1.0
 
     async def collective_rpc(self, method, args=()):
         self.calls.append(method)
         if method == "rl_check_served":
             return [{"ok": True, "checksum": "base"}]
         if method == "rl_read_adapter":
-            path = args[0]
-            read = {"ok": True, "reloaded": False, "checksum": f"sum of {Path(path).name}", "bytes_read": 1}
-            return [self.read_reports.get(Path(path).name, read)]
+            step = step_of(args[0])
+            read = {"ok": True, "reloaded": False, "checksum": f"sum of {step}", "bytes_read": 1}
+            return [self.read_reports.get(step, read)]
         assert method == "rl_verify_adapter" and args == (1,)
-        path = self.loras[1].lora_path
-        if path in self.verify_fails:
-            return [{"ok": False, "mismatched": [], "differing": [f"{path}: lora_B served differs"]}]
-        return [{"ok": True, "mismatched": [], "differing": [], "checksum": f"sum of {Path(path).name}"}]
+        step = step_of(self.loras[1].lora_path)
+        if step in self.verify_fails:
+            return [{"ok": False, "mismatched": [], "differing": [f"{step}: lora_B served differs"]}]
+        return [{"ok": True, "mismatched": [], "differing": [], "checksum": f"sum of {step}"}]
 
     async def add_lora(self, request):
-        self.calls.append(("add_lora", request.lora_path, request.load_inplace))
-        if request.lora_path in self.add_fails:
+        self.calls.append(("add_lora", step_of(request.lora_path), request.load_inplace))
+        if step_of(request.lora_path) in self.add_fails:
             raise RuntimeError("Call to add_lora method failed: no")
         self.loras[request.lora_int_id] = request
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        from types import SimpleNamespace
+
+        self.calls.append(("generate", lora_request and step_of(lora_request.lora_path)))
+        logprob = SimpleNamespace(logprob=self.probe_logprob)
+        yield SimpleNamespace(outputs=[SimpleNamespace(logprobs=[{7: logprob}])])
 
     async def remove_lora(self, lora_id):
         self.calls.append(("remove_lora", lora_id))
@@ -409,9 +425,13 @@ def test_an_adapter_loads_in_place_and_requests_get_it_without_load_inplace(tmp_
     assert run(weights.current()) == {"step": 0, "weights_checksum": "base", "requests_in_flight": 0}
     answer = run(weights.update(0, step_0))  # step 0's adapter over the base model served as step 0
     assert answer["weights_checksum"] == "sum of step_0" and answer["adapter"] == LORA and engine.version == "0"
-    assert ("add_lora", step_0, True) in engine.calls
+    assert ("add_lora", "step_0", True) in engine.calls
     registered = weights.models.lora_requests[LORA]
-    assert (registered.lora_int_id, registered.lora_path, registered.load_inplace) == (1, step_0, False)
+    assert (registered.lora_int_id, step_of(registered.lora_path), registered.load_inplace) == (1, "step_0", False)
+    copy_0 = Path(registered.lora_path)  # vLLM loads the server's private copy, never the user's directory
+    assert copy_0 != Path(step_0) and not copy_0.is_relative_to(root) and oct(copy_0.stat().st_mode)[-3:] == "700"
+    assert {p.name: p.read_bytes() for p in copy_0.iterdir()} == {
+        p.name: p.read_bytes() for p in Path(step_0).iterdir() if p.name != "STABLE"}
     assert run(weights.current()) == {"step": 0, "weights_checksum": "sum of step_0", "requests_in_flight": 0,
                                       "adapter": LORA}
 
@@ -419,11 +439,12 @@ def test_an_adapter_loads_in_place_and_requests_get_it_without_load_inplace(tmp_
     calls = len(engine.calls)
     assert run(weights.update(1, step_1))["weights_checksum"] == "sum of step_1"
     loaded = engine.calls[calls:]
-    assert [c for c in loaded if c != "reset_prefix_cache"] == ["rl_read_adapter", ("add_lora", step_1, True),
+    assert [c for c in loaded if c != "reset_prefix_cache"] == ["rl_read_adapter", ("add_lora", "step_1", True),
                                                                  "rl_verify_adapter"]
     assert "reset_prefix_cache" in loaded  # no KV of the previous adapter is reused
     registered = weights.models.lora_requests[LORA]
-    assert registered.lora_path == step_1 and not registered.load_inplace
+    assert step_of(registered.lora_path) == "step_1" and not registered.load_inplace
+    assert not copy_0.exists()  # the copy of the adapter served before is removed once another verifies
     calls = len(engine.calls)
     assert run(weights.update(1, step_1)) == {"step": 1, "weights_checksum": "sum of step_1"}  # retried: no reload
     assert engine.calls[calls:] == []
@@ -432,22 +453,26 @@ def test_an_adapter_loads_in_place_and_requests_get_it_without_load_inplace(tmp_
 def test_a_failed_read_back_re_adds_the_previous_adapter(tmp_path):
     weights, root = lora_weights(tmp_path, engine := FakeEngine())
     step_1, step_2 = adapter_step(root, 1), adapter_step(root, 2)
-    engine.verify_fails.add(step_2)
+    engine.verify_fails.add("step_2")
     run(weights.update(1, step_1))
+    copy_1 = weights.adapter_copy
+    shutil.rmtree(step_1)  # the rollback reloads the server's own copy: the user's directory is not needed
     status, detail = refusal_of(weights.update(2, step_2))
     assert status == 500 and "lora_B served differs" in detail
     assert f"rolled back to step 1 (adapter '{LORA}'), which verifies" in detail
     assert [c for c in engine.calls if c[0] == "add_lora"] == [
-        ("add_lora", step_1, True), ("add_lora", step_2, True), ("add_lora", step_1, True)]
+        ("add_lora", "step_1", True), ("add_lora", "step_2", True), ("add_lora", "step_1", True)]
     registered = weights.models.lora_requests[LORA]
-    assert registered.lora_path == step_1 and not registered.load_inplace
+    assert registered.lora_path == copy_1 and not registered.load_inplace
+    assert ("generate", "step_1") in engine.calls  # the served state proved clean after the failed load
     assert run(weights.current())["weights_checksum"] == "sum of step_1" and engine.version == "1"
+    assert [p.name.split("-")[0] for p in Path(copy_1).parent.iterdir()] == ["step_1"]  # step 2's copy removed
 
 
 def test_a_first_adapter_that_fails_leaves_the_base_model_served(tmp_path):
     weights, root = lora_weights(tmp_path, engine := FakeEngine())
     step_0 = adapter_step(root, 0)
-    engine.add_fails.add(step_0)
+    engine.add_fails.add("step_0")
     status, detail = refusal_of(weights.update(0, step_0))
     assert status == 500 and "vLLM's add_lora failed" in detail and "(the base model), which verifies" in detail
     assert ("remove_lora", 1) in engine.calls and LORA not in weights.models.lora_requests
@@ -458,7 +483,7 @@ def test_a_failed_rollback_breaks_the_server(tmp_path):
     weights, root = lora_weights(tmp_path, engine := FakeEngine())
     step_1, step_2 = adapter_step(root, 1), adapter_step(root, 2)
     run(weights.update(1, step_1))
-    engine.verify_fails |= {step_1, step_2}
+    engine.verify_fails |= {"step_1", "step_2"}
     status, detail = refusal_of(weights.update(2, step_2))
     assert status == 500 and "rollback to step 1 failed too" in detail
     assert refusal_of(weights.current())[0] == 503 and run(weights.admit()) == weights.broken
@@ -473,6 +498,19 @@ def test_a_refused_adapter_reaches_nothing_of_vllm(tmp_path):
     status, detail = refusal_of(weights.update(2, adapter_step(root, 2)))
     assert status == 400 and "targets nothing" in detail
     assert not [c for c in engine.calls if c[0] in ("add_lora", "remove_lora")]
+
+
+def test_a_failed_load_whose_served_state_computes_nan_breaks_the_server(tmp_path):
+    """After any failed load the server proves what it serves with one generated token; non-finite logprobs (an
+    adapter's inf that vLLM kept somewhere) stop generation instead of serving NaN."""
+    weights, root = lora_weights(tmp_path, engine := FakeEngine())
+    run(weights.update(1, adapter_step(root, 1)))
+    engine.verify_fails.add("step_2")
+    engine.probe_logprob = float("nan")
+    status, detail = refusal_of(weights.update(2, adapter_step(root, 2)))
+    assert status == 500 and "rolled back to step 1" in detail
+    assert weights.broken and "logprobs are not finite" in weights.broken
+    assert refusal_of(weights.current())[0] == 503 and ("pause", "abort") in engine.calls
 
 
 def test_steps_of_the_other_kind_are_400_naming_it(tmp_path):

@@ -1,6 +1,9 @@
 """Weight fingerprints (no vLLM): exact sampled columns, the comparison a worker makes of served against file
 fingerprints, and reading a published step's files once."""
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -72,40 +75,106 @@ def published_step(tmp_path, shards: list[dict[str, torch.Tensor]]):
     return directory
 
 
-def test_a_step_is_read_once_and_gives_the_files_tensors(tmp_path):
-    from safetensors.torch import load_file
+def staged(directory):
+    """The step staged as the server stages it (one handle from the marker to the files), and mapped as a worker
+    maps it."""
+    from rl.inference.reading import MappedStep
+    from rl.inference.staging import stage_weights
+    from rl.manifest import OpenDir, read_manifest
 
-    from rl.inference.reading import ReadCount, read_step
-    from rl.manifest import read_manifest
+    with OpenDir.beneath(directory.parent, directory.name) as handle:
+        step = stage_weights(handle, read_manifest(handle))
+    return step, MappedStep(step.rpc())
+
+
+def test_a_step_is_read_once_into_sealed_memory_and_workers_map_the_files_tensors(tmp_path):
+    from safetensors.torch import load_file
 
     shards = [{"a.weight": torch.randn(8, 4), "a.bias": torch.randn(8)},
               {"b.weight": torch.randn(3, 5).bfloat16(), "c.steps": torch.arange(7)}]
     directory = published_step(tmp_path, shards)
-    count = ReadCount()
-    step = read_step(directory, read_manifest(directory), count)
-    assert step.shapes() == {"a.weight": (8, 4), "a.bias": (8,), "b.weight": (3, 5), "c.steps": (7,)}
-    tensors = dict(step.tensors())
-    expected = {**load_file(str(directory / "model-00001-of-00002.safetensors")),
-                **load_file(str(directory / "model-00002-of-00002.safetensors"))}
-    assert tensors.keys() == expected.keys()
-    assert all(torch.equal(tensors[n], expected[n]) and tensors[n].dtype == expected[n].dtype for n in expected)
-    weight_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    assert count.data_bytes == weight_bytes  # each weight file read exactly once, headers included
-    assert count.files == sorted(p.name for p in directory.glob("*.safetensors"))
+    step, mapped = staged(directory)
+    try:
+        assert mapped.shapes() == {"a.weight": (8, 4), "a.bias": (8,), "b.weight": (3, 5), "c.steps": (7,)}
+        tensors = dict(mapped.tensors())
+        expected = {**load_file(str(directory / "model-00001-of-00002.safetensors")),
+                    **load_file(str(directory / "model-00002-of-00002.safetensors"))}
+        assert tensors.keys() == expected.keys()
+        assert all(torch.equal(tensors[n], expected[n]) and tensors[n].dtype == expected[n].dtype for n in expected)
+        weight_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+        assert step.bytes == mapped.bytes == weight_bytes  # each weight file read exactly once, headers included
+        assert sorted(step.files) == sorted(p.name for p in directory.glob("*.safetensors"))
+        fd, _ = step.files["model-00001-of-00002.safetensors"]
+        with pytest.raises(PermissionError):  # sealed: not even the server can change what was checked
+            os.pwrite(fd, b"x", 0)
+    finally:
+        step.close()
 
 
 def test_a_weight_file_changed_after_publication_is_refused_before_any_tensor_is_given(tmp_path):
-    from rl.inference.reading import ReadCount, read_step
-    from rl.manifest import CorruptFileError, read_manifest
+    from rl.manifest import CorruptFileError
 
     directory = published_step(tmp_path, [{"a.weight": torch.randn(8, 4)}, {"b.weight": torch.randn(4, 4)}])
-    manifest = read_manifest(directory)
     second = directory / "model-00002-of-00002.safetensors"
     data = bytearray(second.read_bytes())
     data[-1] ^= 0xFF
     second.write_bytes(bytes(data))
+    open_before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(CorruptFileError, match="model-00002-of-00002.safetensors fails its CRC-32 check"):
-        read_step(directory, manifest, ReadCount())  # vLLM's reload cannot stop halfway: nothing is given out
+        staged(directory)  # vLLM's reload cannot stop halfway: nothing is given out
+    assert len(os.listdir("/proc/self/fd")) == open_before  # nor kept: the first file's memfd is closed
+
+
+def test_the_step_directory_swapped_for_a_link_after_its_check_is_never_read_through(tmp_path):
+    """The race of a rename-exchange after STABLE was read: every later read goes through the handle opened for
+    the check, so it reads the directory that was checked (or nothing), never what the path names now."""
+    from rl.inference.reading import MappedStep
+    from rl.inference.staging import stage_weights
+    from rl.manifest import CorruptFileError, OpenDir, read_manifest
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    directory = published_step(weights, [{"a.weight": torch.ones(4, 4)}])
+    (tmp_path / "outside").mkdir()
+    outside = published_step(tmp_path / "outside", [{"a.weight": torch.zeros(4, 4)}])  # the same size and names
+    with OpenDir.beneath(weights, "step_1") as handle:
+        manifest = read_manifest(handle)
+        directory.rename(weights / "checked")  # the swap, between the check and the read
+        (weights / "step_1").symlink_to(outside, target_is_directory=True)
+        step = stage_weights(handle, manifest)
+    try:
+        assert torch.equal(dict(MappedStep(step.rpc()).tensors())["a.weight"], torch.ones(4, 4))
+    finally:
+        step.close()
+    with pytest.raises(CorruptFileError, match="symlink"):  # and the path, opened again, is refused
+        OpenDir.beneath(weights, "step_1")
+
+
+@pytest.mark.parametrize("entries, named", [
+    ({"a": ("F32", [4], [0, 16]), "b": ("F32", [4], [16, 32])},
+     r"ends at byte 32 of the data, past its end \(24 bytes\)"),
+    ({"a": ("F32", [4], [0, 16]), "b": ("F32", [2], [8, 16])}, "overlap"),
+])
+def test_a_header_placing_a_tensor_past_the_end_or_over_another_is_corrupt(entries, named):
+    """A weight file cut short inside its data: its header alone is whole (round 2 let this through to vLLM, whose
+    reload stopped halfway)."""
+    from rl.manifest import CorruptFileError
+    from rl.safetensors_io import tensors_of
+
+    header = json.dumps({name: {"dtype": d, "shape": s, "data_offsets": o} for name, (d, s, o) in entries.items()})
+    data = bytearray(len(header).to_bytes(8, "little") + header.encode() + bytes(24))
+    with pytest.raises(CorruptFileError, match=named):
+        list(tensors_of(data, "f.safetensors"))
+
+
+def test_a_header_naming_a_tensor_twice_is_corrupt():
+    from rl.manifest import CorruptFileError
+    from rl.safetensors_io import tensors_of
+
+    entry = '{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
+    header = f'{{"a": {entry}, "a": {entry}}}'.encode()
+    with pytest.raises(CorruptFileError, match="'a' appears twice"):
+        list(tensors_of(bytearray(len(header).to_bytes(8, "little") + header + bytes(4)), "f.safetensors"))
 
 
 @pytest.mark.parametrize("header", [b"\xff" * 8, b"\x04\x00\x00\x00\x00\x00\x00\x00[1]]",
@@ -127,11 +196,14 @@ QKV, O_PROJ = "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_p
 
 class FakeLoraLayer:
     """vLLM's linear LoRA layer as the read-back sees it: per slice, A [slots, 1, max_rank, in], B [slots, 1, out,
-    max_rank]."""
+    max_rank], and the layer it adapts (unsharded: tensor parallel size 1)."""
 
     def __init__(self, outs: list[int], in_features: int, max_rank: int = 4, slots: int = 2):
+        from types import SimpleNamespace
+
         self.lora_a_stacked = tuple(torch.zeros(slots, 1, max_rank, in_features) for _ in outs)
         self.lora_b_stacked = tuple(torch.zeros(slots, 1, out, max_rank) for out in outs)
+        self.base_layer = SimpleNamespace(output_partition_sizes=outs, output_size=sum(outs), input_size=in_features)
 
 
 def fake_layers() -> dict:
@@ -153,10 +225,16 @@ def adapter_tensors(rank: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def parsed(tensors: dict, layers: dict, rank: int = 2, alpha: float = 3):
+def peft_config(rank: int = 2, alpha: float = 3, **fields) -> dict:
+    from rl.adapter import adapter_config
+
+    return adapter_config("base", rank, alpha, 0.0, ["q_proj", "v_proj", "o_proj"]) | fields
+
+
+def parsed(tensors: dict, layers: dict, rank: int = 2, alpha: float = 3, **fields):
     from rl.inference.adapters import lora_slices, parse_adapter
 
-    return parse_adapter(tensors.items(), {"r": rank, "lora_alpha": alpha}, lora_slices(layers, PACKED))
+    return parse_adapter(tensors.items(), peft_config(rank, alpha, **fields), lora_slices(layers, PACKED))
 
 
 def load_like_vllm(layers: dict, adapter, slot: int) -> None:
@@ -240,6 +318,12 @@ BAD_ADAPTERS = [
                                          torch.zeros(3, 8)},
      "q_proj: lora_A is [3, 8], the layer takes [r=2, in=8]"),
     ("targets nothing", lambda t: {}, "the adapter targets nothing"),
+    ("inf in lora_A", lambda t: t | {"base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight":
+                                     torch.full((2, 8), float("inf"))},
+     "o_proj.lora_A.weight: holds values that are not finite"),
+    ("NaN in lora_B", lambda t: t | {"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+                                     torch.full((8, 2), float("nan"))},
+     "q_proj.lora_B.weight: holds values that are not finite"),
 ]
 
 
@@ -254,15 +338,29 @@ def test_an_adapter_that_does_not_fit_is_refused_naming_why(change, named):
 
 @pytest.mark.parametrize("config, named", [
     ({"r": 8, "lora_alpha": 16}, "rank 8 is above the server's max rank 4"),
-    ({"r": 2, "lora_alpha": 16, "use_rslora": True}, "sets use_rslora: not a plain LoRA"),
-    ({"r": "2", "lora_alpha": 16}, "r is '2', not a positive integer"),
-    ({"r": 2}, "lora_alpha is None"),
+    ({"use_rslora": True}, "sets use_rslora: not a plain LoRA"),
+    ({"r": "2"}, "r is '2', not a positive integer"),
+    ({"lora_alpha": None}, "lora_alpha is None"),
+    ({"lora_alpha": 1e30}, "lora_alpha / r is 5e\\+29, above 1024"),
+    ({"peft_type": "IA3"}, "peft_type is 'IA3', not 'LORA'"),
+    ({"peft_type": None}, "peft_type is None"),
+    ({"target_modules": ["q_proj", "out_proj"]}, "target module 'out_proj' matches no LoRA layer"),
+    ({"target_modules": ".*embed_tokens"}, "matches no LoRA layer served"),
+    ({"target_modules": 7}, "target_modules is 7"),
+    ({"layers_to_transform": [5]}, "layers_to_transform is \\[5\\], not indices of the served layers \\(0..0\\)"),
+    ({"layers_to_transform": "0"}, "layers_to_transform is '0'"),
 ])
 def test_an_adapter_config_vllm_would_serve_otherwise_is_refused(config, named):
     from rl.inference.adapters import AdapterMismatch, lora_slices, parse_adapter
 
     with pytest.raises(AdapterMismatch, match=named):
-        parse_adapter(adapter_tensors().items(), config, lora_slices(fake_layers(), PACKED))
+        parse_adapter(adapter_tensors().items(), peft_config() | config, lora_slices(fake_layers(), PACKED))
+
+
+def test_an_adapter_config_peft_writes_for_these_layers_is_accepted():
+    assert parsed(adapter_tensors(), fake_layers(), layers_to_transform=[0]).rank == 2
+    assert parsed(adapter_tensors(), fake_layers(), target_modules=r".*\.(q|v|o)_proj").rank == 2
+    assert parsed(adapter_tensors(), fake_layers(), target_modules="q_proj").rank == 2
 
 
 def test_an_adapter_step_is_read_once_and_checked(tmp_path):

@@ -22,6 +22,10 @@ rounding along a random x (a stale or garbage head, row, column or shard is caug
 confined to unsampled columns is not). Cost: a (K + 1)-row product per matrix of the files as its tensors pass
 to the reload, then a (K + 1)-row product per served layer, after the reload.
 
+Tensor parallel: each worker fingerprints what it serves, its shard of every tensor (rl/inference/sharding.py), and
+the files' side cuts the same shard out of each whole tensor as it passes (`FileTally(shards=...)`), so every
+worker proves its own part: a wrong row of any shard fails on the worker that serves it.
+
 With LoRA on (`--enable-lora`), vLLM wraps each layer it can adapt and keeps the original as `<name>.base_layer`:
 the fingerprint reads the base layer under its checkpoint name, so the base model verifies as without LoRA.
 """
@@ -38,6 +42,7 @@ import torch
 import xxhash
 
 from rl.inference.reading import checkpoint_tensors
+from rl.inference.sharding import Shard, input_shard, output_parts, vocab_rows
 
 PROBE_COLUMNS = 4
 ROW_CHUNK = 8192  # rows of a matrix cast to float32 at a time, to bound the memory of a fingerprint
@@ -50,8 +55,9 @@ LORA_BASE = ".base_layer"  # where vLLM's LoRA wrapper keeps the layer it adapts
 class Fingerprint:
     exact: torch.Tensor  # [K, out] sampled columns W[:, cols].T of a matrix, or a whole 1-D tensor
     dense: torch.Tensor | None  # [out] W @ x in float32, for a matrix
-    shape: tuple[int, ...]  # of the tensor in checkpoint layout
+    shape: tuple[int, ...]  # of the whole tensor in checkpoint layout
     scale: float = 0.0  # max_i sum_j |W_ij x_j|: the size of the dense probe's terms (file side)
+    shard: Shard | None = None  # the part of the tensor fingerprinted (a tensor-parallel worker's); None: all
 
 
 @functools.lru_cache(maxsize=64)
@@ -73,14 +79,19 @@ def _file_probes(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[-1].abs()
 
 
-def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype) -> Fingerprint:
-    """Fingerprint of a tensor as stored (a file tensor, or a parameter the model uses directly).
+def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype, shard: Shard | None = None,
+                       shape: tuple[int, ...] | None = None) -> Fingerprint:
+    """Fingerprint of a tensor as stored (a file tensor, or a parameter the model uses directly): of its part
+    `shard` if given (`w` is then the whole tensor), of all of it otherwise. `shape`: the whole tensor's, where `w`
+    is already the part.
 
     Computed where `w` lives, in row chunks; only the small results are brought to the CPU.
     """
     w = w.detach()
+    shape = tuple(w.shape) if shape is None else shape
+    w = w if shard is None else shard.of(w)
     if w.ndim == 1:
-        return Fingerprint(exact=w.to("cpu", dtype).clone(), dense=None, shape=tuple(w.shape))
+        return Fingerprint(exact=w.to("cpu", dtype).clone(), dense=None, shape=shape, shard=shard)
     probes, magnitudes = _file_probes(w.shape[1], w.device)
     ys, scale = [], 0.0
     for rows in w.split(ROW_CHUNK):
@@ -90,13 +101,14 @@ def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype) -> Fingerprint:
         ys.append(torch.nn.functional.linear(probes, rows))
         scale = max(scale, torch.mv(rows.abs(), magnitudes).max().item())
     y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)).cpu()
-    return Fingerprint(exact=y[:-1].to(dtype), dense=y[-1], shape=tuple(w.shape), scale=scale)
+    return Fingerprint(exact=y[:-1].to(dtype), dense=y[-1], shape=shape, scale=scale, shard=shard)
 
 
-def kernel_fingerprint(y: torch.Tensor, dtype: torch.dtype, in_features: int) -> Fingerprint:
-    """Fingerprint from a kernel's output on `probe_inputs`, y [K + 1, out]."""
+def kernel_fingerprint(y: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int], shard: Shard | None
+                       ) -> Fingerprint:
+    """Fingerprint from a kernel's output on `probe_inputs`, y [K + 1, out], for its `shard` of a tensor of `shape`."""
     y = y.detach().to("cpu", dtype)
-    return Fingerprint(exact=y[:-1].contiguous(), dense=y[-1].float(), shape=(y.shape[1], in_features))
+    return Fingerprint(exact=y[:-1].contiguous(), dense=y[-1].float(), shape=shape, shard=shard)
 
 
 
@@ -114,8 +126,8 @@ class FileTally:
     so the files are read once. Once the served fingerprint matches, the checksum names what is served; it
     covers every element (the fingerprint samples a few columns exactly)."""
 
-    def __init__(self, dtype: torch.dtype, device="cpu"):
-        self.dtype, self.device = dtype, device
+    def __init__(self, dtype: torch.dtype, device="cpu", shards: dict[str, Shard | None] | None = None):
+        self.dtype, self.device, self.shards = dtype, device, shards or {}
         self.prints: dict[str, Fingerprint] = {}
         self.digest = xxhash.xxh3_128()
         self.seconds = 0.0
@@ -126,7 +138,7 @@ class FileTally:
             self.digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
             self.digest.update(tensor.contiguous().view(torch.uint8).numpy())
             tensor = tensor.to(self.device)  # fingerprinted where it is served, and copied there once
-            self.prints[name] = tensor_fingerprint(tensor, self.dtype)
+            self.prints[name] = tensor_fingerprint(tensor, self.dtype, self.shards.get(name))
             self.seconds += time.perf_counter() - start
             yield name, tensor
 
@@ -170,8 +182,8 @@ def compare(served: dict[str, Fingerprint], files: dict[str, Fingerprint], dtype
     }
 
 
-def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, vocab_size: int, device) -> dict[str, Fingerprint]:
-    """Fingerprint of what a vLLM model computes (tensor parallel size 1), by checkpoint name."""
+def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, device) -> dict[str, Fingerprint]:
+    """Fingerprint of what a vLLM model computes on this worker (its shard of each tensor), by checkpoint name."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -179,40 +191,67 @@ def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, vocab_size: i
     prints: dict[str, Fingerprint] = {}
     for prefix, module in model.named_modules():
         prefix = prefix.replace(LORA_BASE + ".", ".").removesuffix(LORA_BASE)  # a LoRA-wrapped layer's own name
-        if isinstance(module, (LinearBase, ParallelLMHead)):
-            prints |= _kernel_prints(prefix, module, dtype, vocab_size, packed, device)
+        if isinstance(module, ParallelLMHead):
+            prints |= _head_prints(prefix, module, dtype, device)
+            continue
+        if isinstance(module, LinearBase):
+            prints |= _kernel_prints(prefix, module, dtype, packed, device)
             continue
         for pname, param in module.named_parameters(recurse=False):
-            if isinstance(module, VocabParallelEmbedding):
-                param = param[:vocab_size]  # [padded vocab, hidden]: padding rows are never looked up
-            prints[f"{prefix}.{pname}"] = tensor_fingerprint(param, dtype)
+            shard = None
+            if isinstance(module, VocabParallelEmbedding):  # [padded vocab part, hidden]: padding is never looked up
+                rows, shard = vocab_rows(module)
+                param = param[:rows]
+            shape = tuple(param.shape) if shard is None else (module.org_vocab_size, *param.shape[1:])
+            prints[f"{prefix}.{pname}"] = tensor_fingerprint(param, dtype, shape=shape) if shard is None else \
+                _part_fingerprint(param, dtype, shape, shard)
     return prints
 
 
-def _kernel_prints(prefix: str, module, dtype: torch.dtype, vocab_size: int, packed: dict, device) -> dict:
-    """Read a kernel-held weight back through the layer's own `quant_method.apply`, as in forward."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+def _part_fingerprint(part: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], shard: Shard) -> Fingerprint:
+    """The fingerprint of a served part of a tensor, labelled with the whole tensor's shape and the part's shard."""
+    print_ = tensor_fingerprint(part, dtype)
+    return Fingerprint(print_.exact, print_.dense, shape, shard=shard)
 
-    _, x = probe_inputs(module.input_size, dtype, device)
-    y = module.quant_method.apply(module, x)  # [K + 1, out], no bias
-    if isinstance(module, ParallelLMHead):
-        y = y[:, :vocab_size]
-    prints = {
-        f"{name}.weight": kernel_fingerprint(part, dtype, module.input_size)
-        for name, part in _unfuse(prefix, module, y, packed)
-    }
-    if getattr(module, "bias", None) is not None:
-        for name, part in _unfuse(prefix, module, module.bias, packed):
-            prints[f"{name}.bias"] = tensor_fingerprint(part, dtype)
+
+def _head_prints(prefix: str, module, dtype: torch.dtype, device) -> dict:
+    """The LM head read back through its kernel: its real vocabulary rows served here."""
+    rows, shard = vocab_rows(module)
+    _, x = probe_inputs(module.embedding_dim, dtype, device)
+    y = module.quant_method.apply(module, x)[:, :rows]  # [K + 1, rows], no bias
+    return {f"{prefix}.weight": kernel_fingerprint(y, dtype, (module.org_vocab_size, module.embedding_dim), shard)}
+
+
+def _kernel_prints(prefix: str, module, dtype: torch.dtype, packed: dict, device) -> dict:
+    """Read a kernel-held weight back through the layer's own `quant_method.apply`, as in forward: each checkpoint
+    tensor fused into the layer, its part served here."""
+    in_local, in_shard = input_shard(module)
+    _, x = probe_inputs(in_local, dtype, device)
+    y = module.quant_method.apply(module, x)  # [K + 1, out served here], no bias
+    parts = output_parts(module)
+    names = _fused_names(prefix, packed, len(parts))
+    prints = {}
+    for name, part, y_part in zip(names, parts, y.split([p.local for p in parts], dim=-1), strict=True):
+        shard = _weight_shard(part, in_shard)
+        prints[f"{name}.weight"] = kernel_fingerprint(y_part, dtype, (part.full, module.input_size), shard)
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        for name, part, b in zip(names, parts, bias.split([p.local for p in parts]), strict=True):
+            prints[f"{name}.bias"] = _part_fingerprint(b, dtype, (part.full,), part.shard) if part.shard else \
+                tensor_fingerprint(b, dtype)
     return prints
 
 
-def _unfuse(prefix: str, module, y: torch.Tensor, packed: dict) -> list[tuple[str, torch.Tensor]]:
-    """Split a fused layer's outputs by checkpoint name (qkv_proj -> q/k/v_proj), along the last dim."""
+def _weight_shard(part, in_shard: Shard | None) -> Shard | None:
+    """A weight's shard: its output rows (column-parallel) or its input columns (row-parallel); never both."""
+    assert part.shard is None or in_shard is None, "a layer splits either its outputs or its inputs"
+    return part.shard or in_shard
+
+
+def _fused_names(prefix: str, packed: dict, count: int) -> list[str]:
+    """The checkpoint names of a layer's fused tensors (qkv_proj -> q/k/v_proj), or its own name."""
     parent, _, leaf = prefix.rpartition(".")
     shards = packed.get(leaf)
-    if not shards:
-        return [(prefix, y)]
-    parts = y.split(list(module.output_sizes), dim=-1)
-    return [(f"{parent}.{shard}", part) for shard, part in zip(shards, parts, strict=True)]
-
+    if not shards or count == 1 and len(shards) != 1:
+        return [prefix] if count == 1 else [f"{prefix}.{i}" for i in range(count)]
+    return [f"{parent}.{shard}" for shard in shards]

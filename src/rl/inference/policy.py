@@ -10,6 +10,7 @@ stay refused, adapters change only here. Requests reach this state through `rl.i
 
 import asyncio
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -18,12 +19,16 @@ from pathlib import Path
 from fastapi import HTTPException
 
 from rl.adapter import ADAPTER_CONFIG
-from rl.manifest import STABLE, CorruptFileError, Entry, check_listed, read_manifest, read_marker
+from rl.inference import hooks
+from rl.inference.staging import PrivateCopies, StagedStep, stage_weights
+from rl.manifest import STABLE, CorruptFileError, Entry, OpenDir, check_listed, read_manifest, read_marker
 
 logger = logging.getLogger(__name__)
 
 ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
 ADAPTER_ID = 1  # vLLM's lora_int_id of the one adapter a LoRA server serves, replaced in place at every step
+PROBE_TIMEOUT_S = 60  # the one-token generation that proves the served state clean after a failed load
+PROBE_TOKENS = [0, 1, 2]  # any ids of the vocabulary
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class PolicyWeights:
         self.step, self.path, self.checksum = 0, str(Path(settings.base_model).resolve()), None
         self.marker: bytes | None = None  # the STABLE marker of the served step directory, as loaded
         self.manifest: dict[str, Entry] | None = None  # its files (None: the base model's directory)
+        self.copies = PrivateCopies()  # adapter steps as checked, which vLLM loads (never the user's path)
+        self.adapter_copy: str | None = None  # the served adapter's private copy
         self.broken: str | None = None
         self.lock = asyncio.Lock()
         # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
@@ -86,11 +93,22 @@ class PolicyWeights:
 
     async def update(self, step: int, path: str) -> dict:
         target = self._resolve(path, step)
-        try:  # files truncated or changed since the trainer published them are never loaded
-            marker, manifest = await asyncio.to_thread(published_step, Path(target))
+        try:  # one handle from the check of the marker to the last read of the files: see rl.inference.staging
+            directory = await asyncio.to_thread(self._open, target)
         except CorruptFileError as e:
-            raise HTTPException(422, f"step {step} refused, still serving step {self.step}: {e}") from None
+            raise HTTPException(422, f"step {step} refused, {self._still_serving()}: {e}") from None
+        try:
+            return await self._update(step, target, directory)
+        finally:
+            directory.close()
+
+    async def _update(self, step: int, target: str, directory: OpenDir) -> dict:
+        try:  # files truncated or changed since the trainer published them are never loaded
+            marker, manifest = await asyncio.to_thread(published_step, directory)
+        except CorruptFileError as e:
+            raise HTTPException(422, f"step {step} refused, {self._still_serving()}: {e}") from None
         self._check_kind(step, target, manifest)
+        await hooks.hold("after_check")
         async with self.lock:
             await self._verify_base()
             # step 0's adapter may replace the base model served as step 0 since start-up
@@ -99,19 +117,83 @@ class PolicyWeights:
                 raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
             if step == self.step and not self.broken and marker == self.marker:
                 return {"step": self.step, "weights_checksum": self.checksum}  # a retried request, same files
-            start, frozen = time.perf_counter(), 0
-            self.admitting.clear()  # new generation requests wait in AdminMiddleware until the switch is done
+            try:  # read and checked while generation goes on; nothing is loaded yet
+                staged = await asyncio.to_thread(self._stage, directory, manifest)
+            except CorruptFileError as e:
+                raise HTTPException(422, f"step {step} refused, {self._still_serving()}: {e}") from None
             try:
-                frozen = await self._freeze_in_flight()
-                return await self._switch(step, target, marker, manifest) | {"paused_requests": frozen}
+                return await self._held_switch(step, target, marker, manifest, staged)
             finally:
-                try:
-                    await self._release()
-                finally:
-                    self.admitting.set()
-                logger.info("update to step %d from %s in %.3f s (%d requests paused); %s step %d",
-                            step, target, time.perf_counter() - start, frozen,
-                            "BROKEN, generation refused; last verified" if self.broken else "serving", self.step)
+                if isinstance(staged, StagedStep):
+                    staged.close()
+                elif staged != self.adapter_copy:
+                    self.copies.remove(staged)
+
+    async def _held_switch(self, step: int, target: str, marker: bytes, manifest: dict[str, Entry],
+                           staged: StagedStep | str) -> dict:
+        """Switch to the staged step with new generation requests held; needs the lock."""
+        start, frozen, failed = time.perf_counter(), 0, True
+        self.admitting.clear()  # new generation requests wait in AdminMiddleware until the switch is done
+        try:
+            frozen = await self._freeze_in_flight()
+            reply = await self._switch(step, target, marker, manifest, staged) | {"paused_requests": frozen}
+            failed = False
+            return reply
+        finally:
+            try:
+                await self._release()
+                if failed and not self.broken:
+                    await self._prove_clean()
+            finally:
+                self.admitting.set()
+            logger.info("update to step %d from %s in %.3f s (%d requests paused); %s step %d",
+                        step, target, time.perf_counter() - start, frozen,
+                        "BROKEN, generation refused; last verified" if self.broken else "serving", self.step)
+
+    def _still_serving(self) -> str:
+        if self.broken:
+            return f"generation stays refused (broken since a failed load; last verified step {self.step})"
+        return f"still serving step {self.step}"
+
+    def _open(self, target: str) -> OpenDir:
+        """The step directory `target` (a real path inside the weights dir), opened once, no component a link."""
+        root = Path(os.path.realpath(self.settings.weights_dir))
+        return OpenDir.beneath(root, Path(target).relative_to(root))
+
+    def _stage(self, directory: OpenDir, manifest: dict[str, Entry]) -> StagedStep | str:
+        """The step's files as this server read and checked them, through `directory`: full weights staged in
+        memory for the workers, an adapter copied to a private directory (its path)."""
+        if is_adapter_step(manifest):
+            return self.copies.stage_adapter(directory, manifest)[0]
+        return stage_weights(directory, manifest)
+
+    async def _prove_clean(self) -> None:
+        """After a failed load, prove that what is served computes finite logprobs (one token, the adapter's too
+        when one is served); otherwise mark the weights broken and stop generation."""
+        try:
+            finite = await asyncio.wait_for(self._probe(), PROBE_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - any failure of the probe is a failure to prove
+            finite, reason = False, f"the probe generation failed: {error!r}"
+        else:
+            reason = "a probe generation's logprobs are not finite"
+        if not finite:
+            self.broken = (f"after a failed load, step {self.step} no longer serves cleanly ({reason}); generation is "
+                           "refused until a checkpoint loads and verifies")
+            await self.engine.pause_generation(mode="abort", clear_cache=False)
+            self.engine_paused = True
+
+    async def _probe(self) -> bool:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
+        lora = self._lora_request(self.adapter_copy, load_inplace=False) if self.adapter else None
+        finite = True
+        async for output in self.engine.generate({"prompt_token_ids": PROBE_TOKENS}, params,
+                                                 f"rl-probe-{time.monotonic_ns()}", lora_request=lora):
+            for completion in output.outputs:
+                for entry in completion.logprobs or []:
+                    finite &= all(math.isfinite(lp.logprob) for lp in entry.values())
+        return finite
 
     async def _freeze_in_flight(self) -> int:
         """Freeze the requests vLLM is running, so that no token is sampled between the reload and the new
@@ -143,12 +225,18 @@ class PolicyWeights:
                                      f"this server serves the LoRA adapter {name!r} over a fixed base model: it loads "
                                      "adapter steps only")
 
-    async def _switch(self, step: int, target: str, marker: bytes, manifest: dict[str, Entry]) -> dict:
-        """Load and verify `target` while generation is held; needs the lock."""
-        load = self._load_adapter if is_adapter_step(manifest) else self._load
-        report = await load(target, step, manifest)
+    async def _switch(self, step: int, target: str, marker: bytes, manifest: dict[str, Entry],
+                      staged: StagedStep | str) -> dict:
+        """Load and verify the staged step while generation is held; needs the lock."""
+        if isinstance(staged, StagedStep):
+            report = await self._load(staged, step)
+        else:
+            report = await self._load_adapter(staged, step, manifest)
         if not report["ok"]:
             raise await self._refuse(step, target, report)
+        if not isinstance(staged, StagedStep):
+            self.copies.remove(self.adapter_copy)
+            self.adapter_copy = staged
         self.step, self.path, self.checksum, self.broken = step, target, report["checksum"], None
         self.marker, self.manifest = marker, manifest
         served = {"step": step, "weights_checksum": self.checksum} | ({"adapter": self.adapter} if self.adapter else {})
@@ -174,7 +262,7 @@ class PolicyWeights:
             raise HTTPException(400, f"{path!r} is {target.name}: step {step} loads only from step_{step}")
         if not (target / STABLE).exists():
             raise HTTPException(409, f"{target} has no {STABLE} marker yet: it may be half written")
-        for entry in target.rglob("*"):
+        for entry in target.rglob("*"):  # the reads refuse any link (422); one leading out is named as such
             if entry.is_symlink() and not Path(os.path.realpath(entry)).is_relative_to(root):
                 raise HTTPException(403, f"{entry} links to {os.path.realpath(entry)}, outside the weights dir {root}")
         return str(target)
@@ -189,18 +277,21 @@ class PolicyWeights:
         self.checksum = report["checksum"]
         await self.engine.update_weight_version("0")
 
-    async def _load(self, path: str, step: int, manifest: dict[str, Entry] | None) -> dict:
-        """Reload `path` on every worker, which reads its listed weight files once (`manifest`; None: the base
-        model's directory) and verifies what it then serves; once verified, vLLM labels what it samples with `step`.
+    async def _load(self, staged: StagedStep | None, step: int) -> dict:
+        """Reload on every worker (every tensor-parallel rank) from the staged step's files (None: the base model's
+        directory), and verify what each then serves; once verified, vLLM labels what it samples with `step`.
 
         Needs generation held (no KV is computed until `_release`), so the prefix cache can be dropped
         while the worker reloads: running requests are preempted and their prompts and tokens so far
         recomputed with the new weights when generation resumes.
         """
-        files = None if manifest is None else {name: [e.bytes, e.crc32] for name, e in manifest.items()}
+        args = (None, self.settings.base_model) if staged is None else (staged.rpc(), None)
+        faults = hooks.reload_faults()
         reset = asyncio.create_task(self.engine.reset_prefix_cache(reset_running_requests=True))
-        report = _merge(await self.engine.collective_rpc("rl_load_weights", args=(path, files)))
+        report = _merge(await self.engine.collective_rpc("rl_load_weights", args=(*args, faults)))
         await reset
+        if staged is not None:
+            report["bytes_read"] = staged.bytes
         if report["ok"]:
             await self.engine.update_weight_version(str(step))
         return report
@@ -210,9 +301,9 @@ class PolicyWeights:
         its check when the worker read it is the caller's bad input (422), as when the server's own check finds it."""
         if not report["reloaded"]:
             if corrupt := report.get("corrupt"):
-                return HTTPException(422, f"step {step} refused, still serving step {self.step}: {corrupt}")
+                return HTTPException(422, f"step {step} refused, {self._still_serving()}: {corrupt}")
             return HTTPException(400, f"step {step} at {target} does not fit the served model, "
-                                      f"still serving step {self.step}: {_why(report)}")
+                                      f"{self._still_serving()}: {_why(report)}")
         failure = f"step {step} at {target} failed after reload: {_why(report)}"
         rollback = await self._restore()
         if rollback["ok"]:
@@ -224,22 +315,35 @@ class PolicyWeights:
         return HTTPException(500, self.broken)
 
     async def _restore(self) -> dict:
-        """Serve again the step served before a failed load, loaded as it was the first time."""
+        """Serve again the step served before a failed load: the adapter from its private copy, full weights
+        staged again from their directory (checked against the manifest they verified with)."""
         if is_adapter_step(self.manifest):
-            return await self._load_adapter(self.path, self.step, self.manifest)
+            return await self._load_adapter(self.adapter_copy, self.step, self.manifest)
         if self.settings.lora_name is not None:  # no adapter was served yet: the base model, step 0
             return await self._remove_adapter()
-        return await self._load(self.path, self.step, self.manifest)
+        if self.manifest is None:
+            return await self._load(None, self.step)
+        try:
+            with self._open(self.path) as directory:
+                staged = await asyncio.to_thread(stage_weights, directory, self.manifest)
+        except (CorruptFileError, OSError, ValueError) as error:
+            return {"ok": False, "reloaded": False, "mismatched": [f"step {self.step}'s files: {error}"],
+                    "differing": []}
+        try:
+            return await self._load(staged, self.step)
+        finally:
+            staged.close()
 
     async def _load_adapter(self, path: str, step: int, manifest: dict[str, Entry]) -> dict:
-        """Serve the adapter step at `path` in place of the served adapter, under the one adapter name. Needs
-        generation held (see `_load`).
+        """Serve the adapter at `path`, the server's private copy of a step (rl.inference.staging), in place of the
+        served adapter, under the one adapter name. Needs generation held (see `_load`).
 
-        a. each worker reads the step's files once, checked against `manifest`, and refuses an adapter that does not
+        a. each worker reads the copy's files once, checked against `manifest`, and refuses an adapter that does not
            fit the served LoRA layers (nothing is loaded then);
-        b. vLLM's `add_lora` loads the directory itself, in place (`load_inplace`), into the adapter's slot;
+        b. vLLM's `add_lora` loads the copy itself, in place (`load_inplace`), into the adapter's slot on every
+           worker (each its tensor-parallel part);
         c. each worker reads that slot back and compares it with the tensors it checked in a (vLLM's read is a
-           second read of the files: the comparison proves it got the same bytes).
+           second read of the copy: the comparison proves it got the same bytes).
         Once verified, requests find the adapter in vLLM's model registry, and vLLM labels what it samples with
         `step`. The report's checksum is `rl.adapter.adapter_checksum` of the files' tensors.
         """
@@ -298,7 +402,7 @@ def is_adapter_step(manifest: dict[str, Entry] | None) -> bool:
     return manifest is not None and ADAPTER_CONFIG in manifest
 
 
-def published_step(directory: Path) -> tuple[bytes, dict[str, Entry]]:
+def published_step(directory: OpenDir | Path) -> tuple[bytes, dict[str, Entry]]:
     """The step's marker bytes (what identifies its files) and manifest, both from one read of the marker: the
     directory holds exactly its listed files, and every one but the weight files (which the worker checks as it
     reads them, once) is checked here."""
@@ -311,10 +415,19 @@ def published_step(directory: Path) -> tuple[bytes, dict[str, Entry]]:
 
 
 def _merge(reports: list[dict]) -> dict:
-    """One report from every worker's: ok only if all are."""
+    """One report from every worker's (one per tensor-parallel rank): ok only if all are and all verified the same
+    files' checksum; the problems of every worker, each named by its rank where there are several."""
     first = dict(reports[0])
     first["ok"] = all(r["ok"] for r in reports)
     first["reloaded"] = any(r.get("reloaded", False) for r in reports)
+    if len(reports) > 1:
+        for key in ("mismatched", "differing"):
+            first[key] = [f"worker {r.get('tp_rank', i)}: {p}" for i, r in enumerate(reports) for p in r.get(key, [])]
+        if first["ok"] and len({r.get("checksum") for r in reports}) != 1:
+            first["ok"] = False
+            first["differing"] = ["the workers verified different files: checksums " +
+                                  ", ".join(str(r.get("checksum")) for r in reports)]
+        first["corrupt"] = next((r["corrupt"] for r in reports if r.get("corrupt")), None)
     return first
 
 

@@ -1,7 +1,7 @@
-"""Reading a published step's weight files once: every file's bytes, checked against the STABLE manifest as
-they are read, before anything is loaded; then the headers for a shape check, and tensors that view those
-bytes (no second copy, no second read) for the reload, the fingerprint and the checksum. An adapter step's two
-files are read the same way (`read_adapter`).
+"""What a worker reads: a published step's weight files as the server staged them (`MappedStep`: the server's
+checked bytes, mapped; headers for a shape check, then tensors that view those bytes for the reload, the fingerprint
+and the checksum), and an adapter step's two files from the server's private copy (`read_adapter`), checked again
+against the manifest as they are read.
 
 A model directory's files (the base model: the user's own, under no manifest) are read with safetensors
 (`checkpoint_tensors`, `checkpoint_shapes`). Tied embeddings: vLLM's Qwen3 loader does not skip `lm_head.weight`,
@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from rl.inference.staging import map_staged
 from rl.manifest import CorruptFileError, Entry, read_listed
 from rl.safetensors_io import MAX_HEADER_BYTES, parse_header, tensors_of
 
@@ -36,52 +37,33 @@ class ReadCount:
     files: list[str] = field(default_factory=list)
 
 
-def weight_files(manifest: dict[str, Entry]) -> list[str]:
-    """The listed safetensors files, the only ones loaded."""
-    names = sorted(name for name in manifest if name.endswith(".safetensors"))
-    if not names:
-        raise CorruptFileError("the step lists no *.safetensors file")
-    return names
+class MappedStep:
+    """A step's weight files as the server staged them (`rl.inference.staging`), mapped in this worker: tensors are
+    views of the server's checked bytes (nothing is read from the step directory here)."""
 
+    def __init__(self, staged: dict):
+        self.data = dict(map_staged(staged))  # file -> its bytes, mapped
 
-@dataclass
-class ReadStep:
-    """A step's weight files, each read once and checked against the manifest, held in memory until reloaded."""
-
-    directory: Path
-    data: dict[str, bytearray]  # file -> its bytes
+    @property
+    def bytes(self) -> int:
+        return sum(len(data) for data in self.data.values())
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every tensor, from the headers; a name in two files is corrupt."""
         shapes: dict[str, tuple[int, ...]] = {}
         for file, data in self.data.items():
-            header, _ = parse_header(
-                memoryview(data)[: min(len(data), 8 + MAX_HEADER_BYTES)], str(self.directory / file)
-            )
+            with memoryview(data) as view:
+                header, _ = parse_header(view[: min(len(data), 8 + MAX_HEADER_BYTES)], file, len(data))
             for name, info in header.items():
                 if name in shapes:
-                    raise CorruptFileError(
-                        f"{self.directory / file}: tensor {name!r} is also in another file of the step"
-                    )
+                    raise CorruptFileError(f"{file}: tensor {name!r} is also in another file of the step")
                 shapes[name] = tuple(info["shape"])
         return shapes
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor, as a view of the bytes read."""
+        """Every tensor, as a view of the mapped bytes."""
         for file, data in self.data.items():
-            yield from tensors_of(data, str(self.directory / file))
-
-
-def read_step(directory: Path, manifest: dict[str, Entry], count: ReadCount) -> ReadStep:
-    """Read every listed weight file of a step once, checking each against the manifest, before any of it is used:
-    vLLM's in-place reload cannot be stopped halfway (a failed reload leaves layers without weights), so a
-    corrupt file must be found before it starts."""
-    data = {}
-    for file in weight_files(manifest):
-        data[file] = read_listed(directory, file, manifest[file])
-        count.data_bytes += len(data[file])
-        count.files.append(file)
-    return ReadStep(directory, data)
+            yield from tensors_of(data, file)
 
 
 def read_adapter(directory: Path, manifest: dict[str, Entry], count: ReadCount

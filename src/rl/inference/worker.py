@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from rl.inference.adapters import AdapterMismatch, lora_slices, parse_adapter, slot_differences
 from rl.inference.fingerprint import FileTally, Fingerprint, compare, served_fingerprint, shape_mismatches
 from rl.inference.reading import (
-    ReadCount, checkpoint_shapes, checkpoint_tensors, read_adapter, read_step, with_tied_head, with_tied_shape,
+    MappedStep, ReadCount, checkpoint_shapes, checkpoint_tensors, read_adapter, with_tied_head, with_tied_shape,
 )
 from rl.manifest import CorruptFileError, Entry
 
@@ -38,7 +39,7 @@ class WeightSyncExtension:
         dtype, tied = self._rl_dtype_tied()
         try:
             start = time.perf_counter()
-            tally = FileTally(dtype, self.device)
+            tally = FileTally(dtype, self.device, self._rl_shards())
             for _ in tally.through(checkpoint_tensors(path, tied)):
                 pass
             return self._rl_verify(tally) | {"reloaded": False, "files_s": round(tally.seconds, 3),
@@ -47,63 +48,89 @@ class WeightSyncExtension:
             logger.exception("verifying the served weights against %s failed", path)
             return {"ok": False, "reloaded": False, "mismatched": [f"verification failed: {error!r}"], "differing": []}
 
-    def rl_load_weights(self, path: str, files: dict[str, list] | None = None) -> dict:
-        """Reload weights in place from `path` and verify them. `files` (name -> [bytes, crc32], the step's
-        STABLE manifest) names the only files read, each once and checked as it is read; None reads a model
-        directory's *.safetensors (the base model, on a rollback to step 0).
+    def rl_load_weights(self, staged: dict | None = None, path: str | None = None, faults: dict | None = None
+                        ) -> dict:
+        """Reload weights in place and verify them: from the step files the server staged (`staged`:
+        `StagedStep.rpc()`, checked as the server read them) or, with `staged` None, from the model directory `path`
+        (the base model, on a rollback to step 0). `faults` (tests only: rl.inference.hooks) fail or corrupt the
+        reload on purpose, to prove the verification and the rollback.
 
-        A checkpoint that is not of the served model (a tensor missing, extra or of another shape, read
-        from the files' headers), or a file that fails its check (`corrupt`), is refused before anything is
-        loaded, so the old weights keep serving.
+        A checkpoint that is not of the served model (a tensor missing, extra or of another shape, read from the
+        files' headers) is refused before anything is loaded, so the old weights keep serving.
         """
         dtype, tied = self._rl_dtype_tied()
-        count, reloaded = ReadCount(), False
+        reloaded = False
         try:
-            manifest = None if files is None else {name: Entry(*entry) for name, entry in files.items()}
-            if manifest is None:
+            if staged is None:
                 shapes, source = checkpoint_shapes(path, tied), checkpoint_tensors(path, tied)
             else:
-                step = read_step(Path(path), manifest, count)
+                step = MappedStep(staged)
                 shapes, source = with_tied_shape(step.shapes(), tied), with_tied_head(step.tensors(), tied)
             mismatched = shape_mismatches(self._rl_shapes(), shapes)
             if mismatched:
                 return {"ok": False, "reloaded": False, "mismatched": mismatched[:20], "differing": []}
-            tally = FileTally(dtype, self.device)
+            tally = FileTally(dtype, self.device, self._rl_shards())
             start, reloaded = time.perf_counter(), True
-            self.reload_weights(weights_iterator=tally.through(source))
+            self._rl_reload(_with_faults(tally.through(source), faults or {}, self._rl_tp_rank()))
             reload_s = time.perf_counter() - start
         except CorruptFileError as error:  # found before the reload started
             return {"ok": False, "reloaded": reloaded, "corrupt": str(error), "mismatched": [str(error)],
                     "differing": []}
         except Exception as error:
-            logger.exception("reloading weights from %s failed", path)
+            logger.exception("reloading weights (%s) failed", path or "staged step")
             return {"ok": False, "reloaded": reloaded, "mismatched": [f"reload failed: {error!r}"], "differing": []}
         start = time.perf_counter()
         report = self._rl_verify(tally)
         return report | {"reloaded": True, "reload_s": round(reload_s, 3), "files_s": round(tally.seconds, 3),
-                         "verify_s": round(time.perf_counter() - start, 3),
-                         "bytes_read": count.data_bytes}
+                         "verify_s": round(time.perf_counter() - start, 3)}
+
+    def _rl_reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's in-place reload. vLLM moves each layer to the meta device as the reload begins and processes it
+        once all its tensors arrived; a reload that stops halfway (an error in the source) would leave the layers
+        it had not finished in that state, and the rollback's reload would then fail on them ('Parameter' object
+        has no attribute 'weight_loader'). So a failed reload is finalized as vLLM finalizes a complete one: layers
+        never reached get their old tensors back, and the rollback reloads every layer from whole files."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        try:
+            self.reload_weights(weights_iterator=weights)
+        except BaseException:
+            try:
+                finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+            except Exception:
+                logger.exception("finalizing the failed reload failed too")
+            raise
 
     def _rl_verify(self, tally: FileTally) -> dict:
         """Compare what is served with the files' fingerprint; the report carries the files' checksum."""
         report = compare(self._rl_served(), tally.prints, self._rl_dtype_tied()[0])
-        return report | {"checksum": tally.checksum}
+        return report | {"checksum": tally.checksum, "tp_rank": self._rl_tp_rank()}
 
     def _rl_served(self) -> dict[str, Fingerprint]:
-        config = self.vllm_config
         with torch.inference_mode():
             model = self.model_runner.get_model()
-            prints = served_fingerprint(
-                model, config.model_config.dtype, config.model_config.get_vocab_size(), self.device
-            )
-        self._rl_served_shapes = {name: p.shape for name, p in prints.items()}  # fixed: reloads are in place
+            prints = served_fingerprint(model, self.vllm_config.model_config.dtype, self.device)
+        # fixed: reloads are in place
+        self._rl_served_layout = {name: (p.shape, p.shard) for name, p in prints.items()}
         return prints
 
-    def _rl_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Checkpoint name -> shape of every served tensor, from the first fingerprint of the served model."""
-        if getattr(self, "_rl_served_shapes", None) is None:
+    def _rl_layout(self) -> dict:
+        """Checkpoint name -> (whole shape, the shard served here) of every served tensor, from the first
+        fingerprint of the served model."""
+        if getattr(self, "_rl_served_layout", None) is None:
             self._rl_served()
-        return self._rl_served_shapes
+        return self._rl_served_layout
+
+    def _rl_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for name, (shape, _) in self._rl_layout().items()}
+
+    def _rl_shards(self) -> dict:
+        return {name: shard for name, (_, shard) in self._rl_layout().items() if shard is not None}
+
+    def _rl_tp_rank(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
 
     def _rl_dtype_tied(self) -> tuple[torch.dtype, bool]:
         model_config = self.vllm_config.model_config
@@ -162,3 +189,16 @@ class WeightSyncExtension:
         if worker_manager is None:
             raise RuntimeError("this server was started without LoRA: it has no LoRA layers")
         return worker_manager._adapter_manager
+
+
+def _with_faults(tensors: Iterator, faults: dict, tp_rank: int) -> Iterator:
+    """`tensors` with the test hooks' faults (rl.inference.hooks): failing at tensor `fail_at`, or one row of
+    one tensor changed on worker `rank` after its fingerprint was taken (`corrupt`: [name, row, rank])."""
+    corrupt_name, row, rank = faults.get("corrupt") or (None, 0, 0)
+    for i, (name, tensor) in enumerate(tensors):
+        if i == faults.get("fail_at"):
+            raise RuntimeError(f"reload failed on purpose at tensor {i} (test hook)")
+        if name == corrupt_name and rank == tp_rank:
+            tensor = tensor.clone()
+            tensor[row] += 1
+        yield name, tensor

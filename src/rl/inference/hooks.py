@@ -1,0 +1,61 @@
+"""Test hooks: points where a test drives the server deterministically (a race between a check and a read, a reload
+that fails on purpose), instead of by timing. Off unless the server's environment names a hook directory
+(`RL_TEST_HOOK_DIR`, which only tests set); a hook is armed by a file of that directory, read by this process
+alone (so every tensor-parallel worker sees the same choice, passed to it as an argument).
+
+- `fail_reload_at` holding an int k: the next reload fails at its k-th tensor (the file is consumed);
+- `corrupt_reload` holding `<tensor name> <row> <tensor-parallel rank>`: in the next reload, that worker adds 1 to
+  that row of the tensor after its fingerprint was taken, as a fault in the load would (consumed);
+- `after_check` present: the next update, once it has checked the step's marker and manifest, creates
+  `after_check.held` and waits (at most HOLD_TIMEOUT_S) until the test removes `after_check`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+HOOK_DIR_ENV = "RL_TEST_HOOK_DIR"
+HOLD_TIMEOUT_S = 60.0
+
+
+def _hook(name: str) -> Path | None:
+    root = os.environ.get(HOOK_DIR_ENV)
+    return Path(root) / name if root else None
+
+
+def take(name: str) -> str | None:
+    """The armed hook's text, disarming it; None when it is not armed."""
+    path = _hook(name)
+    if path is None or not path.exists():
+        return None
+    value = path.read_text().strip()
+    path.unlink()
+    return value
+
+
+def reload_faults() -> dict:
+    """The faults armed for the next reload, as the workers take them (`rl_load_weights(faults=...)`)."""
+    faults = {}
+    if (fail_at := take("fail_reload_at")) is not None:
+        faults["fail_at"] = int(fail_at)
+    if (corrupt := take("corrupt_reload")) is not None:
+        name, row, rank = corrupt.split()
+        faults["corrupt"] = [name, int(row), int(rank)]
+    return faults
+
+
+async def hold(name: str) -> None:
+    """Wait while the hook `name` is armed (see the module docstring); a test that never releases it is a
+    TimeoutError after HOLD_TIMEOUT_S."""
+    path = _hook(name)
+    if path is None or not path.exists():
+        return
+    path.with_name(name + ".held").touch()
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"test hook {path} was not released within {HOLD_TIMEOUT_S} s")
+        await asyncio.sleep(0.02)

@@ -1,0 +1,149 @@
+"""A step's files as the server checked them: what is checked is what is loaded.
+
+The server opens a step directory once (`OpenDir`: no component may be a symlink) and takes every read through
+that one handle: the STABLE marker, the manifest, the small files and then each weight file, read once into a
+sealed memfd (`stage_weights`) while its size, CRC-32 and safetensors header (every tensor inside the file, none
+overlapping) are checked. The workers, every tensor-parallel rank of the server, map those memfds read-only through
+`/proc/<server pid>/fd/<fd>` (`map_staged`): no worker opens the user's directory, nothing can change the bytes
+after the check (the memfd is sealed against writes), and they are in memory once per server however many workers
+map them. An adapter step is copied the same way into a private directory the server owns (`stage_adapter`), from
+which the workers read it and vLLM's `add_lora` loads it: vLLM never opens the user's path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from rl.manifest import CorruptFileError, Entry, OpenDir, read_listed
+from rl.safetensors_io import MAX_HEADER_BYTES, parse_header
+
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def weight_files(manifest: dict[str, Entry]) -> list[str]:
+    """The listed safetensors files, the only ones loaded."""
+    names = sorted(name for name in manifest if name.endswith(".safetensors"))
+    if not names:
+        raise CorruptFileError("the step lists no *.safetensors file")
+    return names
+
+
+@dataclass
+class StagedStep:
+    """A step's weight files, each in a sealed memfd of this process; `rpc()` is what a worker needs to map them."""
+
+    files: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (memfd, bytes)
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for _, size in self.files.values())
+
+    def rpc(self) -> dict:
+        return {"pid": os.getpid(), "files": {name: list(entry) for name, entry in self.files.items()}}
+
+    def close(self) -> None:
+        for fd, _ in self.files.values():
+            os.close(fd)
+        self.files.clear()
+
+
+def stage_weights(step: OpenDir, manifest: dict[str, Entry]) -> StagedStep:
+    """Read every listed weight file of `step` once, through its handle, into a sealed memfd, checked as it is
+    read (size, CRC-32, then the safetensors header against the file's length). CorruptFileError names the first
+    problem; nothing is kept then."""
+    staged = StagedStep()
+    try:
+        for name in weight_files(manifest):
+            staged.files[name] = _stage_file(step, name, manifest[name])
+    except BaseException:
+        staged.close()
+        raise
+    return staged
+
+
+def _stage_file(step: OpenDir, name: str, entry: Entry) -> tuple[int, int]:
+    fd = os.memfd_create(f"rl-{name}"[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        mapped: list[mmap.mmap] = []
+
+        def allocate(size: int):
+            if size == 0:
+                return bytearray()
+            os.ftruncate(fd, size)
+            mapped.append(mmap.mmap(fd, size))
+            return mapped[-1]
+
+        data = read_listed(step, name, entry, allocate=allocate)
+        size = len(data)
+        try:
+            with memoryview(data) as view:
+                parse_header(view[: min(size, 8 + MAX_HEADER_BYTES)], str(step / name), size)
+        finally:
+            del data
+            for m in mapped:
+                m.close()
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # no writable mapping is left: from here the bytes are fixed
+        return fd, size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def map_staged(staged: dict) -> Iterator[tuple[str, mmap.mmap]]:
+    """In a worker: each staged file of `StagedStep.rpc()`, mapped copy-on-write (writable views for torch, pages
+    shared with the server and every other worker until written, which nothing does)."""
+    pid = staged["pid"]
+    for name, (fd, size) in sorted(staged["files"].items()):
+        if size == 0:
+            raise CorruptFileError(f"{name} is empty: not a safetensors file")
+        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            yield name, mmap.mmap(own, size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(own)
+
+
+class PrivateCopies:
+    """Directories of this server alone (0700, under one temporary root removed at exit), one per adapter step,
+    holding the adapter's files as the server read and checked them."""
+
+    def __init__(self):
+        self.root: Path | None = None
+
+    def stage_adapter(self, step: OpenDir, manifest: dict[str, Entry]) -> tuple[str, dict[str, Entry]]:
+        """Copy an adapter step's two files, each read once through the step's handle and checked, into a new
+        private directory; returns it and its manifest (the same entries)."""
+        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+            if name not in manifest:
+                raise CorruptFileError(f"{step} is an adapter step but lists no {name}")
+        if self.root is None:
+            self.root = Path(tempfile.mkdtemp(prefix="rl-adapters-"))
+        copy = Path(tempfile.mkdtemp(prefix=f"{step.path.name}-", dir=self.root))
+        try:
+            for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+                data = read_listed(step, name, manifest[name])
+                fd = os.open(copy / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+        except BaseException:
+            self.remove(str(copy))
+            raise
+        return str(copy), {name: manifest[name] for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)}
+
+    def remove(self, copy: str | None) -> None:
+        """Remove one private copy (never a path outside the root)."""
+        if copy and self.root is not None and Path(copy).parent == self.root:
+            shutil.rmtree(copy, ignore_errors=True)
+
+    def close(self) -> None:
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
