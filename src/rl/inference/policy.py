@@ -122,6 +122,7 @@ class PolicyWeights:
             except CorruptFileError as e:
                 raise HTTPException(422, f"step {step} refused, {self._still_serving()}: {e}") from None
             try:
+                await hooks.hold("after_stage")
                 return await self._held_switch(step, target, marker, manifest, staged)
             finally:
                 if isinstance(staged, StagedStep):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.manifest import CorruptFileError, Entry, OpenDir, read_listed
-from rl.safetensors_io import MAX_HEADER_BYTES, parse_header
+from rl.safetensors_io import read_file_header
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -83,13 +83,10 @@ def _stage_file(step: OpenDir, name: str, entry: Entry) -> tuple[int, int]:
 
         data = read_listed(step, name, entry, allocate=allocate)
         size = len(data)
-        try:
-            with memoryview(data) as view:
-                parse_header(view[: min(size, 8 + MAX_HEADER_BYTES)], str(step / name), size)
-        finally:
-            del data
-            for m in mapped:
-                m.close()
+        del data
+        for m in mapped:
+            m.close()
+        read_file_header(fd, str(step / name))  # every tensor inside the file's bytes, none over another
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # no writable mapping is left: from here the bytes are fixed
         return fd, size
     except BaseException:

