@@ -6,6 +6,8 @@ must end within 30 s, exit non-zero naming the dead process, and leave no proces
 `--resume-step` from the checkpoint before the newest (what is after it is discarded) then finishes the run:
 every step must appear exactly once per process in metrics.jsonl, and inference serve the checkpoint's
 policy, not the base model's.
+Inference runs tensor-parallel (two workers per server): a killed server's workers must go with it, and a resumed
+run's server loads the checkpoint's step on both.
 Set RL_FAULT_SEED to replay the moments of a failed run.
 """
 
@@ -54,7 +56,7 @@ def test_each_process_killed_then_resumed_to_completion(tiny_model, tmp_path):
     rng = random.Random(seed)
     out = tmp_path / "run"
     paths = RunPaths(out)
-    extra = ["--ckpt.interval", "1"]
+    extra = ["--ckpt.interval", "1", "--inference.tensor-parallel-size", "2"]
     resumed_from = -1
     for victim in VICTIMS:
         run = Launched(rl_command(tiny_model, out, MAX_STEPS, *extra, *(["--resume"] if resumed_from >= 0 else [])))

@@ -1,10 +1,11 @@
-"""The whole loop for real: vLLM server, orchestrator with a verifiers environment, torchrun trainer.
-Each process killed mid-run, `--resume` and `--resume-step` after it, are in test_faults.py."""
+"""The whole loop for real: vLLM server (tensor-parallel: two workers), orchestrator with a verifiers environment,
+torchrun trainer. Each process killed mid-run, `--resume` and `--resume-step` after it, are in test_faults.py."""
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl.inference.fingerprint import checkpoint_fingerprint
 from rl.protocol import RunPaths, read_metrics, stable_steps
 from tests.integration.launched import Launched, rl_command
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 def test_five_steps_end_to_end(tiny_model, tmp_path):
     out = tmp_path / "run"
-    run = Launched(rl_command(tiny_model, out, 5))
+    run = Launched(rl_command(tiny_model, out, 5, "--inference.tensor-parallel-size", "2"))
     code = run.wait(timeout=900)
     assert code == 0, run.output[-5000:]
     paths = RunPaths(out)
@@ -27,6 +28,12 @@ def test_five_steps_end_to_end(tiny_model, tmp_path):
     assert all(k - 1 <= v <= k for k, v in enumerate(served)), served
     assert served == sorted(served) and served[-1] >= 3, served
     assert all(m["staleness"] <= 1 for m in metrics if m["process"] == "orchestrator")
+    # every load served exactly the published files: the checksum both workers computed of what they verified
+    loads = {m["policy_step"]: m["served_checksums"] for m in metrics if "served_checksums" in m}
+    kept = {step: checksums for step, checksums in loads.items() if paths.weights(step).is_dir()}  # step 1: deleted
+    assert len(loads) >= 3 and len(kept) >= 2, loads
+    for step, checksums in kept.items():
+        assert checksums == [checkpoint_fingerprint(paths.weights(step), torch.float32, tied=True)[1]], step
     # weights/step_1 is deleted once no server can need it (keep_weights = 4 newest, no checkpoint at 1)
     assert stable_steps(paths.weights_root) == [2, 3, 4, 5]
     assert stable_steps(paths.rollouts_root) == [3, 4]  # keep_rollouts = 2 newest trained batches

@@ -1,5 +1,6 @@
-"""A LoRA run for real: `rl` with trainer.lora, the trainer publishing adapters, the vLLM server loading each in
-place and verifying it, the orchestrator sampling from the adapter; then `eval --adapter` on the last one."""
+"""A LoRA run for real: `rl` with trainer.lora, the trainer publishing adapters, the vLLM server (tensor-parallel:
+two workers) loading each in place and verifying it, the orchestrator sampling from the adapter; then
+`eval --adapter` on the last one, on a tensor-parallel server eval starts itself."""
 
 import json
 
@@ -14,7 +15,8 @@ pytestmark = pytest.mark.integration
 
 def test_a_lora_run_serves_the_adapters_the_trainer_published(tiny_model, tmp_path):
     out = tmp_path / "run"
-    run = Launched(rl_command(tiny_model, out, 3, "--trainer.lora.rank", "8", "--trainer.optim.lr", "5e-3"))
+    run = Launched(rl_command(tiny_model, out, 3, "--trainer.lora.rank", "8", "--trainer.optim.lr", "5e-3",
+                              "--inference.tensor-parallel-size", "2"))
     assert run.wait(timeout=900) == 0, run.output[-5000:]
     paths = RunPaths(out)
     metrics = read_metrics(paths)
@@ -38,7 +40,7 @@ def test_a_lora_run_serves_the_adapters_the_trainer_published(tiny_model, tmp_pa
     results = tmp_path / "eval"
     cmd = ["-m", "rl.eval.main", "--model.name", str(tiny_model), "--adapter", str(paths.weights(3)),
            "--output-dir", str(results), "--num-examples", "4", "--rollouts-per-example", "1",
-           "--inference.port", str(free_port())]
+           "--inference.port", str(free_port()), "--inference.tensor-parallel-size", "2"]
     evaluation = Launched([run.proc.args[0], *cmd])
     assert evaluation.wait(timeout=600) == 0, evaluation.output[-5000:]
     summary = json.loads((results / "summary.json").read_text())
