@@ -1,6 +1,6 @@
 """What only a GPU can show (skipped without CUDA; `scripts/gpu-check.sh` runs them with a short Qwen3-0.6B run):
-a bf16 step published by the trainer's path reloads into a CUDA vLLM and verifies by its checksum, and the GPU
-split gives every child its own devices. The bf16 training step is in test_trainer.py, chunked logprobs on
+a bf16 step published by the trainer's path reloads into a CUDA vLLM (one GPU, and a TP=2 server on two, each worker
+proving its shard) and verifies by its checksum, and the GPU split gives every child its own devices. The bf16 training step is in test_trainer.py, chunked logprobs on
 CUDA in tests/unit/test_chunked_logprobs.py."""
 
 import subprocess
@@ -66,3 +66,40 @@ def test_the_gpu_split_gives_each_child_its_own_devices(tmp_path):
     assert visible(trainer) != visible(inference)
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in trainer
     assert "trainer.dtype = bfloat16 (auto: CUDA)" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one TP=2 server)")
+def test_a_tp2_cuda_server_reloads_verifies_each_shard_and_rolls_back_a_wrong_one(tmp_path):
+    """A TP=2 server on two GPUs (NCCL between its workers, CUDA graphs): a bf16 step reloads and verifies on both
+    workers with the files' checksum; a row changed on worker 1's shard after its fingerprint (rl's test hook) is
+    refused naming worker 1 and the tensor, and the verified step keeps serving."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    paths = RunPaths(tmp_path / "run")
+    paths.weights_root.mkdir(parents=True)
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log",
+                    toml="tensor_parallel_size = 2\ngpu_memory_utilization = 0.4\n",
+                    env={"CUDA_VISIBLE_DEVICES": "0,1", "RL_TEST_HOOK_DIR": str(hooks)})
+    try:
+        base = load_file(str(model_dir / "model.safetensors"))
+        side = hf_side_files(AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir))
+        for step in (1, 2):
+            g = torch.Generator().manual_seed(step)
+            state = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g)).bfloat16() for k, v in base.items()}
+            publish_step(paths, step, single_process_shards(state, DEFAULT_SHARD_BYTES), side)
+        response = server.admin("POST", "/update_weights", json={"step": 1, "path": str(paths.weights(1))})
+        assert response.status_code == 200, response.text
+        assert response.json()["weights_checksum"] == checkpoint_fingerprint(paths.weights(1), torch.bfloat16,
+                                                                             tied=True)[1]
+        before = server.generate([1, 91, 89, 75, 88, 5], max_tokens=8, temperature=0.0)
+        (hooks / "corrupt_reload").write_text("model.layers.1.self_attn.q_proj.weight 100 1")
+        response = server.admin("POST", "/update_weights", json={"step": 2, "path": str(paths.weights(2))})
+        assert response.status_code == 500, response.text
+        assert "worker 1: model.layers.1.self_attn.q_proj.weight: exact part differs" in response.text
+        assert server.admin("GET", "/policy_step").json()["step"] == 1
+        assert server.generate([1, 91, 89, 75, 88, 5], max_tokens=8, temperature=0.0) == before
+    finally:
+        server.stop()
