@@ -1,7 +1,7 @@
 """What only a GPU can show (skipped without CUDA; `scripts/gpu-check.sh` runs them with a short Qwen3-0.6B run):
 a bf16 step published by the trainer's path reloads into a CUDA vLLM (one GPU, and a TP=2 server on two, each worker
-proving its shard) and verifies by its checksum, and the GPU split gives every child its own devices. The bf16 training step is in test_trainer.py, chunked logprobs on
-CUDA in tests/unit/test_chunked_logprobs.py."""
+proving its shard) and verifies by its checksum, and the GPU split gives every child its own devices. The bf16
+training step is in test_trainer.py, chunked logprobs on CUDA in tests/unit/test_chunked_logprobs.py."""
 
 import subprocess
 import sys
