@@ -74,13 +74,20 @@ def file_crc32(path: Path) -> int:
             return zlib_ng.crc32(data)
 
 
-def mark_stable(directory: Path, **info) -> None:
-    """Write `directory/STABLE`, recording every file beneath it (size and CRC-32) and `info`."""
-    files = {
-        p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "crc32": file_crc32(p)}
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != STABLE and not is_temp(p)
-    }
+def mark_stable(directory: Path, written: dict[str, Entry] | None = None, **info) -> None:
+    """Write `directory/STABLE`, recording every file beneath it (size and CRC-32) and `info`. `written`: the size
+    and CRC-32 of files whose writers took them as they wrote (not read again here; a size that disagrees with the
+    file on disk is an error)."""
+    written = written or {}
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        if not p.is_file() or p.name == STABLE or is_temp(p):
+            continue
+        name, size = p.relative_to(directory).as_posix(), p.stat().st_size
+        known = written.get(name)
+        if known is not None and known.bytes != size:
+            raise CorruptFileError(f"{p} has {size} bytes, its writer wrote {known.bytes}")
+        files[name] = {"bytes": size, "crc32": known.crc32 if known else file_crc32(p)}
     atomic_write_text(directory / STABLE, json.dumps({"time": time.time(), **info, "files": files}) + "\n")
 
 

@@ -151,12 +151,13 @@ class RunPaths:
 # ---------------------------------------------------------------------------------------------------
 
 
-def publish_dir(tmp_dir: Path, final_dir: Path, **info) -> None:
-    """Move a fully written directory into place, then mark it STABLE (recording `info` in the marker)."""
+def publish_dir(tmp_dir: Path, final_dir: Path, written: dict | None = None, **info) -> None:
+    """Move a fully written directory into place, then mark it STABLE (recording `info` in the marker; `written`:
+    files whose writers took their size and CRC-32, see `mark_stable`)."""
     if final_dir.exists():
         shutil.rmtree(final_dir)
     tmp_dir.replace(final_dir)
-    mark_stable(final_dir, **info)
+    mark_stable(final_dir, written, **info)
 
 
 def is_stable(directory: Path) -> bool:

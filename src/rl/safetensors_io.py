@@ -1,8 +1,9 @@
-"""The safetensors format, read without the safetensors library's file access: an 8-byte little-endian header
-length N, N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then
-the data, offsets counting from the end of the header. Parsing bytes already read (`tensors_of`) lets a reader
-check and use a file from one read; `read_rows` reads a tensor's rows alone with pread (no mapping, so a rank
-loading its shard of a model keeps only that shard in memory).
+"""The safetensors format, read and written without the safetensors library's file access: an 8-byte
+little-endian header length N, N bytes of JSON `{name: {"dtype", "shape", "data_offsets": [begin, end]},
+"__metadata__": {...}}`, then the data, offsets counting from the end of the header. Parsing bytes already read
+(`tensors_of`) lets a reader check and use a file from one read; `write_file` writes one in a single pass that also
+takes its CRC-32 (so nobody needs a second pass to record it); `read_rows` reads a tensor's rows alone with pread
+(no mapping, so a rank loading its shard of a model keeps only that shard in memory).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import struct
 from collections.abc import Iterator
 
 import torch
+from zlib_ng import zlib_ng
 
 from rl.manifest import CorruptFileError
 
@@ -45,6 +47,39 @@ def parse_header(raw: bytes | bytearray | memoryview, where: str, file_bytes: in
         _check_entry(name, info, where)
     _check_layout(header, where, file_bytes - 8 - size)
     return header, 8 + size
+
+
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+WRITE_CHUNK = 64 * 2**20  # bytes handed to write() and the CRC at a time
+
+
+def write_file(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[int, int]:
+    """Write `tensors` (on the CPU) as a safetensors file at `path`, ordered as the safetensors library orders them
+    (wider dtypes first, then by name: every tensor stays aligned for its dtype) with the header padded to 8 bytes;
+    returns (bytes, CRC-32) of what was written, taken as it was written."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
+    crc, written = zlib_ng.crc32(head), len(head)
+    with open(path, "wb") as out:
+        out.write(head)
+        for name in order:
+            data = tensors[name].detach().contiguous().view(-1).view(torch.uint8).numpy()
+            for start in range(0, len(data), WRITE_CHUNK):
+                chunk = memoryview(data[start : start + WRITE_CHUNK])
+                out.write(chunk)
+                crc = zlib_ng.crc32(chunk, crc)
+            written += len(data)
+    return written, crc
 
 
 def _check_entry(name: str, info, where: str) -> None:

@@ -386,3 +386,25 @@ def test_an_adapter_step_is_read_once_and_checked(tmp_path):
     (directory / ADAPTER_WEIGHTS).write_bytes(bytes(data))
     with pytest.raises(CorruptFileError, match="fails its CRC-32 check"):
         read_adapter(directory, read_manifest(directory), ReadCount())
+
+
+def test_a_safetensors_file_written_in_one_pass_reads_back_with_its_crc():
+    """The trainer's writer takes each shard's size and CRC-32 as it writes it (nobody reads the shard again to
+    mark the step); the safetensors library reads the file back exactly, every tensor aligned for its dtype."""
+    import tempfile
+    import zlib
+
+    from safetensors.torch import load_file
+
+    from rl.safetensors_io import write_file
+
+    tensors = {"b.weight": torch.randn(3, 5).bfloat16(), "a": torch.arange(7), "c": torch.randn(4),
+               "empty": torch.empty(0), "odd": torch.ones(3, dtype=torch.uint8)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.safetensors")
+        size, crc = write_file(path, tensors, {"format": "pt"})
+        data = open(path, "rb").read()
+        assert (size, crc) == (len(data), zlib.crc32(data))
+        back = load_file(path)
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[n], t) and back[n].dtype == t.dtype for n, t in tensors.items())

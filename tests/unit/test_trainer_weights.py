@@ -81,3 +81,26 @@ def test_a_sharded_bf16_step_loads_like_the_model(tiny_model, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(step, dtype=torch.float32)
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor.bfloat16().float()), name
+
+
+def test_a_step_is_marked_with_the_writers_crcs_without_reading_a_shard_again(tmp_path, monkeypatch):
+    """Each writer takes its shard's CRC-32 as it writes it; rank 0 marks the step from the writers' records and
+    reads no shard back (here: reading one would fail)."""
+    import rl.manifest
+    from rl.trainer.weights import publish_step, single_process_shards
+
+    real_crc = rl.manifest.file_crc32
+
+    def crc_of_small_files_only(path):
+        assert not str(path).endswith(".safetensors"), f"{path} was read again to mark the step"
+        return real_crc(path)
+
+    monkeypatch.setattr(rl.manifest, "file_crc32", crc_of_small_files_only)
+    state = {f"layer{i}.weight": torch.randn(64, 64) for i in range(4)}
+    paths = RunPaths(tmp_path / "run")
+    side = {"config.json": b"{}"}
+    publish_step(paths, 1, single_process_shards(state, 2 * 64 * 64 * 4), side)  # two tensors per shard
+    monkeypatch.setattr(rl.manifest, "file_crc32", real_crc)
+    manifest = verify_stable(paths.weights(1))  # every recorded CRC-32 is the file's
+    assert sorted(manifest) == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                "model.safetensors.index.json"]  # the writers' records are gone

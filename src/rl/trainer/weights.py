@@ -4,8 +4,10 @@ The weights are split into safetensors shards of at most `shard_bytes` (one `mod
 else `model-0000i-of-0000n.safetensors` with a `model.safetensors.index.json`, as `save_pretrained` writes them);
 shard i belongs to rank i mod world size. Every tensor is cast to the dtype inference serves before it is
 gathered (bf16 halves what crosses the network and what is written), and only its shard's owner keeps it.
-Each rank writes its shards into the step's partial directory (`weights/.step_k.tmp`); rank 0 adds the config,
-tokenizer and index, waits for every shard, renames the directory into place and marks it STABLE. With
+Each rank writes its shards into the step's partial directory (`weights/.step_k.tmp`), taking each file's size and
+CRC-32 as it writes it, and records them beside the shard; rank 0 adds the config, tokenizer and index, waits for
+every shard's record, renames the directory into place and marks it STABLE with the writers' CRCs (no rank reads a
+shard again). Only a shard's owner copies its tensors to the host. With
 `background`, the writes run in one writer thread per rank while the next step trains.
 
 `lm_head.weight` is always written, tied or not: vLLM's in-place reload leaves a tied head unloaded otherwise
@@ -27,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_checksum, adapter_config_bytes
-from rl.atomic import atomic_write
+from rl.atomic import atomic_write, atomic_write_text
+from rl.manifest import Entry
 from rl.protocol import RunPaths, publish_dir
+from rl.safetensors_io import write_file
 from rl.trainer.config import TrainerConfig
 from rl.trainer.lora import adapter_tensors, full_tensor, lora_layers, merged_weight
 from rl.trainer.world import World
@@ -114,7 +116,8 @@ def gather_shards(model: torch.nn.Module, dtype: torch.dtype, world: World, max_
         owner = index % world.world_size == world.rank
         for name in names:
             layer = merged.get(sources[name])
-            full = merged_weight(layer, dtype) if layer else full_tensor(state[sources[name]], dtype)
+            # every rank takes part in the gather; only the shard's owner copies the tensor to the host
+            full = merged_weight(layer, dtype) if layer else full_tensor(state[sources[name]], dtype, to_host=owner)
             if owner:
                 mine.setdefault(file, {})[name] = full
     return StepShards(files, weight_map, mine, sum(size for _, size in sizes))
@@ -146,10 +149,37 @@ def hf_side_files(model_config, tokenizer) -> dict[str, bytes]:
 FORMAT = {"format": "pt"}  # safetensors metadata transformers expects
 
 
-def write_shards(directory: Path, shards: StepShards) -> None:
-    """This rank's shard files, each written under a temporary name and renamed (rank 0 waits for the names)."""
+def write_shards(directory: Path, shards: StepShards) -> dict[str, Entry]:
+    """This rank's shard files, each written under a temporary name and renamed, its size and CRC-32 taken as it
+    is written (`safetensors_io.write_file`: no second pass over the bytes)."""
+    written = {}
     for file, tensors in shards.mine.items():
-        atomic_write(directory / file, lambda tmp, tensors=tensors: save_file(tensors, str(tmp), metadata=FORMAT))
+        def write(tmp, tensors=tensors, file=file):
+            written[file] = Entry(*write_file(tmp, tensors, FORMAT))
+        atomic_write(directory / file, write)
+    return written
+
+
+def written_record(file: str) -> str:
+    """The name of the small file recording a shard's size and CRC-32 beside it, until rank 0 marks the step."""
+    return f".{file}.written.json"
+
+
+def record_written(directory: Path, written: dict[str, Entry]) -> None:
+    """Tell rank 0 each shard's size and CRC-32 (written after the shard: rank 0 waits for these names)."""
+    for file, entry in written.items():
+        atomic_write_text(directory / written_record(file), json.dumps({"bytes": entry.bytes, "crc32": entry.crc32}))
+
+
+def take_written(directory: Path, files: list[str]) -> dict[str, Entry]:
+    """Rank 0: every shard's record, removed from the step (the marker lists them instead)."""
+    written = {}
+    for file in files:
+        record = directory / written_record(file)
+        entry = json.loads(record.read_text())
+        written[file] = Entry(entry["bytes"], entry["crc32"])
+        record.unlink()
+    return written
 
 
 def write_side_files(directory: Path, shards: StepShards, side_files: dict[str, bytes]) -> None:
@@ -167,13 +197,14 @@ def finish_step(paths: RunPaths, step: int, shards: StepShards, side_files: dict
     directory = paths.partial_weights(step)
     write_side_files(directory, shards, side_files)
     deadline = time.monotonic() + timeout_s
-    while missing := [f for f in shards.files if not (directory / f).is_file()]:
+    while missing := [f for f in shards.files if not (directory / written_record(f)).is_file()]:
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"waited {timeout_s:.0f} s for the other ranks' shards of step {step}: {missing} never appeared"
             )
         time.sleep(0.05)
-    publish_dir(directory, paths.weights(step), **(shards.marker_info or {}))
+    written = take_written(directory, shards.files)
+    publish_dir(directory, paths.weights(step), written, **(shards.marker_info or {}))
 
 
 def publish_step(paths: RunPaths, step: int, shards: StepShards, side_files: dict[str, bytes]) -> None:
@@ -181,7 +212,7 @@ def publish_step(paths: RunPaths, step: int, shards: StepShards, side_files: dic
     directory = paths.partial_weights(step)
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    write_shards(directory, shards)
+    record_written(directory, write_shards(directory, shards))
     finish_step(paths, step, shards, side_files, timeout_s=0)
 
 
@@ -247,7 +278,7 @@ class WeightPublisher:
         return (shards.marker_info or {}).get("adapter_checksum")
 
     def _write(self, step: int, shards: StepShards) -> None:
-        write_shards(self.paths.partial_weights(step), shards)
+        record_written(self.paths.partial_weights(step), write_shards(self.paths.partial_weights(step), shards))
         if self.world.is_main:
             finish_step(self.paths, step, shards, self.side_files, self.timeout_s)
 
