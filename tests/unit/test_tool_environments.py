@@ -8,7 +8,7 @@ from renderers.configs import DefaultRendererConfig, Qwen3RendererConfig
 
 import in_process_chat
 from in_process_chat import InProcessChatConfig, InProcessChatHarness
-from in_process_chat.tools import ERROR_PREFIX, Toolbox, parse_arguments, tool_messages
+from in_process_chat.tools import ERROR_PREFIX, MAX_ARGUMENT_DEPTH, Toolbox, parse_arguments, tool_messages
 from rl.config import ConfigError, EnvConfig
 from rl.orchestrator.environment import EnvLoadError, load_environment
 from rl.renderer import chat_renderer, renderer_config
@@ -73,6 +73,58 @@ def test_arguments_that_are_not_a_json_object_are_answered_as_errors():
     assert parse_arguments('{"a": 1}') == {"a": 1} and parse_arguments({"a": 1}) == {"a": 1}
     assert parse_arguments('{"a": ').startswith(ERROR_PREFIX + "the arguments are not valid JSON")
     assert parse_arguments("[1]") == ERROR_PREFIX + "the arguments must be a JSON object, not list"
+    assert parse_arguments(None) == parse_arguments("") == {}
+    deepest = '{"a": ' * MAX_ARGUMENT_DEPTH + "1" + "}" * MAX_ARGUMENT_DEPTH
+    assert isinstance(parse_arguments(deepest), dict)
+    assert parse_arguments('{"a": "' + "[{" * 100 + '\\"]"}') == {"a": "[{" * 100 + '"]'}  # brackets in strings
+
+
+def nested_dict(depth: int) -> dict:
+    inner: dict = {}
+    for _ in range(depth):
+        inner = {"a": inner}
+    return inner
+
+
+class NeverCalled:
+    """An MCP connection the calls below must never reach: their arguments are refused first."""
+
+    async def run(self, operation):
+        raise AssertionError("a refused call reached the tool")
+
+
+@pytest.mark.parametrize("arguments, why", [
+    ('{"n": ' + "7" * 5000 + "}", "not valid JSON"),  # past Python's digit limit: ValueError
+    ("[" * 100_000 + "]" * 100_000, "nested deeper than"),  # RecursionError, were it parsed
+    ('{"a": "' + "x" * 10_000_000 + '"}', "longer than"),  # 10 MB
+    ('{"a": ' + '{"b": ' * 100 + "1" + "}" * 101, "nested deeper than"),
+    ("[1]", "must be a JSON object, not list"),
+    ("null", "must be a JSON object, not NoneType"),
+    (7, "must be a JSON object in a string, not int"),
+    (["a"], "must be a JSON object in a string, not list"),
+    (b'{"a": 1}', "must be a JSON object in a string, not bytes"),
+    (nested_dict(100_000), "cannot be written as JSON (RecursionError)"),
+    (nested_dict(100), "nested deeper than"),
+])
+def test_arguments_that_cannot_run_are_answered_as_errors_and_never_raise(arguments, why):
+    result = parse_arguments(arguments)
+    assert isinstance(result, str) and result.startswith(ERROR_PREFIX) and why in result
+    toolbox = Toolbox([], {"add": ("calc", "add")}, {"calc": NeverCalled()}, 5.0)
+    tool_call = {"id": "1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+    assert asyncio.run(toolbox.call(tool_call)) == result
+
+
+@pytest.mark.parametrize("tool_call, why", [
+    (["add", "{}"], "a tool call is an object"),
+    ({"function": "add"}, "a tool call is an object"),
+    ({"function": {"name": ["add"], "arguments": "{}"}}, "the tool's name must be a string, not list"),
+    ({"function": {"name": None}}, "the tool's name must be a string, not NoneType"),
+    ({"function": {"name": "sub", "arguments": "{}"}}, "unknown tool 'sub'; the tools are add"),
+])
+def test_calls_of_the_wrong_shape_are_answered_as_errors(tool_call, why):
+    toolbox = Toolbox([], {"add": ("calc", "add")}, {"calc": NeverCalled()}, 5.0)
+    reply = asyncio.run(toolbox.call(tool_call))
+    assert reply.startswith(ERROR_PREFIX) and why in reply
 
 
 class StandInToolbox(Toolbox):
@@ -120,3 +172,19 @@ def test_the_tool_loop_runs_calls_until_an_answer_or_the_budget(monkeypatch):
     budget = InProcessChatHarness(InProcessChatConfig(id="in-process-chat", max_tool_calls=1))
     assert asyncio.run(budget.tool_loop(StandInToolbox(), "e", "s", "m", list(start))) == ""
     assert len(seen) == 2 and len(tool_messages(seen[1][0])) == 1
+
+
+def test_calls_that_cannot_run_leave_the_rollout_going(monkeypatch):
+    replies = [{"content": "", "tool_calls": [["add"], call("add", "7" * 5000)]}, {"content": "done"}]
+    seen = []
+
+    async def stand_in_chat(endpoint, secret, model, messages, tools=None):
+        seen.append([dict(m) for m in messages])
+        return replies[len(seen) - 1]
+
+    monkeypatch.setattr(in_process_chat, "chat", stand_in_chat)
+    toolbox = Toolbox([], {"add": ("calc", "add")}, {"calc": NeverCalled()}, 5.0)
+    harness = InProcessChatHarness(InProcessChatConfig(id="in-process-chat"))
+    assert asyncio.run(harness.tool_loop(toolbox, "e", "s", "m", [{"role": "user", "content": "?"}])) == "done"
+    errors = tool_messages(seen[1])
+    assert len(errors) == 2 and all(e.startswith(ERROR_PREFIX) for e in errors)

@@ -166,7 +166,8 @@ class InProcessChatHarness(vf.Harness[InProcessChatConfig]):
             messages.append({"role": "assistant", "content": reply.get("content") or "", "tool_calls": tool_calls})
             for call in tool_calls[: self.config.max_tool_calls - calls]:
                 result = await toolbox.call(call)
-                messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": result})
+                call_id = call.get("id", "") if isinstance(call, dict) else ""  # a malformed call gets its error too
+                messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
                 calls += 1
 
 
