@@ -6,6 +6,8 @@ save is in docs/architecture.md ("Patches of other libraries"):
 - verifiers: its training client sends requests through our `EngineClient` (`use_engine_client`);
   both applied by the orchestrator's rollouts module when it is imported (`apply_orchestrator_patches`, which
   it hands the client class: this module imports nothing of rl's);
+- verifiers: its eval client reads chat replies through an httpx client that bounds their size and the time to
+  read them (`bound_eval_client`), applied by `eval/replies.py` when it is imported;
 - vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
   general plugin that vLLM runs in each of its processes, active only where `RL_VLLM_SHM_POLL_S` is set
   (the inference server sets it on CPU hosts).
@@ -84,6 +86,17 @@ def use_engine_client(client_class: type) -> None:
 
     patch_target(verifiers_train, "build_async_openai", "verifiers")
     verifiers_train.build_async_openai = client_class
+
+
+def bound_eval_client(build_client) -> None:
+    """verifiers' eval client (chat completions at any OpenAI-compatible server: what `eval` samples through with
+    `client.api = "chat"`) reads every reply whole, however large and however long it takes; it builds its httpx
+    client with `build_client` instead (rl's `eval/replies.py`: where the config carries them, a size bound and a
+    deadline enforced as each reply's bytes arrive; verifiers' own client otherwise)."""
+    import verifiers.v1.clients.eval as verifiers_eval
+
+    patch_target(verifiers_eval, "build_async_httpx", "verifiers")
+    verifiers_eval.build_async_httpx = build_client
 
 
 def apply_orchestrator_patches(client_class: type) -> None:

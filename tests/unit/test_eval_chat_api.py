@@ -1,18 +1,26 @@
 """`eval` against any OpenAI-compatible server: a fake one here (an HTTP server in a thread answering /v1/models
 and /v1/chat/completions, no vLLM), reached through chat completions with the API key named by
-client.api_key_var; and its clear failures: a refused key, a model the server does not serve, no server."""
+client.api_key_var; and its clear failures: a refused key, a model the server does not serve, no server, a reply
+too large or too slow (refused as it streams in)."""
 
+import asyncio
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import verifiers.v1 as vf
+from verifiers.v1.dialects import ChatDialect
+from verifiers.v1.errors import ProviderError
 
 from rl.eval import main as eval_main
+from rl.orchestrator.rollouts import ChatClient
 from tests.integration.launched import free_port
 
 KEY = "sk-test-not-a-real-key"
 MODEL = "fake-model"
+FLOOD_BYTES = 100 << 20
 
 
 class FakeOpenAI(BaseHTTPRequestHandler):
@@ -21,6 +29,8 @@ class FakeOpenAI(BaseHTTPRequestHandler):
 
     requests: list[dict] = []
     broken = False
+    flood: str | None = None  # "huge", "announced" or "trickle": a reply that is too large or too slow
+    floods: list[tuple[int, bool]] = []  # per flood: bytes sent, and whether the client closed before the end
 
     def do_GET(self):
         if self.path != "/v1/models":
@@ -37,6 +47,8 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         FakeOpenAI.requests.append(body)
         if FakeOpenAI.broken:
             return self.reply(500, {"error": {"message": "the engine is dead"}})
+        if FakeOpenAI.flood:
+            return self.send_flood(FakeOpenAI.flood)
         text = body["messages"][-1]["content"][::-1]
         self.reply(200, {
             "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
@@ -58,13 +70,34 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def send_flood(self, flood: str) -> None:
+        """A chat completion whose text is 100 MiB (its length announced, or not: read until the connection closes),
+        or 1000 bytes trickled at 20 bytes/s."""
+        size, step, pause = (1000, 1, 0.05) if flood == "trickle" else (FLOOD_BYTES, 1 << 16, 0.0)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        if flood != "huge":
+            self.send_header("Content-Length", str(size))
+        self.end_headers()
+        sent = 0
+        try:
+            self.wfile.write(b'{"id": "x", "object": "chat.completion", "choices": [{"message": {"content": "')
+            while sent < size:
+                self.wfile.write(b"a" * step)
+                self.wfile.flush()
+                sent += step
+                time.sleep(pause)
+        except OSError:  # the client closed the connection
+            pass
+        FakeOpenAI.floods.append((sent, sent < size))
+
     def log_message(self, *args) -> None:  # quiet
         pass
 
 
 @pytest.fixture
 def fake_openai():
-    FakeOpenAI.requests, FakeOpenAI.broken = [], False
+    FakeOpenAI.requests, FakeOpenAI.broken, FakeOpenAI.flood, FakeOpenAI.floods = [], False, None, []
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -137,3 +170,53 @@ def test_the_api_key_is_named_by_a_set_variable_never_given(tmp_path, monkeypatc
     assert code == 2 and "the environment variable FAKE_OPENAI_KEY is not set" in err
     code, err = run_eval(eval_argv("http://127.0.0.1:1/v1", tmp_path / "b", "--client.api-key-var", KEY), capsys)
     assert code == 2 and "not the key" in err and KEY not in err
+
+
+def wait_for_floods(count: int) -> list[tuple[int, bool]]:
+    """The floods the server sent, once `count` of them ended (their handler threads see the client close)."""
+    end = time.monotonic() + 10
+    while len(FakeOpenAI.floods) < count and time.monotonic() < end:
+        time.sleep(0.05)
+    return FakeOpenAI.floods
+
+
+@pytest.mark.parametrize("flood, refusal", [
+    ("huge", "passed .* bytes, over client.max_reply_bytes = 1048576; refused unread past the bound"),
+    ("announced", f"announced {FLOOD_BYTES} bytes, over client.max_reply_bytes = 1048576"),
+    ("trickle", "was not read whole within rollout.timeout_s = 2s of its request"),
+])
+def test_chat_replies_too_large_or_too_slow_are_refused_as_they_stream(fake_openai, monkeypatch, flood, refusal):
+    """verifiers' eval client, as eval builds it: the reply is refused within the deadline, naming the bound, and
+    never read whole (the server sees the connection closed)."""
+    monkeypatch.setenv("FAKE_OPENAI_KEY", KEY)
+    FakeOpenAI.flood = flood
+    chat = ChatClient(fake_openai, MODEL, "FAKE_OPENAI_KEY", max_reply_bytes=1 << 20, reply_deadline_s=2.0)
+
+    async def ask():
+        client = vf.resolve_client(chat.client_config())
+        try:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+            await client.get_response(ChatDialect(), body, vf.SamplingConfig())
+        finally:
+            await client.close()
+
+    start = time.monotonic()
+    with pytest.raises(ProviderError, match=refusal):
+        asyncio.run(ask())
+    assert time.monotonic() - start < 2.0 + 1.5
+    ((sent, closed_early),) = wait_for_floods(1)
+    assert closed_early and sent < FLOOD_BYTES / 4
+
+
+def test_eval_fails_a_rollout_whose_reply_is_too_large_and_names_the_bound(fake_openai, tmp_path, monkeypatch,
+                                                                           capsys):
+    monkeypatch.setenv("FAKE_OPENAI_KEY", KEY)
+    FakeOpenAI.flood = "huge"
+    start = time.monotonic()
+    argv = eval_argv(fake_openai, tmp_path / "a", "--client.max-reply-bytes", "65536", "--rollout.timeout-s", "60",
+                     "--rollout.max-retries", "0")
+    code, err = run_eval(argv, capsys)
+    assert code == 1 and "over client.max_reply_bytes = 65536; refused unread past the bound" in err
+    assert time.monotonic() - start < 30  # six 100 MiB replies, each refused after its first 64 KiB
+    floods = wait_for_floods(6)
+    assert len(floods) == 6 and all(closed_early and sent < FLOOD_BYTES / 4 for sent, closed_early in floods)

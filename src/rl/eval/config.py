@@ -11,6 +11,7 @@ from pydantic_settings import SettingsConfigDict
 
 from rl.config import ChatModelConfig, EnvConfig, Section, Settings, check_env_labels
 from rl.inference.config import InferenceConfig
+from rl.eval.replies import MAX_REPLY_BYTES
 from rl.orchestrator.config import EvalSettings, RolloutConfig
 from rl.orchestrator.rollouts import API_KEY_VAR
 
@@ -41,6 +42,12 @@ class EvalClientConfig(Section):
     served_model: Annotated[
         str | None, Field(description="the model name that server serves (a hosted API's model id); unset: model.name")
     ] = None
+    max_reply_bytes: Annotated[
+        int,
+        Field(ge=1024, description="with the chat api: the largest reply read from the server, in bytes; a larger one "
+                                   "fails its rollout as it streams in, read no further (replies are asked for "
+                                   "uncompressed, and each is read whole within rollout.timeout_s or refused)"),
+    ] = MAX_REPLY_BYTES
     startup_timeout_s: Annotated[
         float,
         Field(gt=0, description="deadline for the server to answer: /health on the server eval starts, /v1/models at "

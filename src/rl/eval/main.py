@@ -165,7 +165,8 @@ def inference_client(config: EvalCommandConfig, url: str, served: str, envs: lis
     """The chat client, or the token client with the model's renderer."""
     if config.client.resolved_api() == "chat":
         logger.info(f"sampling {served!r} through chat completions at {openai_api_root(url)}")
-        return ChatClient(url, served, config.client.api_key_var)
+        return ChatClient(url, served, config.client.api_key_var, config.client.max_reply_bytes,
+                          config.rollout.timeout_s)
     renderer, why = chat_renderer(config.model.renderer, config.model.name, envs)
     logger.info(f"model {config.model.name!r} renders with {describe_renderer(renderer)} ({why})")
     return InferenceClient(url, served, config.model.name, renderer, config.client.api_key_var)

@@ -23,6 +23,7 @@ from typing import Any
 import verifiers.v1 as vf
 from in_process_chat.tools import tool_messages
 
+from rl.eval.replies import MAX_REPLY_BYTES, BoundedChatConfig
 from rl.orchestrator.engine_client import EngineClient
 from rl.orchestrator.environment import Environment
 from rl.patches import apply_orchestrator_patches
@@ -79,9 +80,12 @@ class ChatClient:
     base_url: str  # the API root (https://api.openai.com/v1), or a server root, which gets /v1
     model: str
     api_key_var: str = API_KEY_VAR
+    max_reply_bytes: int = MAX_REPLY_BYTES  # a reply past this is refused as it streams (eval/replies.py)
+    reply_deadline_s: float | None = None  # each reply is read whole within this of its request, or refused
 
-    def client_config(self) -> vf.EvalClientConfig:
-        return vf.EvalClientConfig(base_url=openai_api_root(self.base_url), api_key_var=self.api_key_var)
+    def client_config(self) -> BoundedChatConfig:
+        return BoundedChatConfig(base_url=openai_api_root(self.base_url), api_key_var=self.api_key_var,
+                                 max_reply_bytes=self.max_reply_bytes, deadline_s=self.reply_deadline_s)
 
 
 def openai_api_root(url: str) -> str:
