@@ -14,6 +14,7 @@ import typing
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -336,7 +337,7 @@ def run_cli(cls: type[C], argv: list[str] | None = None) -> C:
         sys.exit(2)
 
 
-SECRET_FIELDS = ("admin_token",)
+SECRET_FIELDS = ("admin_token", "api_key")
 SECRET_MASK = "<hidden>"
 
 
@@ -349,7 +350,10 @@ def to_toml(config: BaseModel, mask_secrets: bool = False) -> str:
 
 def without_secrets(data: Any, drop: bool) -> Any:
     """A config dump (nested dicts and lists) with every secret field that holds a value masked (`SECRET_MASK`:
-    printed, it still shows the field is set) or dropped (`drop`: for a file that must not carry it)."""
+    printed, it still shows the field is set) or dropped (`drop`: for a file that must not carry it), and the
+    password of every URL masked (a URL without it would name another server)."""
+    if isinstance(data, str):
+        return url_without_password(data)
     if isinstance(data, list):
         return [without_secrets(v, drop) for v in data]
     if not isinstance(data, dict):
@@ -363,7 +367,20 @@ def without_secrets(data: Any, drop: bool) -> Any:
     return public
 
 
-def write_config(config: BaseModel, path: Path) -> None:
-    """Write the config readable by its owner only: resolved configs carry the admin token."""
+def url_without_password(text: str) -> str:
+    """`scheme://user:password@host/...` with the password masked; any other text as it is."""
+    try:
+        url = urlsplit(text) if "@" in text else None
+    except ValueError:  # not a URL (an unclosed '[' in what would be its host)
+        return text
+    if url is None or url.password is None:
+        return text
+    user = url.netloc.rpartition("@")[0].partition(":")[0]
+    return urlunsplit(url._replace(netloc=f"{user}:{SECRET_MASK}@{url.netloc.rpartition('@')[2]}"))
+
+
+def write_config(config: BaseModel, path: Path, mask_secrets: bool = False) -> None:
+    """Write the config readable by its owner only: resolved configs carry the admin token. `mask_secrets`: for
+    a record of the config that nothing reads back (see to_toml)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    atomic_write_text(path, to_toml(config), private=True)
+    atomic_write_text(path, to_toml(config, mask_secrets), private=True)

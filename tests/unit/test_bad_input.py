@@ -357,13 +357,18 @@ TOKEN_CASES = [
     ("tensor-parallel-above-the-cores", ["--inference.tensor-parallel-size", "100000"],
      "inference.tensor_parallel_size = 100000 needs 100000 CPU cores per server"),
     ("empty-value", ["--max-steps="], "max_steps: Input should be a valid integer"),
+    ("api-key-in-extra-args", ["--inference.extra-args", '["--api-key", "s3cret-key"]'], "set inference.api_key"),
+    ("api-key-with-equals-in-extra-args", ["--inference.extra-args", '["--api-key=s3cret-key"]'],
+     "set inference.api_key"),
+    ("api-key-abbreviated-in-extra-args", ["--inference.extra-args", '["--api_k", "s3cret-key"]'],
+     "set inference.api_key"),
 ]
 
 
 @pytest.mark.parametrize("extra, named", [c[1:] for c in TOKEN_CASES], ids=[c[0] for c in TOKEN_CASES])
 def test_config_gaps(extra, named, model, tmp_path, capsys, refuse_to_start):
     err = fails(rl_argv(model, tmp_path / "run") + extra, capsys)
-    assert named in err and "JSON" not in err, err
+    assert named in err and "JSON" not in err and "s3cret-key" not in err, err
 
 
 def test_dry_run_checks_the_output_dir_and_masks_the_admin_token(model, existing_run, tmp_path, capsys):
@@ -371,6 +376,23 @@ def test_dry_run_checks_the_output_dir_and_masks_the_admin_token(model, existing
     launcher.main(rl_argv(model, tmp_path / "new") + ["--dry-run", "--inference.admin-token", "s3cret-token-value"])
     out = capsys.readouterr().out
     assert "admin_token" in out and "s3cret-token-value" not in out, out
+
+
+def test_the_api_key_is_masked_in_the_dry_run_and_handed_to_the_orchestrator_unprinted(
+    model, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("RL_INFERENCE__API_KEY", "s3cret-api-key")
+    monkeypatch.setenv("RL_INFERENCE__ADMIN_TOKEN", "s3cret-token")  # the servers named below: another host
+    argv = rl_argv(model, tmp_path / "run") + ["--orchestrator.client.base-urls", '["http://u:s3cret-pw@a:8000"]']
+    launcher.main(argv + ["--dry-run"])
+    out = capsys.readouterr().out
+    assert 'api_key = "<hidden>"' in out and "s3cret" not in out, out
+    assert "http://u:<hidden>@a:8000" in out
+    config, host = launcher.load(argv)
+    (orchestrator,) = [s for s in launcher.child_specs(config, host, RunPaths(tmp_path / "run"))
+                       if s.name == "orchestrator"]
+    assert orchestrator.secret_env == {"RL_INFERENCE_API_KEY": "s3cret-api-key"}
+    assert "s3cret-api-key" not in str(orchestrator.extra_env)
 
 
 def test_resolved_configs_are_readable_by_their_owner_only(model, tmp_path, capsys, refuse_to_start):

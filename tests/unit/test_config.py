@@ -1,3 +1,4 @@
+import json
 import sys
 import typing
 from pathlib import Path
@@ -62,11 +63,49 @@ def test_flags_and_lists():
 
 
 def test_secrets_are_masked_for_printing_and_dropped_from_files_shared_with_hosts():
-    dump = {"inference": {"admin_token": "s3cret", "port": 8000}, "servers": [{"admin_token": "s3cret"}],
-            "admin_token": None}
-    assert without_secrets(dump, drop=False) == {"inference": {"admin_token": "<hidden>", "port": 8000},
-                                                 "servers": [{"admin_token": "<hidden>"}], "admin_token": None}
-    assert without_secrets(dump, drop=True) == {"inference": {"port": 8000}, "servers": [{}]}
+    dump = {"inference": {"admin_token": "s3cret", "api_key": "k3y", "port": 8000},
+            "servers": [{"admin_token": "s3cret"}], "admin_token": None,
+            "urls": ["https://user:pa55@host:8000/v1", "http://host/v1", "a@b"]}
+    urls = ["https://user:<hidden>@host:8000/v1", "http://host/v1", "a@b"]
+    assert without_secrets(dump, drop=False) == {
+        "inference": {"admin_token": "<hidden>", "api_key": "<hidden>", "port": 8000},
+        "servers": [{"admin_token": "<hidden>"}], "admin_token": None, "urls": urls}
+    assert without_secrets(dump, drop=True) == {"inference": {"port": 8000}, "servers": [{}], "urls": urls}
+
+
+def test_the_api_key_is_a_field_passed_to_vllm_never_an_extra_arg():
+    from rl.inference.config import InferenceConfig
+    from rl.inference.server import vllm_argv
+
+    argv = vllm_argv(InferenceConfig(dtype="auto", api_key="k3y"), "/m", 0.2, [])
+    assert argv[argv.index("--api-key") + 1] == "k3y"
+    assert "--api-key" not in vllm_argv(InferenceConfig(dtype="auto"), "/m", 0.2, [])
+    for extra in (["--api-key", "k3y"], ["--api-key=k3y"], ["--api_key", "k3y"], ["--api-ke", "k3y"]):
+        with pytest.raises(ConfigError, match=r"inference\.extra_args: .*set inference\.api_key") as refused:
+            parse_config(RLConfig, ["--inference.extra-args", json.dumps(extra)])
+        assert "k3y" not in str(refused.value)
+    kept = ["--api-server-count", "2"]
+    assert parse_config(RLConfig, ["--inference.extra-args", json.dumps(kept)]).inference.extra_args == kept
+
+
+def test_eval_records_and_prints_its_config_with_the_url_password_and_keys_masked(tmp_path, monkeypatch, capsys):
+    from rl.eval import main as eval_main
+    from rl.eval.serving import EvalError
+
+    def no_server(*args, **kwargs):
+        raise EvalError("no server here")
+
+    monkeypatch.setattr(eval_main, "wait_for_models", no_server)
+    monkeypatch.setenv("RL_EVAL__INFERENCE__API_KEY", "s3cret-key")
+    out = tmp_path / "eval"
+    with pytest.raises(SystemExit):
+        eval_main.main(["--model.name", "m", "--client.base-url", "https://me:s3cret-pw@api.example.com/v1",
+                        "--output-dir", str(out)])
+    text = (out / "configs" / "eval.toml").read_text()
+    assert "https://me:<hidden>@api.example.com/v1" in text and 'api_key = "<hidden>"' in text
+    printed = capsys.readouterr()
+    assert "waiting for inference server https://me:<hidden>@api.example.com/v1" in printed.out + printed.err
+    assert "s3cret" not in text + printed.out + printed.err
 
 
 def test_rl_sections_from_files_and_one_rl_toml(tmp_path):
@@ -148,12 +187,14 @@ def test_cpu_host_defaults_to_one_trainer_process_whose_openmp_workers_sleep(tmp
 def test_child_gets_its_spec_environment_over_the_launchers(tmp_path, monkeypatch):
     monkeypatch.setenv("RL_TEST_A", "launcher")
     monkeypatch.setenv("RL_TEST_B", "launcher")
-    code = "import os; print(os.environ['RL_TEST_A'], os.environ['RL_TEST_B'])"
-    spec = ChildSpec("child", [sys.executable, "-c", code], None, tmp_path / "child.log", {"RL_TEST_A": "spec"})
+    code = "import os; print(os.environ['RL_TEST_A'], os.environ['RL_TEST_B'], os.environ['RL_TEST_KEY'])"
+    spec = ChildSpec("child", [sys.executable, "-c", code], None, tmp_path / "child.log", {"RL_TEST_A": "spec"},
+                     secret_env={"RL_TEST_KEY": "s3cret"})
     supervisor = Supervisor(RunPaths(tmp_path), tail_lines=5, shutdown_timeout_s=5)
     supervisor.start(spec)
     assert supervisor.procs["child"].wait(timeout=30) == 0
-    assert spec.log.read_text().split() == ["spec", "launcher"]
+    assert spec.log.read_text().split() == ["spec", "launcher", "s3cret"]
+    assert "s3cret" not in str(spec.extra_env)  # what --dry-run prints
 
 
 def test_a_child_killed_by_a_signal_is_named_as_the_cause_of_the_others_exit(tmp_path, capsys):

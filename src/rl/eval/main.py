@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
 
-from rl.config import ConfigError, run_cli, write_config
+from rl.config import ConfigError, run_cli, url_without_password, write_config
 from rl.inference.config import LoraServingConfig
 from rl.eval.config import EvalCommandConfig
 from rl.eval.serving import (
@@ -164,7 +165,7 @@ def write_results(out: Path, records: list[dict], summary: dict) -> None:
 def inference_client(config: EvalCommandConfig, url: str, served: str, envs: list[Environment], logger):
     """The chat client, or the token client with the model's renderer."""
     if config.client.resolved_api() == "chat":
-        logger.info(f"sampling {served!r} through chat completions at {openai_api_root(url)}")
+        logger.info(f"sampling {served!r} through chat completions at {url_without_password(openai_api_root(url))}")
         return ChatClient(url, served, config.client.api_key_var, config.client.max_reply_bytes,
                           config.rollout.timeout_s)
     renderer, why = chat_renderer(config.model.renderer, config.model.name, envs)
@@ -176,8 +177,10 @@ def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logg
     step = stage_adapter(config.adapter, out) if config.adapter is not None else None
     supervisor, url = (None, config.client.base_url) if config.client.base_url else start_server(config, out)
     served = config.client.served_model or config.model.name
+    if supervisor is not None and config.inference.api_key:  # the server eval starts requires its key
+        os.environ[config.client.api_key_var] = config.inference.api_key
     try:
-        logger.info(f"waiting for inference server {url}")
+        logger.info(f"waiting for inference server {url_without_password(url)}")
         if supervisor is None:
             api_root = openai_api_root(url)
             check_served(api_root, served, wait_for_models(api_root, config.client.api_key_var,
@@ -210,8 +213,8 @@ def nothing_finished(config: EvalCommandConfig, url: str, served: str, evaluated
     if config.client.base_url is not None and config.client.resolved_api() == "tokens":
         hint = ("; client.api = 'tokens' needs rl's inference server, set client.api = 'chat' for any other "
                 "OpenAI-compatible server")
-    return (f"every rollout failed on {url} (model {served!r}, api {config.client.resolved_api()!r}; the errors are "
-            f"in {out / SUMMARY}). The first: {first_error}{hint}")
+    return (f"every rollout failed on {url_without_password(url)} (model {served!r}, api "
+            f"{config.client.resolved_api()!r}; the errors are in {out / SUMMARY}). The first: {first_error}{hint}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -232,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"eval: error: {e}", file=sys.stderr)
         sys.exit(2)
     out.mkdir(parents=True, exist_ok=True)
-    write_config(config, out / "configs" / "eval.toml")
+    write_config(config, out / "configs" / "eval.toml", mask_secrets=True)  # a record: nothing reads it back
     for env in envs:
         logger.info(env.describe())
     try:

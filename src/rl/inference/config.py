@@ -17,6 +17,12 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 by `ipaddress.is_loopback` in the server: without an admin token the admin routes answer only those.)"""
 
 
+API_KEY_VAR = "RL_INFERENCE_API_KEY"
+"""Environment variable rl's clients (orchestrator, eval) read the servers' API key from (unset sends "EMPTY"); rl
+sets it from inference.api_key. Naming our own keeps verifiers from reading the Prime CLI config it falls back to
+for its default variable."""
+
+
 def client_host(bind_host: str) -> str:
     """The address a client on this host reaches a server bound to `bind_host` at."""
     return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
@@ -38,10 +44,15 @@ def _vllm_takes_as(arg: str, long: str, short: str) -> bool:
     return name.startswith("--") and len(name) > len("--t") and long.startswith(name)
 
 
-def _no_parallel_flags(extra_args: list[str]) -> list[str]:
-    """vLLM's own parallel sizes, refused: its tensor parallel size is inference.tensor_parallel_size (rl places
-    each server's GPUs, or CPU cores, by it), and pipeline stages are not verified by rl."""
+def _no_rl_flags(extra_args: list[str]) -> list[str]:
+    """vLLM flags that are fields of rl, refused. Its parallel sizes: its tensor parallel size is
+    inference.tensor_parallel_size (rl places each server's GPUs, or CPU cores, by it), and pipeline stages are not
+    verified by rl. Its API key: a secret, which inference.api_key keeps out of every file and print-out that
+    extra_args reach."""
     for arg in extra_args:
+        if _vllm_takes_as(arg, "--api-key", "--api-key"):
+            raise ValueError(f"{arg.split('=', 1)[0]} in extra_args would write the API key into shared configs "
+                             "and print it: set inference.api_key instead (export RL_INFERENCE__API_KEY=...)")
         if _vllm_takes_as(arg, "--tensor-parallel-size", "-tp"):
             raise ValueError(f"{arg} duplicates inference.tensor_parallel_size: set that field instead (rl gives "
                              "each server that many GPUs, or CPU cores)")
@@ -116,11 +127,16 @@ class InferenceConfig(Settings):
     admin_token: Annotated[
         str | None, Field(min_length=1, description="bearer token required by the admin routes")
     ] = None
+    api_key: Annotated[
+        str | None,
+        Field(min_length=1, description="vLLM's API key, required on every generation route and sent by rl's "
+                                        "clients; a secret: give it by environment (RL_INFERENCE__API_KEY)"),
+    ] = None
     lora: Annotated[
         LoraServingConfig | None, Field(description="serve a LoRA adapter (set by rl when trainer.lora is on)")
     ] = None
     extra_args: Annotated[
-        list[str], AfterValidator(_no_parallel_flags),
+        list[str], AfterValidator(_no_rl_flags),
         Field(description="any other vLLM server arguments, passed through (after rl's: they win)"),
     ] = []
 

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from rl.config import ConfigError, format_validation_error, parse_config, config_help, to_toml, write_config
 from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir
-from rl.inference.config import cpu_server_env
+from rl.inference.config import API_KEY_VAR, cpu_server_env
 from rl.launcher.config import RLConfig, check_hosts, resolve
 from rl.launcher.devices import (
     DevicePlan, check_gpu_ids, child_visible_devices, cpu_plan, cuda_unavailable, gpu_flags_without_gpus,
@@ -155,7 +155,9 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
             specs.append(ChildSpec(name, cmd, visible, logs / f"{name}.log", env))
     if host.runs("orchestrator"):
         cmd = [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")]
-        specs.append(ChildSpec("orchestrator", cmd, [], logs / "orchestrator.log"))  # no GPU
+        # verifiers' clients read the servers' API key from the variable they are given the name of
+        key = {API_KEY_VAR: config.inference.api_key} if config.inference.api_key else {}
+        specs.append(ChildSpec("orchestrator", cmd, [], logs / "orchestrator.log", secret_env=key))  # no GPU
     if host.runs("trainer"):
         cmd = torchrun_args(host, paths) + ["-m", "rl.trainer.main", "@", str(configs / "trainer.toml")]
         gpus = plan.trainer_gpus

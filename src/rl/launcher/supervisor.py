@@ -29,6 +29,7 @@ class ChildSpec:
     gpus: list[str] | None  # the child's CUDA_VISIBLE_DEVICES entries ([]: none); None leaves the launcher's
     log: Path
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
+    secret_env: dict[str, str] = field(default_factory=dict)  # added too, and never printed (not in extra_env)
 
     @property
     def extra_env(self) -> dict[str, str]:
@@ -65,7 +66,7 @@ class Supervisor:
         self.descendants: dict[str, dict[int, psutil.Process]] = {}
 
     def start(self, spec: ChildSpec) -> None:
-        env = dict(os.environ) | spec.extra_env | {"PYTHONUNBUFFERED": "1"}
+        env = dict(os.environ) | spec.extra_env | spec.secret_env | {"PYTHONUNBUFFERED": "1"}
         spec.log.parent.mkdir(parents=True, exist_ok=True)
         with open(spec.log, "ab") as log:
             self.procs[spec.name] = subprocess.Popen(

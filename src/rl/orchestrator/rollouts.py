@@ -23,14 +23,11 @@ from typing import Any
 import verifiers.v1 as vf
 from in_process_chat.tools import tool_messages
 
+from rl.inference.config import API_KEY_VAR
 from rl.eval.replies import MAX_REPLY_BYTES, BoundedChatConfig
 from rl.orchestrator.engine_client import EngineClient
 from rl.orchestrator.environment import Environment
 from rl.patches import apply_orchestrator_patches
-
-API_KEY_VAR = "RL_INFERENCE_API_KEY"
-"""Environment variable holding the inference API key (unset sends "EMPTY"). Naming our own keeps
-verifiers from reading the Prime CLI config it falls back to for its default variable."""
 
 apply_orchestrator_patches(EngineClient)  # verifiers' per-turn costs: see rl/patches.py
 
