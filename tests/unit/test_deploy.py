@@ -3,6 +3,8 @@ host board in the shared run directory, and the SLURM job and Kubernetes manifes
 manifests checked against Kubernetes' own schemas)."""
 
 import json
+import re
+import shlex
 import subprocess
 import time
 from dataclasses import asdict, replace
@@ -114,10 +116,10 @@ def test_a_peer_whose_clock_is_an_hour_behind_is_alive_while_its_file_changes(tm
     assert a.trouble().name == "b"
 
 
-def rendered_k8s(tmp_path, *argv) -> list[dict]:
+def rendered_k8s(tmp_path, *argv, token: str = "tok3n") -> list[dict]:
     config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "demo"), "--model.name", "Qwen/Qwen3-0.6B",
                                              "--k8s", *argv])
-    return [d for d in yaml.safe_load_all(render_k8s(config, RunPaths(tmp_path / "demo"), token="tok3n")) if d]
+    return [d for d in yaml.safe_load_all(render_k8s(config, RunPaths(tmp_path / "demo"), token=token)) if d]
 
 
 def pod_argv(command: str, index: int, files: dict[str, Path]) -> list[str]:
@@ -187,19 +189,19 @@ def test_k8s_with_an_existing_claim_makes_no_volume(tmp_path):
     assert jobs == {"exp1-inference", "exp1-orchestrator", "exp1-trainer"}
 
 
-def slurm_steps(config: RLConfig, tmp_path, nodes: list[str]) -> dict[str, list[str]]:
+def slurm_steps(config: RLConfig, tmp_path, nodes: list[str], env: dict | None = None) -> dict[str, list[str]]:
     """Run the job's script with SLURM's commands stubbed: each node's `rl` command line (srun's arguments
     after the node)."""
-    script = slurm_job(config, RunPaths(tmp_path / "run"))
+    script = slurm_job(config, RunPaths(config.output_dir))
     check = subprocess.run(["bash", "-n", str(script)], text=True, capture_output=True)
     assert check.returncode == 0, check.stderr
     steps = tmp_path / "steps"
     steps.mkdir()
     stubs = (f'scontrol() {{ printf "%s\\n" {" ".join(nodes)}; }}\n'
              f'srun() {{ while [ "$1" != -w ]; do shift; done; node=$2; shift 2; '
-             f'printf "%s\\0" "$@" > {steps}/"$node"; }}\n')
-    ran = subprocess.run(["bash", "-c", stubs + f"source {script}"], text=True, capture_output=True,
-                         env={"SLURM_JOB_NODELIST": "stubbed", "PATH": "/usr/bin:/bin"})
+             f'printf "%s\\0" "$@" > {shlex.quote(str(steps))}/"$node"; }}\n')
+    ran = subprocess.run(["bash", "-c", stubs + f"source {shlex.quote(str(script))}"], text=True, capture_output=True,
+                         env={"SLURM_JOB_NODELIST": "stubbed", "PATH": "/usr/bin:/bin"} | (env or {}))
     assert ran.returncode == 0, ran.stderr
     return {node: (steps / node).read_text().split("\0")[:-1] for node in nodes}
 
@@ -294,3 +296,123 @@ def test_the_committed_example_is_what_rl_renders_today(capsys, monkeypatch):
     assert rendered == (ROOT / "deploy" / "k8s" / "example.yaml").read_text(), "run: bash deploy/render-example.sh"
     for document in yaml.safe_load_all(rendered):
         kubernetes_validate.validate(document, "1.30.0", strict=True)
+
+
+# ---- Values in the renders: refused where they would break their line, quoted or dumped as data elsewhere ----
+
+# Printable, but the syntax of a shell, an #SBATCH line and YAML: quotes, a command substitution, a comment.
+HOSTILE = "q'd \"dq\" $(touch pwned) `touch pwned` #c: {x: y}"
+
+SLURM_REFUSED = [
+    (["--output-dir", "{tmp}/run\ntouch pwned"], "output_dir"),
+    (["--output-dir", "{tmp}/run\rx"], "output_dir"),
+    (["--output-dir", "{tmp}/run%j"], "output_dir"),  # sbatch's --output reads it as a pattern
+    (["--output-dir", "{tmp}/a\\b"], "output_dir"),  # sbatch's #SBATCH lines read it as an escape
+    (["--slurm.partition", "gpu\ntouch pwned"], "slurm.partition"),
+    (["--slurm.partition", "gpu #x"], "slurm.partition"),
+    (["--slurm.account", "a\tb"], "slurm.account"),
+    (["--slurm.sbatch", '["--qos=high\\ntouch pwned"]'], "slurm.sbatch"),
+    (["--slurm.setup", '["module load cuda\\u0000"]'], "slurm.setup"),
+]
+
+
+@pytest.mark.parametrize("argv, field", SLURM_REFUSED)
+def test_the_slurm_job_refuses_a_value_that_would_break_out_of_its_line(tmp_path, argv, field):
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm", *argv])
+        slurm_job(config, RunPaths(config.output_dir))
+    assert not list(tmp_path.rglob("rl.sbatch")) and not list(tmp_path.rglob("pwned"))
+
+
+def test_the_slurm_job_quotes_what_it_renders_and_keeps_values_out_of_comment_lines(tmp_path, monkeypatch):
+    run = tmp_path / f"run {HOSTILE}"
+    monkeypatch.chdir(tmp_path)
+    config = parse_config(RLConfig, FILES + ["--output-dir", str(run), "--slurm",
+                                             "--slurm.sbatch", json.dumps(["--comment='a b #c'"])])
+    steps = slurm_steps(config, tmp_path, ["n1", "n2"])  # bash -n, then run with srun stubbed
+    for argv in steps.values():
+        assert argv[3:7] == ["@", str(run / "slurm" / "rl.toml"), "@", str(run / "slurm" / "placement.toml")]
+    assert not list(tmp_path.rglob("pwned"))
+    lines = (run / "slurm" / "rl.sbatch").read_text().splitlines()
+    comments = [line for line in lines if line.startswith("#") and not line.startswith(("#!", "#SBATCH"))]
+    assert not [line for line in comments if "pwned" in line or str(tmp_path) in line], comments
+    output = next(line for line in lines if line.startswith("#SBATCH --output="))
+    assert shlex.split(output.removeprefix("#SBATCH ")) == [f"--output={run}/slurm/%j.log"]  # as sbatch reads it
+    assert "#SBATCH --comment='a b #c'" in lines
+
+
+def shape(node, path: str = "") -> set[str]:
+    """Every key path of a parsed document (list items by position): its structure, without the values."""
+    if isinstance(node, dict):
+        return {path} | {p for key, value in node.items() for p in shape(value, f"{path}/{key}")}
+    if isinstance(node, list):
+        return {path} | {p for i, value in enumerate(node) for p in shape(value, f"{path}/{i}")}
+    return {path}
+
+
+def test_k8s_values_are_dumped_as_data_and_never_change_the_manifests_structure(tmp_path):
+    plain = rendered_k8s(tmp_path, "--k8s.storage-class", "fast", "--k8s.env", '{"A": "b"}')
+    token = 'tok3n"\n  extra: key'
+    image = "rl:latest\n  securityContext: {privileged: true}"
+    storage = '1Gi"\n    limits: {storage: 1Ti}'
+    documents = rendered_k8s(tmp_path, "--k8s.image", image, "--k8s.storage-size", storage,
+                             "--k8s.storage-class", HOSTILE, "--k8s.env", json.dumps({"A": HOSTILE + "\nline 2"}),
+                             token=token)
+    assert [shape(d) for d in documents] == [shape(d) for d in plain]
+    assert not [path for d in documents for path in shape(d) if "securityContext" in path or "extra" in path]
+    secret = next(d for d in documents if d["kind"] == "Secret")
+    assert secret["stringData"] == {"token": token}
+    claim = next(d for d in documents if d["kind"] == "PersistentVolumeClaim")["spec"]
+    assert (claim["resources"]["requests"]["storage"], claim["storageClassName"]) == (storage, HOSTILE)
+    for job in (d for d in documents if d["kind"] == "Job"):
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        assert container["image"] == image and container["env"][-1] == {"name": "A", "value": HOSTILE + "\nline 2"}
+    claimed = rendered_k8s(tmp_path, "--k8s.existing-claim", HOSTILE)
+    assert [shape(d) for d in claimed] == [shape(d) for d in rendered_k8s(tmp_path, "--k8s.existing-claim", "c")]
+    volumes = [d["spec"]["template"]["spec"]["volumes"][0] for d in claimed if d["kind"] == "Job"]
+    assert {v["persistentVolumeClaim"]["claimName"] for v in volumes} == {HOSTILE}
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--k8s.env", '{"A B": "x"}'], "k8s.env"),
+    (["--k8s.env", '{"A\\nB: c": "x"}'], "k8s.env"),
+    (["--k8s.env", '{"1A": "x"}'], "k8s.env"),
+    (["--k8s.mount-path", "/rl\n  - {name: x}"], "k8s.mount_path"),
+])
+def test_k8s_values_kubernetes_refuses_are_refused_by_name(tmp_path, argv, field):
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        rendered_k8s(tmp_path, *argv)
+
+
+def test_the_api_key_reaches_the_pods_from_a_secret_and_no_shared_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("RL_INFERENCE__API_KEY", "k3y-from-env")
+    documents = rendered_k8s(tmp_path)
+    secrets = {d["metadata"]["name"]: d["stringData"] for d in documents if d["kind"] == "Secret"}
+    assert secrets == {"rl-admin-token": {"token": "tok3n"}, "rl-api-key": {"key": "k3y-from-env"}}
+    config_map = next(d for d in documents if d["kind"] == "ConfigMap")
+    assert "k3y-from-env" not in str(config_map) and "api_key" not in str(config_map)
+    for job in (d for d in documents if d["kind"] == "Job"):
+        env = job["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "RL_INFERENCE__API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": "rl-api-key", "key": "key"}}} in env
+
+
+def test_the_slurm_job_takes_the_api_key_from_its_environment_and_no_file(tmp_path, monkeypatch):
+    from rl.launcher.deploy import submit
+
+    config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm",
+                                             "--inference.api-key", "k3y-given"])
+    with pytest.raises(AssertionError, match="export RL_INFERENCE__API_KEY"):
+        slurm_steps(config, tmp_path, ["n1", "n2"])  # run without the key: the job stops before any step
+    written = [p.read_text() for p in (tmp_path / "run" / "slurm").iterdir()]
+    assert len(written) == 3 and not [text for text in written if "k3y-given" in text]
+    (tmp_path / "steps").rmdir()
+    slurm_steps(config, tmp_path, ["n1", "n2"], env={"RL_INFERENCE__API_KEY": "k3y-given"})
+    bin_dir = tmp_path / "bin"  # an sbatch that records the key in the environment it was given
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$RL_INFERENCE__API_KEY" > {tmp_path}/key; echo 42\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    assert submit(tmp_path / "run" / "slurm" / "rl.sbatch", config) == "42"
+    assert (tmp_path / "key").read_text() == "k3y-given\n"

@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, PrivateAttr
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, PrivateAttr
 from pydantic_settings import SettingsConfigDict
 
 from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig, optional_section
@@ -28,6 +29,31 @@ class SharedModelConfig(Section):
     ] = None
 
 
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def one_line(value: str) -> str:
+    """A value rendered into a line of text (a shell line, an #SBATCH line) must end nowhere but where the line
+    ends: a newline would start a line of its own, run as a command."""
+    if CONTROL_CHARACTERS.search(value):
+        raise ValueError(f"{value!r} holds a control character, which would break the line it is rendered into")
+    return value
+
+
+def env_name(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        raise ValueError(f"{value!r} is not an environment variable name (letters, digits and _, not starting "
+                         "with a digit)")
+    return value
+
+
+OneLine = Annotated[str, AfterValidator(one_line)]
+EnvName = Annotated[str, AfterValidator(env_name)]
+# Names SLURM takes for a partition (or a comma-separated list of them) and an account: nothing an #SBATCH line
+# would read as a space, a quote or a comment.
+SLURM_NAME = r"^[A-Za-z0-9._,-]+$"
+
+
 class SlurmConfig(Section):
     """`rl --slurm`: one sbatch job, the nodes split between inference and the trainer."""
 
@@ -42,15 +68,15 @@ class SlurmConfig(Section):
         int | None, Field(ge=1, description="GPUs per node (--gpus-per-node); unset on CPU nodes")
     ] = None
     cpus_per_task: Annotated[int | None, Field(ge=1, description="CPUs per node's task (--cpus-per-task)")] = None
-    partition: Annotated[str | None, Field(description="SLURM partition")] = None
-    account: Annotated[str | None, Field(description="SLURM account")] = None
+    partition: Annotated[str | None, Field(pattern=SLURM_NAME, description="SLURM partition")] = None
+    account: Annotated[str | None, Field(pattern=SLURM_NAME, description="SLURM account")] = None
     time: Annotated[str, Field(pattern=r"^[0-9:-]+$", description="wall-clock limit of the job")] = "24:00:00"
     job_name: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$", description="SLURM job name")] = "rl"
     rdzv_port: Annotated[
         int, Field(ge=1, le=65535, description="port of the trainer's rendezvous on its first node")
     ] = 29400
-    sbatch: Annotated[list[str], Field(description="more #SBATCH options, e.g. ['--qos=high']")] = []
-    setup: Annotated[list[str], Field(description="shell lines run before rl (module load, source env ...)")] = []
+    sbatch: Annotated[list[OneLine], Field(description="more #SBATCH options, e.g. ['--qos=high']")] = []
+    setup: Annotated[list[OneLine], Field(description="shell lines run before rl (module load, source env ...)")] = []
     submit: Annotated[
         bool, Field(description="submit with sbatch; false: only write <output_dir>/slurm/rl.sbatch")
     ] = True
@@ -76,9 +102,11 @@ class K8sConfig(Section):
     existing_claim: Annotated[
         str | None, Field(description="use this PersistentVolumeClaim instead of making one")
     ] = None
-    mount_path: Annotated[str, Field(pattern=r"^/", description="where pods mount the volume")] = "/rl"
+    mount_path: Annotated[OneLine, Field(pattern=r"^/", description="where pods mount the volume")] = "/rl"
     rdzv_port: Annotated[int, Field(ge=1, le=65535, description="port of the trainer's rendezvous on pod 0")] = 29400
-    env: Annotated[dict[str, str], Field(description="more environment variables of every pod")] = {}
+    env: Annotated[
+        dict[EnvName, str], Field(description="more environment variables of every pod (names: letters, digits, _)")
+    ] = {}
 
 
 ROLES = ("inference", "orchestrator", "trainer")

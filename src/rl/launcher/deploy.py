@@ -3,13 +3,17 @@
 Either way every host starts `rl` from one config file, the run's config as the user gave it (files,
 environment and flags merged; nothing derived, no secret), adding only what differs per host: its
 `--roles`, its name, its trainer node rank, where the inference servers and the rendezvous are. The hosts
-find each other through the shared run directory (`launcher/hosts.py`); the admin token reaches each one
-through its environment (`RL_INFERENCE__ADMIN_TOKEN`), never through a file of the run directory.
+find each other through the shared run directory (`launcher/hosts.py`); the admin token and the API key reach
+each one through its environment (`HOST_SECRETS`), never through a file of the run directory.
+
+A value reaches a render only where it cannot change the render's structure: the Kubernetes manifests are built
+as data and dumped by PyYAML; the SLURM script shell-quotes each value, keeps them out of comment lines, and
+refuses what an #SBATCH line cannot hold (control characters first of all: a newline would start a command).
 """
 
 from __future__ import annotations
 
-import json
+import os
 import secrets
 import shlex
 import shutil
@@ -19,9 +23,10 @@ from pathlib import Path
 
 import jinja2
 import tomli_w
+import yaml
 
 from rl.config import ConfigError, without_secrets
-from rl.launcher.config import RLConfig
+from rl.launcher.config import CONTROL_CHARACTERS, K8sConfig, RLConfig
 from rl.launcher.placement import HostPlan, PlacementConfig, plan
 from rl.protocol import RunPaths, atomic_write_text
 
@@ -29,6 +34,10 @@ TEMPLATES = Path(__file__).parent / "templates"
 PER_HOST = {"slurm", "k8s", "dry_run", "roles", "host_name", "node_rank", "node_addr", "rdzv_endpoint",
             "trainer_nodes", "placement"}
 SBATCH_TIMEOUT_S = 60
+# The secrets every host needs: (inference field, the environment variable that carries it to a host, the k8s
+# Secret (<name>-<suffix>) and key that hold it).
+HOST_SECRETS = (("admin_token", "RL_INFERENCE__ADMIN_TOKEN", "admin-token", "token"),
+                ("api_key", "RL_INFERENCE__API_KEY", "api-key", "key"))
 
 
 def as_given(config: RLConfig, output_dir: str | None) -> str:
@@ -86,13 +95,23 @@ def slurm_topology(config: RLConfig) -> PlacementConfig:
                            rdzv_port=slurm.rdzv_port)
 
 
+def check_sbatch_path(path: Path) -> None:
+    """The run directory goes into `#SBATCH --output`, which sbatch reads with its own rules: a newline ends the
+    line, a backslash escapes (even inside quotes) and % starts a file name pattern (%j)."""
+    text = str(path)
+    if CONTROL_CHARACTERS.search(text) or "\\" in text or "%" in text:
+        raise ConfigError(f"output_dir = {text!r}: a run directory rendered into a SLURM job may hold no control "
+                          "character, backslash or %; choose another --output-dir")
+
+
 def render_slurm(config: RLConfig, paths: RunPaths, config_file: Path, placement_file: Path) -> str:
+    check_sbatch_path(paths.root)
     topology = slurm_topology(config)
     layout = describe(plan(config, topology.model_copy(update={"hosts": [f"node {i}" for i in range(topology.size)]})))
     return _template("rl.sbatch.j2").render(
         slurm=config.slurm, layout=layout, nodes=topology.size, output_dir=shlex.quote(str(paths.root)),
         config_file=shlex.quote(str(config_file)), placement_file=shlex.quote(str(placement_file)),
-        python=shlex.quote(sys.executable),
+        python=shlex.quote(sys.executable), api_key=config.inference.api_key is not None,
     )
 
 
@@ -100,21 +119,27 @@ def slurm_job(config: RLConfig, paths: RunPaths) -> Path:
     """Write <output_dir>/slurm/rl.toml (the run), placement.toml (its topology) and rl.sbatch; the script's path."""
     directory = paths.slurm
     config_file, placement_file = directory / "rl.toml", directory / "placement.toml"
+    script = render_slurm(config, paths, config_file, placement_file)  # refuses what it cannot render first
     atomic_write_text(config_file, as_given(config, str(paths.root)))
     atomic_write_text(placement_file, placement_toml(slurm_topology(config)))
-    script = directory / "rl.sbatch"
-    atomic_write_text(script, render_slurm(config, paths, config_file, placement_file))
-    return script
+    atomic_write_text(directory / "rl.sbatch", script)
+    return directory / "rl.sbatch"
 
 
-def submit(script: Path) -> str:
-    """sbatch the script; the job id."""
+def host_secrets(config: RLConfig) -> dict[str, str]:
+    """The secrets set for this run, by the environment variable that carries each to a host."""
+    found = {var: getattr(config.inference, field) for field, var, _, _ in HOST_SECRETS}
+    return {var: value for var, value in found.items() if value is not None}
+
+
+def submit(script: Path, config: RLConfig) -> str:
+    """sbatch the script, the run's secrets in its environment (sbatch passes it on to the job); the job id."""
     if shutil.which("sbatch") is None:
         raise ConfigError(f"sbatch is not on PATH: submit {script} from a SLURM login node, "
                           "or pass --slurm.submit false")
     try:
         done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
-                              timeout=SBATCH_TIMEOUT_S)
+                              timeout=SBATCH_TIMEOUT_S, env=os.environ | host_secrets(config))
     except subprocess.TimeoutExpired:
         raise ConfigError(f"sbatch did not answer within {SBATCH_TIMEOUT_S}s; is slurmctld up?") from None
     if done.returncode != 0:
@@ -137,28 +162,118 @@ def k8s_topology(config: RLConfig) -> PlacementConfig:
                            trainer_gpus=k8s.trainer_gpus, rdzv_port=k8s.rdzv_port)
 
 
+K8S_HEADER = """\
+# An rl run on Kubernetes, rendered by `rl --k8s`.
+# One Job per role (inference and trainer Indexed: one pod per replica or node; a failed role fails the run,
+# resume it with --resume), a volume every pod shares for the run directory, the run's config as given and its
+# topology in a ConfigMap, the admin token (and the API key, when set) as Secrets, headless Services that give
+# each pod a DNS name (<pod hostname>.<service>).
+#   kubectl apply -n {namespace} -f <this file>
+# Each pod starts its entry of the plan (--placement.index):
+"""
+
+
+class ManifestDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, written for people: no anchors, lists indented under their key, multi-line strings
+    (the ConfigMap's files) as literal blocks where a block holds them exactly (PyYAML quotes them otherwise)."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+    def increase_indent(self, flow=False, indentless=False):
+        return super().increase_indent(flow, False)
+
+
+ManifestDumper.add_representer(
+    str, lambda dumper, text: dumper.represent_scalar("tag:yaml.org,2002:str", text, "|" if "\n" in text else None)
+)
+
+
 def render_k8s(config: RLConfig, paths: RunPaths, token: str | None = None) -> str:
+    """The manifests: data dumped by PyYAML, so no value can add a key or a document."""
     k8s = config.k8s
-    name = k8s.name
-    topology = k8s_topology(config)
+    secret_values = host_secrets(config) | {"RL_INFERENCE__ADMIN_TOKEN": token or config.inference.admin_token
+                                            or secrets.token_hex(16)}
+    pod_secrets = [(var, f"{k8s.name}-{suffix}", key) for _, var, suffix, key in HOST_SECRETS if var in secret_values]
+    documents = [k8s_secret(k8s, name, key, secret_values[var]) for var, name, key in pod_secrets]
+    documents.append(k8s_config_map(config))
+    if not k8s.existing_claim:
+        documents.append(k8s_volume_claim(k8s))
+    documents += [k8s_service(k8s, role, port) for role, port in (("inference", config.inference.port),
+                                                                   ("trainer", k8s.rdzv_port))]
+    documents += [k8s_job(k8s, role, pods, gpus, command, pod_secrets)
+                  for role, pods, gpus, command in k8s_roles(config, paths)]
+    layout = "".join(f"#   {line}\n" for line in describe(plan(config, k8s_topology(config))))
+    return (K8S_HEADER.format(namespace=k8s.namespace) + layout
+            + yaml.dump_all(documents, Dumper=ManifestDumper, sort_keys=False, width=float("inf")))
+
+
+def k8s_roles(config: RLConfig, paths: RunPaths) -> list[tuple[str, int, int | None, str]]:
+    """(role, pods, GPUs per pod, shell command) per Job. An Indexed Job's pods are hosts <first> +
+    JOB_COMPLETION_INDEX of the plan."""
+    k8s = config.k8s
     run_dir = f"{k8s.mount_path}/{paths.root.name}"
     rl = f"{k8s.rl} @ /etc/rl/rl.toml @ /etc/rl/placement.toml --output-dir {shlex.quote(run_dir)} --placement.index"
     first_trainer = k8s.inference_pods + 1
-    jobs = [  # an Indexed Job's pods are hosts <first> + JOB_COMPLETION_INDEX of the plan
-        {"role": "inference", "pods": k8s.inference_pods, "indexed": True, "gpus": k8s.inference_gpus,
-         "command": f'{rl} "$JOB_COMPLETION_INDEX"'},
-        {"role": "orchestrator", "pods": 1, "indexed": False, "gpus": None, "command": f"{rl} {k8s.inference_pods}"},
-        {"role": "trainer", "pods": k8s.trainer_pods, "indexed": True, "gpus": k8s.trainer_gpus,
-         "command": f'{rl} "$(({first_trainer} + JOB_COMPLETION_INDEX))"'},
-    ]
+    return [("inference", k8s.inference_pods, k8s.inference_gpus, f'{rl} "$JOB_COMPLETION_INDEX"'),
+            ("orchestrator", 1, None, f"{rl} {k8s.inference_pods}"),
+            ("trainer", k8s.trainer_pods, k8s.trainer_gpus, f'{rl} "$(({first_trainer} + JOB_COMPLETION_INDEX))"')]
 
-    def labels(role: str | None = None) -> str:
-        found = {"app.kubernetes.io/name": "rl", "rl/run": name} | ({"rl/role": role} if role else {})
-        return json.dumps(found)
 
-    return _template("rl.k8s.yaml.j2").render(
-        k8s=k8s, name=name, labels=labels, jobs=jobs, inference_port=config.inference.port,
-        token=token or config.inference.admin_token or secrets.token_hex(16),
-        config_toml=as_given(config, None).rstrip("\n"), placement_toml=placement_toml(topology).rstrip("\n"),
-        layout=describe(plan(config, topology)), claim=k8s.existing_claim or f"{name}-run", mount=k8s.mount_path,
-    )
+def k8s_metadata(k8s: K8sConfig, name: str, role: str | None = None) -> dict:
+    return {"name": name, "namespace": k8s.namespace, "labels": k8s_labels(k8s, role)}
+
+
+def k8s_labels(k8s: K8sConfig, role: str | None = None) -> dict:
+    return {"app.kubernetes.io/name": "rl", "rl/run": k8s.name} | ({"rl/role": role} if role else {})
+
+
+def k8s_secret(k8s: K8sConfig, name: str, key: str, value: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": k8s_metadata(k8s, name), "type": "Opaque",
+            "stringData": {key: value}}
+
+
+def k8s_config_map(config: RLConfig) -> dict:
+    """The run's config as given (no secret) and its topology, mounted at /etc/rl in every pod."""
+    data = {"rl.toml": as_given(config, None), "placement.toml": placement_toml(k8s_topology(config))}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": k8s_metadata(config.k8s, f"{config.k8s.name}-config"),
+            "data": data}
+
+
+def k8s_volume_claim(k8s: K8sConfig) -> dict:
+    spec = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": k8s.storage_size}}}
+    if k8s.storage_class:
+        spec["storageClassName"] = k8s.storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": k8s_metadata(k8s, f"{k8s.name}-run"),
+            "spec": spec}
+
+
+def k8s_service(k8s: K8sConfig, role: str, port: int) -> dict:
+    """Headless: each pod of the role's Job gets a DNS name, <pod hostname>.<name>-<role>."""
+    spec = {"clusterIP": "None", "selector": k8s_labels(k8s, role),
+            "ports": [{"name": "http" if role == "inference" else "rendezvous", "port": port}]}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": k8s_metadata(k8s, f"{k8s.name}-{role}", role),
+            "spec": spec}
+
+
+def k8s_job(k8s: K8sConfig, role: str, pods: int, gpus: int | None, command: str,
+            pod_secrets: list[tuple[str, str, str]]) -> dict:
+    """One Job per role; the inference and trainer Jobs are Indexed (a pod per index, named in their Service)."""
+    env = [{"name": var, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}} for var, name, key in pod_secrets]
+    container = {
+        "name": role, "image": k8s.image, "command": ["/bin/sh", "-c"], "args": [f"exec {command}"],
+        "env": env + [{"name": key, "value": value} for key, value in k8s.env.items()],
+        "volumeMounts": [{"name": "run", "mountPath": k8s.mount_path},
+                         {"name": "config", "mountPath": "/etc/rl", "readOnly": True}],
+    }
+    if gpus:
+        container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+    indexed = role != "orchestrator"
+    pod = {"restartPolicy": "Never", **({"subdomain": f"{k8s.name}-{role}"} if indexed else {}),
+           "containers": [container],
+           "volumes": [{"name": "run", "persistentVolumeClaim": {"claimName": k8s.existing_claim or f"{k8s.name}-run"}},
+                       {"name": "config", "configMap": {"name": f"{k8s.name}-config"}}]}
+    spec = {"completions": pods, "parallelism": pods, **({"completionMode": "Indexed"} if indexed else {}),
+            "backoffLimit": 0, "template": {"metadata": {"labels": k8s_labels(k8s, role)}, "spec": pod}}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": k8s_metadata(k8s, f"{k8s.name}-{role}", role),
+            "spec": spec}

@@ -208,9 +208,10 @@ def deploy(config: RLConfig, host: HostPlan, given: RLConfig, paths: RunPaths) -
         return
     script = slurm_job(given, paths)
     if not config.slurm.submit:
-        print(f"rl: wrote {script}; submit it with: sbatch {script}")
+        exported = " with RL_INFERENCE__API_KEY exported" if given.inference.api_key else ""
+        print(f"rl: wrote {script}; submit it{exported} with: sbatch {script}")
         return
-    print(f"rl: submitted SLURM job {submit(script)} ({script}); its log: {paths.slurm}/<job id>.log, "
+    print(f"rl: submitted SLURM job {submit(script, given)} ({script}); its log: {paths.slurm}/<job id>.log, "
           f"each host's in {paths.logs}/<host>/")
 
 
