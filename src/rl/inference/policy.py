@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,7 @@ class PolicyWeights:
         self.marker: bytes | None = None  # the STABLE marker of the served step directory, as loaded
         self.manifest: dict[str, Entry] | None = None  # its files (None: the base model's directory)
         self.copies = PrivateCopies()  # adapter steps as checked, which vLLM loads (never the user's path)
+        weakref.finalize(self, self.copies.close)  # removed when the server exits (a SIGKILL leaves them)
         self.adapter_copy: str | None = None  # the served adapter's private copy
         self.broken: str | None = None
         self.lock = asyncio.Lock()
@@ -165,7 +167,7 @@ class PolicyWeights:
         """The step's files as this server read and checked them, through `directory`: full weights staged in
         memory for the workers, an adapter copied to a private directory (its path)."""
         if is_adapter_step(manifest):
-            return self.copies.stage_adapter(directory, manifest)[0]
+            return self.copies.stage_adapter(directory, manifest)
         return stage_weights(directory, manifest)
 
     async def _prove_clean(self) -> None:

@@ -115,9 +115,9 @@ class PrivateCopies:
     def __init__(self):
         self.root: Path | None = None
 
-    def stage_adapter(self, step: OpenDir, manifest: dict[str, Entry]) -> tuple[str, dict[str, Entry]]:
+    def stage_adapter(self, step: OpenDir, manifest: dict[str, Entry]) -> str:
         """Copy an adapter step's two files, each read once through the step's handle and checked, into a new
-        private directory; returns it and its manifest (the same entries)."""
+        private directory, which it returns (the step's manifest describes it)."""
         for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
             if name not in manifest:
                 raise CorruptFileError(f"{step} is an adapter step but lists no {name}")
@@ -133,7 +133,7 @@ class PrivateCopies:
         except BaseException:
             self.remove(str(copy))
             raise
-        return str(copy), {name: manifest[name] for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)}
+        return str(copy)
 
     def remove(self, copy: str | None) -> None:
         """Remove one private copy (never a path outside the root)."""
