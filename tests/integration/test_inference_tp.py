@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 
@@ -78,11 +79,18 @@ def test_tp2_serves_what_tp1_serves_before_and_after_an_update(servers, run_dir)
     base = greedy(tp2)
     assert_same_outputs(greedy(tp1), base)
     step = perturbed_step(run_dir, 1, seed=1)
+    workers = [p for p in psutil.Process(tp2.proc.pid).children(recursive=True) if "Worker_TP" in p.name()]
+    assert len(workers) == 2, [p.name() for p in workers]
+    before_reads = [p.io_counters().read_chars for p in workers]
     answers = [update(server, 1) for server in servers]
     assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
     assert answers[0].json()["weights_checksum"] == answers[1].json()["weights_checksum"] == files_checksum(step)
-    # the server read the weight file once for both workers
-    assert answers[1].json()["bytes_read"] == (step / "model.safetensors").stat().st_size
+    # the server read the weight file once for both workers, which map its bytes and read none themselves
+    file_bytes = (step / "model.safetensors").stat().st_size
+    assert answers[1].json()["bytes_read"] == file_bytes
+    worker_reads = [p.io_counters().read_chars - b for p, b in zip(workers, before_reads, strict=True)]
+    print(f"TP=2 update of a {file_bytes}-byte step: bytes read by each worker {worker_reads}")
+    assert all(read < file_bytes // 100 for read in worker_reads), worker_reads
     after = greedy(tp2)
     assert_same_outputs(greedy(tp1), after)
     assert after != base  # the update changed what is served
