@@ -545,3 +545,20 @@ def test_a_lora_server_starts_with_vllms_lora_flags_and_a_name_unlike_the_model(
     for model_dir, name in (("/m", "policy-lora"), ("policy-lora", "org/model")):
         with pytest.raises(ValueError, match="inference.lora.name 'policy-lora' is the served model's name"):
             check_lora_name(InferenceConfig(model={"name": name}, lora=lora), model_dir)
+
+
+def test_a_cpu_server_compiles_into_a_cache_of_its_own_removed_when_it_ends(monkeypatch):
+    """A server killed while inductor compiled a kernel left a truncated .so in the host's shared cache, which
+    failed every later server ("file too short"): on CPU hosts each server compiles into its own cache."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from rl.inference.server import INDUCTOR_CACHE, private_compile_cache
+
+    monkeypatch.setenv(INDUCTOR_CACHE, default_cache_dir())  # as torch sets it when imported
+    with private_compile_cache():
+        cache = Path(os.environ[INDUCTOR_CACHE])
+        assert cache.is_dir() and cache.name.startswith("rl-inductor-")
+    assert os.environ[INDUCTOR_CACHE] == default_cache_dir() and not cache.exists()
+    monkeypatch.setenv(INDUCTOR_CACHE, "/chosen")
+    with private_compile_cache():
+        assert os.environ[INDUCTOR_CACHE] == "/chosen"  # the user's choice is kept

@@ -123,8 +123,36 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
         admin_token=config.admin_token, api_keys=api_keys(args), lora_name=config.lora.name if config.lora else None,
     )
     set_shm_poll()
-    with private_ipc_dir():
+    with private_ipc_dir(), private_compile_cache():
         uvloop.run(run_server(args, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+
+
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+@contextlib.contextmanager
+def private_compile_cache():
+    """On CPU hosts, a torch inductor cache of this server's own, removed when it ends. vLLM compiles a few small
+    kernels with inductor on CPU (with tensor parallelism: the vocab-parallel embedding's mask), and inductor
+    compiles a kernel straight to its final path in the shared cache, then trusts any file there: a server killed
+    while compiling left a truncated `.so` that failed every later server on the host ("file too short"; seen when
+    the fault test killed a TP server). The cost is that compile (~5 s) at each CPU server's start. GPU hosts keep
+    the shared cache (their compiles take minutes), as does a cache directory the user chose (torch writes its
+    default into the environment when imported, so only another value counts as chosen)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from vllm.platforms import current_platform
+
+    chosen = os.environ.get(INDUCTOR_CACHE, default_cache_dir())
+    if not current_platform.is_cpu() or os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        yield
+        return
+    path = tempfile.mkdtemp(prefix="rl-inductor-")
+    os.environ[INDUCTOR_CACHE] = path
+    try:
+        yield
+    finally:
+        os.environ[INDUCTOR_CACHE] = chosen
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def parsed_vllm_args(argv: list[str]):
