@@ -220,3 +220,17 @@ def test_eval_fails_a_rollout_whose_reply_is_too_large_and_names_the_bound(fake_
     assert time.monotonic() - start < 30  # six 100 MiB replies, each refused after its first 64 KiB
     floods = wait_for_floods(6)
     assert len(floods) == 6 and all(closed_early and sent < FLOOD_BYTES / 4 for sent, closed_early in floods)
+
+
+def test_errors_about_a_server_never_print_the_password_in_its_url():
+    import logging
+
+    from rl.eval.serving import EvalError, check_served, wait_for_models
+
+    root = "http://user:s3cret@127.0.0.1:9/v1"  # nothing listens on port 9
+    with pytest.raises(EvalError) as refused:
+        wait_for_models(root, "NO_SUCH_KEY_VAR", timeout_s=0.3)
+    assert "s3cret" not in str(refused.value) and "user:" in str(refused.value)
+    with pytest.raises(EvalError) as refused:
+        check_served(root, "m", ["other"], logging.getLogger("test"))
+    assert "s3cret" not in str(refused.value)

@@ -14,7 +14,7 @@ import httpx
 
 from rl import health
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, next_vllm_rank
-from rl.config import ConfigError, write_config
+from rl.config import ConfigError, url_without_password, write_config
 from rl.eval.config import EvalCommandConfig
 from rl.inference.config import LoraServingConfig, client_host
 from rl.launcher.supervisor import ChildSpec, Supervisor
@@ -117,6 +117,7 @@ def check_api_key_var(var: str) -> None:
 def wait_for_models(api_root: str, key_var: str, timeout_s: float) -> list[str] | None:
     """Poll <api_root>/models (any OpenAI-compatible server has it; a hosted API has no /health) until it answers;
     the model ids it serves, or None where it lists none (404). A refused key fails at once."""
+    shown = url_without_password(api_root)  # for messages: no password
     last = "no answer"
     headers = {"Authorization": f"Bearer {api_key(key_var)}"}
 
@@ -128,7 +129,7 @@ def wait_for_models(api_root: str, key_var: str, timeout_s: float) -> list[str] 
             last = repr(e)
             return None
         if response.status_code in (401, 403):
-            raise EvalError(f"server {api_root} refused the API key in ${key_var} ({response.status_code}: "
+            raise EvalError(f"server {shown} refused the API key in ${key_var} ({response.status_code}: "
                             f"{response.text[:300]}); set client.api_key_var to the variable holding its key")
         if response.status_code in (200, 404):
             return (model_ids(api_root, response) if response.status_code == 200 else None,)
@@ -137,26 +138,28 @@ def wait_for_models(api_root: str, key_var: str, timeout_s: float) -> list[str] 
 
     async def wait() -> list[str] | None:
         async with httpx.AsyncClient() as http:
-            return (await health.wait_ready(lambda: listed(http), timeout_s, lambda: f"GET {api_root}/models"))[0]
+            return (await health.wait_ready(lambda: listed(http), timeout_s, lambda: f"GET {shown}/models"))[0]
 
     try:
         return asyncio.run(wait())
     except TimeoutError:
-        raise EvalError(f"server {api_root} did not answer GET /models within {timeout_s:.0f}s (last: {last}); "
+        raise EvalError(f"server {shown} did not answer GET /models within {timeout_s:.0f}s (last: {last}); "
                         "is client.base_url right and the server up?") from None
 
 
 def model_ids(api_root: str, response: httpx.Response) -> list[str]:
+    shown = url_without_password(api_root)  # for messages: no password
     try:
         return [model["id"] for model in response.json()["data"]]
     except (ValueError, KeyError, TypeError) as e:
-        raise EvalError(f"server {api_root}: GET /models did not answer an OpenAI model list ({e!r}): "
+        raise EvalError(f"server {shown}: GET /models did not answer an OpenAI model list ({e!r}): "
                         f"{response.text[:300]}") from None
 
 
 def check_served(api_root: str, model: str, served: list[str] | None, logger) -> None:
+    shown = url_without_password(api_root)  # for messages: no password
     if served is None:
-        logger.warning(f"server {api_root} lists no models (GET /models: 404); model {model!r} is not checked")
+        logger.warning(f"server {shown} lists no models (GET /models: 404); model {model!r} is not checked")
     elif model not in served:
-        raise EvalError(f"server {api_root} does not serve model {model!r}; it serves {', '.join(served[:20])}. "
+        raise EvalError(f"server {shown} does not serve model {model!r}; it serves {', '.join(served[:20])}. "
                         "Set client.served_model (or model.name) to one of them")

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from rl.config import ConfigError, run_cli
+from rl.config import ConfigError, run_cli, url_without_password
 from rl.metrics import PER_REQUEST_LOGGERS, MetricsLogger, setup_logging
 from rl.orchestrator.advantage import group_advantages
 from rl.orchestrator.batch import balance_by_tokens
@@ -84,7 +84,8 @@ class Orchestrator:
         self.logger.info(f"resuming at step {step}: samplers {[s.state_dict() for s in self.samplers]}")
 
     async def run(self) -> None:
-        self.logger.info(f"waiting for inference servers {self.config.client.base_urls}")
+        shown = [url_without_password(url) for url in self.config.client.base_urls]
+        self.logger.info(f"waiting for inference servers {shown}")
         await self.pool.wait_healthy(self.config.client.startup_timeout_s)
         async with serving(self.envs + self.eval_envs):
             tune_gc_for_serving()
