@@ -4,33 +4,48 @@
 # trainer tokens/s and MFU, peak allocated and reserved memory, and the publish-to-served reload latency.
 #
 #   bash scripts/gpu-check.sh [OUTPUT_DIR] [MODEL]      (MODEL: default Qwen/Qwen3-0.6B; needs the hub or a local dir)
-set -euo pipefail
+#
+# Every part runs whatever failed before it (a failing CUDA test must not hide the run's figures); each part's
+# status is printed at the end, and the script exits non-zero if any part failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! nvidia-smi -L; then
   echo "gpu-check: no NVIDIA GPU is visible (nvidia-smi -L failed)" >&2
   exit 2
 fi
-RL_STACK=gpu bash scripts/install.sh
 out="${1:-outputs/gpu-check-$(date +%Y%m%d-%H%M%S)}"
 model="${2:-Qwen/Qwen3-0.6B}"
 mkdir -p "$out"
+statuses=()
+failed=0
 
-echo "== CUDA tests"
-uv run pytest -m gpu -rs -q tests 2>&1 | tee "$out/cuda-tests.log"
+# part NAME COMMAND...: run it, its output also in $out/NAME.log, and record how it ended.
+part() {
+  local name="$1"
+  shift
+  echo "== $name"
+  "$@" 2>&1 | tee "$out/$name.log"
+  local code="${PIPESTATUS[0]}"
+  if [ "$code" = 0 ]; then statuses+=("$name: ok"); else statuses+=("$name: FAILED (exit $code)"); failed=1; fi
+}
 
-echo "== $model: 10 RL steps, 1 trainer GPU + 1 inference GPU, device defaults (bf16, CUDA graphs)"
-uv run rl \
+part install env RL_STACK=gpu bash scripts/install.sh
+part cuda-tests uv run pytest -m gpu -rs -q tests
+# $model: 10 RL steps, 1 trainer GPU + 1 inference GPU, device defaults (bf16, CUDA graphs)
+part rl-run uv run rl \
   --trainer @ configs/reverse_text/train.toml \
   --orchestrator @ configs/reverse_text/orch.toml \
   --inference @ configs/reverse_text/infer.toml \
   --model.name "$model" --trainer.optim.lr 1e-6 --max-steps 10 --seq-len 512 \
   --trainer-gpus 1 --inference-gpus 1 --output-dir "$out/run"
 
-uv run python - "$out/run" <<'PY'
+part figures uv run python - "$out/run" <<'PY'
 import json, re, statistics, sys
 from pathlib import Path
 
 run = Path(sys.argv[1])
+if not (run / "metrics.jsonl").is_file():
+    sys.exit(f"gpu-check: no figures: {run / 'metrics.jsonl'} was not written (see rl-run.log)")
 records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 trainer = [r for r in records if r.get("process") == "trainer"][1:]  # the first step compiles and warms up
 def median(key):
@@ -43,3 +58,7 @@ print(f"gpu-check: trainer tokens/s {median('tokens_per_s'):.0f}, MFU {median('m
       f"reload {statistics.median(reloads) if reloads else float('nan'):.2f} s (median of {len(reloads)}), "
       f"reward {trainer[0]['reward'] if trainer else float('nan'):.3f} -> {trainer[-1]['reward'] if trainer else float('nan'):.3f}")
 PY
+
+echo "== gpu-check summary (logs in $out)"
+printf '  %s\n' "${statuses[@]}"
+exit "$failed"

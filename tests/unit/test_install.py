@@ -140,3 +140,36 @@ def test_install_script_gpu_stack_ignores_a_missing_wheel_folder(tmp_path):
                         uv_env(RL_STACK="gpu", UV_FIND_LINKS=str(tmp_path / "no-such-folder")))
     assert "ignoring UV_FIND_LINKS" in done.stderr
     assert_gpu_takes_cuda_torch(locked_versions(project, "gpu"))
+
+
+STUB_UV = """#!/usr/bin/env bash
+# uv for gpu-check.sh on a host without a GPU stack: sync succeeds, the CUDA tests fail, the run writes nothing,
+# the figures step runs the real Python.
+case "$1 $2" in
+  "run pytest") echo "1 failed, 3 passed"; exit 1 ;;
+  "run rl") echo "rl: pretend run"; exit 0 ;;
+  "run python") shift 2; exec python3 "$@" ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+def test_gpu_check_runs_every_part_and_prints_the_summary_whatever_failed(tmp_path):
+    """One failing CUDA test once ended gpu-check.sh (set -e with pytest | tee) before the run, so a GPU host
+    reported no tokens/s, MFU or reload figures."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'GPU 0: stub'\n")
+    (stubs / "uv").write_text(STUB_UV)
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("UV_FIND_LINKS", "VIRTUAL_ENV")}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), str(out)], capture_output=True, text=True,
+                            env=env | {"PATH": f"{stubs}:{env['PATH']}"}, timeout=120)
+    summary = result.stdout[result.stdout.index("== gpu-check summary"):]
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "install: ok" in summary and "cuda-tests: FAILED (exit 1)" in summary, summary
+    assert "rl-run: ok" in summary and "figures: FAILED" in summary, summary  # the run wrote no metrics
+    assert "no figures" in (out / "figures.log").read_text()
+    assert "1 failed" in (out / "cuda-tests.log").read_text()
