@@ -479,3 +479,32 @@ def test_a_tampered_checkpoint_value_runs_no_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         planner.load_bytes(item, value)
     assert not marker.exists()
+
+
+# ---- Truncated sampling for training rollouts ----
+
+TRUNCATED_SAMPLING_CASES = [
+    ("top-p", ["--orchestrator.sampling.top-p", "0.9"], "sampling.top_p = 0.9"),
+    ("top-k", ["--orchestrator.sampling.top-k", "50"], "sampling.top_k = 50"),
+    ("min-p", ["--orchestrator.sampling.min-p", "0.05"], "sampling.min_p = 0.05"),
+]
+
+
+@pytest.mark.parametrize("extra, named", [c[1:] for c in TRUNCATED_SAMPLING_CASES],
+                         ids=[c[0] for c in TRUNCATED_SAMPLING_CASES])
+def test_truncated_sampling_is_refused_for_training_naming_the_field_and_why(extra, named, model, tmp_path, capsys,
+                                                                            refuse_to_start):
+    """vLLM's logprobs under top_p / top_k / min_p come from the renormalised distribution, the trainer scores the
+    full softmax: the importance ratios would be wrong, so `rl --dry-run` refuses them before anything starts."""
+    out = tmp_path / "run"
+    err = fails(rl_argv(model, out) + extra + ["--dry-run"], capsys)
+    assert named in err and "full softmax" in err, err
+    assert not out.exists()
+
+
+def test_eval_sampling_may_truncate(model, tmp_path, capsys):
+    """The orchestrator's periodic eval computes no importance ratio: its sampling may use top_p, top_k, min_p."""
+    launcher.main(rl_argv(model, tmp_path / "run") + ["--orchestrator.eval.sampling.top-p", "0.9",
+                                                      "--orchestrator.eval.sampling.top-k", "50",
+                                                      "--orchestrator.eval.sampling.min-p", "0.05", "--dry-run"])
+    capsys.readouterr()

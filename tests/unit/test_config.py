@@ -301,3 +301,18 @@ def test_eval_and_the_orchestrator_bound_rollouts_with_the_same_words():
     assert (config.rollout.max_retries, config.rollout.timeout_s) == (0, 3600.0)  # eval's own default deadline kept
     orchestrator = parse_config(RLConfig, ["--orchestrator.rollout.timeout-s", "60"]).orchestrator
     assert type(orchestrator.rollout) is type(config.rollout) and orchestrator.rollout.timeout_s == 60
+
+
+def test_training_sampling_refuses_truncation_and_eval_sampling_keeps_it():
+    from rl.eval.config import EvalCommandConfig
+    from rl.orchestrator.config import OrchestratorConfig
+
+    for flag, field in (("--sampling.top-p", "top_p"), ("--sampling.top-k", "top_k"), ("--sampling.min-p", "min_p")):
+        value = "50" if field == "top_k" else "0.5"
+        with pytest.raises(ConfigError, match=f"sampling.{field} = .*full softmax"):
+            parse_config(OrchestratorConfig, [flag, value])
+        assert parse_config(OrchestratorConfig, ["--eval." + flag[2:], value])  # the periodic eval may truncate
+    config = parse_config(EvalCommandConfig, ["--sampling.top-p", "0.9", "--sampling.top-k", "50",
+                                              "--sampling.min-p", "0.05"])
+    assert (config.sampling.top_p, config.sampling.top_k, config.sampling.min_p) == (0.9, 50, 0.05)
+    assert parse_config(OrchestratorConfig, ["--sampling.top-k", "-1", "--sampling.top-p", "1"])  # no truncation

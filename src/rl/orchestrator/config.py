@@ -39,6 +39,21 @@ class SamplingConfig(Section):
         return extra
 
 
+def check_untruncated(sampling: SamplingConfig) -> None:
+    """Training rollouts sample the full distribution: under top_p < 1, top_k or min_p > 0, vLLM's logprobs come
+    from the renormalised (truncated) distribution while the trainer scores the full softmax, so the importance
+    ratios would be wrong. (Eval computes no ratio: its sampling may truncate.)"""
+    truncating = [(name, value) for name, value, off in (("top_p", sampling.top_p, 1.0), ("top_k", sampling.top_k, -1),
+                                                         ("min_p", sampling.min_p, 0.0)) if value != off]
+    if truncating:
+        name, value = truncating[0]
+        raise ValueError(
+            f"sampling.{name} = {value} truncates the sampling distribution: vLLM's logprobs would come from the "
+            "renormalised distribution while the trainer scores the full softmax, so the importance ratios would be "
+            "wrong; training rollouts take top_p = 1, top_k = -1, min_p = 0 (eval.sampling may truncate)"
+        )
+
+
 class ClientConfig(Section):
     base_urls: Annotated[
         list[str], Field(min_length=1, description="inference servers, one per data-parallel replica")
@@ -174,6 +189,7 @@ class OrchestratorConfig(Settings):
     def _check(self):
         check_env_labels(self.env, "env")
         check_env_labels(self.eval.env, "eval.env")
+        check_untruncated(self.sampling)
         if self.batch_size % self.rollouts_per_example:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_example "
