@@ -180,6 +180,25 @@ def test_k8s_manifests_pass_kubernetes_schemas_and_each_pod_starts_its_part_of_t
     assert inference.devices.inference_gpus == [[0], [1]] and config.inference.host == "0.0.0.0"
 
 
+def test_the_inference_and_trainer_pods_get_a_memory_backed_dev_shm_for_nccl(tmp_path):
+    """NCCL (and vLLM's workers) share memory through /dev/shm; a container's default 64 MB fails NCCL with "Error
+    while creating shared memory segment", so those pods mount a RAM-backed emptyDir there."""
+    documents = rendered_k8s(tmp_path, "--k8s.trainer-pods", "2", "--k8s.trainer-gpus", "8",
+                             "--k8s.inference-gpus", "2", "--inference.dtype", "bfloat16")
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in documents if d["kind"] == "Job"}
+    for job in ("rl-inference", "rl-trainer"):
+        shm = [v for v in pods[job]["volumes"] if v["name"] == "dshm"]
+        assert shm == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}], pods[job]["volumes"]
+        mounts = pods[job]["containers"][0]["volumeMounts"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in mounts, mounts
+    example = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "example.yaml").read_text()) if d]
+    for document in example:
+        if document["kind"] == "Job" and document["metadata"]["labels"]["rl/role"] in ("inference", "trainer"):
+            pod = document["spec"]["template"]["spec"]
+            assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+            assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+
+
 def test_k8s_with_an_existing_claim_makes_no_volume(tmp_path):
     documents = rendered_k8s(tmp_path, "--k8s.existing-claim", "shared-runs", "--k8s.name", "exp1")
     assert not [d for d in documents if d["kind"] == "PersistentVolumeClaim"]

@@ -165,9 +165,9 @@ def k8s_topology(config: RLConfig) -> PlacementConfig:
 K8S_HEADER = """\
 # An rl run on Kubernetes, rendered by `rl --k8s`.
 # One Job per role (inference and trainer Indexed: one pod per replica or node; a failed role fails the run,
-# resume it with --resume), a volume every pod shares for the run directory, the run's config as given and its
-# topology in a ConfigMap, the admin token (and the API key, when set) as Secrets, headless Services that give
-# each pod a DNS name (<pod hostname>.<service>).
+# resume it with --resume), a volume every pod shares for the run directory, a RAM-backed /dev/shm for NCCL in
+# the inference and trainer pods, the run's config as given and its topology in a ConfigMap, the admin token (and
+# the API key, when set) as Secrets, headless Services that give each pod a DNS name (<pod hostname>.<service>).
 #   kubectl apply -n {namespace} -f <this file>
 # Each pod starts its entry of the plan (--placement.index):
 """
@@ -268,11 +268,14 @@ def k8s_job(k8s: K8sConfig, role: str, pods: int, gpus: int | None, command: str
     }
     if gpus:
         container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+    volumes = [{"name": "run", "persistentVolumeClaim": {"claimName": k8s.existing_claim or f"{k8s.name}-run"}},
+               {"name": "config", "configMap": {"name": f"{k8s.name}-config"}}]
+    if role in ("inference", "trainer"):  # NCCL and vLLM's workers share memory in /dev/shm: a container's 64 MB
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})  # fails NCCL; give it RAM
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     indexed = role != "orchestrator"
     pod = {"restartPolicy": "Never", **({"subdomain": f"{k8s.name}-{role}"} if indexed else {}),
-           "containers": [container],
-           "volumes": [{"name": "run", "persistentVolumeClaim": {"claimName": k8s.existing_claim or f"{k8s.name}-run"}},
-                       {"name": "config", "configMap": {"name": f"{k8s.name}-config"}}]}
+           "containers": [container], "volumes": volumes}
     spec = {"completions": pods, "parallelism": pods, **({"completionMode": "Indexed"} if indexed else {}),
             "backoffLimit": 0, "template": {"metadata": {"labels": k8s_labels(k8s, role)}, "spec": pod}}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": k8s_metadata(k8s, f"{k8s.name}-{role}", role),
