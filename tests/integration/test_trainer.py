@@ -1,6 +1,7 @@
 """The trainer for real under torchrun (gloo on CPU) on the tiny model, with fake batches written through
 rl.protocol: FSDP over two ranks trains like one rank, and resuming from a checkpoint is bit-exact."""
 
+import os
 import random
 import shutil
 import subprocess
@@ -40,18 +41,22 @@ def write_batches(out: Path, steps: range, ranks: int) -> None:
         write_batch(RunPaths(out), step, per_rank)
 
 
-def run_trainer(model: Path, out: Path, ranks: int, max_steps: int, *extra: str) -> subprocess.CompletedProcess:
+def run_trainer(model: Path, out: Path, ranks: int, max_steps: int, *extra: str, on_cuda: bool = False
+                ) -> subprocess.CompletedProcess:
+    """The trainer under torchrun; on the CPU (float32, gloo) unless `on_cuda`, also on a GPU host: these tests
+    compare ranks and resumes at 1e-5 or bit for bit, which only float32 on the CPU holds."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
         "--master-port", str(free_port()), "-m", "rl.trainer.main", "--model.name", str(model),
         "--output-dir", str(out), "--max-steps", str(max_steps),
         "--seq-len", "48", "--optim.lr", "1e-3", "--batch-timeout-s", "60", *extra,
     ]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    env = os.environ if on_cuda else os.environ | {"CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
-def train(model: Path, out: Path, ranks: int, max_steps: int, *extra: str) -> None:
-    proc = run_trainer(model, out, ranks, max_steps, *extra)
+def train(model: Path, out: Path, ranks: int, max_steps: int, *extra: str, on_cuda: bool = False) -> None:
+    proc = run_trainer(model, out, ranks, max_steps, *extra, on_cuda=on_cuda)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -118,8 +123,31 @@ def test_a_step_is_logged_before_its_checkpoint(tiny_model, tmp_path):
 def test_bf16_mixed_precision_with_activation_checkpointing(tiny_model, tmp_path):
     out = tmp_path / "bf16"
     write_batches(out, range(2), ranks=1)
-    train(tiny_model, out, 1, 2, "--dtype", "bfloat16", "--activation-checkpointing")
+    train(tiny_model, out, 1, 2, "--dtype", "bfloat16", "--activation-checkpointing", on_cuda=True)
     assert all(0 < abs(loss) < 10 for loss in losses(out).values()), losses(out)
     final, base = weights(out, 2), load_file(str(next(tiny_model.glob("*.safetensors"))))
     assert all(t.dtype == torch.bfloat16 for t in final.values())  # published as vLLM's auto dtype serves it
     assert any(not torch.equal(final[n], base[n]) for n in base)
+
+
+def test_a_tokenizer_without_pad_token_pads_and_fills_with_eos(tiny_model, tmp_path):
+    """Llama-3 and others have no pad token: with ranks holding unequal micro-batch counts (6 and 2 samples),
+    padded rows and the empty micro-batches are filled with eos, masked, so the step equals the one with a pad
+    token. Padding at 2 samples per micro-batch: rows are padded, and rank 1 runs 2 empty micro-batches."""
+    from transformers import AutoTokenizer
+
+    no_pad = tmp_path / "no_pad_model"
+    shutil.copytree(tiny_model, no_pad)
+    tokenizer = AutoTokenizer.from_pretrained(no_pad)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(no_pad)
+    assert AutoTokenizer.from_pretrained(no_pad).pad_token_id is None
+    padding = ("--packing", "false", "--micro-batch-size", "2")
+    runs = {"pad": (tiny_model, padding), "no_pad": (no_pad, padding), "no_pad_packed": (no_pad, ())}
+    for name, (model, extra) in runs.items():
+        write_batches(tmp_path / name, range(1), ranks=2)
+        train(model, tmp_path / name, 2, 1, *extra)
+    assert losses(tmp_path / "no_pad")[0] == losses(tmp_path / "pad")[0]
+    for name, t in weights(tmp_path / "pad", 1).items():
+        assert torch.equal(t, weights(tmp_path / "no_pad", 1)[name]), name
+    assert losses(tmp_path / "no_pad_packed")[0] == pytest.approx(losses(tmp_path / "pad")[0], rel=1e-5)

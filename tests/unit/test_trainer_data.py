@@ -126,3 +126,35 @@ def test_activation_checkpointing_recomputes_blocks_in_backward(tiny_model, chec
     logprobs, _ = forward_logprobs(model, mb)
     logprobs.sum().backward()
     assert len(calls) == (2 if checkpointing else 1)
+
+
+@pytest.mark.parametrize("pad, eos, filler", [(3, 7, 3), (None, 7, 7), (None, None, 0)])
+def test_filler_token_without_a_pad_token(pad, eos, filler):
+    """Llama-3 and others have no pad token: rows are padded and empty micro-batches filled with eos, else 0,
+    never None (which torch.tensor refuses); masked either way."""
+    from types import SimpleNamespace
+
+    from rl.trainer.data import filler_token_id
+
+    tokenizer = SimpleNamespace(pad_token_id=pad, eos_token_id=eos)
+    assert filler_token_id(tokenizer) == filler
+    for packing in (True, False):
+        empty = empty_micro_batch(filler_token_id(tokenizer), packing)
+        assert empty.input_ids.unique().tolist() == [filler]
+        assert not empty.loss_mask.any() and not empty.weights.any()
+    a, b = sample([5, 6, 7], prompt=1), sample([8, 9], prompt=1)
+    (mb,) = build_micro_batches(
+        [a, b], [1.0, 1.0], row_tokens=8, micro_batch_size=2, packing=False, pad_id=filler_token_id(tokenizer)
+    )
+    assert mb.input_ids.tolist() == [[5, 6, 7], [8, 9, filler]]
+    assert not mb.loss_mask[1, 2] and mb.attention_mask[1, 2] == 0
+
+
+def test_filler_token_of_a_tokenizer_without_pad_token_is_eos():
+    from rl.tiny_model import build_tokenizer
+    from rl.trainer.data import filler_token_id
+
+    tokenizer = build_tokenizer()
+    tokenizer.pad_token = None
+    assert tokenizer.pad_token_id is None
+    assert filler_token_id(tokenizer) == tokenizer.eos_token_id

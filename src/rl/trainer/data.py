@@ -102,6 +102,15 @@ def _pad(t: torch.Tensor, width: int, value) -> torch.Tensor:
     return torch.cat([t, torch.full((width - t.numel(),), value, dtype=t.dtype)])
 
 
+def filler_token_id(tokenizer) -> int:
+    """The token that pads rows and fills empty micro-batches: the pad token, else eos (Llama-3 and others have
+    no pad token), else 0. It is masked wherever it is placed, so it never trains; it only has to be an id."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
+
+
 def empty_micro_batch(pad_id: int, packing: bool) -> MicroBatch:
     """A micro-batch with nothing to train on, for ranks with fewer micro-batches than their peers."""
     filler = Sample([pad_id, pad_id], [0, 0], [0.0, 0.0], 0.0, 0.0, 0)

@@ -17,6 +17,7 @@ from rl.metrics import MetricsLogger, setup_logging
 from rl.protocol import RunPaths, Sample, read_batch, stable_steps, wait_for_stable
 from rl.trainer.checkpoint import Checkpointer
 from rl.trainer.config import TrainerConfig, check_device
+from rl.trainer.data import filler_token_id
 from rl.trainer.flops import frozen_matmul_params, matmul_params, peak_flops, train_flops
 from rl.trainer.model import load_policy, load_reference
 from rl.trainer.lora import lora_layers
@@ -132,7 +133,7 @@ def main() -> None:
         wait_start = time.perf_counter()
         samples = wait_for_batch(paths, step, config, world)
         start = time.perf_counter()
-        stats = train_step(policy, reference, optimizer, scheduler, samples, config, world, tokenizer.pad_token_id)
+        stats = train_step(policy, reference, optimizer, scheduler, samples, config, world, filler_token_id(tokenizer))
         stats |= batch_stats(samples, step, world, model_flops)
         train_s = time.perf_counter() - start
         if checksum := publisher.publish(step + 1, policy):

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from rl.config import EnvConfig, ModelConfig, Settings, run_cli
 from rl.metrics import setup_logging
 from rl.protocol import Sample
-from rl.trainer.data import build_micro_batches, empty_micro_batch, trained_tokens, truncate
+from rl.trainer.data import build_micro_batches, empty_micro_batch, filler_token_id, trained_tokens, truncate
 from rl.trainer.model import forward_logprobs, load_model, prepare_for_training
 from rl.trainer.config import OptimConfig
 from rl.trainer.optim import build_optimizer, build_scheduler, clip_gradients
@@ -136,7 +136,7 @@ def main() -> None:
     for step in range(config.max_steps):
         lr = scheduler.get_last_lr()[0]
         batch = order.sample(examples, min(config.batch_size, len(examples)))
-        loss = sft_step(model, optimizer, batch, config, world, tokenizer.pad_token_id)
+        loss = sft_step(model, optimizer, batch, config, world, filler_token_id(tokenizer))
         scheduler.step()
         history.append(loss)
         if world.is_main and (step % config.log_interval == 0 or step == config.max_steps - 1):
