@@ -107,7 +107,7 @@ def test_lora_in_bf16_with_activation_checkpointing_on_cuda(tiny_model, tmp_path
     in the dtype vLLM serves. `bash scripts/gpu-check.sh` runs it on a GPU host; skipped here."""
     out = tmp_path / "bf16"
     write_batches(out, range(2), ranks=1)
-    train(tiny_model, out, 1, 2, *LORA, "--dtype", "bfloat16", "--activation-checkpointing")
+    train(tiny_model, out, 1, 2, *LORA, "--dtype", "bfloat16", "--activation-checkpointing", on_cuda=True)
     assert all(0 < abs(loss) < 10 for loss in losses(out).values()), losses(out)
     first, last = adapter(out, 0), adapter(out, 2)
     assert all(t.dtype == torch.bfloat16 for t in last.values())
