@@ -1,6 +1,6 @@
 """Trainer checkpoints: model (with LoRA: the adapter alone) and optimizer with torch.distributed.checkpoint
-(sharded, every rank writes its part), plus step, LR scheduler and RNG state (JSON per rank), under
-checkpoints/step_k/trainer/, keeping the last `keep`.
+(sharded, every rank writes its part), plus step, LR scheduler and RNG state (CPU and, with CUDA, every
+device's; JSON per rank), under checkpoints/step_k/trainer/, keeping the last `keep`.
 
 Trust boundary: a checkpoint is data, never code. Its files are checked against their STABLE marker, but
 whoever can rewrite a file of the run directory can rewrite the marker too, so the two places where
@@ -46,7 +46,7 @@ class Checkpointer:
         self.world.barrier()
         model_state, optim_state, _ = checkpoint_state(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target))
-        meta = {"step": step, "rng": {"torch": torch.get_rng_state().tolist()}, "scheduler": scheduler.state_dict()}
+        meta = {"step": step, "rng": rng_state(), "scheduler": scheduler.state_dict()}
         atomic_write_text(target / f"rank_{self.world.rank}.json", json.dumps(meta))
         self.world.barrier()
         if self.world.is_main:
@@ -70,13 +70,30 @@ class Checkpointer:
         if meta["step"] != step:
             raise ValueError(f"trainer checkpoint {target} holds step {meta['step']}, not {step}")
         scheduler.load_state_dict(meta["scheduler"])
-        torch.set_rng_state(torch.tensor(meta["rng"]["torch"], dtype=torch.uint8))
+        set_rng_state(meta["rng"])
         self.world.barrier()
 
     def prune(self) -> None:
         """Delete trainer checkpoints older than the newest `keep` complete ones (both parts written)."""
         self.paths.prune_checkpoint_parts("trainer", self.config.keep)
 
+
+def rng_state() -> dict:
+    """The CPU generator's state and, with CUDA, every visible device's: a resumed run draws what the
+    uninterrupted one would. Lists of bytes, for the rank's JSON file."""
+    state = {"torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore `rng_state()`. A checkpoint written before CUDA states were saved, or on a host without CUDA,
+    restores the CPU generator alone; with fewer devices visible now, the first ones' states are restored."""
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"][: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in cuda])
 
 
 def checkpoint_state(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
