@@ -1,10 +1,12 @@
-"""Trainer checkpoints restore the CUDA generators as well as the CPU one (a resumed GPU run draws what the
-uninterrupted one would), and a checkpoint written before CUDA states were saved still loads. CUDA is faked:
-torch.cuda's availability and RNG functions are monkeypatched and their calls recorded."""
+"""Trainer checkpoints restore the CUDA generator of the rank's device as well as the CPU one (a resumed GPU run
+draws what the uninterrupted one would), and a checkpoint written before CUDA states were saved still loads. CUDA
+is faked: torch.cuda's availability and RNG functions are monkeypatched and their calls recorded; the functions
+for every device fail, since they would open a CUDA context on each visible device from every rank."""
 
 import json
 import sys
 
+import pytest
 import torch
 
 from rl.config import CkptConfig
@@ -16,30 +18,30 @@ MODULE = Checkpointer.__module__
 
 
 class FakeCuda:
-    """Two devices whose generator states are byte tensors; set_rng_state_all records what it is given."""
+    """The rank's device, whose generator state is a byte tensor; set_rng_state records what it is given."""
 
     def __init__(self, monkeypatch):
-        self.states = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
-        self.restored: list[list[torch.Tensor]] = []
+        self.state = torch.arange(16, dtype=torch.uint8)
+        self.restored: list[torch.Tensor] = []
         # CUDA is reported to rl.trainer.checkpoint alone: torch.distributed.checkpoint's writer would use streams
         monkeypatch.setattr(torch.cuda, "is_available", lambda: sys._getframe(1).f_globals["__name__"] == MODULE)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in self.states])
-        monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: self.restored.append(list(states)))
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.state.clone())
+        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": self.restored.append(state))
+        for every_device in ("get_rng_state_all", "set_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, every_device, lambda *a: pytest.fail("a CUDA context on every device"))
 
 
 def test_cuda_rng_states_are_saved_and_restored(tmp_path, one_rank_world, monkeypatch):  # noqa: F811
     cuda = FakeCuda(monkeypatch)
     checkpointer = Checkpointer(RunPaths(tmp_path / "run"), CkptConfig(), one_rank_world)
     model, optimizer, scheduler = small_training_state()
-    saved = cuda.states
+    saved = cuda.state
     checkpointer.save(2, model, optimizer, scheduler)
-    cuda.states = [torch.zeros(16, dtype=torch.uint8)] * 2  # the generators move on after the save
+    cuda.state = torch.zeros(16, dtype=torch.uint8)  # the generator moves on after the save
     torch.manual_seed(123)
     checkpointer.load(2, model, optimizer, scheduler)
     assert len(cuda.restored) == 1
-    assert [s.tolist() for s in cuda.restored[0]] == [s.tolist() for s in saved]
-    assert all(s.dtype == torch.uint8 for s in cuda.restored[0])
+    assert cuda.restored[0].tolist() == saved.tolist() and cuda.restored[0].dtype == torch.uint8
 
 
 def test_a_checkpoint_without_cuda_rng_states_loads(tmp_path, one_rank_world, monkeypatch):  # noqa: F811

@@ -79,21 +79,21 @@ class Checkpointer:
 
 
 def rng_state() -> dict:
-    """The CPU generator's state and, with CUDA, every visible device's: a resumed run draws what the
+    """The CPU generator's state and, with CUDA, the state of this rank's device (the one it computes on; asking
+    every visible device would open a CUDA context on each, from every rank): a resumed run draws what the
     uninterrupted one would. Lists of bytes, for the rank's JSON file."""
     state = {"torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore `rng_state()`. A checkpoint written before CUDA states were saved, or on a host without CUDA,
-    restores the CPU generator alone; with fewer devices visible now, the first ones' states are restored."""
+    """Restore `rng_state()` (the CUDA state onto this rank's device). A checkpoint written before CUDA states were
+    saved, or on a host without CUDA, restores the CPU generator alone."""
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        cuda = state["cuda"][: torch.cuda.device_count()]
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in cuda])
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
 def checkpoint_state(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
