@@ -37,3 +37,35 @@ def test_with_lora_only_the_adapter_has_weight_gradients(tied):
 
 def test_no_peak_on_cpu():
     assert peak_flops(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("name, sms, part", [
+    ("NVIDIA H100 80GB HBM3", 132, "H100 SXM"),
+    ("NVIDIA H100 PCIe", 114, "H100 PCIe"),
+    ("NVIDIA H100", 114, "H100 PCIe"),  # the form factor told by the SM count
+    ("NVIDIA H100 NVL", 132, "H100 NVL"),
+    ("NVIDIA H200", 132, "H200 SXM"),
+    ("NVIDIA H200 NVL", 132, "H200 NVL"),
+    ("NVIDIA A100-SXM4-40GB", 108, "A100 (40 and 80 GB, SXM and PCIe)"),
+    ("NVIDIA A100 80GB PCIe", 108, "A100 (40 and 80 GB, SXM and PCIe)"),
+    ("NVIDIA L40S", 142, "L40S"),
+    ("NVIDIA B200", 148, "B200"),
+])
+def test_the_peak_is_the_parts_own(monkeypatch, name, sms, part):
+    """Any name holding "H100" once got the SXM peak: PCIe (756 TFLOP/s) and NVL (835) parts differ."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(name=name, multi_processor_count=sms))
+    peak, found = peak_flops(torch.device("cuda", 0))
+    assert found == part
+    assert peak == {"H100 SXM": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 SXM": 989e12,
+                    "H200 NVL": 835e12, "L40S": 362e12, "B200": 2250e12}.get(part, 312e12)
+
+
+def test_an_unknown_gpu_has_no_peak(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(name="NVIDIA T4", multi_processor_count=40))
+    assert peak_flops(torch.device("cuda", 0)) is None

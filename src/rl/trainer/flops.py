@@ -15,8 +15,20 @@ from __future__ import annotations
 
 import torch
 
-# Dense bf16 tensor-core peak per GPU, FLOP/s (vendor data sheets, SXM parts).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+# Dense bf16 tensor-core peak per GPU, FLOP/s, by part (NVIDIA's data sheets: their "with sparsity" figures halved).
+# Checked in order: the first part whose every word is in the device's name (upper-cased) wins.
+PEAK_BF16_FLOPS = [
+    (("B200",), 2250e12, "B200"),
+    (("H200", "NVL"), 835e12, "H200 NVL"),
+    (("H200",), 989e12, "H200 SXM"),
+    (("H100", "NVL"), 835e12, "H100 NVL"),
+    (("H100", "PCIE"), 756e12, "H100 PCIe"),
+    (("H100",), 989e12, "H100 SXM"),
+    (("A100",), 312e12, "A100 (40 and 80 GB, SXM and PCIe)"),
+    (("L40S",), 362e12, "L40S"),
+    (("A10G",), 125e12, "A10G"),
+]
+H100_PCIE_SMS = 114  # an H100 whose name omits its form factor: the PCIe part has 114 SMs, SXM and NVL 132
 
 
 def matmul_params(model: torch.nn.Module) -> int:
@@ -40,9 +52,17 @@ def train_flops(n_params: int, layers: int, hidden: int, lengths: list[int], fro
     return sum((6 * n_params - 2 * frozen) * t + 12 * layers * hidden * t * t for t in lengths)
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak, or None where unknown (CPUs, GPUs not in the table)."""
+def peak_flops(device: torch.device) -> tuple[float, str] | None:
+    """The device's dense bf16 peak and the part it was taken for (from its name and SM count), or None where
+    unknown (CPUs, GPUs not in the table)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+    properties = torch.cuda.get_device_properties(device)
+    name = properties.name.upper().replace("-", " ")
+    unnamed_form = "H100" in name and "PCIE" not in name and "NVL" not in name
+    if unnamed_form and properties.multi_processor_count == H100_PCIE_SMS:
+        name += " PCIE"
+    for words, peak, part in PEAK_BF16_FLOPS:
+        if all(word in name for word in words):
+            return peak, part
+    return None

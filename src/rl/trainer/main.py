@@ -111,7 +111,7 @@ def main() -> None:
         train_flops, matmul_params(policy), policy.config.num_hidden_layers, policy.config.hidden_size,
         frozen=frozen_matmul_params(policy),
     )
-    device_peak = peak_flops(world.device)
+    device_peak, peak_part = peak_flops(world.device) or (None, None)
     optimizer = build_optimizer(policy, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, config.max_steps)
     checkpointer = Checkpointer(paths, config.ckpt, world)
@@ -125,6 +125,7 @@ def main() -> None:
     logger.info(
         f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}); "
         f"steps {first_step}..{config.max_steps - 1}" + (f"; {describe_lora(policy)}" if config.lora else "")
+        + (f"; MFU against the {peak_part} peak, {device_peak / 1e12:.0f} TFLOP/s bf16 dense" if peak_part else "")
     )
     if publisher.adapter and first_step == 0:  # inference loads the adapter of step 0 (B = 0) before any rollout
         if checksum := publisher.publish(0, policy):
@@ -139,6 +140,7 @@ def main() -> None:
         if checksum := publisher.publish(step + 1, policy):
             stats["adapter_checksum"] = checksum  # of weights/step_{step + 1}, as inference reports it served
         stats |= timing_stats(stats, start - wait_start, train_s, time.perf_counter() - start, world, device_peak)
+        world.reset_peak_memory()  # peak_mem_gib is each step's own (on GPUs)
         if metrics:  # before the checkpoint: a resume from step + 1 never logs this step again
             metrics.log(step, stats, LINE_KEYS)
         if config.ckpt.due(step + 1, config.max_steps):

@@ -51,6 +51,12 @@ class World:
             return torch.cuda.max_memory_allocated(self.device) / 2**30
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
 
+    def reset_peak_memory(self) -> None:
+        """Start the GPU's peak counters afresh, so each step reports its own peak (the CPU's maximum resident set
+        size cannot be reset: there it is the process's peak so far)."""
+        if self.on_gpu:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def peak_reserved_gib(self) -> float | None:
         """GPU: the most memory torch's caching allocator has held from the device (allocated plus cached
         blocks: what other processes on the GPU cannot use); None on CPU."""
