@@ -125,19 +125,8 @@ class OpenDir:
         """Open `root/relative`, each component of `relative` without following a symlink (`root` itself is
         opened as given). CorruptFileError if a component is a symlink, missing or not a directory."""
         path = root / relative
-        try:
-            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as e:
-            raise CorruptFileError(f"{root} cannot be opened: {e.strerror}") from None
-        try:
-            for part in Path(relative).parts:
-                child = _open_at(fd, part, os.O_DIRECTORY, path)
-                os.close(fd)
-                fd = child
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(fd, path)
+        with _dir_fd(root) as root_fd:
+            return cls(_descend(root_fd, Path(relative).parts, path), path)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -183,23 +172,32 @@ def open_regular(directory: Where, name: str):
     parts = name_parts(directory, name)
     path = directory / name
     with _dir_fd(directory) as root_fd:
-        fd = root_fd
+        fd = _descend(root_fd, parts[:-1], path)
         try:
-            for part in parts[:-1]:
-                child = _open_at(fd, part, os.O_DIRECTORY, path)
-                if fd != root_fd:
-                    os.close(fd)
-                fd = child
             file_fd = _open_at(fd, parts[-1], os.O_NONBLOCK, path)
         finally:
-            if fd != root_fd:
-                os.close(fd)
+            os.close(fd)
     mode = os.fstat(file_fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(file_fd)
         raise CorruptFileError(f"{path} is not a regular file")
     fcntl.fcntl(file_fd, fcntl.F_SETFL, fcntl.fcntl(file_fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return os.fdopen(file_fd, "rb")
+
+
+def _descend(root_fd: int, parts: tuple[str, ...], path: Path) -> int:
+    """A new descriptor of the directory `parts` beneath `root_fd`, each component opened without following a
+    symlink (a duplicate of `root_fd` for no parts); the caller closes it."""
+    fd = os.dup(root_fd)
+    try:
+        for part in parts:
+            child = _open_at(fd, part, os.O_DIRECTORY, path)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _open_at(dir_fd: int, part: str, flags: int, path: Path) -> int:

@@ -203,13 +203,14 @@ def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, device) -> di
                 rows, shard = vocab_rows(module)
                 param = param[:rows]
             shape = tuple(param.shape) if shard is None else (module.org_vocab_size, *param.shape[1:])
-            prints[f"{prefix}.{pname}"] = tensor_fingerprint(param, dtype, shape=shape) if shard is None else \
-                _part_fingerprint(param, dtype, shape, shard)
+            prints[f"{prefix}.{pname}"] = _part_fingerprint(param, dtype, shape, shard)
     return prints
 
 
-def _part_fingerprint(part: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], shard: Shard) -> Fingerprint:
-    """The fingerprint of a served part of a tensor, labelled with the whole tensor's shape and the part's shard."""
+def _part_fingerprint(part: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], shard: Shard | None
+                      ) -> Fingerprint:
+    """The fingerprint of the part of a tensor served here, labelled with the whole tensor's shape and the part's
+    shard (None: the part is the whole tensor)."""
     print_ = tensor_fingerprint(part, dtype)
     return Fingerprint(print_.exact, print_.dense, shape, shard=shard)
 
@@ -237,8 +238,7 @@ def _kernel_prints(prefix: str, module, dtype: torch.dtype, packed: dict, device
     bias = getattr(module, "bias", None)
     if bias is not None:
         for name, part, b in zip(names, parts, bias.split([p.local for p in parts]), strict=True):
-            prints[f"{name}.bias"] = _part_fingerprint(b, dtype, (part.full,), part.shard) if part.shard else \
-                tensor_fingerprint(b, dtype)
+            prints[f"{name}.bias"] = _part_fingerprint(b, dtype, (part.full,), part.shard)
     return prints
 
 

@@ -231,13 +231,11 @@ class PolicyWeights:
     async def _switch(self, step: int, target: str, marker: bytes, manifest: dict[str, Entry],
                       staged: StagedStep | str) -> dict:
         """Load and verify the staged step while generation is held; needs the lock."""
-        if isinstance(staged, StagedStep):
-            report = await self._load(staged, step)
-        else:
-            report = await self._load_adapter(staged, step, manifest)
+        adapter = not isinstance(staged, StagedStep)
+        report = await (self._load_adapter(staged, step, manifest) if adapter else self._load(staged, step))
         if not report["ok"]:
             raise await self._refuse(step, target, report)
-        if not isinstance(staged, StagedStep):
+        if adapter:
             self.copies.remove(self.adapter_copy)
             self.adapter_copy = staged
         self.step, self.path, self.checksum, self.broken = step, target, report["checksum"], None

@@ -72,20 +72,14 @@ def stage_weights(step: OpenDir, manifest: dict[str, Entry]) -> StagedStep:
 def _stage_file(step: OpenDir, name: str, entry: Entry) -> tuple[int, int]:
     fd = os.memfd_create(f"rl-{name}"[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        mapped: list[mmap.mmap] = []
-
-        def allocate(size: int):
-            if size == 0:
-                return bytearray()
+        def into_memfd(size: int):  # the read goes straight into the memfd's pages
             os.ftruncate(fd, size)
-            mapped.append(mmap.mmap(fd, size))
-            return mapped[-1]
+            return mmap.mmap(fd, size) if size else bytearray()
 
-        data = read_listed(step, name, entry, allocate=allocate)
+        data = read_listed(step, name, entry, allocate=into_memfd)
         size = len(data)
-        del data
-        for m in mapped:
-            m.close()
+        if isinstance(data, mmap.mmap):
+            data.close()  # no writable mapping may be left for the seal
         read_file_header(fd, str(step / name))  # every tensor inside the file's bytes, none over another
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # no writable mapping is left: from here the bytes are fixed
         return fd, size
