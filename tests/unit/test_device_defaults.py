@@ -16,7 +16,9 @@ from rl.launcher import main as launcher
 from rl.launcher.config import RLConfig, resolve
 from rl.launcher.devices import DevicePlan, cpu_plan
 from rl.launcher.placement import given_host
-from rl.trainer.config import TrainerConfig, check_device, vllm_auto_dtype
+from rl.trainer.config import (
+    MaskRatio, NoMismatchCorrection, TrainerConfig, TruncateRatio, check_device, vllm_auto_dtype,
+)
 from rl.trainer.config import resolve_device_defaults as resolve_trainer
 
 GPU_PLAN = DevicePlan(1, [1], [[0]])
@@ -37,7 +39,9 @@ def test_trainer_cpu_defaults_stay_float32_without_checkpointing():
     config = TrainerConfig()
     why = resolve_trainer(config, "cpu")
     assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("float32", False, "float32")
-    assert why == {"dtype": "auto: CPU", "activation_checkpointing": "auto: CPU", "publish_dtype": "auto: CPU"}
+    assert config.loss.mismatch == NoMismatchCorrection()
+    assert why == {"dtype": "auto: CPU", "activation_checkpointing": "auto: CPU", "loss.mismatch": "auto: CPU",
+                   "publish_dtype": "auto: CPU"}
 
 
 def test_trainer_cuda_defaults_are_bf16_with_checkpointing_and_publish_what_vllm_serves(tmp_path):
@@ -45,13 +49,15 @@ def test_trainer_cuda_defaults_are_bf16_with_checkpointing_and_publish_what_vllm
     why = resolve_trainer(config, "cuda")
     assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("bfloat16", True, "bfloat16")
     assert why["dtype"] == "auto: CUDA" and "config.json: float32" in why["publish_dtype"]
+    assert config.loss.mismatch == MaskRatio() and why["loss.mismatch"] == "auto: CUDA"  # prime-rl masks on GPUs
 
 
 def test_trainer_values_set_by_the_user_win_on_cuda(tmp_path):
     config = TrainerConfig(model={"name": model_dir(tmp_path)}, dtype="float32", activation_checkpointing=False,
-                           publish_dtype="float16")
+                           publish_dtype="float16", loss={"mismatch": {"type": "truncate"}})
     why = resolve_trainer(config, "cuda")
     assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("float32", False, "float16")
+    assert config.loss.mismatch == TruncateRatio()
     assert set(why.values()) == {"set by you"}
 
 
@@ -60,6 +66,7 @@ def test_a_trainer_started_alone_resolves_for_its_own_device(tmp_path, monkeypat
     config = parse_config(TrainerConfig, ["--model.name", model_dir(tmp_path, torch_dtype="bfloat16")])
     check_device(config)
     assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("bfloat16", True, "bfloat16")
+    assert config.loss.mismatch == MaskRatio()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="needs a GPU"):
         check_device(parse_config(TrainerConfig, ["--dtype", "bfloat16"]))
@@ -118,6 +125,7 @@ def test_launcher_fills_both_processes_for_a_gpu_plan(tmp_path):
     assert r.device_choices["trainer.dtype"] == "auto: CUDA"
     assert r.device_choices["trainer.publish_dtype"] == "what vLLM's --dtype auto serves: config.json: bfloat16"
     assert r.device_choices["inference.enforce_eager"] == "auto: CUDA"
+    assert r.trainer.loss.mismatch == MaskRatio() and r.device_choices["trainer.loss.mismatch"] == "auto: CUDA"
 
 
 def test_launcher_keeps_cpu_defaults_for_a_cpu_plan():
@@ -125,6 +133,8 @@ def test_launcher_keeps_cpu_defaults_for_a_cpu_plan():
     trainer = (r.trainer.dtype, r.trainer.activation_checkpointing, r.trainer.publish_dtype)
     assert trainer == ("float32", False, "float32")
     assert (r.inference.dtype, r.inference.enforce_eager) == ("float32", True)
+    assert r.trainer.loss.mismatch == NoMismatchCorrection()
+    assert r.device_choices["trainer.loss.mismatch"] == "auto: CPU"
 
 
 def test_an_explicit_inference_dtype_sets_the_publish_dtype_and_a_conflict_names_both(tmp_path):
@@ -159,6 +169,7 @@ def test_dry_run_prints_what_the_device_chose_and_the_mapped_gpus(tmp_path, monk
     out = capsys.readouterr().out
     assert "trainer.dtype = bfloat16 (auto: CUDA)" in out
     assert "trainer.activation_checkpointing = true (auto: CUDA)" in out
+    assert 'trainer.loss.mismatch = { type = "mask", max_log_ratio = 1.0 } (auto: CUDA)' in out
     assert "inference.dtype = auto (auto: CUDA)" in out and "inference.enforce_eager = false (auto: CUDA)" in out
     commands = {line.split(":", 1)[0]: line for line in out.splitlines() if line.startswith(("inference:", "trainer:"))}
     assert "CUDA_VISIBLE_DEVICES=4 " in commands["inference"]

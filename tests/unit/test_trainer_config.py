@@ -3,12 +3,15 @@
 import pytest
 
 from rl.config import ConfigError, parse_config
-from rl.trainer.config import DapoNorm, DrGrpoNorm, MaskRatio, NoMismatchCorrection, TrainerConfig, TruncateRatio
+from rl.trainer.config import (
+    AutoMismatchCorrection, DapoNorm, DrGrpoNorm, MaskRatio, NoMismatchCorrection, TrainerConfig, TruncateRatio,
+)
 
 
-def test_defaults_keep_the_dapo_token_mean_and_no_correction():
+def test_defaults_keep_the_dapo_token_mean_and_leave_the_correction_to_the_device():
     config = parse_config(TrainerConfig, [])
-    assert isinstance(config.loss.norm, DapoNorm) and isinstance(config.loss.mismatch, NoMismatchCorrection)
+    assert isinstance(config.loss.norm, DapoNorm) and isinstance(config.loss.mismatch, AutoMismatchCorrection)
+    assert parse_config(TrainerConfig, ["--loss.mismatch.type", "none"]).loss.mismatch == NoMismatchCorrection()
     assert config.loss.beta == 0 and config.resume_step is None and config.packing
 
 

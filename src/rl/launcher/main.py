@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rl.config import ConfigError, format_validation_error, parse_config, config_help, to_toml, write_config
 from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir
@@ -174,14 +175,26 @@ def print_dry_run(config: RLConfig, host: HostPlan, specs: list[ChildSpec]) -> N
         print(to_toml(getattr(config, name), mask_secrets=True))
     print("# ---- chosen by device ----")
     for field, why in config.device_choices.items():
-        section, name = field.split(".")
+        section, *path = field.split(".")
         if host.runs(section):
-            value = getattr(getattr(config, section), name)
-            print(f"{field} = {str(value).lower() if isinstance(value, bool) else value} ({why})")
+            value = getattr(config, section)
+            for name in path:
+                value = getattr(value, name)
+            print(f"{field} = {choice_text(value)} ({why})")
     print("# ---- commands ----")
     for spec in specs:
         prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in spec.extra_env.items())  # '0|1' is no pipe
         print(f"{spec.name}: {prefix}{shlex.join(spec.cmd)}  > {spec.log}")
+
+
+def choice_text(value) -> str:
+    """A chosen value as TOML writes it: `true`, `bfloat16`, a section inline (`{ type = "mask", ... }`)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, BaseModel):
+        fields = ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.model_dump(mode="json").items())
+        return f"{{ {fields} }}"
+    return str(value)
 
 
 def load(argv: list[str]) -> tuple[RLConfig, HostPlan]:

@@ -52,6 +52,16 @@ class DrGrpoNorm(Section):
 NormConfig = Annotated[Union[DapoNorm, GrpoNorm, DrGrpoNorm], Field(discriminator="type")]
 
 
+class AutoMismatchCorrection(Section):
+    """Left to the device (`resolve_device_defaults`): `mask` on CUDA, where bf16 training beside vLLM's kernels
+    differs from inference (prime-rl masks by default), `none` on CPU (float32 on both sides). Unresolved, as in a
+    unit test that builds the config itself, it corrects nothing, as on CPU."""
+
+    type: Annotated[
+        Literal["auto"], Field(description="mask (default bound) on CUDA, none on CPU")
+    ] = "auto"
+
+
 class NoMismatchCorrection(Section):
     type: Annotated[Literal["none"], Field(description="no train-inference mismatch correction")] = "none"
 
@@ -71,7 +81,7 @@ class MaskRatio(Section):
 
 
 MismatchConfig = Annotated[
-    Union[NoMismatchCorrection, TruncateRatio, MaskRatio], Field(discriminator="type")
+    Union[AutoMismatchCorrection, NoMismatchCorrection, TruncateRatio, MaskRatio], Field(discriminator="type")
 ]
 
 
@@ -82,8 +92,10 @@ class LossConfig(Section):
         DapoNorm()
     )
     mismatch: Annotated[
-        MismatchConfig, Field(description="train-inference mismatch correction (type = none|truncate|mask)")
-    ] = NoMismatchCorrection()
+        MismatchConfig,
+        Field(description="train-inference mismatch correction (type = auto|none|truncate|mask); auto: mask on "
+                          "CUDA, none on CPU"),
+    ] = AutoMismatchCorrection()
     beta: Annotated[
         float, Field(ge=0, description="KL penalty (k3) to the reference (base) model; 0 loads no reference")
     ] = 0.0
@@ -199,25 +211,32 @@ DeviceKind = Literal["cuda", "cpu"]
 VLLM_NO_FLOAT16 = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
 
 
+DEVICE_FIELDS = ("dtype", "activation_checkpointing", "loss.mismatch", "publish_dtype")  # resolved by device
+
+
 def resolve_device_defaults(config: TrainerConfig, device: DeviceKind) -> dict[str, str]:
     """Fill, in place, the fields left to the device ("auto" or unset); a value the user set is kept.
 
-    CUDA: bf16 compute (fp32 master weights and gradient reduction), activation checkpointing, weights
-    published in what vLLM's `--dtype auto` serves. CPU: float32 throughout, no checkpointing (bf16 is
-    emulated on these CPUs). Returns {field: why} for every device-dependent field, for `rl --dry-run`."""
+    CUDA: bf16 compute (fp32 master weights and gradient reduction), activation checkpointing, the mismatch
+    mask, weights published in what vLLM's `--dtype auto` serves. CPU: float32 throughout, no checkpointing
+    (bf16 is emulated on these CPUs), no mismatch correction (both sides compute in float32). Returns
+    {field: why} for every device-dependent field (dotted below the trainer's section), for `rl --dry-run`."""
     on_cuda = device == "cuda"
     why = {}
     if config.dtype == "auto":
         config.dtype, why["dtype"] = ("bfloat16" if on_cuda else "float32"), f"auto: {device.upper()}"
     if config.activation_checkpointing is None:
         config.activation_checkpointing, why["activation_checkpointing"] = on_cuda, f"auto: {device.upper()}"
+    if isinstance(config.loss.mismatch, AutoMismatchCorrection):
+        config.loss.mismatch = MaskRatio() if on_cuda else NoMismatchCorrection()
+        why["loss.mismatch"] = f"auto: {device.upper()}"
     if config.publish_dtype == "auto":
         if on_cuda:
             config.publish_dtype, served = vllm_auto_dtype(config.model.name)
             why["publish_dtype"] = f"auto: CUDA, what vLLM's --dtype auto serves ({served})"
         else:
             config.publish_dtype, why["publish_dtype"] = "float32", "auto: CPU"
-    return {field: why.get(field, "set by you") for field in ("dtype", "activation_checkpointing", "publish_dtype")}
+    return {field: why.get(field, "set by you") for field in DEVICE_FIELDS}
 
 
 def vllm_auto_dtype(model: str) -> tuple[str, str]:
