@@ -3,6 +3,8 @@ temperature applied after the upcast, and nothing kept for backward larger than 
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl.trainer.output_head import LogprobHead, chunked_logprobs
 
@@ -118,3 +120,50 @@ def test_bf16_chunked_logprobs_equal_vllms_computation_and_stay_within_bf16_roun
     bound = 2 * 2.0**-8 * z.abs().max().item()
     assert (logp.double() - fp32).abs().max().item() <= bound
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Records the input dtypes of every matrix product whose output has `shape`."""
+
+    MATMULS = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.shape, self.dtypes = shape, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.MATMULS and tuple(out.shape) == self.shape:
+            self.dtypes.append({a.dtype for a in args if isinstance(a, torch.Tensor) and a.ndim == 2})
+        return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_weight_gradient_is_a_bf16_gemm_within_bf16_rounding_of_the_exact_one(device):
+    """The output layer's weight gradient sum_t dz_t h_t^T in bf16: each chunk's GEMM takes bf16 operands (tensor
+    cores on GPUs), its [V, H] partial is summed in fp32. Against the exact product of the same dz (fp32 softmax of
+    the same bf16 logits) and h, each element may be off by three bf16 roundings (8 significant bits: 2^-8
+    relative each) of the terms it sums: dz to bf16, each chunk's partial, the final gradient to the weight's
+    dtype, so by at most 3 * 2^-8 * (|dZ|^T |H|) (seen on CPU: 2.7 * 2^-8); the bound is 4 * 2^-8 * (|dZ|^T |H|),
+    with room for the GEMM's own fp32 sums."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    n, v, hid, chunk = (4096, 32_768, 256, 1024) if device == "cuda" else (300, 5000, 64, 128)
+    hidden, weight, targets = (t.detach() for t in inputs(n=n, h=hid, v=v))
+    h = hidden.to(device).bfloat16().requires_grad_()
+    w = weight.to(device).bfloat16().requires_grad_()
+    targets, grad_out = targets.to(device), torch.randn(n, device=device)
+    logp, _ = chunked_logprobs(h, w, targets, 0.7, chunk)
+    with MatmulDtypes((v, hid)) as matmuls:
+        (logp * grad_out).sum().backward()
+    assert matmuls.dtypes and all(d == {torch.bfloat16} for d in matmuls.dtypes), matmuls.dtypes
+    assert w.grad.dtype == torch.bfloat16
+    dz = []
+    for start in range(0, n, chunk):  # the same chunk GEMMs as the layer: the same bf16 logits
+        z = F.linear(h.detach()[start:start + chunk], w.detach()).float() / 0.7
+        onehot = F.one_hot(targets[start:start + chunk], v).float()
+        dz.append(grad_out[start:start + chunk, None] * (onehot - torch.softmax(z, -1)) / 0.7)
+    dz, hh = torch.cat(dz).double(), h.detach().double()
+    exact, scale = dz.T @ hh, dz.abs().T @ hh.abs()  # [V, H] each
+    excess = (w.grad.double() - exact).abs() - 4 * 2.0**-8 * scale
+    assert excess.max().item() <= 0, f"beyond the bound by {excess.max().item():.3g}"

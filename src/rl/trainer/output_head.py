@@ -8,6 +8,9 @@ For hidden states h_t [H], the LM head weight W [V, H], temperature tau and the 
     H_t        = lse_t - sum_v softmax(z_t)_v z_tv   entropy (no gradient: a metric)
     d logp_t / d z_t = onehot(y_t) - softmax(z_t),   so  dh_t = W^T dz_t / tau,  dW += dz_t h_t^T / tau
 
+Both backward GEMMs run in the weight's dtype (bf16 under mixed precision: tensor cores); dW's per-chunk
+partials are summed in an fp32 [V, H] buffer.
+
 The forward walks the tokens in chunks of `chunk` rows and keeps only lse [N]; the backward recomputes each
 chunk's logits. Peak memory is two [chunk, V] fp32 tensors (forward: z and softmax(z); backward: dz, formed in
 place) instead of several [N, V] ones (Qwen3's V is 151,936: one fp32 [16k, V] tensor is ~10 GB).
@@ -73,9 +76,19 @@ class ChunkedLogprobs(torch.autograd.Function):
             if grad_hidden is not None:  # in the weight's dtype: no fp32 copy of the [V, H] weight
                 grad_hidden[rows] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight.addmm_(dz.T, h.to(compute))
+                accumulate_weight_grad(grad_weight, dz, h)
             del dz
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+
+
+def accumulate_weight_grad(grad_weight: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_weight [V, H] += dz^T [V, c] @ h [c, H]. The GEMM runs in h's dtype: in bf16 on tensor cores (fp32
+    accumulation inside the GEMM, one bf16 rounding of each chunk's [V, H] partial), not as an fp32 GEMM
+    outside them; the partials add up in the fp32 buffer. For fp32 and fp64 inputs, one addmm as before."""
+    if h.dtype == grad_weight.dtype:
+        grad_weight.addmm_(dz.T, h)
+    else:
+        grad_weight += dz.to(h.dtype).T @ h  # the bf16 [V, H] partial: no more memory than the final downcast
 
 
 def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, compute: torch.dtype, temperature: float) -> torch.Tensor:
