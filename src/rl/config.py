@@ -96,6 +96,39 @@ class CkptConfig(Section):
         return step == final_step or (self.interval is not None and step % self.interval == 0)
 
 
+class TransferConfig(Section):
+    """How each step's weights reach inference (rl/transfer.py); `rl` fills trainer, orchestrator and inference
+    from one `--transfer.*` so the three agree."""
+
+    transport: Annotated[
+        Literal["filesystem", "gloo"],
+        Field(description="filesystem: weights/step_k/ files every step; gloo: a broadcast from the trainer to every "
+                          "server each step, files only at checkpoints (resume needs them)"),
+    ] = "filesystem"
+    host: Annotated[
+        str, Field(min_length=1, description="address the servers reach the trainer's rank 0 at (its TCP store)")
+    ] = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535, description="the store's port on the trainer (0: any free port)")] = 0
+    timeout_s: Annotated[
+        float, Field(gt=0, description="deadline for a step's group to form and for each tensor's broadcast")
+    ] = 60.0
+    offer_timeout_s: Annotated[
+        float, Field(gt=0, description="longest the trainer waits for the orchestrator to take an offered step")
+    ] = 1800.0
+
+    @property
+    def collective(self) -> bool:
+        return self.transport != "filesystem"
+
+    def check_adapters(self, publishes_adapters: bool) -> None:
+        """A trainer publishing a LoRA adapter publishes files: refuse a collective transport rather than fall back
+        to files unsaid."""
+        if self.collective and publishes_adapters:
+            raise ConfigError(f"transfer.transport = {self.transport!r} sends full weights, but the trainer publishes "
+                              "a LoRA adapter, which travels as files: use transfer.transport = 'filesystem' with "
+                              "LoRA, or trainer.lora.publish_merged = true")
+
+
 class EnvConfig(Section):
     """One verifiers environment: its taskset (`id`, `args`) and how its seats run (`harness`, `runtime`,
     `overrides`, all validated by verifiers itself when the environment loads)."""

@@ -10,7 +10,7 @@ from pydantic import AfterValidator, Field
 from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import VLLM_MAX_RANKS
-from rl.config import ConfigError, ModelConfig, Section, Settings
+from rl.config import ConfigError, ModelConfig, Section, Settings, TransferConfig
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 """Bind addresses only this host reaches: a server bound to one is private to the host. (Clients are judged
@@ -135,6 +135,10 @@ class InferenceConfig(Settings):
     lora: Annotated[
         LoraServingConfig | None, Field(description="serve a LoRA adapter (set by rl when trainer.lora is on)")
     ] = None
+    transfer: Annotated[
+        TransferConfig, Field(description="how weights arrive; a server takes updates over the wire only with a "
+                                          "collective transport (rl fills it from --transfer.*)")
+    ] = TransferConfig()
     extra_args: Annotated[
         list[str], AfterValidator(_no_rl_flags),
         Field(description="any other vLLM server arguments, passed through (after rl's: they win)"),

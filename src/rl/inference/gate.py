@@ -14,10 +14,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl.inference.policy import AdminSettings, PolicyWeights
+from rl.transfer import GroupSpec
 
 ADMIN_PATHS = {"/update_weights", "/policy_step"}
 GENERATE_PATH = "/inference/v1/generate"
@@ -43,19 +44,48 @@ MAX_ADMIN_BODY = 64 * 1024  # an update request is ~100 bytes
 MAX_STEP = 2**63 - 1  # policy versions travel as int64
 
 
+class TransferRequest(BaseModel):
+    """This server's place in the trainer's group for one step (rl/transfer.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:\[\]-]+$")]
+    port: Annotated[StrictInt, Field(ge=1, le=65535)]
+    rank: Annotated[StrictInt, Field(ge=1, le=65536, description="this server's rank; the trainer is rank 0")]
+    world_size: Annotated[StrictInt, Field(ge=2, le=65537)]
+    timeout_s: Annotated[float, Field(gt=0, le=3600)]
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> "TransferRequest":
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a group of {self.world_size}")
+        return self
+
+
 class UpdateWeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     step: Annotated[StrictInt, Field(ge=0, le=MAX_STEP, description="policy version the weights hold")]
     path: Annotated[
-        str, Field(min_length=1, max_length=PATH_MAX, pattern=r"^[^\x00]*$",
-                   description="the step's step_<step> directory, inside the weights dir")
-    ]
+        str | None, Field(min_length=1, max_length=PATH_MAX, pattern=r"^[^\x00]*$",
+                          description="the step's step_<step> directory, inside the weights dir")
+    ] = None
+    transfer: Annotated[
+        TransferRequest | None, Field(description="receive the step over the wire from the trainer's group instead")
+    ] = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "UpdateWeightsRequest":
+        if (self.path is None) == (self.transfer is None):
+            raise ValueError("give the step's weights either as a `path` or as a `transfer`, exactly one")
+        return self
 
     @field_validator("path")
     @classmethod
-    def _fits_the_filesystem(cls, path: str) -> str:
+    def _fits_the_filesystem(cls, path: str | None) -> str | None:
         """A path the OS can take: UTF-8 (no lone surrogate), components of at most NAME_MAX bytes."""
+        if path is None:
+            return path
         try:
             encoded = path.encode()
         except UnicodeEncodeError:
@@ -87,6 +117,8 @@ async def update_weights(request: Request, weights: Annotated[PolicyWeights, Dep
     """{"step": k, "path": "step_k"} -> {"step": k, "weights_checksum": "...", ...}, with "adapter" as /policy_step.
     Errors are {"detail": "..."} with a 4xx status, or 500 when a reload failed."""
     body = update_request(await request.body())  # parsed here, bounded: FastAPI's parser has no depth limit
+    if body.transfer is not None:
+        return await weights.receive(body.step, GroupSpec(**body.transfer.model_dump()))
     return await weights.update(body.step, body.path)
 
 

@@ -21,8 +21,9 @@ from fastapi import HTTPException
 
 from rl.adapter import ADAPTER_CONFIG
 from rl.inference import hooks
-from rl.inference.staging import PrivateCopies, StagedStep, stage_weights
+from rl.inference.staging import PrivateCopies, StagedStep, receive_weights, stage_weights
 from rl.manifest import STABLE, CorruptFileError, Entry, OpenDir, check_listed, read_manifest, read_marker
+from rl.transfer import GroupSpec, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class AdminSettings:
     admin_token: str | None
     api_keys: tuple[str, ...] = ()  # vLLM's --api-key / VLLM_API_KEY: required on every generation route
     lora_name: str | None = None  # the served adapter's name (None: LoRA off, full-weight steps only)
+    over_the_wire: bool = False  # whether steps may also arrive by a collective transfer (inference.transfer)
 
 
 class PolicyWeights:
@@ -60,6 +62,8 @@ class PolicyWeights:
         self.copies = PrivateCopies()  # adapter steps as checked, which vLLM loads (never the user's path)
         weakref.finalize(self, self.copies.close)  # removed when the server exits (a SIGKILL leaves them)
         self.adapter_copy: str | None = None  # the served adapter's private copy
+        self.wire_staged: StagedStep | None = None  # the served step's bytes when it came over the wire (rollback)
+        weakref.finalize(self, lambda s=self: s.wire_staged and s.wire_staged.close())
         self.broken: str | None = None
         self.lock = asyncio.Lock()
         # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
@@ -103,6 +107,33 @@ class PolicyWeights:
             return await self._update(step, target, directory)
         finally:
             directory.close()
+
+    async def receive(self, step: int, spec: GroupSpec) -> dict:
+        """Take step `step` over the wire (rl/transfer.py): received and checked against the trainer's checksum while
+        generation goes on, then loaded and verified like a step read from files. A step that arrives altered is
+        refused before anything is loaded."""
+        if not self.settings.over_the_wire:
+            raise HTTPException(400, "this server takes weights from files only (inference.transfer.transport is "
+                                     "filesystem): send a `path`")
+        if self.settings.lora_name is not None:
+            raise HTTPException(400, "a LoRA server loads adapter steps from files only")
+        corrupt = hooks.take("corrupt_receive")
+        try:
+            staged, checksum = await asyncio.to_thread(receive_weights, spec, step, corrupt)
+        except CorruptFileError as e:
+            raise HTTPException(422, f"step {step} refused, {self._still_serving()}: {e}") from None
+        except TransferError as e:
+            raise HTTPException(504, f"step {step} did not arrive, {self._still_serving()}: {e}") from None
+        try:
+            async with self.lock:
+                await self._verify_base()
+                if step <= self.step and not self.broken:
+                    raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
+                marker = f"wire:{checksum}".encode()
+                return await self._held_switch(step, f"transfer:step_{step}", marker, None, staged)
+        finally:
+            if staged is not self.wire_staged:
+                staged.close()
 
     async def _update(self, step: int, target: str, directory: OpenDir) -> dict:
         try:  # files truncated or changed since the trainer published them are never loaded
@@ -238,10 +269,17 @@ class PolicyWeights:
         if adapter:
             self.copies.remove(self.adapter_copy)
             self.adapter_copy = staged
+        self._keep_for_rollback(staged if manifest is None else None)
         self.step, self.path, self.checksum, self.broken = step, target, report["checksum"], None
         self.marker, self.manifest = marker, manifest
         served = {"step": step, "weights_checksum": self.checksum} | ({"adapter": self.adapter} if self.adapter else {})
         return served | _timings(report)
+
+    def _keep_for_rollback(self, wire_staged: StagedStep | None) -> None:
+        """A step that came over the wire exists nowhere else: keep its bytes until another step is served."""
+        if self.wire_staged is not None and self.wire_staged is not wire_staged:
+            self.wire_staged.close()
+        self.wire_staged = wire_staged
 
     def _resolve(self, path: str, step: int) -> str:
         """The real path of the step's own `step_<step>` directory, strictly inside the weights dir, with a
@@ -317,7 +355,10 @@ class PolicyWeights:
 
     async def _restore(self) -> dict:
         """Serve again the step served before a failed load: the adapter from its private copy, full weights
-        staged again from their directory (checked against the manifest they verified with)."""
+        staged again from their directory (checked against the manifest they verified with), or from the bytes kept
+        when they came over the wire."""
+        if self.wire_staged is not None:
+            return await self._load(self.wire_staged, self.step)
         if is_adapter_step(self.manifest):
             return await self._load_adapter(self.adapter_copy, self.step, self.manifest)
         if self.settings.lora_name is not None:  # no adapter was served yet: the base model, step 0

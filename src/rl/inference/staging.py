@@ -21,9 +21,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.manifest import CorruptFileError, Entry, OpenDir, read_listed
 from rl.safetensors_io import read_file_header
+from rl.transfer import (
+    DIGEST_BYTES, GroupSpec, TensorDigest, broadcast, connect_store, open_group, receive_header, safetensors_layout,
+)
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -86,6 +91,51 @@ def _stage_file(step: OpenDir, name: str, entry: Entry) -> tuple[int, int]:
     except BaseException:
         os.close(fd)
         raise
+
+
+WIRE_FILE = "model.safetensors"  # the one file a step received over the wire is staged as
+
+
+def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None) -> tuple[StagedStep, str]:
+    """Receive step `step` from the trainer's group (rl/transfer.py) into one sealed memfd laid out as a safetensors
+    file, and the checksum its bytes hash to, which is the trainer's: CorruptFileError if they hash to anything else
+    (nothing is kept then); TransferError if the transfer fails or times out. `corrupt` (tests only): the tensor whose
+    first received byte is flipped, as a fault on the way would."""
+    group = open_group(connect_store(spec.host, spec.port, spec.timeout_s), step, spec.rank, spec.world_size,
+                       spec.timeout_s)
+    tensors = receive_header(group, step)
+    head, spans = safetensors_layout(tensors)
+    size = spans[-1][1] if spans else len(head)
+    fd = os.memfd_create(f"rl-step-{step}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as data:
+            data[: len(head)] = head
+            digest = _receive_into(group, data, tensors, spans, step, corrupt)
+        sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8)
+        broadcast(group, sent, f"step {step}'s checksum")
+        if bytes(sent.numpy()) != digest.digest():
+            raise CorruptFileError(f"step {step} arrived altered: its bytes hash to {digest.hexdigest()}, the trainer "
+                                   f"sent {bytes(sent.numpy()).hex()}")
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # the mapping is closed: from here the bytes are fixed
+    except BaseException:
+        os.close(fd)
+        raise
+    return StagedStep({WIRE_FILE: (fd, size)}), digest.hexdigest()
+
+
+def _receive_into(group, data: mmap.mmap, tensors: list, spans: list, step: int, corrupt: str | None) -> TensorDigest:
+    """Each tensor broadcast straight into its place in `data`, hashed as it arrives."""
+    digest = TensorDigest()
+    for (name, dtype, shape), (begin, end) in zip(tensors, spans, strict=True):
+        place = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=begin) if end > begin else (
+            torch.empty(0, dtype=torch.uint8))
+        broadcast(group, place, f"{name} of step {step}")
+        if name == corrupt and len(place):
+            place[0] ^= 1
+        digest.update_bytes(name, dtype, shape, place)
+        del place  # no view of the mapping may outlive it
+    return digest
 
 
 def map_staged(staged: dict) -> Iterator[tuple[str, mmap.mmap]]:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, PrivateAttr
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig, optional_section
+from rl.config import CkptConfig, ConfigError, Section, Settings, TransferConfig, WandbConfig, optional_section
 from rl.adapter import next_vllm_rank
 from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference_device
@@ -129,6 +129,10 @@ class RLConfig(Settings):
     seq_len: Annotated[int | None, Field(ge=16, description="longest sample; also vLLM's max model length")] = None
     wandb: Annotated[WandbConfig | None, Field(description="W&B settings of trainer and orchestrator")] = None
     ckpt: Annotated[CkptConfig | None, Field(description="checkpoint settings of trainer and orchestrator")] = None
+    transfer: Annotated[
+        TransferConfig | None,
+        Field(description="how weights reach inference (`--transfer.transport gloo`), for all three processes"),
+    ] = None
 
     # Devices
     trainer_gpus: Annotated[int | None, Field(ge=1, description="GPUs for the trainer (one process each)")] = None
@@ -246,15 +250,17 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
                 _fill(value, sections[name], field, flag, name)
     if config.seq_len is not None:
         _fill(config.seq_len, i, "max_model_len", "seq-len", "inference")
-    for flag in ("wandb", "ckpt"):
+    for flag, where in (("wandb", ("trainer", "orchestrator")), ("ckpt", ("trainer", "orchestrator")),
+                        ("transfer", ROLES)):
         shared = getattr(config, flag)
         if shared is not None:
-            for name in ("trainer", "orchestrator"):
+            for name in where:
                 _fill_section(shared, getattr(sections[name], flag), flag, f"{name}.{flag}")
 
     _require_equal("model.name", {w: s.model.name for w, s in sections.items()})
     _require_equal("output_dir", {"trainer": t.output_dir, "orchestrator": o.output_dir})
     _require_equal("max_steps", {"trainer": t.max_steps, "orchestrator": o.max_steps})
+    _require_equal("transfer", {w: s.transfer.model_dump() for w, s in sections.items()})
 
     # Derived cross-process values.
     if host.inference_bind is not None:
@@ -294,6 +300,7 @@ def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) ->
     trainer's, one slot) and an orchestrator that names the adapter; merged weights or full training need
     neither."""
     serves_adapters = t.lora is not None and not t.lora.publish_merged
+    t.transfer.check_adapters(serves_adapters)
     if not serves_adapters:
         if i.lora is not None:
             raise ConfigError("inference.lora is set but the trainer publishes full weights (trainer.lora is unset or "

@@ -39,7 +39,8 @@ def checkpoint_problem(paths: RunPaths, step: int) -> str | None:
 
 
 def discard_after(paths: RunPaths, step: int) -> list[str]:
-    """Delete rollouts of steps >= step, weights of steps > step, and metrics records of steps >= step."""
+    """Delete rollouts of steps >= step, weights and transfer offers of steps > step, and metrics records of steps
+    >= step."""
     removed = []
     for s in stable_steps(paths.rollouts_root) + _unstable(paths.rollouts_root):
         if s >= step:
@@ -52,6 +53,11 @@ def discard_after(paths: RunPaths, step: int) -> list[str]:
     for tmp in paths.partial_step_dirs():
         shutil.rmtree(tmp, ignore_errors=True)
         removed.append(f"{tmp.parent.name}/{tmp.name}")
+    from rl.transfer import clear_transfers, offered_steps  # here: it imports torch, which the launcher needs not
+
+    if offers := [s for s in offered_steps(paths.root) if s > step]:  # they name the dead trainer's store
+        clear_transfers(paths.root, step + 1)
+        removed.append(f"transfer offers of steps {offers}")
     if paths.metrics.exists():
         lines = paths.metrics.read_text().splitlines()
         kept = [line for line in lines if line.strip() and _step_of(line) < step]

@@ -8,7 +8,9 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import ChatModelConfig, CkptConfig, EnvConfig, Section, Settings, WandbConfig, check_env_labels
+from rl.config import (
+    ChatModelConfig, CkptConfig, EnvConfig, Section, Settings, TransferConfig, WandbConfig, check_env_labels,
+)
 
 
 class SamplingConfig(Section):
@@ -175,6 +177,7 @@ class OrchestratorConfig(Settings):
         float, Field(gt=0, description="deadline for the trainer to publish the weights a step needs")
     ] = 900.0
     ckpt: CkptConfig = CkptConfig()
+    transfer: TransferConfig = TransferConfig()
     wandb: WandbConfig = WandbConfig()
     seed: Annotated[int, Field(description="seed of the task sampler")] = 0
     resume_step: Annotated[

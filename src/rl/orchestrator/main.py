@@ -18,7 +18,7 @@ from rl.orchestrator.environment import Environment, EnvLoadError, load_environm
 from rl.renderer import chat_renderer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.eval import eval_due, evaluate, to_sampling
-from rl.orchestrator.inference_pool import InferencePool
+from rl.orchestrator.inference_pool import InferenceError, InferencePool
 from rl.orchestrator.rollouts import (
     GroupOutcome, InferenceClient, RolloutResult, TokenSegment, run_group_retried, tune_gc_for_serving,
 )
@@ -26,6 +26,7 @@ from rl.orchestrator.sampler import TaskSampler
 from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
 from rl.protocol import RunPaths, Sample, stable_steps, wait_for_stable, write_batch
+from rl.transfer import offered_steps, read_offer, write_take
 
 LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "dropped", "tokens_per_s", "gen_s", "wait_s")
 
@@ -69,6 +70,8 @@ class Orchestrator:
         self.samplers = [TaskSampler(env.num_tasks, config.seed + i) for i, env in enumerate(self.envs)]
         self.semaphore = asyncio.Semaphore(config.max_concurrent)
         self.policy_step = 0
+        self.served_steps = [0] * len(config.client.base_urls)  # per server, over the wire (they may differ)
+        self.last_offer = 0  # the last step offered over the wire that was taken (or tried)
         self.unlogged_served: list[dict] | None = None  # the step-0 adapter's load, logged with batch 0
         self.start_step = 0
         if config.resume_step is not None:
@@ -127,11 +130,52 @@ class Orchestrator:
     async def ensure_policy(self, step: int) -> list[dict] | None:
         """Batch `step` may only use policies v_j with j >= step - async_level: wait for and load one."""
         required = step - self.config.async_level
+        if self.config.transfer.collective:
+            return await self.take_offers(step, required)
         if self.policy_step >= required:
             return None
         what = f"weights of policy {required} (needed by batch {step} with async_level={self.config.async_level})"
         await asyncio.to_thread(wait_for_stable, self.paths.weights(required), self.config.weights_timeout_s, what)
         return await self.load_newest_policy()
+
+    async def take_offers(self, step: int, required: int) -> list[dict] | None:
+        """Over the wire, the trainer waits on every step it offers until it is taken, so every offer is taken, in
+        order, at each batch boundary; while the servers serve less than batch `step` needs, wait for the next."""
+        served, what = None, f"the trainer's offer of policy {required} (needed by batch {step})"
+        deadline = time.monotonic() + self.config.weights_timeout_s
+        while True:
+            pending = [k for k in offered_steps(self.config.output_dir) if k > self.last_offer]
+            if pending:
+                served = await self.take(pending[0]) or served
+                continue
+            if self.policy_step >= required:
+                return served
+            if self.last_offer >= required:  # that offer failed and the next needs this batch: none can come
+                raise InferenceError(f"batch {step} needs policy {required}, but its transfer failed and the servers "
+                                     f"serve policy {self.policy_step} (see the warnings above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.config.weights_timeout_s:.0f} s for {what}")
+            await asyncio.sleep(0.02)
+
+    async def take(self, step: int) -> list[dict] | None:
+        """Take the trainer's offer of `step`: every server receives it at once; one that refuses or fails keeps the
+        weights it verified last (the next offer brings it up to date)."""
+        offer = read_offer(self.config.output_dir, step)
+        if offer is None:
+            raise InferenceError(f"the trainer's offer of policy {step} disappeared before it was taken")
+        self.last_offer = step
+        write_take(self.config.output_dir, step, len(self.pool.base_urls))
+        results = await self.pool.receive_weights(step, offer.host, offer.port, self.config.transfer.timeout_s)
+        for i, result in enumerate(results):
+            if isinstance(result, str):
+                self.logger.warning(f"policy {step} did not reach server {i}: {result}")
+            else:
+                self.served_steps[i] = result["step"]
+        self.policy_step = min(self.served_steps)
+        taken = [r for r in results if not isinstance(r, str)]
+        self.logger.info(f"policy {step} went over the wire to {len(taken)} of {len(results)} servers; "
+                         f"they serve policies {self.served_steps}")
+        return taken or None
 
     async def load_first_adapter(self) -> None:
         """With LoRA the servers start with the base model alone; requests name the adapter, so the trainer's
@@ -145,7 +189,8 @@ class Orchestrator:
         newest = max(stable_steps(self.paths.weights_root))
         served = await self.pool.update_weights(newest, str(self.paths.weights(newest).absolute()))
         self.logger.info(f"inference now serves policy {newest} ({len(served)} servers)")
-        self.policy_step = newest
+        self.policy_step = self.last_offer = newest
+        self.served_steps = [newest] * len(served)
         return served
 
     async def generate(self, step: int) -> list[GroupOutcome]:

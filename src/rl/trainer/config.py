@@ -10,7 +10,9 @@ from pydantic import BeforeValidator, Field
 from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import DEFAULT_TARGETS, VLLM_MAX_RANKS
-from rl.config import CkptConfig, ConfigError, ModelConfig, Section, Settings, WandbConfig, optional_section
+from rl.config import (
+    CkptConfig, ConfigError, ModelConfig, Section, Settings, TransferConfig, WandbConfig, optional_section,
+)
 
 
 class OptimConfig(Section):
@@ -183,6 +185,7 @@ class TrainerConfig(Settings):
     loss: LossConfig = LossConfig()
     ckpt: CkptConfig = CkptConfig()
     wandb: WandbConfig = WandbConfig()
+    transfer: TransferConfig = TransferConfig()
     batch_timeout_s: Annotated[
         float, Field(gt=0, description="deadline for the orchestrator's batch of a step to appear")
     ] = 900.0

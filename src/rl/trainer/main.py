@@ -23,6 +23,7 @@ from rl.trainer.model import load_policy, load_reference
 from rl.trainer.lora import lora_layers
 from rl.trainer.optim import build_optimizer, build_scheduler, trained_parameters
 from rl.trainer.step import train_step
+from rl.trainer.transfer import CollectiveSender
 from rl.trainer.weights import WeightPublisher
 from rl.trainer.world import World, init_world
 
@@ -97,6 +98,7 @@ def main() -> None:
     config = run_cli(TrainerConfig)
     try:
         check_device(config)
+        config.transfer.check_adapters(config.lora is not None and not config.lora.publish_merged)
     except ConfigError as e:  # exit 2, as every entrypoint does on a config error
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -122,6 +124,8 @@ def main() -> None:
         MetricsLogger("trainer", paths, config.wandb, config.model_dump(mode="json"), logger) if world.is_main else None
     )
     publisher = WeightPublisher.for_config(config, paths, policy, tokenizer, world)
+    sender = (CollectiveSender(config.transfer, config.output_dir, world, publisher.dtype, first_step)
+              if config.transfer.collective else None)
     logger.info(
         f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}); "
         f"steps {first_step}..{config.max_steps - 1}" + (f"; {describe_lora(policy)}" if config.lora else "")
@@ -137,7 +141,11 @@ def main() -> None:
         stats = train_step(policy, reference, optimizer, scheduler, samples, config, world, filler_token_id(tokenizer))
         stats |= batch_stats(samples, step, world, model_flops)
         train_s = time.perf_counter() - start
-        if checksum := publisher.publish(step + 1, policy):
+        if sender is not None:  # over the wire; files only where a resume needs them
+            stats |= sender.send(step + 1, policy)
+            if config.ckpt.due(step + 1, config.max_steps):
+                publisher.publish(step + 1, policy)
+        elif checksum := publisher.publish(step + 1, policy):
             stats["adapter_checksum"] = checksum  # of weights/step_{step + 1}, as inference reports it served
         stats |= timing_stats(stats, start - wait_start, train_s, time.perf_counter() - start, world, device_peak)
         world.reset_peak_memory()  # peak_mem_gib is each step's own (on GPUs)

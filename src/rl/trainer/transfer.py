@@ -1,0 +1,113 @@
+"""The trainer's side of the collective transport (rl/transfer.py says how a step travels).
+
+Every rank takes part in each tensor's gather (FSDP's all-gather, tensor by tensor, as the files path gathers them);
+rank 0 alone holds the step's store and group and broadcasts each tensor, in the served dtype, as soon as it is
+whole, then drops it: no rank holds more than one whole tensor beyond its shards. A failed transfer (no server
+joined in time, one died mid-broadcast) is logged with its reason and the run goes on: the servers keep the weights
+they verified last, and the next step's transfer brings every server that answers to that step. Every rank learns
+how the step went, so all ranks agree on what was sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rl.config import TransferConfig
+from rl.transfer import (
+    Offer, TensorDigest, TransferError, broadcast, clear_transfers, open_group, pack_digest, send_header,
+    tensor_bytes, wait_for_take, write_offer,
+)
+from rl.trainer.lora import LoRALinear, full_tensor, lora_layers, merged_weight
+from rl.trainer.weights import with_tied_head
+from rl.trainer.world import World
+
+logger = logging.getLogger(__name__)
+
+
+class CollectiveSender:
+    """Sends each step's weights to the servers the orchestrator asked to take them. Collective: every rank calls
+    `send` for every step."""
+
+    def __init__(self, config: TransferConfig, output_dir, world: World, dtype: torch.dtype, first_step: int):
+        self.config, self.output_dir, self.world, self.dtype = config, output_dir, world, dtype
+        self.store: dist.TCPStore | None = None
+        if world.is_main:
+            clear_transfers(output_dir, first_step)  # a resumed run's old offers name a store that is gone
+            self.store = dist.TCPStore("0.0.0.0", config.port, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=config.timeout_s))
+            logger.info(f"weights go over the wire (gloo): transfer store on {config.host}:{self.store.port}")
+
+    def send(self, step: int, model: torch.nn.Module) -> dict:
+        """Offer step `step`, wait for the orchestrator to take it, broadcast it. Returns the step's metrics:
+        `weights_checksum` (rank 0, what every server must report it serves), `transfer_s`, `weights_sent`."""
+        tensors = self._tensors(model)
+        meta = [(name, self.dtype, _shape(source)) for name, source in tensors]
+        start = time.perf_counter()
+        if self.world.is_main:
+            write_offer(self.output_dir, Offer(step, self.config.host, self.store.port,
+                                               sum(self.dtype.itemsize * _numel(s) for _, s in tensors)))
+        receivers = wait_for_take(self.output_dir, step, self.config.offer_timeout_s)  # every rank: all agree
+        waited = time.perf_counter() - start
+        group, failure = None, None
+        if self.world.is_main:
+            try:
+                group = open_group(self.store, step, 0, receivers + 1, self.config.timeout_s)
+                send_header(group, step, meta)
+            except TransferError as e:
+                failure = str(e)
+        digest = TensorDigest()
+        for name, source in tensors:  # every rank gathers every tensor; rank 0 sends it while nothing failed
+            full = self._gather(source)
+            if group is not None and failure is None:
+                try:
+                    digest.update(name, full)
+                    broadcast(group, tensor_bytes(full), f"{name} of step {step}")
+                except TransferError as e:
+                    failure = str(e)
+            del full
+        if group is not None and failure is None:
+            try:
+                broadcast(group, pack_digest(digest.digest()), f"step {step}'s checksum")
+            except TransferError as e:
+                failure = str(e)
+        sent, = self.world.all_reduce([0.0 if self.world.is_main and failure is None else 1.0], op="max")
+        stats = {"weights_sent": sent == 0.0, "transfer_wait_s": waited,
+                 "transfer_s": time.perf_counter() - start - waited}
+        if self.world.is_main:
+            if failure is None:
+                stats["weights_checksum"] = digest.hexdigest()
+            else:
+                logger.error(f"the weights of step {step} did not reach inference ({failure}); the servers keep "
+                             "the weights they verified last, and the next step is offered as usual")
+        return stats
+
+    def _tensors(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor | LoRALinear]]:
+        """(name sent, what it is gathered from) in state-dict order: `lm_head.weight` included when tied, LoRA
+        layers merged under their base weight's name (as the files path publishes them)."""
+        state = model.state_dict()
+        merged = {f"{name}.weight": layer for name, layer in lora_layers(model).items()}
+        names = [name for name in state if not name.endswith((".lora_A", ".lora_B"))]
+        return [(name, merged.get(source, state[source])) for name, source in with_tied_head(names).items()]
+
+    def _gather(self, source: torch.Tensor | LoRALinear) -> torch.Tensor | None:
+        """Collective: the whole tensor in the served dtype on rank 0's host (None elsewhere)."""
+        if isinstance(source, LoRALinear):
+            full = merged_weight(source, self.dtype)
+            return full if self.world.is_main else None
+        return full_tensor(source, self.dtype, to_host=self.world.is_main)
+
+    def close(self) -> None:
+        self.store = None
+
+
+def _shape(source: torch.Tensor | LoRALinear) -> tuple[int, ...]:
+    return tuple(source.weight.shape if isinstance(source, LoRALinear) else source.shape)
+
+
+def _numel(source: torch.Tensor | LoRALinear) -> int:
+    return torch.Size(_shape(source)).numel()

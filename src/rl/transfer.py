@@ -1,0 +1,239 @@
+"""Weights over the wire: the collective transport shared by the trainer (which sends) and the inference servers
+(which receive), beside the filesystem transport (weights/step_k/, rl/trainer/weights.py).
+
+With `weight_transport = "gloo"` a step's weights travel trainer -> every server with no file in between:
+
+1. the trainer, after its optimizer step, offers the step: `transfer/offer_<k>.json` names the step and where its
+   TCP store listens (rank 0 keeps one store for the whole run);
+2. the orchestrator takes the offer (rl/orchestrator/main.py): it writes `transfer/take_<k>.json` with the number of
+   receivers (one per server it asks) and posts each server `/update_weights {"step": k, "transfer": {...}}` naming
+   the store and the server's rank in the step's group;
+3. trainer rank 0 and the servers form a gloo group of their own for that step (its keys under `step_<k>/` in the
+   store, so a server restarted since the last step simply joins the next), and rank 0 broadcasts: the step's
+   header (every tensor's name, dtype and shape), each tensor's bytes in that order, then `weights_checksum`
+   (`TensorDigest`: the same xxh3-128 of names, dtypes, shapes and bytes that the files' tally takes);
+4. each server receives into a sealed memfd laid out as one safetensors file (`rl.inference.staging`), refuses the
+   step if the bytes it got do not hash to the trainer's checksum, and only then loads it with the same verified
+   reload, rollback and tensor-parallel sharding as a step read from files.
+
+Every wait has a deadline: the trainer's wait for the take (`offer_timeout_s`), the group's forming and every
+broadcast (`timeout_s`). The group is formed per step (milliseconds for gloo), so no stale member can hang a later
+step. Transports are looked up by name in `TRANSPORTS`, a registry in the manner of vLLM's weight-transfer engine
+factory.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from rl.atomic import atomic_write_text
+
+TRANSPORTS = {
+    "filesystem": "every step's weights as files in weights/step_k/, which servers read and verify",
+    "gloo": "every step's weights broadcast from trainer rank 0 to every server over TCP (gloo), verified as files",
+}
+DIGEST_BYTES = 16
+MAX_HEADER_BYTES = 64 * 2**20
+
+
+class TransferError(RuntimeError):
+    """A collective transfer failed or timed out; the message names the step and what it waited for."""
+
+
+class TensorDigest:
+    """`weights_checksum`: xxh3-128 of every tensor's name, dtype, shape and bytes, in order. The trainer takes it over
+    what it sends, a server over what it received, the files' tally over what it read."""
+
+    def __init__(self):
+        self._hash = xxhash.xxh3_128()
+
+    def update(self, name: str, tensor: torch.Tensor) -> None:
+        self.update_bytes(name, tensor.dtype, tuple(tensor.shape), tensor_bytes(tensor.detach()))
+
+    def update_bytes(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], data: torch.Tensor) -> None:
+        """A tensor given as its dtype, shape and raw bytes (a flat uint8 tensor on the CPU)."""
+        self._hash.update(f"{name}\0{dtype}\0{tuple(shape)}\0".encode())
+        self._hash.update(data.numpy())
+
+    def digest(self) -> bytes:
+        return self._hash.digest()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What the trainer offers for a step: where its store listens, and the step's size."""
+
+    step: int
+    host: str
+    port: int
+    tensor_bytes: int
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A server's place in a step's group, as the orchestrator posts it to /update_weights."""
+
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    timeout_s: float
+
+
+def transfer_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "transfer"
+
+
+def offer_path(output_dir: Path, step: int) -> Path:
+    return transfer_dir(output_dir) / f"offer_{step}.json"
+
+
+def take_path(output_dir: Path, step: int) -> Path:
+    return transfer_dir(output_dir) / f"take_{step}.json"
+
+
+def write_offer(output_dir: Path, offer: Offer) -> None:
+    atomic_write_text(offer_path(output_dir, offer.step), json.dumps(asdict(offer)))
+
+
+def read_offer(output_dir: Path, step: int) -> Offer | None:
+    path = offer_path(output_dir, step)
+    try:
+        return Offer(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError) as e:
+        raise TransferError(f"{path} is not an offer the trainer wrote: {e}") from None
+
+
+def offered_steps(output_dir: Path) -> list[int]:
+    steps = []
+    for path in transfer_dir(output_dir).glob("offer_*.json"):
+        suffix = path.stem.removeprefix("offer_")
+        if suffix.isdigit():
+            steps.append(int(suffix))
+    return sorted(steps)
+
+
+def write_take(output_dir: Path, step: int, receivers: int) -> None:
+    atomic_write_text(take_path(output_dir, step), json.dumps({"step": step, "receivers": receivers}))
+
+
+def wait_for_take(output_dir: Path, step: int, timeout_s: float) -> int:
+    """The number of receivers the orchestrator asked to take step `step`; TransferError after `timeout_s`."""
+    path = take_path(output_dir, step)
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise TransferError(f"waited {timeout_s:.0f} s for the orchestrator to take the weights of step {step} "
+                                f"({path} never appeared): is the orchestrator running?")
+        time.sleep(0.02)
+    return int(json.loads(path.read_text())["receivers"])
+
+
+def clear_transfers(output_dir: Path, from_step: int = 0) -> None:
+    """Remove the offers and takes of steps >= `from_step` (a resumed run offers them again, on another store)."""
+    for path in transfer_dir(output_dir).glob("*.json"):
+        suffix = path.stem.partition("_")[2]
+        if suffix.isdigit() and int(suffix) >= from_step:
+            path.unlink(missing_ok=True)
+
+
+def open_group(store: dist.Store, step: int, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
+    """The step's own gloo group over `store`: formed once every member joined, within `timeout_s`."""
+    try:
+        return dist.ProcessGroupGloo(dist.PrefixStore(f"step_{step}", store), rank, world_size,
+                                     timedelta(seconds=timeout_s))
+    except Exception as e:  # the store's wait timed out, or the store went away
+        raise TransferError(f"the transfer group of step {step} did not form within {timeout_s:.0f} s "
+                            f"(rank {rank} of {world_size}): {e}") from None
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise TransferError(f"cannot reach the trainer's transfer store at {host}:{port} within {timeout_s:.0f} s: "
+                            f"{e}") from None
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, what: str) -> None:
+    """Broadcast `tensor` from rank 0 (in place on the others); TransferError names what was being sent."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    try:
+        group.broadcast([tensor], options).wait()
+    except Exception as e:
+        raise TransferError(f"the broadcast of {what} failed: {e}") from None
+
+
+def send_header(group: dist.ProcessGroup, step: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+    raw = json.dumps({"step": step, "tensors": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in tensors]})
+    data = torch.frombuffer(bytearray(raw.encode()), dtype=torch.uint8)
+    broadcast(group, torch.tensor([len(data)], dtype=torch.int64), f"step {step}'s header length")
+    broadcast(group, data, f"step {step}'s header")
+
+
+def receive_header(group: dist.ProcessGroup, step: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The step's tensors as the trainer announced them; TransferError if it sends another step or nonsense."""
+    length = torch.zeros(1, dtype=torch.int64)
+    broadcast(group, length, f"step {step}'s header length")
+    if not 0 < length.item() <= MAX_HEADER_BYTES:
+        raise TransferError(f"step {step}'s header claims {length.item()} bytes")
+    data = torch.empty(int(length.item()), dtype=torch.uint8)
+    broadcast(group, data, f"step {step}'s header")
+    try:
+        header = json.loads(bytes(data.numpy()))
+        tensors = [(str(n), getattr(torch, d), tuple(int(x) for x in s)) for n, d, s in header["tensors"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise TransferError(f"step {step}'s header is malformed: {e!r}") from None
+    if header.get("step") != step:
+        raise TransferError(f"asked to receive step {step}, but the trainer sends step {header.get('step')}")
+    if any(not isinstance(d, torch.dtype) for _, d, _ in tensors):
+        raise TransferError(f"step {step}'s header names a dtype torch does not have")
+    return tensors
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view (what travels)."""
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def pack_digest(digest: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+
+
+def safetensors_layout(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, list[tuple[int, int]]]:
+    """The safetensors head (length prefix and header, padded to 8 bytes) of one file holding `tensors` in order,
+    and each tensor's [begin, end) in the file. Tensors of one dtype stay aligned; a server receives into it."""
+    from rl.safetensors_io import NAMES
+
+    header, offset, spans = {}, 0, []
+    for name, dtype, shape in tensors:
+        size = dtype.itemsize * _numel(shape)
+        header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        spans.append((offset, offset + size))
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
+    return head, [(len(head) + begin, len(head) + end) for begin, end in spans]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
