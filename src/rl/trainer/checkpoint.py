@@ -26,6 +26,7 @@ from torch.distributed.checkpoint._traverse import set_element
 
 from rl.config import CkptConfig
 from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable, mark_stable, verify_stable
+from rl.trainer.optim import state_on_device
 from rl.trainer.world import World
 
 
@@ -44,8 +45,9 @@ class Checkpointer:
         if self.world.is_main and target.exists():
             shutil.rmtree(target)
         self.world.barrier()
-        model_state, optim_state, _ = checkpoint_state(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target))
+        with state_on_device(optimizer):  # an offloaded state is saved from where it computes
+            model_state, optim_state, _ = checkpoint_state(model, optimizer)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(target))
         meta = {"step": step, "rng": rng_state(), "scheduler": scheduler.state_dict()}
         atomic_write_text(target / f"rank_{self.world.rank}.json", json.dumps(meta))
         self.world.barrier()
@@ -58,14 +60,15 @@ class Checkpointer:
         if not is_stable(target):
             raise FileNotFoundError(f"trainer checkpoint {target} is missing or incomplete (no {STABLE})")
         verify_stable(target)
-        model_state, optim_state, options = checkpoint_state(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        reader = SafeFileSystemReader(str(target))
-        reader.read_metadata()  # refused here with its reason; inside dcp.load it reads as "metadata not found"
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
-        )
+        with state_on_device(optimizer):  # and loaded there, then offloaded again
+            model_state, optim_state, options = checkpoint_state(model, optimizer)
+            state = {"model": model_state, "optim": optim_state}
+            reader = SafeFileSystemReader(str(target))
+            reader.read_metadata()  # refused here with its reason; inside dcp.load it reads as "metadata not found"
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+            set_state_dict(
+                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+            )
         meta = json.loads((target / f"rank_{self.world.rank}.json").read_text())
         if meta["step"] != step:
             raise ValueError(f"trainer checkpoint {target} holds step {meta['step']}, not {step}")

@@ -28,6 +28,12 @@ class OptimConfig(Section):
     min_lr_ratio: Annotated[
         float, Field(ge=0, le=1, description="linear/cosine: final LR as a fraction of lr")
     ] = 0.0
+    offload: Annotated[
+        bool,
+        Field(description="keep AdamW's moments (8 bytes per trained parameter) in host memory between steps, "
+                          "copied to the device for each optimizer step: the device holds them only during the "
+                          "step, not beside the activations of forward/backward"),
+    ] = False
 
 
 class DapoNorm(Section):

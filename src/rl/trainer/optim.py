@@ -11,9 +11,12 @@ the LR used by optimizer step k (0-based) is
 
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from rl.trainer.config import OptimConfig
@@ -25,9 +28,80 @@ def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        trained_parameters(model), lr=config.lr, weight_decay=config.weight_decay, betas=config.betas
-    )
+    kind = HostStateAdamW if config.offload else torch.optim.AdamW
+    return kind(trained_parameters(model), lr=config.lr, weight_decay=config.weight_decay, betas=config.betas)
+
+
+@dataclass
+class HostCopy:
+    tensor: torch.Tensor  # the state tensor (a DTensor's local shard), whose data is swapped between the two
+    host: torch.Tensor  # its persistent host buffer (pinned with CUDA: asynchronous copies)
+    device: torch.device  # where it computes
+
+
+class HostStateAdamW(torch.optim.AdamW):
+    """AdamW whose moments live in host memory between steps (`optim.offload`), as prime-rl's optimizer state
+    offload: each step copies them to the device, steps there and copies them back, so the device holds them
+    only during the optimizer step, not beside forward/backward's activations. Parameters and gradients stay
+    on the device. The state tensors keep their identity (their `.data` is swapped), so the LR scheduler and
+    torch.distributed.checkpoint see a plain AdamW; a checkpoint reads and writes the state on the device
+    (`state_on_device`). `offloaded` and `on_device` record where the state is."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.offloaded: list[HostCopy] = []  # the tensors in host memory now
+        self.on_device = False
+        self._host_buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with self.state_on_device():
+            return super().step(closure)
+
+    @contextlib.contextmanager
+    def state_on_device(self):
+        """The state on the device inside (a step, a checkpoint), in host memory after; re-entrant (torch's
+        checkpoint state dict may run a step to create the state)."""
+        if self.on_device:
+            yield
+            return
+        self._fetch()
+        try:
+            yield
+        finally:
+            self._offload()
+
+    def _fetch(self) -> None:
+        for copy in self.offloaded:  # ordered after the offload's copies on the same stream
+            copy.tensor.data = copy.host.to(copy.device, non_blocking=True, copy=True)
+        self.offloaded, self.on_device = [], True
+
+    def _offload(self) -> None:
+        """Every state tensor but the scalar step counters (which AdamW keeps on the host) into its host buffer,
+        state created or replaced (a checkpoint load) inside included."""
+        for param, state in self.state.items():
+            for key, value in state.items():
+                local = value._local_tensor if isinstance(value, DTensor) else value
+                if isinstance(local, torch.Tensor) and local.ndim > 0:
+                    host = self._host_buffer(param, key, local)
+                    host.copy_(local, non_blocking=True)
+                    self.offloaded.append(HostCopy(local, host, local.device))
+                    local.data = host
+        self.on_device = False
+
+    def _host_buffer(self, param: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
+        """One buffer per state tensor for the whole run: pinning host memory is slow, so it is done once."""
+        buffer = self._host_buffers.get((id(param), key))
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            pin = like.device.type == "cuda"
+            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+            self._host_buffers[(id(param), key)] = buffer
+        return buffer
+
+
+def state_on_device(optimizer: torch.optim.Optimizer):
+    """A context in which the optimizer's state is on the device (where a checkpoint reads and writes it)."""
+    return optimizer.state_on_device() if isinstance(optimizer, HostStateAdamW) else contextlib.nullcontext()
 
 
 def lr_factor(step: int, config: OptimConfig, max_steps: int) -> float:
