@@ -50,25 +50,30 @@ class TransferError(RuntimeError):
 
 
 class TensorDigest:
-    """`weights_checksum`: xxh3-128 of every tensor's name, dtype, shape and bytes, in order. The trainer takes it over
-    what it sends, a server over what it received, the files' tally over what it read."""
+    """`weights_checksum`: per tensor, xxh3-128 of its name, dtype, shape and bytes; then xxh3-128 of those, by name.
+    Independent of the order the tensors pass in, so the same weights have the same checksum whether they were read
+    from files (however sharded: the files' tally) or received over the wire (the trainer's and the server's)."""
 
     def __init__(self):
-        self._hash = xxhash.xxh3_128()
+        self._tensors: dict[str, bytes] = {}
 
     def update(self, name: str, tensor: torch.Tensor) -> None:
         self.update_bytes(name, tensor.dtype, tuple(tensor.shape), tensor_bytes(tensor.detach()))
 
     def update_bytes(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], data: torch.Tensor) -> None:
         """A tensor given as its dtype, shape and raw bytes (a flat uint8 tensor on the CPU)."""
-        self._hash.update(f"{name}\0{dtype}\0{tuple(shape)}\0".encode())
-        self._hash.update(data.numpy())
+        one = xxhash.xxh3_128(f"{name}\0{dtype}\0{tuple(shape)}\0".encode())
+        one.update(data.numpy())
+        self._tensors[name] = one.digest()
 
     def digest(self) -> bytes:
-        return self._hash.digest()
+        whole = xxhash.xxh3_128()
+        for name in sorted(self._tensors):
+            whole.update(name.encode() + b"\0" + self._tensors[name])
+        return whole.digest()
 
     def hexdigest(self) -> str:
-        return self._hash.hexdigest()
+        return self.digest().hex()
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 
 from rl.inference.reading import checkpoint_tensors
 from rl.inference.sharding import Shard, input_shard, output_parts, vocab_rows
+from rl.transfer import TensorDigest
 
 PROBE_COLUMNS = 4
 ROW_CHUNK = 8192  # rows of a matrix cast to float32 at a time, to bound the memory of a fingerprint
@@ -121,22 +121,21 @@ def shape_mismatches(served: dict[str, tuple], files: dict[str, tuple]) -> list[
 
 
 class FileTally:
-    """The fingerprint of every tensor of a checkpoint, cast to the served dtype, and `weights_checksum`: xxh3-128
-    of every tensor's name, dtype, shape and bytes; both taken as the tensors pass on their way to the reload,
-    so the files are read once. Once the served fingerprint matches, the checksum names what is served; it
-    covers every element (the fingerprint samples a few columns exactly)."""
+    """The fingerprint of every tensor of a checkpoint, cast to the served dtype, and `weights_checksum`
+    (`rl.transfer.TensorDigest`: of every tensor's name, dtype, shape and bytes); both taken as the tensors pass on
+    their way to the reload, so the files are read once. Once the served fingerprint matches, the checksum names
+    what is served; it covers every element (the fingerprint samples a few columns exactly)."""
 
     def __init__(self, dtype: torch.dtype, device="cpu", shards: dict[str, Shard | None] | None = None):
         self.dtype, self.device, self.shards = dtype, device, shards or {}
         self.prints: dict[str, Fingerprint] = {}
-        self.digest = xxhash.xxh3_128()
+        self.digest = TensorDigest()
         self.seconds = 0.0
 
     def through(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in tensors:
             start = time.perf_counter()
-            self.digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-            self.digest.update(tensor.contiguous().view(torch.uint8).numpy())
+            self.digest.update(name, tensor)
             tensor = tensor.to(self.device)  # fingerprinted where it is served, and copied there once
             self.prints[name] = tensor_fingerprint(tensor, self.dtype, self.shards.get(name))
             self.seconds += time.perf_counter() - start

@@ -121,8 +121,10 @@ class PolicyWeights:
         try:
             staged, checksum = await asyncio.to_thread(receive_weights, spec, step, corrupt)
         except CorruptFileError as e:
+            logger.warning("step %d refused over the wire, %s: %s", step, self._still_serving(), e)
             raise HTTPException(422, f"step {step} refused, {self._still_serving()}: {e}") from None
         except TransferError as e:
+            logger.warning("step %d did not arrive, %s: %s", step, self._still_serving(), e)
             raise HTTPException(504, f"step {step} did not arrive, {self._still_serving()}: {e}") from None
         try:
             async with self.lock:

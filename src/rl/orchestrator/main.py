@@ -72,6 +72,7 @@ class Orchestrator:
         self.policy_step = 0
         self.served_steps = [0] * len(config.client.base_urls)  # per server, over the wire (they may differ)
         self.last_offer = 0  # the last step offered over the wire that was taken (or tried)
+        self.usable = list(range(len(config.client.base_urls)))  # servers given requests (all, except over the wire)
         self.unlogged_served: list[dict] | None = None  # the step-0 adapter's load, logged with batch 0
         self.start_step = 0
         if config.resume_step is not None:
@@ -98,6 +99,8 @@ class Orchestrator:
                 await self.load_first_adapter()
             for step in range(self.start_step, self.config.max_steps):
                 await self.step(step)
+            if self.config.transfer.collective:  # the trainer offers its last steps too, and waits until taken
+                await self.take_offers(self.config.max_steps, "the end of the run")
         await self.pool.close()
         self.metrics.close()
 
@@ -131,30 +134,34 @@ class Orchestrator:
         """Batch `step` may only use policies v_j with j >= step - async_level: wait for and load one."""
         required = step - self.config.async_level
         if self.config.transfer.collective:
-            return await self.take_offers(step, required)
+            return await self.take_offers(required, f"batch {step} (async_level={self.config.async_level})")
         if self.policy_step >= required:
             return None
         what = f"weights of policy {required} (needed by batch {step} with async_level={self.config.async_level})"
         await asyncio.to_thread(wait_for_stable, self.paths.weights(required), self.config.weights_timeout_s, what)
         return await self.load_newest_policy()
 
-    async def take_offers(self, step: int, required: int) -> list[dict] | None:
-        """Over the wire, the trainer waits on every step it offers until it is taken, so every offer is taken, in
-        order, at each batch boundary; while the servers serve less than batch `step` needs, wait for the next."""
-        served, what = None, f"the trainer's offer of policy {required} (needed by batch {step})"
+    async def take_offers(self, required: int, needed_by: str) -> list[dict] | None:
+        """Over the wire the trainer waits on every step it offers until it is taken, so every offer is taken, in
+        order, at each batch boundary; while no server serves `required` or newer, wait for the next offer. Servers
+        left behind (their transfer failed) get no requests until an offer brings them up to date."""
+        served = None
         deadline = time.monotonic() + self.config.weights_timeout_s
         while True:
             pending = [k for k in offered_steps(self.config.output_dir) if k > self.last_offer]
             if pending:
                 served = await self.take(pending[0]) or served
                 continue
-            if self.policy_step >= required:
+            self.usable = [i for i, s in enumerate(self.served_steps) if s >= required]
+            if self.usable:
+                self.policy_step = min(self.served_steps[i] for i in self.usable)
                 return served
-            if self.last_offer >= required:  # that offer failed and the next needs this batch: none can come
-                raise InferenceError(f"batch {step} needs policy {required}, but its transfer failed and the servers "
-                                     f"serve policy {self.policy_step} (see the warnings above)")
+            if self.last_offer >= required:  # that offer failed everywhere, and the next one needs this batch
+                raise InferenceError(f"{needed_by} needs policy {required}, but its transfer failed and the servers "
+                                     f"serve policies {self.served_steps} (see the warnings above)")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {self.config.weights_timeout_s:.0f} s for {what}")
+                raise TimeoutError(f"waited {self.config.weights_timeout_s:.0f} s for the trainer's offer of policy "
+                                   f"{required} (needed by {needed_by})")
             await asyncio.sleep(0.02)
 
     async def take(self, step: int) -> list[dict] | None:
@@ -171,10 +178,9 @@ class Orchestrator:
                 self.logger.warning(f"policy {step} did not reach server {i}: {result}")
             else:
                 self.served_steps[i] = result["step"]
-        self.policy_step = min(self.served_steps)
         taken = [r for r in results if not isinstance(r, str)]
-        self.logger.info(f"policy {step} went over the wire to {len(taken)} of {len(results)} servers; "
-                         f"they serve policies {self.served_steps}")
+        self.logger.info(f"policy {step} went over the wire to {len(taken)} of {len(results)} servers (checksums "
+                         f"{[r['weights_checksum'] for r in taken]}); they serve policies {self.served_steps}")
         return taken or None
 
     async def load_first_adapter(self) -> None:
@@ -201,7 +207,8 @@ class Orchestrator:
         for env, sampler, count in zip(self.envs, self.samplers, counts):
             for task_index in sampler.draw(count):
                 g = len(jobs)
-                jobs.append(self.run_one_group(env, task_index, self.clients[g % len(self.clients)], step, g))
+                client = self.clients[self.usable[g % len(self.usable)]]
+                jobs.append(self.run_one_group(env, task_index, client, step, g))
         return await asyncio.gather(*jobs)
 
     async def run_one_group(self, env: Environment, task_index: int, client, step: int, g: int) -> GroupOutcome:

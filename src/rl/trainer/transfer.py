@@ -75,8 +75,8 @@ class CollectiveSender:
                 broadcast(group, pack_digest(digest.digest()), f"step {step}'s checksum")
             except TransferError as e:
                 failure = str(e)
-        sent, = self.world.all_reduce([0.0 if self.world.is_main and failure is None else 1.0], op="max")
-        stats = {"weights_sent": sent == 0.0, "transfer_wait_s": waited,
+        failed, = self.world.all_reduce([1.0 if failure is not None else 0.0], op="max")  # rank 0's verdict
+        stats = {"weights_sent": failed == 0.0, "transfer_wait_s": waited,
                  "transfer_s": time.perf_counter() - start - waited}
         if self.world.is_main:
             if failure is None:
