@@ -161,6 +161,12 @@ class TrainerConfig(Settings):
         Field(description="transformers attention kernel; with packing, sdpa and eager compute every pair of a "
                           "row's tokens under a block-diagonal mask, flex_attention skips the empty blocks (GPU)"),
     ] = "sdpa"
+    compile: Annotated[
+        bool,
+        Field(description="torch.compile each transformer block (in place, before FSDP wraps it), as prime-rl's "
+                          "[model.compile]; the first steps pay the compile (and one recompile to dynamic shapes "
+                          "when row lengths vary)"),
+    ] = False
     publish_in_background: Annotated[
         bool,
         Field(description="write weights/step_k/ in a writer thread while the next step trains (rank 0 holds one "

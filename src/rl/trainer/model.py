@@ -24,7 +24,7 @@ from rl.trainer.world import World
 def load_policy(config: TrainerConfig, world: World) -> torch.nn.Module:
     whole = world.world_size == 1  # see shard()
     model = load_model(config.model.name, config.dtype, world, config.attn_implementation, whole,
-                       config.logprob_chunk_tokens, config.lora, config.seed)
+                       config.logprob_chunk_tokens, config.lora, config.seed, config.compile)
     return prepare_for_training(model, config.activation_checkpointing)
 
 
@@ -44,13 +44,13 @@ def load_reference(config: TrainerConfig, world: World, policy: torch.nn.Module)
     if config.lora is not None:
         return policy
     model = load_model(config.model.name, config.dtype, world, config.attn_implementation,
-                       chunk=config.logprob_chunk_tokens)
+                       chunk=config.logprob_chunk_tokens, compile_blocks=config.compile)
     return model.requires_grad_(False).eval()
 
 
 def load_model(
     name: str, dtype: str, world: World, attn_implementation: str = "sdpa", whole: bool = False,
-    chunk: int = DEFAULT_CHUNK_TOKENS, lora: LoraConfig | None = None, seed: int = 0,
+    chunk: int = DEFAULT_CHUNK_TOKENS, lora: LoraConfig | None = None, seed: int = 0, compile_blocks: bool = False,
 ) -> torch.nn.Module:
     """A Hugging Face causal LM with fp32 parameters and a `LogprobHead` (and LoRA layers, frozen base), sharded
     over the world. It is built on the meta device and sharded first; then each rank reads only its own rows of
@@ -58,6 +58,8 @@ def load_model(
     model = meta_model(name, attn_implementation, chunk)
     if lora is not None:
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    if compile_blocks:
+        compile_each_block(model)
     shard(model, world, dtype, whole)
     model.to_empty(device=world.device)
     load_local_rows(model, Path(local_model_dir(name)), world, not_in_files=lora_parameter_names(model))
@@ -74,6 +76,14 @@ def meta_model(name: str, attn_implementation: str = "sdpa", chunk: int = DEFAUL
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     install_logprob_head(model, chunk)
     return model
+
+
+def compile_each_block(model: torch.nn.Module) -> None:
+    """torch.compile every transformer block in place (`Module.compile`: parameter names, and so checkpoints and
+    published weights, stay as they are), before FSDP wraps it: its gather and reshard hooks stay eager. The
+    blocks share one compiled graph; new row lengths recompile once, to dynamic shapes."""
+    for block in model.model.layers:
+        block.compile()
 
 
 def local_rows(tensor: torch.Tensor, world: World) -> tuple[int, int]:
