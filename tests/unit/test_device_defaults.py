@@ -70,6 +70,8 @@ def test_a_trainer_started_alone_resolves_for_its_own_device(tmp_path, monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="needs a GPU"):
         check_device(parse_config(TrainerConfig, ["--dtype", "bfloat16"]))
+    with pytest.raises(ConfigError, match="flex_attention' needs a GPU"):
+        check_device(parse_config(TrainerConfig, ["--attn-implementation", "flex_attention"]))
 
 
 def test_inference_defaults_by_device_and_the_users_values_win():

@@ -325,3 +325,6 @@ def check_device(config: TrainerConfig) -> None:
     resolve_device_defaults(config, device)
     if config.dtype == "bfloat16" and device == "cpu":
         raise ConfigError("trainer.dtype = 'bfloat16' needs a GPU; use 'float32' on CPU hosts")
+    if config.attn_implementation == "flex_attention" and device == "cpu":
+        raise ConfigError("trainer.attn_implementation = 'flex_attention' needs a GPU (torch has no flex attention "
+                          "backward on CPU); use 'sdpa' on CPU hosts")
