@@ -74,6 +74,13 @@ def test_a_trainer_started_alone_resolves_for_its_own_device(tmp_path, monkeypat
         check_device(parse_config(TrainerConfig, ["--attn-implementation", "flex_attention"]))
 
 
+@pytest.mark.gpu
+def test_on_a_real_cuda_host_the_trainer_masks_the_mismatch_and_computes_in_bf16(tmp_path):
+    config = parse_config(TrainerConfig, ["--model.name", model_dir(tmp_path, torch_dtype="bfloat16")])
+    check_device(config)
+    assert config.loss.mismatch == MaskRatio() and config.dtype == "bfloat16"
+
+
 def test_inference_defaults_by_device_and_the_users_values_win():
     cpu, cuda = InferenceConfig(), InferenceConfig()
     assert resolve_inference(cpu, "cpu") == {"dtype": "auto: CPU", "enforce_eager": "auto: CPU"}
