@@ -8,9 +8,16 @@ inference server and, several times in turn:
 - lower bound: `safetensors.save_file` of the same tensors alone, plus the server's reload time alone
   (`reload_s`, measured inside the server around vLLM's in-place reload).
 
-It prints the medians and their ratio (target: publish-to-served <= 1.5x the lower bound), then the same for a
-rank-16 LoRA adapter on every projection, on a server with LoRA on, against the full weights' figures, then the
-raw generation tokens/s of a fixed request set (64 prompts x 64 tokens, all in flight) on the tiny model.
+- over the wire (`transfer.transport = "gloo"`, rl/transfer.py): the trainer's `CollectiveSender.send` (offer, take,
+  the step's gloo group, every tensor broadcast into the server's memfd, the checksum) with the orchestrator's
+  `POST /update_weights {"step", "transfer"}` (receive, check, reload, verify), timed from the offer to the answer;
+- its bound: a bare gloo broadcast of the same bytes to another process, plus the server's reload time alone.
+
+It prints the medians and their ratios (targets: publish-to-served <= 1.5x its bound for files; over the wire
+<= 0.5x files and <= 1.3x its bound at ~100M), then the same for a rank-16 LoRA adapter on every projection, on a
+server with LoRA on, by files and over the wire, against the full weights' figures, then
+the raw generation tokens/s of a fixed request set (64 prompts x 64 tokens, all in flight) on the tiny model. The
+last line reads `collective publish-to-served 100M <R>x filesystem, <B>x bound`.
 
 Files are written to a tmpfs (/dev/shm) by default: on this VM's ext4 disk the same 400 MB `save_file`
 takes 0.3-1.0 s from one write to the next, which swamps the difference being measured; `--dir` picks
@@ -27,10 +34,14 @@ import asyncio
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import torch
@@ -41,7 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl.adapter import (  # noqa: E402
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, DEFAULT_TARGETS, adapter_checksum, adapter_config_bytes, tensor_name,
 )
+from rl.config import TransferConfig  # noqa: E402
 from rl.protocol import RunPaths  # noqa: E402
+from rl.trainer.transfer import CollectiveSender  # noqa: E402
+from rl.transfer import read_offer, tensor_bytes, write_take  # noqa: E402
 from rl.tiny_model import build_tiny_model  # noqa: E402
 from rl.trainer.weights import (  # noqa: E402
     DEFAULT_SHARD_BYTES, StepShards, hf_side_files, publish_step, single_process_shards,
@@ -70,11 +84,13 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
     config, tokenizer = AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
     side_files = hf_side_files(config, tokenizer)
     base = load_file(str(model_dir / "model.safetensors"))
-    server = Server(model_dir, paths.weights_root, root / f"inference_{name}.log", timeout_s=900)
-    totals, bounds, parts = [], [], []
+    server = Server(model_dir, paths.weights_root, root / f"inference_{name}.log", timeout_s=900,
+                    toml='[transfer]\ntransport = "gloo"\n')  # takes steps both ways
+    sender = CollectiveSender(TransferConfig(transport="gloo"), paths.root, ONE_RANK, torch.float32, first_step=1)
+    totals, bounds, parts, wire, wire_bounds = [], [], [], [], []
     bound_file = root / f"bound_{name}.safetensors"
     try:
-        for step in range(1, repeats + 1):
+        for step in range(1, 2 * repeats, 2):  # files take the odd steps, the wire the even ones after them
             state = perturbed(base, step)
             # Each write first frees the memory of the one it replaces (a new file each time, as publish writes
             # one): on this VM a write into memory not used lately can take 5x longer (a 400 MB save_file:
@@ -86,7 +102,7 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
             save_file(state, str(bound_file))
             bound_write = time.perf_counter() - write_start
             if step > 1:  # as the trainer prunes old steps
-                shutil.rmtree(paths.weights(step - 1))
+                shutil.rmtree(paths.weights(step - 2))
             os.sync()
             start = time.perf_counter()
             publish_step(paths, step, single_process_shards(state, DEFAULT_SHARD_BYTES), side_files)  # as the trainer
@@ -102,12 +118,69 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
                      "verify": served["verify_s"]}
             overlapped = reload_s  # the worker fingerprints the files as they pass to the reload
             parts.append(timed | {"rest": totals[-1] - timed["publish"] - overlapped - timed["verify"]})
+            wire_s, wire_reload_s = send_over_the_wire(server, sender, paths.root, step + 1, perturbed(base, -step))
+            wire.append(wire_s)
+            wire_bounds.append(bare_broadcast_s(state) + wire_reload_s)
     finally:
         server.stop()
     total, bound = statistics.median(totals), statistics.median(bounds)
     breakdown = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     return {"model": name, "params": params, "publish_to_served_s": total, "lower_bound_s": bound,
-            "ratio": total / bound, "breakdown": breakdown}
+            "ratio": total / bound, "breakdown": breakdown, "wire_s": statistics.median(wire),
+            "wire_bound_s": statistics.median(wire_bounds)}
+
+
+ONE_RANK = SimpleNamespace(is_main=True, rank=0, world_size=1, all_reduce=lambda values, op="sum": values)
+
+
+def send_over_the_wire(server: Server, sender: CollectiveSender, run_dir: Path, step: int,
+                       state: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """The trainer's send of `state` (the head too, as the trainer sends it) as step `step` and the orchestrator's
+    take, timed from the offer to the server's answer; and the server's reload time."""
+    stats: dict = {}
+    start = time.perf_counter()
+    thread = threading.Thread(target=lambda: stats.update(sender.send_tensors(step, list(state.items()))))
+    thread.start()
+    while (offer := read_offer(run_dir, step)) is None:
+        time.sleep(0.001)
+    write_take(run_dir, step, 1)
+    transfer = {"host": offer.host, "port": offer.port, "rank": 1, "world_size": 2, "timeout_s": 60}
+    response = server.admin("POST", "/update_weights", json={"step": step, "transfer": transfer})
+    elapsed = time.perf_counter() - start
+    thread.join()
+    expected = stats.get("adapter_checksum", stats.get("weights_checksum"))  # an adapter's, as served
+    if response.status_code != 200 or response.json()["weights_checksum"] != expected:
+        raise RuntimeError(f"step {step} over the wire failed: {response.status_code} {response.text} {stats}")
+    return elapsed, response.json()["reload_s"]
+
+
+RECEIVER = """
+import sys, torch, torch.distributed as dist
+from datetime import timedelta
+port, size = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+group = dist.ProcessGroupGloo(dist.PrefixStore("bare", store), 1, 2, timedelta(seconds=60))
+buffer = torch.empty(size, dtype=torch.uint8)
+options = dist.BroadcastOptions()
+group.broadcast([buffer], options).wait()
+"""
+
+
+def bare_broadcast_s(state: dict[str, torch.Tensor]) -> float:
+    """One gloo broadcast of all of `state`'s bytes (the head once, as sent) to another process, group formed."""
+    data = torch.cat([tensor_bytes(v) for k, v in state.items()])
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=60))
+    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(store.port), str(len(data))])
+    try:
+        group = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("bare", store), 0, 2,
+                                                   timedelta(seconds=60))
+        start = time.perf_counter()
+        group.broadcast([data], torch.distributed.BroadcastOptions()).wait()
+        elapsed = time.perf_counter() - start
+    finally:
+        receiver.wait(60)
+    return elapsed
 
 
 def random_adapter(base: dict[str, torch.Tensor], rank: int, seed: int) -> dict[str, torch.Tensor]:
@@ -132,16 +205,18 @@ def measure_adapter_sync(root: Path, name: str, repeats: int, rank: int = 16) ->
     paths.weights_root.mkdir(parents=True)
     config = adapter_config_bytes(str(model_dir), rank, 2.0 * rank, 0.0, DEFAULT_TARGETS)
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}_lora.log", timeout_s=900,
-                    toml=f"[lora]\nmax_rank = {rank}\n")
-    totals, reloads, sizes = [], [], []
+                    toml=f"[lora]\nmax_rank = {rank}\n[transfer]\ntransport = \"gloo\"\n")
+    sender = CollectiveSender(TransferConfig(transport="gloo"), paths.root, ONE_RANK, torch.float32, first_step=0,
+                              adapter_config=config)
+    totals, reloads, sizes, wire = [], [], [], []
     try:
-        for step in range(repeats):
+        for step in range(0, 2 * repeats, 2):  # files take the even steps, the wire the odd ones after them
             tensors = random_adapter(base, rank, step)
             shards = StepShards([ADAPTER_WEIGHTS], dict.fromkeys(tensors, ADAPTER_WEIGHTS), {ADAPTER_WEIGHTS: tensors},
                                 sum(t.numel() * t.element_size() for t in tensors.values()),
                                 {"adapter_checksum": adapter_checksum(tensors.items())})
             if step > 0:
-                shutil.rmtree(paths.weights(step - 1))
+                shutil.rmtree(paths.weights(step - 2))
             os.sync()
             start = time.perf_counter()
             publish_step(paths, step, shards, {ADAPTER_CONFIG: config})
@@ -151,10 +226,11 @@ def measure_adapter_sync(root: Path, name: str, repeats: int, rank: int = 16) ->
                 raise RuntimeError(f"{name}: adapter step {step} failed: {response.status_code} {response.text}")
             reloads.append(response.json()["reload_s"])
             sizes.append(shards.total_bytes)
+            wire.append(send_over_the_wire(server, sender, paths.root, step + 1, random_adapter(base, rank, -step))[0])
     finally:
         server.stop()
     return {"publish_to_served_s": statistics.median(totals), "reload_s": statistics.median(reloads),
-            "bytes": sizes[0]}
+            "bytes": sizes[0], "wire_s": statistics.median(wire)}
 
 
 async def generation_tokens_per_s(server: Server, prompts: int = 64, max_tokens: int = 64) -> float:
@@ -198,19 +274,27 @@ def main() -> None:
                   + "\n        (publish: write + CRC + STABLE; files: fingerprint of the files, in the server's process"
                   " while the worker reloads; verify: of the served weights, and the comparison; rest: CRC check of"
                   " the files, header check, HTTP, RPCs)")
+            print(f"        over the wire: publish-to-served {r['wire_s']:.3f}s "
+                  f"({r['wire_s'] / r['publish_to_served_s']:.2f}x files), "
+                  f"bound (bare gloo broadcast + reload) {r['wire_bound_s']:.3f}s, ratio "
+                  f"{r['wire_s'] / r['wire_bound_s']:.2f}x (targets <= 0.5x files, <= 1.3x bound)")
         print("\nLoRA adapter (rank 16, every projection) publish -> served vs full weights (median of %d)"
               % args.repeats)
         for r, a in zip(results, adapters):
             print(f"  {r['model']:>5}: adapter {a['bytes'] / 2**20:.1f} MiB, "
                   f"publish-to-served {a['publish_to_served_s']:.3f}s "
                   f"({a['publish_to_served_s'] / r['publish_to_served_s']:.2f}x full), reload {a['reload_s']:.3f}s "
-                  f"({a['reload_s'] / r['breakdown']['reload']:.2f}x full)")
+                  f"({a['reload_s'] / r['breakdown']['reload']:.2f}x full); over the wire {a['wire_s']:.3f}s "
+                  f"({a['wire_s'] / a['publish_to_served_s']:.2f}x files)")
         server = Server(root / "tiny", root / "run_tiny" / "weights", root / "inference_gen.log")
         try:
             rate = asyncio.run(generation_tokens_per_s(server))
         finally:
             server.stop()
         print(f"\nraw vLLM generation, tiny model, 64 prompts x 64 tokens in flight: {rate:.0f} tokens/s")
+        last = results[-1]
+        print(f"collective publish-to-served {last['model']} {last['wire_s'] / last['publish_to_served_s']:.2f}x "
+              f"filesystem, {last['wire_s'] / last['wire_bound_s']:.2f}x bound")
 
 
 if __name__ == "__main__":

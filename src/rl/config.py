@@ -120,14 +120,6 @@ class TransferConfig(Section):
     def collective(self) -> bool:
         return self.transport != "filesystem"
 
-    def check_adapters(self, publishes_adapters: bool) -> None:
-        """A trainer publishing a LoRA adapter publishes files: refuse a collective transport rather than fall back
-        to files unsaid."""
-        if self.collective and publishes_adapters:
-            raise ConfigError(f"transfer.transport = {self.transport!r} sends full weights, but the trainer publishes "
-                              "a LoRA adapter, which travels as files: use transfer.transport = 'filesystem' with "
-                              "LoRA, or trainer.lora.publish_merged = true")
-
 
 class EnvConfig(Section):
     """One verifiers environment: its taskset (`id`, `args`) and how its seats run (`harness`, `runtime`,

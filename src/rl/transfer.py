@@ -184,15 +184,22 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, what: str) -> None
         raise TransferError(f"the broadcast of {what} failed: {e}") from None
 
 
-def send_header(group: dist.ProcessGroup, step: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
-    raw = json.dumps({"step": step, "tensors": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in tensors]})
+def send_header(group: dist.ProcessGroup, step: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                adapter_config: str | None = None) -> None:
+    """The step's tensors (name, dtype, shape) in the order they follow, and a LoRA adapter's adapter_config.json."""
+    raw = json.dumps({"step": step, "tensors": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in tensors],
+                      "adapter_config": adapter_config})
     data = torch.frombuffer(bytearray(raw.encode()), dtype=torch.uint8)
     broadcast(group, torch.tensor([len(data)], dtype=torch.int64), f"step {step}'s header length")
     broadcast(group, data, f"step {step}'s header")
 
 
-def receive_header(group: dist.ProcessGroup, step: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The step's tensors as the trainer announced them; TransferError if it sends another step or nonsense."""
+TensorMeta = tuple[str, torch.dtype, tuple[int, ...]]  # name, dtype, shape
+
+
+def receive_header(group: dist.ProcessGroup, step: int) -> tuple[list[TensorMeta], str | None]:
+    """The step's tensors as the trainer announced them, and its adapter config (None: full weights); TransferError if
+    it sends another step or nonsense."""
     length = torch.zeros(1, dtype=torch.int64)
     broadcast(group, length, f"step {step}'s header length")
     if not 0 < length.item() <= MAX_HEADER_BYTES:
@@ -208,7 +215,10 @@ def receive_header(group: dist.ProcessGroup, step: int) -> list[tuple[str, torch
         raise TransferError(f"asked to receive step {step}, but the trainer sends step {header.get('step')}")
     if any(not isinstance(d, torch.dtype) for _, d, _ in tensors):
         raise TransferError(f"step {step}'s header names a dtype torch does not have")
-    return tensors
+    adapter_config = header.get("adapter_config")
+    if adapter_config is not None and not isinstance(adapter_config, str):
+        raise TransferError(f"step {step}'s header holds an adapter config that is not a string")
+    return tensors, adapter_config
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl.config import ConfigError, TransferConfig
+from rl.config import TransferConfig
 from rl.inference.staging import WIRE_FILE, receive_weights
 from rl.manifest import CorruptFileError
 from rl.safetensors_io import tensors_of
@@ -167,10 +167,3 @@ def test_the_trainer_gives_up_on_an_offer_nobody_takes(tmp_path):
     sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
     with pytest.raises(TransferError, match="waited 0 s for the orchestrator to take the weights of step 1"):
         sender.send(1, TinyLM())
-
-
-def test_lora_adapters_are_refused_over_the_wire_rather_than_sent_as_files_unsaid():
-    with pytest.raises(ConfigError, match="LoRA adapter, which travels as files"):
-        TransferConfig(transport="gloo").check_adapters(publishes_adapters=True)
-    TransferConfig(transport="gloo").check_adapters(publishes_adapters=False)
-    TransferConfig().check_adapters(publishes_adapters=True)

@@ -8,7 +8,11 @@ alone (so every tensor-parallel worker sees the same choice, passed to it as an 
   that row of the tensor after its fingerprint was taken, as a fault in the load would (consumed);
 - `after_check` present: the next update, once it has checked the step's marker and manifest, creates
   `after_check.held` and waits (at most HOLD_TIMEOUT_S) until the test removes `after_check`;
-- `after_stage` present: the same, once the update has read the step's files (before anything is loaded).
+- `after_stage` present: the same, once the update has read the step's files (before anything is loaded);
+- `during_receive` present: the same, in a step arriving over the wire, once its header arrived (the trainer is then
+  mid-send);
+- `corrupt_receive` holding a tensor name: the next step over the wire gets that tensor's first byte flipped on
+  arrival, as a fault on the way would (consumed).
 """
 
 from __future__ import annotations
@@ -51,12 +55,29 @@ def reload_faults() -> dict:
 async def hold(name: str) -> None:
     """Wait while the hook `name` is armed (see the module docstring); a test that never releases it is a
     TimeoutError after HOLD_TIMEOUT_S."""
+    while _holding(name):
+        await asyncio.sleep(0.02)
+
+
+def hold_in_thread(name: str) -> None:
+    """`hold` for code running in a worker thread."""
+    while _holding(name):
+        time.sleep(0.02)
+
+
+_HOLD_DEADLINES: dict[str, float] = {}  # hook name -> when the hold in progress gives up
+
+
+def _holding(name: str, deadlines: dict[str, float] = _HOLD_DEADLINES) -> bool:
+    """Whether the hook is (still) armed; marks it held the first time, and raises once it was held too long."""
     path = _hook(name)
     if path is None or not path.exists():
-        return
-    path.with_name(name + ".held").touch()
-    deadline = time.monotonic() + HOLD_TIMEOUT_S
-    while path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"test hook {path} was not released within {HOLD_TIMEOUT_S} s")
-        await asyncio.sleep(0.02)
+        deadlines.pop(name, None)
+        return False
+    if name not in deadlines:
+        path.with_name(name + ".held").touch()
+        deadlines[name] = time.monotonic() + HOLD_TIMEOUT_S
+    if time.monotonic() > deadlines[name]:
+        deadlines.pop(name)
+        raise TimeoutError(f"test hook {path} was not released within {HOLD_TIMEOUT_S} s")
+    return True

@@ -110,16 +110,15 @@ class PolicyWeights:
 
     async def receive(self, step: int, spec: GroupSpec) -> dict:
         """Take step `step` over the wire (rl/transfer.py): received and checked against the trainer's checksum while
-        generation goes on, then loaded and verified like a step read from files. A step that arrives altered is
-        refused before anything is loaded."""
+        generation goes on, then loaded and verified as a step read from files: full weights from the received
+        bytes (kept for a rollback while served), an adapter from a private copy of them. A step that arrives altered
+        is refused before anything is loaded."""
         if not self.settings.over_the_wire:
             raise HTTPException(400, "this server takes weights from files only (inference.transfer.transport is "
                                      "filesystem): send a `path`")
-        if self.settings.lora_name is not None:
-            raise HTTPException(400, "a LoRA server loads adapter steps from files only")
         corrupt = hooks.take("corrupt_receive")
         try:
-            staged, checksum = await asyncio.to_thread(receive_weights, spec, step, corrupt)
+            received = await asyncio.to_thread(receive_weights, spec, step, corrupt)
         except CorruptFileError as e:
             logger.warning("step %d refused over the wire, %s: %s", step, self._still_serving(), e)
             raise HTTPException(422, f"step {step} refused, {self._still_serving()}: {e}") from None
@@ -127,15 +126,24 @@ class PolicyWeights:
             logger.warning("step %d did not arrive, %s: %s", step, self._still_serving(), e)
             raise HTTPException(504, f"step {step} did not arrive, {self._still_serving()}: {e}") from None
         try:
+            staged, manifest = received.staged, None
+            if (received.adapter_config is None) != (self.settings.lora_name is None):
+                kind = "full weights" if received.adapter_config is None else "a LoRA adapter"
+                raise HTTPException(400, f"step {step} arrived as {kind}, which this server does not serve")
+            if received.adapter_config is not None:
+                staged, manifest = await asyncio.to_thread(self.copies.write_adapter, received, step)
             async with self.lock:
                 await self._verify_base()
-                if step <= self.step and not self.broken:
+                over_base = step == 0 and self.manifest is None and manifest is not None  # step 0's adapter
+                if step <= self.step and not over_base and not self.broken:
                     raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
-                marker = f"wire:{checksum}".encode()
-                return await self._held_switch(step, f"transfer:step_{step}", marker, None, staged)
+                marker = f"wire:{received.checksum}".encode()
+                return await self._held_switch(step, f"transfer:step_{step}", marker, manifest, staged)
         finally:
-            if staged is not self.wire_staged:
-                staged.close()
+            if received.staged is not self.wire_staged:
+                received.staged.close()
+            if isinstance(staged, str) and staged != self.adapter_copy:
+                self.copies.remove(staged)
 
     async def _update(self, step: int, target: str, directory: OpenDir) -> dict:
         try:  # files truncated or changed since the trainer published them are never loaded

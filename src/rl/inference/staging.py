@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from zlib_ng import zlib_ng
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from rl.inference import hooks
 from rl.manifest import CorruptFileError, Entry, OpenDir, read_listed
 from rl.safetensors_io import read_file_header
 from rl.transfer import (
@@ -96,14 +98,25 @@ def _stage_file(step: OpenDir, name: str, entry: Entry) -> tuple[int, int]:
 WIRE_FILE = "model.safetensors"  # the one file a step received over the wire is staged as
 
 
-def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None) -> tuple[StagedStep, str]:
+@dataclass
+class Received:
+    """A step as it arrived over the wire: its bytes staged, the checksum they hash to (the trainer's), and with an
+    adapter its adapter_config.json."""
+
+    staged: StagedStep
+    checksum: str
+    adapter_config: str | None
+
+
+def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None) -> Received:
     """Receive step `step` from the trainer's group (rl/transfer.py) into one sealed memfd laid out as a safetensors
-    file, and the checksum its bytes hash to, which is the trainer's: CorruptFileError if they hash to anything else
-    (nothing is kept then); TransferError if the transfer fails or times out. `corrupt` (tests only): the tensor whose
-    first received byte is flipped, as a fault on the way would."""
+    file, checked against the trainer's checksum: CorruptFileError if its bytes hash to anything else (nothing is kept
+    then); TransferError if the transfer fails or times out. `corrupt` (tests only): the tensor whose first received
+    byte is flipped, as a fault on the way would."""
     group = open_group(connect_store(spec.host, spec.port, spec.timeout_s), step, spec.rank, spec.world_size,
                        spec.timeout_s)
-    tensors = receive_header(group, step)
+    tensors, adapter_config = receive_header(group, step)
+    hooks.hold_in_thread("during_receive")
     head, spans = safetensors_layout(tensors)
     size = spans[-1][1] if spans else len(head)
     fd = os.memfd_create(f"rl-step-{step}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -121,7 +134,7 @@ def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None) -> t
     except BaseException:
         os.close(fd)
         raise
-    return StagedStep({WIRE_FILE: (fd, size)}), digest.hexdigest()
+    return Received(StagedStep({WIRE_FILE: (fd, size)}), digest.hexdigest(), adapter_config)
 
 
 def _receive_into(group, data: mmap.mmap, tensors: list, spans: list, step: int, corrupt: str | None) -> TensorDigest:
@@ -165,9 +178,7 @@ class PrivateCopies:
         for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
             if name not in manifest:
                 raise CorruptFileError(f"{step} is an adapter step but lists no {name}")
-        if self.root is None:
-            self.root = Path(tempfile.mkdtemp(prefix="rl-adapters-"))
-        copy = Path(tempfile.mkdtemp(prefix=f"{step.path.name}-", dir=self.root))
+        copy = Path(self._new_copy(step.path.name))
         try:
             for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
                 data = read_listed(step, name, manifest[name])
@@ -178,6 +189,31 @@ class PrivateCopies:
             self.remove(str(copy))
             raise
         return str(copy)
+
+    def write_adapter(self, received: Received, step: int) -> tuple[str, dict[str, Entry]]:
+        """An adapter step that arrived over the wire, written as its two files into a new private directory (its
+        path), and their manifest (size and CRC-32 of what was written), which the workers check as they read it."""
+        if received.adapter_config is None:
+            raise CorruptFileError(f"step {step} arrived without an adapter config: it holds full weights")
+        copy = self._new_copy(f"step_{step}")
+        fd, size = received.staged.files[WIRE_FILE]
+        manifest = {}
+        try:
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as weights:
+                for name, data in ((ADAPTER_WEIGHTS, weights), (ADAPTER_CONFIG, received.adapter_config.encode())):
+                    manifest[name] = Entry(len(data), zlib_ng.crc32(data))
+                    out = os.open(Path(copy) / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                    with os.fdopen(out, "wb") as file:
+                        file.write(data)
+        except BaseException:
+            self.remove(copy)
+            raise
+        return copy, manifest
+
+    def _new_copy(self, label: str) -> str:
+        if self.root is None:
+            self.root = Path(tempfile.mkdtemp(prefix="rl-adapters-"))
+        return tempfile.mkdtemp(prefix=f"{label}-", dir=self.root)
 
     def remove(self, copy: str | None) -> None:
         """Remove one private copy (never a path outside the root)."""

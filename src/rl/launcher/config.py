@@ -300,7 +300,6 @@ def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) ->
     trainer's, one slot) and an orchestrator that names the adapter; merged weights or full training need
     neither."""
     serves_adapters = t.lora is not None and not t.lora.publish_merged
-    t.transfer.check_adapters(serves_adapters)
     if not serves_adapters:
         if i.lora is not None:
             raise ConfigError("inference.lora is set but the trainer publishes full weights (trainer.lora is unset or "

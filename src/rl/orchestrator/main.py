@@ -95,6 +95,9 @@ class Orchestrator:
             tune_gc_for_serving()
             if self.start_step and stable_steps(self.paths.weights_root):
                 await self.load_newest_policy()
+            elif self.config.adapter and self.config.transfer.collective:
+                self.last_offer = -1  # the trainer offers its step-0 adapter first
+                self.unlogged_served = await self.take_offers(0, "the first batch (the trainer's step-0 adapter)")
             elif self.config.adapter:
                 await self.load_first_adapter()
             for step in range(self.start_step, self.config.max_steps):

@@ -98,7 +98,6 @@ def main() -> None:
     config = run_cli(TrainerConfig)
     try:
         check_device(config)
-        config.transfer.check_adapters(config.lora is not None and not config.lora.publish_merged)
     except ConfigError as e:  # exit 2, as every entrypoint does on a config error
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -124,15 +123,16 @@ def main() -> None:
         MetricsLogger("trainer", paths, config.wandb, config.model_dump(mode="json"), logger) if world.is_main else None
     )
     publisher = WeightPublisher.for_config(config, paths, policy, tokenizer, world)
-    sender = (CollectiveSender(config.transfer, config.output_dir, world, publisher.dtype, first_step)
-              if config.transfer.collective else None)
+    sender = (CollectiveSender(config.transfer, config.output_dir, world, publisher.dtype, first_step,
+                               publisher.adapter_config) if config.transfer.collective else None)
     logger.info(
         f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}); "
         f"steps {first_step}..{config.max_steps - 1}" + (f"; {describe_lora(policy)}" if config.lora else "")
         + (f"; MFU against the {peak_part} peak, {device_peak / 1e12:.0f} TFLOP/s bf16 dense" if peak_part else "")
     )
     if publisher.adapter and first_step == 0:  # inference loads the adapter of step 0 (B = 0) before any rollout
-        if checksum := publisher.publish(0, policy):
+        checksum = sender.send(0, policy).get("adapter_checksum") if sender else publisher.publish(0, policy)
+        if checksum:
             logger.info(f"published the step-0 adapter (checksum {checksum})")
     for step in range(first_step, config.max_steps):
         wait_start = time.perf_counter()

@@ -22,7 +22,8 @@ from rl.transfer import (
     Offer, TensorDigest, TransferError, broadcast, clear_transfers, open_group, pack_digest, send_header,
     tensor_bytes, wait_for_take, write_offer,
 )
-from rl.trainer.lora import LoRALinear, full_tensor, lora_layers, merged_weight
+from rl.adapter import adapter_checksum
+from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, lora_layers, merged_weight
 from rl.trainer.weights import with_tied_head
 from rl.trainer.world import World
 
@@ -33,8 +34,10 @@ class CollectiveSender:
     """Sends each step's weights to the servers the orchestrator asked to take them. Collective: every rank calls
     `send` for every step."""
 
-    def __init__(self, config: TransferConfig, output_dir, world: World, dtype: torch.dtype, first_step: int):
+    def __init__(self, config: TransferConfig, output_dir, world: World, dtype: torch.dtype, first_step: int,
+                 adapter_config: bytes | None = None):
         self.config, self.output_dir, self.world, self.dtype = config, output_dir, world, dtype
+        self.adapter_config = adapter_config  # set: the trainer sends its LoRA adapter (PEFT names), not the weights
         self.store: dist.TCPStore | None = None
         if world.is_main:
             clear_transfers(output_dir, first_step)  # a resumed run's old offers name a store that is gone
@@ -44,9 +47,14 @@ class CollectiveSender:
 
     def send(self, step: int, model: torch.nn.Module) -> dict:
         """Offer step `step`, wait for the orchestrator to take it, broadcast it. Returns the step's metrics:
-        `weights_checksum` (rank 0, what every server must report it serves), `transfer_s`, `weights_sent`."""
-        tensors = self._tensors(model)
+        `weights_checksum` (rank 0, what every server must report it serves; `adapter_checksum` too for an adapter),
+        `weights_sent`, `transfer_wait_s`, `transfer_s`."""
+        return self.send_tensors(step, self._tensors(model))
+
+    def send_tensors(self, step: int, tensors: list[tuple[str, torch.Tensor | LoRALinear]]) -> dict:
+        """`send` of the given (name, source) pairs, in order."""
         meta = [(name, self.dtype, _shape(source)) for name, source in tensors]
+        config = None if self.adapter_config is None else self.adapter_config.decode()
         start = time.perf_counter()
         if self.world.is_main:
             write_offer(self.output_dir, Offer(step, self.config.host, self.store.port,
@@ -57,7 +65,7 @@ class CollectiveSender:
         if self.world.is_main:
             try:
                 group = open_group(self.store, step, 0, receivers + 1, self.config.timeout_s)
-                send_header(group, step, meta)
+                send_header(group, step, meta, config)
             except TransferError as e:
                 failure = str(e)
         digest = TensorDigest()
@@ -78,6 +86,8 @@ class CollectiveSender:
         failed, = self.world.all_reduce([1.0 if failure is not None else 0.0], op="max")  # rank 0's verdict
         stats = {"weights_sent": failed == 0.0, "transfer_wait_s": waited,
                  "transfer_s": time.perf_counter() - start - waited}
+        if self.adapter_config is not None and self.world.is_main:  # as inference reports the adapter it serves
+            stats["adapter_checksum"] = adapter_checksum((name, source) for name, source in tensors)
         if self.world.is_main:
             if failure is None:
                 stats["weights_checksum"] = digest.hexdigest()
@@ -88,7 +98,10 @@ class CollectiveSender:
 
     def _tensors(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor | LoRALinear]]:
         """(name sent, what it is gathered from) in state-dict order: `lm_head.weight` included when tied, LoRA
-        layers merged under their base weight's name (as the files path publishes them)."""
+        layers merged under their base weight's name (as the files path publishes them); with an adapter, its A and
+        B matrices under PEFT's names, already whole (gathered here: they are small)."""
+        if self.adapter_config is not None:
+            return list(adapter_tensors(model, self.dtype).items())
         state = model.state_dict()
         merged = {f"{name}.weight": layer for name, layer in lora_layers(model).items()}
         names = [name for name in state if not name.endswith((".lora_A", ".lora_B"))]
@@ -99,6 +112,8 @@ class CollectiveSender:
         if isinstance(source, LoRALinear):
             full = merged_weight(source, self.dtype)
             return full if self.world.is_main else None
+        if self.adapter_config is not None:  # adapter tensors: already whole on every rank
+            return source
         return full_tensor(source, self.dtype, to_host=self.world.is_main)
 
     def close(self) -> None:

@@ -239,6 +239,7 @@ class WeightPublisher:
         self.paths, self.world, self.dtype = paths, world, dtype
         self.shard_bytes, self.timeout_s = shard_bytes, timeout_s
         self.adapter = adapter_config is not None
+        self.adapter_config = adapter_config  # adapter_config.json's bytes, on every rank
         if not world.is_main:
             self.side_files = {}
         else:
