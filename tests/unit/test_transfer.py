@@ -7,6 +7,7 @@ import mmap
 import os
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -91,9 +92,9 @@ def test_every_server_receives_the_step_bit_for_bit_with_the_trainers_checksum(t
     assert stats["weights_sent"] is True
     expected = dict(model.state_dict()) | {TIED_HEAD: model.embed_tokens.weight}
     for rank in (1, 2):
-        staged, checksum = results[rank]
+        staged, checksum = results[rank].staged, results[rank].checksum
         try:
-            assert checksum == stats["weights_checksum"]
+            assert checksum == stats["weights_checksum"] and results[rank].adapter_config is None
             received = staged_tensors(staged)
             assert list(received) == list(expected)  # the order the checksum hashes
             for name, tensor in expected.items():
@@ -106,9 +107,8 @@ def test_a_step_altered_on_the_way_is_refused_by_the_server_that_got_it(tmp_path
     stats, results = run_step(tmp_path, sender, TinyLM(), step=1, receivers=2, corrupt="model.proj.weight")
     assert isinstance(results[1], CorruptFileError)
     assert "arrived altered" in str(results[1]) and stats["weights_checksum"] in str(results[1])
-    staged, checksum = results[2]  # the other server got it intact
-    staged.close()
-    assert checksum == stats["weights_checksum"]
+    results[2].staged.close()  # the other server got it intact
+    assert results[2].checksum == stats["weights_checksum"]
 
 
 def test_a_server_that_never_joins_fails_the_step_within_the_deadline_and_the_next_step_goes_through(
@@ -117,7 +117,7 @@ def test_a_server_that_never_joins_fails_the_step_within_the_deadline_and_the_ne
     start = time.monotonic()
     stats, results = run_step(tmp_path, sender, TinyLM(), step=1, receivers=1, timeout_s=5)
     assert stats["weights_sent"] is True  # both members joined: the group was one receiver
-    results[1][0].close()
+    results[1].staged.close()
 
     # the orchestrator announces two receivers but only one comes: everybody gives up within timeout_s
     results2: dict = {}
@@ -137,7 +137,7 @@ def test_a_server_that_never_joins_fails_the_step_within_the_deadline_and_the_ne
 
     stats, results = run_step(tmp_path, sender, TinyLM(), step=3, receivers=1)
     assert stats["weights_sent"] is True
-    results[1][0].close()
+    results[1].staged.close()
 
 
 def test_a_server_asked_for_another_step_refuses_what_the_trainer_sends(tmp_path, sender):
@@ -167,3 +167,33 @@ def test_the_trainer_gives_up_on_an_offer_nobody_takes(tmp_path):
     sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
     with pytest.raises(TransferError, match="waited 0 s for the orchestrator to take the weights of step 1"):
         sender.send(1, TinyLM())
+
+
+def test_an_adapter_arrives_with_its_config_and_is_written_as_a_checked_private_copy(tmp_path):
+    from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from rl.inference.staging import PrivateCopies
+    from rl.manifest import read_listed
+
+    config = b'{"peft_type": "LORA", "r": 2}'
+    sender = CollectiveSender(TransferConfig(transport="gloo", timeout_s=5, offer_timeout_s=10), tmp_path,
+                              single_rank_world(), torch.float32, first_step=0, adapter_config=config)
+    adapter = {"base_model.model.q_proj.lora_A.weight": torch.randn(2, 8),
+               "base_model.model.q_proj.lora_B.weight": torch.zeros(8, 2)}
+
+    class AdapterSender:  # what the trainer's gather of the adapter gives: whole tensors on every rank
+        def send(self, step, _model):
+            return sender.send_tensors(step, list(adapter.items()))
+
+    stats, results = run_step(tmp_path, AdapterSender(), None, step=0, receivers=1)
+    received = results[1]
+    assert received.adapter_config == config.decode() and received.checksum == stats["weights_checksum"]
+    copies = PrivateCopies()
+    try:
+        copy, manifest = copies.write_adapter(received, 0)
+        assert read_listed(Path(copy), ADAPTER_CONFIG, manifest[ADAPTER_CONFIG]) == config
+        weights = read_listed(Path(copy), ADAPTER_WEIGHTS, manifest[ADAPTER_WEIGHTS])  # size and CRC-32 checked
+        assert {n: t.clone() for n, t in tensors_of(weights, ADAPTER_WEIGHTS)}.keys() == adapter.keys()
+        assert stats["adapter_checksum"]
+    finally:
+        received.staged.close()
+        copies.close()
