@@ -60,10 +60,11 @@ def main() -> None:
             sys.exit(f"the trainer failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
         rows = sorted((m for m in read_metrics(RunPaths(out)) if m["process"] == "trainer"), key=lambda m: m["step"])
     warm = rows[1:]  # the first step warms up (allocator, kernels, compile)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     for m in rows:
         print(f"step {m['step']}: {m['tokens']} tokens, {m['tokens_per_s']:.0f} tokens/s, MFU {m.get('mfu', 0):.3f}, "
               f"peak {m['peak_mem_gib']:.1f} GiB allocated / {m.get('peak_reserved_gib', 0):.1f} GiB reserved")
-    print(f"gpu trainer, Qwen3-0.6B shape, {torch.cuda.get_device_name()}: median of steps 1..: "
+    print(f"gpu trainer, Qwen3-0.6B shape, {device}: median of steps 1..: "
           f"{statistics.median(m['tokens_per_s'] for m in warm):.0f} tokens/s, "
           f"MFU {statistics.median(m.get('mfu', 0) for m in warm):.3f}, "
           f"peak {max(m['peak_mem_gib'] for m in warm):.1f} GiB")
