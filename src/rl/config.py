@@ -85,6 +85,16 @@ class WandbConfig(Section):
     ] = "offline"
 
 
+def local_model_dir(name: str) -> str:
+    """The model's files on disk: a directory as given, or the hub snapshot of a model id (served weights are
+    verified against files, so vLLM must load from a directory)."""
+    if Path(name).is_dir():
+        return name
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+
+
 class CkptConfig(Section):
     interval: Annotated[
         int | None, Field(ge=1, description="checkpoint every N steps (and at the end); unset: only at the end")

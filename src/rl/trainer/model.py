@@ -11,7 +11,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rl.inference.main import local_model_dir
+from rl.config import local_model_dir
 from rl.safetensors_io import read_file_header, read_rows
 from rl.trainer.output_head import DEFAULT_CHUNK_TOKENS, LogprobHead, install_logprob_head
 
