@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# What only a GPU can show, in one command: the CUDA tests, then a short Qwen3-0.6B run (bf16 trainer, vLLM with
-# CUDA graphs, one trainer GPU and one inference GPU), ending with the figures that tell where the GPU path stands:
-# trainer tokens/s and MFU, peak allocated and reserved memory, and the publish-to-served reload latency.
+# What only a GPU can show, in one command: the CUDA tests, the trainer alone at Qwen3-0.6B's shape, then a short
+# Qwen3-0.6B run (bf16 trainer, vLLM with CUDA graphs, one trainer GPU and one inference GPU), ending with the
+# figures that tell where the GPU path stands: trainer tokens/s and MFU, peak allocated and reserved memory, and the
+# publish-to-served reload latency.
 #
 #   bash scripts/gpu-check.sh [OUTPUT_DIR] [MODEL]      (MODEL: default Qwen/Qwen3-0.6B; needs the hub or a local dir)
 #
@@ -31,6 +32,8 @@ part() {
 
 part install env RL_STACK=gpu bash scripts/install.sh
 part cuda-tests uv run pytest -m gpu -rs -q tests
+# the trainer alone at Qwen3-0.6B's shape (random weights built locally): tokens/s, MFU, peak memory on one GPU
+part trainer-figures uv run python benchmarks/gpu_trainer.py --steps 6 --samples 32 --seq-len 4096
 # $model: 10 RL steps, 1 trainer GPU + 1 inference GPU, device defaults (bf16, CUDA graphs)
 part rl-run uv run rl \
   --trainer @ configs/reverse_text/train.toml \

@@ -148,7 +148,8 @@ STUB_UV = """#!/usr/bin/env bash
 case "$1 $2" in
   "run pytest") echo "1 failed, 3 passed"; exit 1 ;;
   "run rl") echo "rl: pretend run"; exit 0 ;;
-  "run python") shift 2; exec python3 "$@" ;;
+  "run python") [ "$3" = benchmarks/gpu_trainer.py ] && { echo "gpu trainer: pretend figures"; exit 0; }
+                shift 2; exec python3 "$@" ;;
   *) exit 0 ;;
 esac
 """
@@ -170,6 +171,7 @@ def test_gpu_check_runs_every_part_and_prints_the_summary_whatever_failed(tmp_pa
     summary = result.stdout[result.stdout.index("== gpu-check summary"):]
     assert result.returncode == 1, result.stdout + result.stderr
     assert "install: ok" in summary and "cuda-tests: FAILED (exit 1)" in summary, summary
-    assert "rl-run: ok" in summary and "figures: FAILED" in summary, summary  # the run wrote no metrics
+    assert "trainer-figures: ok" in summary, summary
+    assert "rl-run: ok" in summary and "\n  figures: FAILED" in summary, summary  # the run wrote no metrics
     assert "no figures" in (out / "figures.log").read_text()
     assert "1 failed" in (out / "cuda-tests.log").read_text()
