@@ -14,7 +14,7 @@ from tests.integration.launched import Launched, rl_command, wait_gone
 from tests.integration.test_faults import kill, wait_for_checkpoint_after
 
 pytestmark = pytest.mark.integration
-MAX_STEPS = 8
+MAX_STEPS = 6
 STOP_WITHIN_S = 60
 
 
