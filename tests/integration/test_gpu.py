@@ -39,10 +39,28 @@ def test_a_bf16_step_reloads_into_cuda_vllm_and_verifies(tmp_path):
         _, checksum = checkpoint_fingerprint(paths.weights(1), torch.bfloat16, tied=True)
         assert response.json()["weights_checksum"] == checksum
         assert server.admin("GET", "/policy_step").json()["weights_checksum"] == checksum
-        completion, logprobs = server.generate([1, 91, 89, 75, 88, 5], max_tokens=8)
+        prompt = [1, 91, 89, 75, 88, 5]
+        completion, logprobs = server.generate(prompt, max_tokens=8)
         assert len(completion) == 8 and all(lp <= 0 for lp in logprobs)
+        # what is served computes what the published weights compute, through the API with CUDA graphs on: stale
+        # weights in a captured graph (which the fingerprint, read through the eager path, would not see) fail here
+        expected = transformers_logprobs(paths.weights(1), prompt, completion)
+        assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 0.1, (logprobs, expected)
+        assert sum(abs(a - b) for a, b in zip(logprobs, expected)) / len(expected) < 0.03, (logprobs, expected)
     finally:
         server.stop()
+
+
+def transformers_logprobs(model_dir, prompt: list[int], completion: list[int]) -> list[float]:
+    """The completion's logprobs under transformers' bf16 forward of `model_dir` (fp32 softmax, temperature 1, as
+    vLLM samples). bf16 bounds: two bf16 forwards with different kernels differ by ~1e-2 per logprob."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor([prompt + completion], device="cuda")
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0].tolist()
 
 
 def test_the_gpu_split_gives_each_child_its_own_devices(tmp_path):
