@@ -144,7 +144,7 @@ def wait_for_take(output_dir: Path, step: int, timeout_s: float) -> int:
         if time.monotonic() > deadline:
             raise TransferError(f"waited {timeout_s:.0f} s for the orchestrator to take the weights of step {step} "
                                 f"({path} never appeared): is the orchestrator running?")
-        time.sleep(0.02)
+        time.sleep(0.005)  # a stat per 5 ms: the take is on the critical path of every step
     return int(json.loads(path.read_text())["receivers"])
 
 

@@ -116,7 +116,7 @@ class PolicyWeights:
         if not self.settings.over_the_wire:
             raise HTTPException(400, "this server takes weights from files only (inference.transfer.transport is "
                                      "filesystem): send a `path`")
-        corrupt = hooks.take("corrupt_receive")
+        corrupt, start = hooks.take("corrupt_receive"), time.perf_counter()
         try:
             received = await asyncio.to_thread(receive_weights, spec, step, corrupt)
         except CorruptFileError as e:
@@ -138,7 +138,9 @@ class PolicyWeights:
                 if step <= self.step and not over_base and not self.broken:
                     raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
                 marker = f"wire:{received.checksum}".encode()
-                return await self._held_switch(step, f"transfer:step_{step}", marker, manifest, staged)
+                received_s = round(time.perf_counter() - start, 3)  # the transfer, the wait for the lock included
+                reply = await self._held_switch(step, f"transfer:step_{step}", marker, manifest, staged)
+                return reply | {"receive_s": received_s}
         finally:
             if received.staged is not self.wire_staged:
                 received.staged.close()
