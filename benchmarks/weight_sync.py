@@ -11,7 +11,8 @@ inference server and, several times in turn:
 - over the wire (`transfer.transport = "gloo"`, rl/transfer.py): the trainer's `CollectiveSender.send` (offer, take,
   the step's gloo group, every tensor broadcast into the server's memfd, the checksum) with the orchestrator's
   `POST /update_weights {"step", "transfer"}` (receive, check, reload, verify), timed from the offer to the answer;
-- its bound: a bare gloo broadcast of the same bytes to another process, plus the server's reload time alone.
+- its bound: a bare gloo broadcast of the same bytes, in one piece, to another (warm) process receiving into a
+  fresh memfd as a server does, plus the server's reload time alone.
 
 It prints the medians and their ratios (targets: publish-to-served <= 1.5x its bound for files; over the wire
 <= 0.5x files and <= 1.3x its bound at ~100M), then the same for a rank-16 LoRA adapter on every projection, on a
@@ -87,6 +88,7 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}.log", timeout_s=900,
                     toml='[transfer]\ntransport = "gloo"\n')  # takes steps both ways
     sender = CollectiveSender(TransferConfig(transport="gloo"), paths.root, ONE_RANK, torch.float32, first_step=1)
+    bare = BareReceiver(sum(t.numel() * t.element_size() for t in perturbed(base, 0).values()), repeats)
     totals, bounds, parts, wire, wire_bounds = [], [], [], [], []
     bound_file = root / f"bound_{name}.safetensors"
     try:
@@ -120,9 +122,10 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
             parts.append(timed | {"rest": totals[-1] - timed["publish"] - overlapped - timed["verify"]})
             wire_s, wire_reload_s = send_over_the_wire(server, sender, paths.root, step + 1, perturbed(base, -step))
             wire.append(wire_s)
-            wire_bounds.append(bare_broadcast_s(state) + wire_reload_s)
+            wire_bounds.append(bare.broadcast_s(state) + wire_reload_s)
     finally:
         server.stop()
+        bare.close()
     total, bound = statistics.median(totals), statistics.median(bounds)
     breakdown = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     return {"model": name, "params": params, "publish_to_served_s": total, "lower_bound_s": bound,
@@ -155,32 +158,42 @@ def send_over_the_wire(server: Server, sender: CollectiveSender, run_dir: Path, 
 
 
 RECEIVER = """
-import sys, torch, torch.distributed as dist
+import mmap, os, sys, torch, torch.distributed as dist
 from datetime import timedelta
-port, size = int(sys.argv[1]), int(sys.argv[2])
-store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-group = dist.ProcessGroupGloo(dist.PrefixStore("bare", store), 1, 2, timedelta(seconds=60))
-buffer = torch.empty(size, dtype=torch.uint8)
-options = dist.BroadcastOptions()
-group.broadcast([buffer], options).wait()
+port, size, repeats = (int(a) for a in sys.argv[1:4])
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
+group = dist.ProcessGroupGloo(dist.PrefixStore("bare", store), 1, 2, timedelta(seconds=600))
+for _ in range(repeats):  # each time into a fresh memfd, as a server receives a step
+    fd = os.memfd_create("bare")
+    os.ftruncate(fd, size)
+    with mmap.mmap(fd, size) as data:
+        place = torch.frombuffer(data, dtype=torch.uint8)
+        group.broadcast([place], dist.BroadcastOptions()).wait()
+        del place
+    os.close(fd)
 """
 
 
-def bare_broadcast_s(state: dict[str, torch.Tensor]) -> float:
-    """One gloo broadcast of all of `state`'s bytes (the head once, as sent) to another process, group formed."""
-    data = torch.cat([tensor_bytes(v) for k, v in state.items()])
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=60))
-    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(store.port), str(len(data))])
-    try:
-        group = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("bare", store), 0, 2,
-                                                   timedelta(seconds=60))
+class BareReceiver:
+    """The bound's transfer: a gloo broadcast of the step's bytes, in one piece, to another process (started once,
+    so warm) receiving into a fresh memfd each time, as a server does."""
+
+    def __init__(self, size: int, repeats: int):
+        self.store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                                timeout=timedelta(seconds=600))
+        self.process = subprocess.Popen([sys.executable, "-c", RECEIVER, str(self.store.port), str(size),
+                                         str(repeats)])
+        self.group = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("bare", self.store), 0, 2,
+                                                        timedelta(seconds=600))
+
+    def broadcast_s(self, state: dict[str, torch.Tensor]) -> float:
+        data = torch.cat([tensor_bytes(v) for v in state.values()])
         start = time.perf_counter()
-        group.broadcast([data], torch.distributed.BroadcastOptions()).wait()
-        elapsed = time.perf_counter() - start
-    finally:
-        receiver.wait(60)
-    return elapsed
+        self.group.broadcast([data], torch.distributed.BroadcastOptions()).wait()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.process.wait(60)
 
 
 def random_adapter(base: dict[str, torch.Tensor], rank: int, seed: int) -> dict[str, torch.Tensor]:
