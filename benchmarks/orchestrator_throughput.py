@@ -6,6 +6,10 @@ tokens; both keep `concurrency` requests in flight. The raw side calls vLLM's `/
 directly; the orchestrator side goes through verifiers (harness, interception server, training client,
 scoring). Each repeat measures raw then orchestrator back to back; the figure is the median over repeats
 of orchestrator tokens/s over raw tokens/s (target >= 0.8), as the machine's speed drifts between repeats.
+Beside it: the orchestrator's CPU per rollout (this process's CPU time, every thread, over the rollouts: the
+orchestrator side runs in this process) against the raw client's per request, and the vLLM API server process's
+CPU per request on each side (rl's gate and vLLM's frontend; the engine and its workers are other processes). The
+last line reads `orchestrator <R>x raw vLLM tokens/s, <C> ms CPU per rollout`.
 
     uv run --no-sync python benchmarks/orchestrator_throughput.py --model /tmp/tiny
     uv run --no-sync python benchmarks/orchestrator_throughput.py --model /tmp/tiny --base-url http://127.0.0.1:8000
@@ -23,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 from transformers import AutoTokenizer
 
 from rl.config import EnvConfig
@@ -97,7 +102,22 @@ def rendered_prompts(env, tokenizer, groups: int) -> list[list[int]]:
     return prompts
 
 
-async def measure(args, base_url: str) -> None:
+class CpuMeter:
+    """CPU seconds of this process (every thread) and of the API server process (when known), between calls."""
+
+    def __init__(self, server_pid: int | None):
+        self.server = psutil.Process(server_pid) if server_pid else None
+
+    def read(self) -> tuple[float, float]:
+        server = sum(self.server.cpu_times()[:2]) if self.server else float("nan")
+        return time.process_time(), server
+
+    def since(self, before: tuple[float, float]) -> tuple[float, float]:
+        now = self.read()
+        return now[0] - before[0], now[1] - before[1]
+
+
+async def measure(args, base_url: str, server_pid: int | None = None) -> None:
     env = load_environment(EnvConfig(id=args.env, args={"num_examples": args.groups}))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = rendered_prompts(env, tokenizer, args.groups)
@@ -106,17 +126,34 @@ async def measure(args, base_url: str) -> None:
         tune_gc_for_serving()  # as the orchestrator does once its environments serve
         await orchestrator_side(args, env, client)  # warm-up both paths
         await raw_side(args, prompts, base_url)
-        ratios = []
+        ratios, cpu = [], {"raw": [], "orch": [], "raw_server": [], "orch_server": []}
+        meter, requests = CpuMeter(server_pid), args.groups * args.group_size
         for _ in range(args.repeats):
+            before = meter.read()
             raw_tokens, raw_s = await raw_side(args, prompts, base_url)
+            own, server = meter.since(before)
+            cpu["raw"].append(own / requests)
+            cpu["raw_server"].append(server / requests)
+            before = meter.read()
             orch_tokens, orch_s = await orchestrator_side(args, env, client)
+            own, server = meter.since(before)
+            cpu["orch"].append(own / requests)
+            cpu["orch_server"].append(server / requests)
             ratios.append((orch_tokens / orch_s) / (raw_tokens / raw_s))
             print(
                 f"raw {raw_tokens} tokens in {raw_s:.2f}s = {raw_tokens / raw_s:.0f} tokens/s; orchestrator "
-                f"{orch_tokens} in {orch_s:.2f}s = {orch_tokens / orch_s:.0f} tokens/s; ratio {ratios[-1]:.2f}"
+                f"{orch_tokens} in {orch_s:.2f}s = {orch_tokens / orch_s:.0f} tokens/s; ratio {ratios[-1]:.2f}; "
+                f"CPU per rollout {1e3 * cpu['orch'][-1]:.2f} ms (raw client {1e3 * cpu['raw'][-1]:.2f} ms per "
+                f"request), API server {1e3 * cpu['orch_server'][-1]:.2f} / {1e3 * cpu['raw_server'][-1]:.2f} ms per "
+                "request"
             )
+    median = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
     print(f"orchestrator / raw vLLM tokens/s: median {statistics.median(ratios):.2f} over {len(ratios)} pairs "
           f"(range {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.8)")
+    print(f"CPU, medians: orchestrator {median['orch']:.2f} ms per rollout (target <= 1 ms; raw client "
+          f"{median['raw']:.2f} ms per request); vLLM API server {median['orch_server']:.2f} ms per request from the "
+          f"orchestrator, {median['raw_server']:.2f} ms from the raw client")
+    print(f"orchestrator {statistics.median(ratios):.2f}x raw vLLM tokens/s, {median['orch']:.2f} ms CPU per rollout")
 
 
 def main() -> None:
@@ -131,7 +168,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = Server(Path(args.model), Path(tmp), Path(tmp) / "inference.log")
         try:
-            asyncio.run(measure(args, server.url))
+            asyncio.run(measure(args, server.url, server.proc.pid))
         finally:
             server.stop()
 
