@@ -23,8 +23,8 @@ from rl.transfer import (
     tensor_bytes, wait_for_take, write_offer,
 )
 from rl.adapter import adapter_checksum
-from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, lora_layers, merged_weight
-from rl.trainer.weights import with_tied_head
+from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_weight
+from rl.trainer.weights import published_sources, weight_of
 from rl.trainer.world import World
 
 logger = logging.getLogger(__name__)
@@ -97,15 +97,11 @@ class CollectiveSender:
         return stats
 
     def _tensors(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor | LoRALinear]]:
-        """(name sent, what it is gathered from) in state-dict order: `lm_head.weight` included when tied, LoRA
-        layers merged under their base weight's name (as the files path publishes them); with an adapter, its A and
-        B matrices under PEFT's names, already whole (gathered here: they are small)."""
+        """(name sent, what it is gathered from): what the files path publishes (`published_sources`); with an
+        adapter, its A and B matrices under PEFT's names, already whole (gathered here: they are small)."""
         if self.adapter_config is not None:
             return list(adapter_tensors(model, self.dtype).items())
-        state = model.state_dict()
-        merged = {f"{name}.weight": layer for name, layer in lora_layers(model).items()}
-        names = [name for name in state if not name.endswith((".lora_A", ".lora_B"))]
-        return [(name, merged.get(source, state[source])) for name, source in with_tied_head(names).items()]
+        return published_sources(model)
 
     def _gather(self, source: torch.Tensor | LoRALinear) -> torch.Tensor | None:
         """Collective: the whole tensor in the served dtype on rank 0's host (None elsewhere)."""
@@ -121,7 +117,7 @@ class CollectiveSender:
 
 
 def _shape(source: torch.Tensor | LoRALinear) -> tuple[int, ...]:
-    return tuple(source.weight.shape if isinstance(source, LoRALinear) else source.shape)
+    return tuple(weight_of(source).shape)
 
 
 def _numel(source: torch.Tensor | LoRALinear) -> int:

@@ -35,7 +35,7 @@ from rl.manifest import Entry
 from rl.protocol import RunPaths, publish_dir
 from rl.safetensors_io import write_file
 from rl.trainer.config import TrainerConfig
-from rl.trainer.lora import adapter_tensors, full_tensor, lora_layers, merged_weight
+from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, lora_layers, merged_weight
 from rl.trainer.world import World
 
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
@@ -105,22 +105,32 @@ def gather_shards(model: torch.nn.Module, dtype: torch.dtype, world: World, max_
     """Collective: every rank calls it. Each tensor is cast to `dtype` on its local shard, then gathered; the
     owner of its shard keeps the full tensor (on the CPU), the others drop it at once. LoRA layers are
     published merged (their A and B are not tensors of the base model)."""
-    state = model.state_dict()
-    merged = {f"{name}.weight": layer for name, layer in lora_layers(model).items()}
-    names = [name for name in state if not name.endswith((".lora_A", ".lora_B"))]
-    sources = with_tied_head(names)
-    sizes = [(name, state[src].numel() * dtype.itemsize) for name, src in sources.items()]
+    sources = dict(published_sources(model))
+    sizes = [(name, weight_of(src).numel() * dtype.itemsize) for name, src in sources.items()]
     files, plan, weight_map = shard_layout(sizes, max_bytes)
     mine: dict[str, dict[str, torch.Tensor]] = {}
     for index, (file, names) in enumerate(zip(files, plan, strict=True)):
         owner = index % world.world_size == world.rank
         for name in names:
-            layer = merged.get(sources[name])
+            src = sources[name]
             # every rank takes part in the gather; only the shard's owner copies the tensor to the host
-            full = merged_weight(layer, dtype) if layer else full_tensor(state[sources[name]], dtype, to_host=owner)
+            full = merged_weight(src, dtype) if isinstance(src, LoRALinear) else full_tensor(src, dtype, to_host=owner)
             if owner:
                 mine.setdefault(file, {})[name] = full
     return StepShards(files, weight_map, mine, sum(size for _, size in sizes))
+
+
+def published_sources(model: torch.nn.Module) -> list[tuple[str, torch.Tensor | LoRALinear]]:
+    """(name published, what it is gathered from) in state-dict order: `lm_head.weight` included when tied, a LoRA
+    layer under its base weight's name (published merged); the same for files and for the wire."""
+    state = model.state_dict()
+    merged = {f"{name}.weight": layer for name, layer in lora_layers(model).items()}
+    names = [name for name in state if not name.endswith((".lora_A", ".lora_B"))]
+    return [(name, merged.get(source, state[source])) for name, source in with_tied_head(names).items()]
+
+
+def weight_of(source: torch.Tensor | LoRALinear) -> torch.Tensor:
+    return source.weight if isinstance(source, LoRALinear) else source
 
 
 def gather_adapter(model: torch.nn.Module, dtype: torch.dtype, world: World) -> StepShards:
