@@ -547,18 +547,33 @@ def test_a_lora_server_starts_with_vllms_lora_flags_and_a_name_unlike_the_model(
             check_lora_name(InferenceConfig(model={"name": name}, lora=lora), model_dir)
 
 
-def test_a_cpu_server_compiles_into_a_cache_of_its_own_removed_when_it_ends(monkeypatch):
+def test_an_eager_cpu_server_turns_torch_compile_off_in_vllms_processes(monkeypatch):
+    """vLLM torch.compiles its sampler's rank count even under --enforce-eager; on CPU inductor built it with gcc at
+    each server's first request (10-12 s). Eager means eager there, unless the environment already decides."""
+    from rl.inference.server import COMPILE_OFF, INDUCTOR_CACHE, cpu_compile_policy
+
+    monkeypatch.delenv(COMPILE_OFF, raising=False)
+    with cpu_compile_policy(enforce_eager=True):
+        assert os.environ[COMPILE_OFF] == "1" and "rl-inductor-" not in os.environ.get(INDUCTOR_CACHE, "")
+    assert COMPILE_OFF not in os.environ
+    monkeypatch.setenv(COMPILE_OFF, "0")
+    with cpu_compile_policy(enforce_eager=True):
+        assert os.environ[COMPILE_OFF] == "0"  # the user's choice is kept
+
+
+def test_a_compiling_cpu_server_compiles_into_a_cache_of_its_own_removed_when_it_ends(monkeypatch):
     """A server killed while inductor compiled a kernel left a truncated .so in the host's shared cache, which
-    failed every later server ("file too short"): on CPU hosts each server compiles into its own cache."""
+    failed every later server ("file too short"): on CPU hosts each server that compiles has its own cache."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from rl.inference.server import INDUCTOR_CACHE, private_compile_cache
+    from rl.inference.server import COMPILE_OFF, INDUCTOR_CACHE, cpu_compile_policy
 
+    monkeypatch.delenv(COMPILE_OFF, raising=False)
     monkeypatch.setenv(INDUCTOR_CACHE, default_cache_dir())  # as torch sets it when imported
-    with private_compile_cache():
+    with cpu_compile_policy(enforce_eager=False):
         cache = Path(os.environ[INDUCTOR_CACHE])
-        assert cache.is_dir() and cache.name.startswith("rl-inductor-")
+        assert cache.is_dir() and cache.name.startswith("rl-inductor-") and COMPILE_OFF not in os.environ
     assert os.environ[INDUCTOR_CACHE] == default_cache_dir() and not cache.exists()
     monkeypatch.setenv(INDUCTOR_CACHE, "/chosen")
-    with private_compile_cache():
+    with cpu_compile_policy(enforce_eager=False):
         assert os.environ[INDUCTOR_CACHE] == "/chosen"  # the user's choice is kept

@@ -124,27 +124,53 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
         over_the_wire=config.transfer.collective,
     )
     set_shm_poll()
-    with private_ipc_dir(), private_compile_cache():
+    with private_ipc_dir(), cpu_compile_policy(args.enforce_eager):
         uvloop.run(run_server(args, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
 
 
 INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+COMPILE_OFF = "TORCH_COMPILE_DISABLE"  # read by torch._dynamo when each vLLM process imports torch
+
+
+@contextlib.contextmanager
+def cpu_compile_policy(enforce_eager: bool):
+    """What torch.compile does in a CPU server's vLLM processes (GPU hosts: nothing changes).
+
+    With `--enforce-eager` (the CPU default) vLLM still torch.compiles a few helpers: the sampler's count of each
+    sampled token's rank, which every request with logprobs runs, and with tensor parallelism the vocab-parallel
+    embedding's mask. On CPU inductor builds them with gcc at a server's first request: 10-12 s before the first
+    token, measured on a 2-core host, for kernels whose eager form costs nothing at these sizes. So eager means
+    eager: TORCH_COMPILE_DISABLE=1 in the processes vLLM spawns, unless the environment sets it already.
+    A CPU server that compiles (enforce_eager false) compiles into a cache of its own (`private_compile_cache`)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        yield
+    elif not enforce_eager:
+        with private_compile_cache():
+            yield
+    elif COMPILE_OFF in os.environ:
+        yield
+    else:
+        os.environ[COMPILE_OFF] = "1"
+        logger.info("enforce-eager on CPU: torch.compile is off in vLLM's processes (%s=1)", COMPILE_OFF)
+        try:
+            yield
+        finally:
+            del os.environ[COMPILE_OFF]
 
 
 @contextlib.contextmanager
 def private_compile_cache():
-    """On CPU hosts, a torch inductor cache of this server's own, removed when it ends. vLLM compiles a few small
-    kernels with inductor on CPU (with tensor parallelism: the vocab-parallel embedding's mask), and inductor
-    compiles a kernel straight to its final path in the shared cache, then trusts any file there: a server killed
-    while compiling left a truncated `.so` that failed every later server on the host ("file too short"; seen when
-    the fault test killed a TP server). The cost is that compile (~5 s) at each CPU server's start. GPU hosts keep
-    the shared cache (their compiles take minutes), as does a cache directory the user chose (torch writes its
-    default into the environment when imported, so only another value counts as chosen)."""
+    """A torch inductor cache of this CPU server's own, removed when it ends. Inductor compiles a kernel straight
+    to its final path in the shared cache, then trusts any file there: a server killed while compiling left a
+    truncated `.so` that failed every later server on the host ("file too short"; seen when the fault test killed
+    a TP server). The cost is each compile at each server's start. A cache directory the user chose is kept
+    (torch writes its default into the environment when imported, so only another value counts as chosen)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    from vllm.platforms import current_platform
 
     chosen = os.environ.get(INDUCTOR_CACHE, default_cache_dir())
-    if not current_platform.is_cpu() or os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+    if os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
         yield
         return
     path = tempfile.mkdtemp(prefix="rl-inductor-")
