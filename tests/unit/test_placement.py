@@ -126,3 +126,33 @@ def test_a_tp_size_that_does_not_divide_the_inference_share_of_a_shared_host_is_
     with pytest.raises(ConfigError, match=r"2 inference GPUs \[1, 2\] .* = 4 GPUs each"):
         plan(run("--inference.tensor-parallel-size", "4", "--inference-gpu-ids", "[1, 2]", "--trainer-gpu-ids", "[0]"),
              shared)
+
+
+def test_weights_over_the_wire_reach_the_placed_trainers_first_host_unless_transfer_host_is_set():
+    from rl.launcher.config import resolve
+
+    wire = ("--transfer.transport", "gloo", "--inference.admin-token", "t")
+    config = run(*wire)
+    hosts = plan(config, topology(4, inference_hosts=2, trainer_hosts=2))
+    assert {h.trainer_addr for h in hosts} == {"h2"}  # rank 0 of the trainer holds the transfer store
+    for host in hosts:  # every host computes the same address, for all three processes
+        resolved = resolve(config, host)
+        assert {s.transfer.host for s in (resolved.trainer, resolved.orchestrator, resolved.inference)} == {"h2"}
+    chosen = run(*wire, "--transfer.host", "10.0.0.7")
+    assert resolve(chosen, hosts[0]).trainer.transfer.host == "10.0.0.7"
+    assert resolve(run("--inference.admin-token", "t"), hosts[0]).trainer.transfer.host == "127.0.0.1"  # files
+
+
+def test_weights_over_the_wire_across_hosts_started_by_hand_need_transfer_host():
+    from rl.launcher.config import resolve
+    from rl.launcher.devices import DevicePlan
+    from rl.launcher.placement import given_host
+
+    by_hand = ("--roles", '["trainer"]', "--inference.admin-token", "t", "--transfer.transport", "gloo")
+    config = run(*by_hand)
+    with pytest.raises(ConfigError, match="need --transfer.host"):
+        resolve(config, given_host(config, DevicePlan(1, [], [])))
+    config = run(*by_hand, "--transfer.host", "trainer-a")
+    assert resolve(config, given_host(config, DevicePlan(1, [], []))).inference.transfer.host == "trainer-a"
+    alone = run("--transfer.transport", "gloo")
+    assert resolve(alone, given_host(alone, DevicePlan(1, [], [[]]))).trainer.transfer.host == "127.0.0.1"

@@ -263,6 +263,8 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
     _require_equal("transfer", {w: s.transfer.model_dump() for w, s in sections.items()})
 
     # Derived cross-process values.
+    if t.transfer.collective:
+        place_transfer_store(sections, host)
     if host.inference_bind is not None:
         _fill(host.inference_bind, i, "host", "placement (servers other hosts reach)", "inference")
     check_admin_token(i, host)
@@ -293,6 +295,20 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
         )
     config._device_choices = resolve_devices(t, i, host.devices.device)
     return config
+
+
+def place_transfer_store(sections: dict[str, Any], host: HostPlan) -> None:
+    """Where the servers reach the trainer's transfer store (rank 0 offers it): a placed run's first trainer host
+    unless transfer.host is set; a run across hosts started by hand must name it, as 127.0.0.1 is this host."""
+    if any("host" in section.transfer.model_fields_set for section in sections.values()):
+        return
+    if host.trainer_addr is not None:
+        for section in sections.values():
+            section.transfer.host = host.trainer_addr
+    elif host.spans_hosts:
+        raise ConfigError("weights over the wire across hosts need --transfer.host: the address the servers reach "
+                          "the trainer's first host at (its rank 0 holds the transfer store); 127.0.0.1 is each host "
+                          "itself")
 
 
 def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) -> None:

@@ -70,6 +70,7 @@ class HostPlan:
     inference_urls: tuple[str, ...]  # the servers the orchestrator here uses; () where none runs
     inference_bind: str | None  # the address this host's servers bind (None: inference.host as configured)
     spans_hosts: bool  # other hosts take part in the run
+    trainer_addr: str | None = None  # the trainer's first host (its rank 0) as the others reach it; None: not placed
 
     def runs(self, role: str) -> bool:
         return role in self.roles
@@ -99,6 +100,7 @@ def plan(run, topology: PlacementConfig) -> list[HostPlan]:
             node_addr=hosts[i] if i in trainers and rdzv else None,
             inference_urls=tuple(urls) if i == orchestrator else (),
             inference_bind=ANY_ADDRESS if "inference" in roles[i] else None, spans_hosts=True,
+            trainer_addr=hosts[trainers[0]],
         )
         for i in range(topology.size)
     ]
