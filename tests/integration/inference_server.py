@@ -24,11 +24,13 @@ def model_and_weights_dir(tmp_path_factory, name: str) -> Path:
 
 
 class Server:
-    """`toml`: extra InferenceConfig settings, passed as a config file (`@ file`) beside the log."""
+    """`toml`: extra InferenceConfig settings, passed as a config file (`@ file`) beside the log; `port`: a given one
+    (a server restarted where the last one was), else a free one."""
 
     def __init__(self, model: Path, weights_dir: Path, log: Path, token: str = "test-token", timeout_s: float = 300,
-                 env: dict[str, str] | None = None, toml: str | None = None, max_model_len: int = 512):
-        self.port = free_port()
+                 env: dict[str, str] | None = None, toml: str | None = None, max_model_len: int = 512,
+                 port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
         self.model = model

@@ -62,6 +62,7 @@ class FakeWeights:
 
         self.settings = AdminSettings("model", None, admin_token, api_keys)
         self.refusal, self.in_flight, self.seen_in_flight, self.updates = refusal, 0, [], []
+        self.instance = "fake"
 
     async def admit(self):
         return self.refusal
@@ -220,9 +221,9 @@ def test_the_admin_app_gets_the_route_it_was_authorized_for():
     weights = FakeWeights()
     status, body, _, _ = call(weights, "/api/update_weights", {"Authorization": "Bearer admin-secret"},
                               b'{"step": 1, "path": "step_1"}', root_path="/api")
-    assert (status, body, weights.updates) == (200, {"step": 1}, [(1, "step_1")])
+    assert (status, body, weights.updates) == (200, {"step": 1, "instance": "fake"}, [(1, "step_1")])
     assert call(weights, "/api/policy_step", {"Authorization": "Bearer admin-secret"}, method="GET",
-                root_path="/api")[:2] == (200, {"step": 0})
+                root_path="/api")[:2] == (200, {"step": 0, "instance": "fake"})
 
 
 def test_websockets_are_refused():
@@ -286,7 +287,7 @@ def test_loopback_is_127_slash_8_and_ipv6_loopback(client, loopback):
 def test_without_an_admin_token_admin_routes_answer_loopback_clients_only():
     no_token = FakeWeights(admin_token=None)
     for client in ("127.0.0.2", "::1", "::ffff:127.0.0.1"):
-        assert call(no_token, "/policy_step", method="GET", client=client)[:2] == (200, {"step": 0})
+        assert call(no_token, "/policy_step", method="GET", client=client)[:2] == (200, {"step": 0, "instance": "fake"})
     assert call(no_token, "/policy_step", method="GET", client="192.168.0.7")[0] == 403
 
 

@@ -107,19 +107,23 @@ admin_router = APIRouter()
 
 @admin_router.get("/policy_step")
 async def policy_step(weights: Annotated[PolicyWeights, Depends(served_weights)]) -> dict:
-    """-> {"step": k, "weights_checksum": "...", "requests_in_flight": n}, with "adapter": <name> while an adapter is
-    served (its weights_checksum is rl.adapter.adapter_checksum)."""
-    return await weights.current()
+    """-> {"step": k, "weights_checksum": "...", "requests_in_flight": n, "instance": "<id>"}, with "adapter": <name>
+    while an adapter is served (its weights_checksum is rl.adapter.adapter_checksum). `instance` names this server
+    process: a server restarted since answers with another (and serves what it loaded at start)."""
+    return await weights.current() | {"instance": weights.instance}
 
 
 @admin_router.post("/update_weights")
 async def update_weights(request: Request, weights: Annotated[PolicyWeights, Depends(served_weights)]) -> dict:
-    """{"step": k, "path": "step_k"} -> {"step": k, "weights_checksum": "...", ...}, with "adapter" as /policy_step.
+    """{"step": k, "path": "step_k"} -> {"step": k, "weights_checksum": "...", "instance": "<id>", ...}, with
+    "adapter" as /policy_step.
     Errors are {"detail": "..."} with a 4xx status, or 500 when a reload failed."""
     body = update_request(await request.body())  # parsed here, bounded: FastAPI's parser has no depth limit
     if body.transfer is not None:
-        return await weights.receive(body.step, GroupSpec(**body.transfer.model_dump()))
-    return await weights.update(body.step, body.path)
+        served = await weights.receive(body.step, GroupSpec(**body.transfer.model_dump()))
+    else:
+        served = await weights.update(body.step, body.path)
+    return served | {"instance": weights.instance}
 
 
 def update_request(body: bytes) -> UpdateWeightsRequest:

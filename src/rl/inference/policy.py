@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import os
+import secrets
 import time
 import weakref
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ class PolicyWeights:
     def __init__(self, engine, settings: AdminSettings, models=None):
         self.engine, self.settings, self.models = engine, settings, models
         self.step, self.path, self.checksum = 0, str(Path(settings.base_model).resolve()), None
+        self.instance = secrets.token_hex(8)  # this server process's: one restarted answers with another
         self.marker: bytes | None = None  # the STABLE marker of the served step directory, as loaded
         self.manifest: dict[str, Entry] | None = None  # its files (None: the base model's directory)
         self.copies = PrivateCopies()  # adapter steps as checked, which vLLM loads (never the user's path)

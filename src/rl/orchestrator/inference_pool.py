@@ -9,6 +9,9 @@ import httpx
 from rl import health
 
 
+CHECK_TIMEOUT_S = 10.0  # a server's /policy_step; its first after a start hashes the base model once
+
+
 class InferenceError(RuntimeError):
     """An inference server failed or did not answer in time."""
 
@@ -29,18 +32,33 @@ class InferencePool:
         except TimeoutError as e:
             raise InferenceError(str(e)) from None
 
-    async def update_weights(self, step: int, path: str) -> list[dict]:
-        """Move every server to weights/step_{step}; return what each reports it now serves."""
-        return await asyncio.gather(*(self._update(u, step, path) for u in self.base_urls))
+    async def update_weights(self, step: int, path: str, servers: list[int] | None = None) -> list[dict]:
+        """Move every server (or those at the indices `servers`) to weights/step_{step}; return what each reports it
+        now serves."""
+        urls = self.base_urls if servers is None else [self.base_urls[i] for i in servers]
+        return await asyncio.gather(*(self._update(u, step, path) for u in urls))
 
-    async def receive_weights(self, step: int, host: str, port: int, timeout_s: float) -> list[dict | str]:
-        """Ask every server to receive step `step` over the wire, each at its rank (the trainer is rank 0), at once:
-        they form the step's group together. Per server: what it now serves, or why it refused or failed (it then
-        still serves what it verified last). InferenceError if a server cannot be reached at all."""
-        world_size = len(self.base_urls) + 1
-        spec = {"host": host, "port": port, "world_size": world_size, "timeout_s": timeout_s}
-        return await asyncio.gather(*(self._receive(url, step, spec | {"rank": rank})
-                                      for rank, url in enumerate(self.base_urls, start=1)))
+    async def current(self) -> list[dict | str]:
+        """What each server serves (its /policy_step: step, checksum, instance), or why it did not answer."""
+        return await asyncio.gather(*(self._current(url) for url in self.base_urls))
+
+    async def _current(self, url: str) -> dict | str:
+        try:
+            response = await self.http.get(f"{url}/policy_step", timeout=CHECK_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            return f"{url} did not answer /policy_step: {e!r}"
+        if response.status_code != 200:
+            return f"{url} answered /policy_step with {response.status_code} {response.text[:500]}"
+        return response.json()
+
+    async def receive_weights(self, step: int, host: str, port: int, timeout_s: float,
+                              servers: list[int]) -> list[dict | str]:
+        """Ask the servers at the indices `servers` to receive step `step` over the wire, each at its rank (the
+        trainer is rank 0), at once: they form the step's group together. Per server: what it now serves, or why it
+        refused or failed (it then still serves what it verified last). InferenceError if one cannot be reached."""
+        spec = {"host": host, "port": port, "world_size": len(servers) + 1, "timeout_s": timeout_s}
+        return await asyncio.gather(*(self._receive(self.base_urls[i], step, spec | {"rank": rank})
+                                      for rank, i in enumerate(servers, start=1)))
 
     async def _receive(self, url: str, step: int, spec: dict) -> dict | str:
         try:  # the group's forming and every tensor have deadlines of timeout_s; the whole step gets a generous one

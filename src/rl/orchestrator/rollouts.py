@@ -202,6 +202,8 @@ class GroupOutcome:
     message: str = ""  # and its text
     retries: int = 0
     policy_step: int = 0  # training: the policy served while the group was generated
+    server: int = 0  # training: the index of the server it was generated on
+    task_index: int = 0  # training: the task it was generated for
 
 
 async def run_group_retried(

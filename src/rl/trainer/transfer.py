@@ -62,7 +62,9 @@ class CollectiveSender:
         receivers = wait_for_take(self.output_dir, step, self.config.offer_timeout_s)  # every rank: all agree
         waited = time.perf_counter() - start
         group, failure = None, None
-        if self.world.is_main:
+        if self.world.is_main and receivers == 0:
+            failure = "no server was up to take it"
+        elif self.world.is_main:
             try:
                 group = open_group(self.store, step, 0, receivers + 1, self.config.timeout_s)
                 send_header(group, step, meta, config)

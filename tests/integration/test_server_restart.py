@@ -1,0 +1,53 @@
+"""A server the run does not own (started on its own, as on another host) restarts mid-run, weights over the wire:
+the orchestrator sees another instance answer, gives it no requests until the trainer's next offer brings it up to
+date, makes again the groups it lost, and the run reaches its end with every step once."""
+
+import re
+import time
+
+import pytest
+
+from rl.protocol import RunPaths, read_metrics
+from tests.integration.inference_server import Server
+from tests.integration.launched import Launched, rl_command
+
+pytestmark = pytest.mark.integration
+MAX_STEPS = 8
+WIRE = '[transfer]\ntransport = "gloo"\n'
+
+
+def wait_for_step(run: Launched, paths: RunPaths, step: int, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(m["process"] == "orchestrator" and m["step"] >= step for m in read_metrics(paths)):
+        assert run.proc.poll() is None, f"rl ended before batch {step}:\n{run.output[-4000:]}"
+        assert time.monotonic() < deadline, f"no batch {step} within {timeout_s} s:\n{run.output[-4000:]}"
+        time.sleep(0.2)
+
+
+def test_a_server_restarted_mid_run_rejoins_at_the_next_offer(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    paths = RunPaths(out)
+    server = Server(tiny_model, out / "weights", tmp_path / "inference-1.log", toml=WIRE)
+    roles = ["--roles", '["orchestrator", "trainer"]', "--orchestrator.client.base-urls", f'["{server.url}"]',
+             "--inference.admin-token", server.token, "--transfer.transport", "gloo", "--transfer.host", "127.0.0.1"]
+    run = Launched(rl_command(tiny_model, out, MAX_STEPS, *roles))
+    try:
+        wait_for_step(run, paths, 2)
+        server.stop()  # SIGTERM, then a new process on the same port: it serves the base model again
+        server = Server(tiny_model, out / "weights", tmp_path / "inference-2.log", toml=WIRE, port=server.port)
+        assert run.wait(timeout=900) == 0, run.output[-5000:]
+    finally:
+        server.stop()
+        run.proc.kill()
+    metrics = read_metrics(paths)
+    for process in ("trainer", "orchestrator"):
+        assert [m["step"] for m in metrics if m["process"] == process] == list(range(MAX_STEPS)), process
+    (log_file,) = (out / "logs").glob("*/orchestrator.log")  # roles split: each host's logs in a folder of its own
+    log = log_file.read_text()
+    back = re.search(r"server 0 (restarted|answers again): it serves policy (\d+)", log)
+    assert back and back.group(2) == "0", log[-3000:]  # the new process serves its start-up weights
+    after = log[back.end():]
+    taken = re.search(r"policy (\d+) went over the wire to 1 of 1 servers", after)
+    assert taken, after[-3000:]  # brought up to date by the next offer, before any batch used it
+    orchestrator = [m for m in metrics if m["process"] == "orchestrator"]
+    assert all(m["staleness"] <= 1 for m in orchestrator)

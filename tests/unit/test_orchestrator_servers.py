@@ -1,0 +1,132 @@
+"""The orchestrator's view of its servers between batches (`Orchestrator.check_servers`, `ensure_policy`): a server
+that restarted (another instance: it serves its start-up weights) or stopped answering gets no requests until it
+answers and is brought up to date, and groups it generated meanwhile are dropped. A fake pool stands in for the
+servers' admin routes; the weights are real files."""
+
+import asyncio
+import logging
+
+import pytest
+
+from rl.orchestrator.config import OrchestratorConfig
+from rl.orchestrator.main import DOWN, Orchestrator
+from rl.orchestrator.rollouts import GroupOutcome
+from rl.protocol import RunPaths, mark_stable
+
+
+class FakePool:
+    """Each server's /policy_step reply (a dict, or why it did not answer), and the updates asked of them."""
+
+    def __init__(self, *replies):
+        self.replies = list(replies)
+        self.updates: list[tuple[int, list[int]]] = []
+
+    async def current(self):
+        return list(self.replies)
+
+    async def update_weights(self, step, path, servers=None):
+        self.updates.append((step, servers))
+        for i in servers:
+            self.replies[i] = {"step": step, "instance": self.replies[i]["instance"]}
+        return [{"step": step} for _ in servers]
+
+
+def orchestrator(tmp_path, pool: FakePool, collective: bool = False) -> Orchestrator:
+    config = OrchestratorConfig(output_dir=tmp_path, client={"base_urls": ["http://a:8000", "http://b:8000"]},
+                                transfer={"transport": "gloo" if collective else "filesystem"})
+    o = Orchestrator.__new__(Orchestrator)  # no environments: only the server bookkeeping is exercised
+    o.config, o.logger, o.pool, o.paths = config, logging.getLogger("test"), pool, RunPaths(tmp_path)
+    o.policy_step, o.last_offer, o.served_steps, o.usable, o.instances = 0, 0, [0, 0], [0, 1], [None, None]
+    o.stale = set()
+    return o
+
+
+def publish(tmp_path, step: int) -> None:
+    directory = RunPaths(tmp_path).weights(step)
+    directory.mkdir(parents=True)
+    mark_stable(directory)
+
+
+def test_a_restarted_server_gets_the_newest_policy_before_any_request(tmp_path):
+    pool = FakePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
+    o = orchestrator(tmp_path, pool)
+    assert asyncio.run(o.check_servers()) == set()
+    assert asyncio.run(o.ensure_policy(1)) is None and o.usable == [0, 1] and pool.updates == []
+
+    publish(tmp_path, 3)
+    asyncio.run(o.ensure_policy(4))  # async_level 1: policy 3 is loaded on both
+    assert pool.updates == [(3, [0, 1])] and o.served_steps == [3, 3]
+    pool.replies[1] = {"step": 0, "instance": "b2"}  # server b restarted: it serves its start-up weights
+    assert asyncio.run(o.check_servers()) == {1}
+    assert o.served_steps == [3, 0]
+    asyncio.run(o.ensure_policy(4))
+    assert pool.updates[-1] == (3, [0, 1]) and o.usable == [0, 1] and o.served_steps == [3, 3]
+
+
+
+def test_groups_made_on_a_server_that_changed_meanwhile_are_made_again_on_servers_up_to_date(tmp_path):
+    pool = FakePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
+    o = orchestrator(tmp_path, pool)
+    asyncio.run(o.check_servers())
+    remade = []
+
+    async def run_one_group(env, task_index, server, step, g):
+        remade.append((task_index, server))
+        return GroupOutcome(env, ["remade"], server=server, task_index=task_index)
+
+    o.run_one_group = run_one_group
+    outcomes = [GroupOutcome(None, ["kept"], server=0, task_index=7), GroupOutcome(None, None, server=1, task_index=8)]
+    pool.replies[1] = "http://b:8000 did not answer /policy_step: ConnectError()"  # b went down during the batch
+    outcomes = asyncio.run(o.remake_groups_of_changed_servers(outcomes, 1))
+    assert remade == [(8, 0)]  # task 8 again, on a, the server left
+    assert [outcome.results for outcome in outcomes] == [["kept"], ["remade"]]
+
+    pool.replies[0] = {"step": 0, "instance": "a2"}  # every round finds a change: after the last, dropped
+    o.check_servers = lambda: asyncio.sleep(0, {0})
+    outcomes = asyncio.run(o.remake_groups_of_changed_servers(outcomes, 1))
+    assert [(outcome.results, outcome.error) for outcome in outcomes] == [(None, "ServerChanged")] * 2
+
+
+def test_a_server_that_stops_answering_gets_no_requests_until_it_is_back(tmp_path):
+    pool = FakePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
+    o = orchestrator(tmp_path, pool)
+    asyncio.run(o.check_servers())
+    pool.replies[0] = "http://a:8000 did not answer /policy_step: ConnectError()"
+    assert asyncio.run(o.check_servers()) == {0}
+    assert asyncio.run(o.check_servers()) == set()  # named once, when it went
+    asyncio.run(o.ensure_policy(1))
+    assert o.instances[0] == DOWN and o.usable == [1] and pool.updates == []
+    publish(tmp_path, 0)
+    pool.replies[0] = {"step": 0, "instance": "a2"}  # back, restarted: it serves the base model, as the others
+    assert asyncio.run(o.check_servers()) == {0}
+    asyncio.run(o.ensure_policy(1))
+    assert o.usable == [0, 1]
+
+
+def test_no_server_answering_ends_the_wait_at_its_deadline_naming_the_servers(tmp_path):
+    from rl.orchestrator.inference_pool import InferenceError
+
+    pool = FakePool("a down", "b down")
+    o = orchestrator(tmp_path, pool)
+    o.config.client.startup_timeout_s = 0.5
+    asyncio.run(o.check_servers())
+    with pytest.raises(InferenceError, match=r"no inference server answered for 0 s \(\['http://a:8000'"):
+        asyncio.run(o.ensure_policy(1))
+
+
+def test_over_the_wire_a_server_restarted_after_its_offer_catches_up_from_the_checkpoints_files(tmp_path):
+    from rl.orchestrator.inference_pool import InferenceError
+
+    pool = FakePool({"step": 5, "instance": "a1"}, {"step": 0, "instance": "b2"})
+    o = orchestrator(tmp_path, pool, collective=True)
+    o.instances, o.served_steps, o.last_offer = ["a1", "b1"], [5, 5], 5
+    o.config.async_level = 0  # batch 5 needs policy 5, the last the trainer can offer before it
+    assert asyncio.run(o.check_servers()) == {1}
+    assert asyncio.run(o.ensure_policy(5)) is None and o.usable == [0]  # the other still serves policy 5
+    pool.replies[0] = {"step": 0, "instance": "a2"}
+    asyncio.run(o.check_servers())
+    with pytest.raises(InferenceError, match="no checkpoint's files hold it"):
+        asyncio.run(o.ensure_policy(5))  # no offer of policy 5 is left, and no files of it
+    publish(tmp_path, 5)
+    asyncio.run(o.ensure_policy(5))
+    assert pool.updates == [(5, [0, 1])] and o.usable == [0, 1] and o.policy_step == 5
