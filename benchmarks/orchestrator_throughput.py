@@ -11,7 +11,12 @@ orchestrator side runs in this process) against the raw client's per request, an
 CPU per request on each side (rl's gate and vLLM's frontend; the engine and its workers are other processes). The
 last line reads `orchestrator <R>x raw vLLM tokens/s, <C> ms CPU per rollout`.
 
+`--plain-vllm` also starts vLLM as a user would (`vllm.entrypoints.openai.api_server`, none of rl's parts) beside
+rl's server, and in every repeat sends it the raw side's requests too: the two API servers' CPU per request,
+side by side, is what rl's gate and route wrappers cost on the generation path.
+
     uv run --no-sync python benchmarks/orchestrator_throughput.py --model /tmp/tiny
+    uv run --no-sync python benchmarks/orchestrator_throughput.py --model /tmp/tiny --plain-vllm
     uv run --no-sync python benchmarks/orchestrator_throughput.py --model /tmp/tiny --base-url http://127.0.0.1:8000
 """
 
@@ -19,8 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="raw-then-orchestrator measurement pairs")
+    parser.add_argument("--plain-vllm", action="store_true", help="also measure a plain vLLM server's API CPU")
     return parser.parse_args()
 
 
@@ -73,9 +82,9 @@ async def raw_side(args, prompts: list[list[int]], base_url: str) -> tuple[int, 
             body = {
                 "model": args.model,
                 "token_ids": prompt,
-                "sampling_params": {
+                "sampling_params": {  # as the training client sends them (rollouts.model_context)
                     "max_tokens": args.max_tokens, "min_tokens": args.max_tokens, "temperature": 1.0,
-                    "logprobs": 1,
+                    "logprobs": 1, "detokenize": False,
                 },
             }
             async with semaphore:
@@ -117,7 +126,7 @@ class CpuMeter:
         return now[0] - before[0], now[1] - before[1]
 
 
-async def measure(args, base_url: str, server_pid: int | None = None) -> None:
+async def measure(args, base_url: str, server_pid: int | None = None, plain: tuple[str, int] | None = None) -> None:
     env = load_environment(EnvConfig(id=args.env, args={"num_examples": args.groups}))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = rendered_prompts(env, tokenizer, args.groups)
@@ -126,9 +135,16 @@ async def measure(args, base_url: str, server_pid: int | None = None) -> None:
         tune_gc_for_serving()  # as the orchestrator does once its environments serve
         await orchestrator_side(args, env, client)  # warm-up both paths
         await raw_side(args, prompts, base_url)
-        ratios, cpu = [], {"raw": [], "orch": [], "raw_server": [], "orch_server": []}
+        ratios, cpu = [], {"raw": [], "orch": [], "raw_server": [], "orch_server": [], "plain_server": []}
         meter, requests = CpuMeter(server_pid), args.groups * args.group_size
+        plain_meter = CpuMeter(plain[1]) if plain else None
+        if plain:
+            await raw_side(args, prompts, plain[0])
         for _ in range(args.repeats):
+            if plain:
+                before = plain_meter.read()
+                await raw_side(args, prompts, plain[0])
+                cpu["plain_server"].append(plain_meter.since(before)[1] / requests)
             before = meter.read()
             raw_tokens, raw_s = await raw_side(args, prompts, base_url)
             own, server = meter.since(before)
@@ -147,12 +163,16 @@ async def measure(args, base_url: str, server_pid: int | None = None) -> None:
                 f"request), API server {1e3 * cpu['orch_server'][-1]:.2f} / {1e3 * cpu['raw_server'][-1]:.2f} ms per "
                 "request"
             )
-    median = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
+    median = {k: 1e3 * statistics.median(v) for k, v in cpu.items() if v}
     print(f"orchestrator / raw vLLM tokens/s: median {statistics.median(ratios):.2f} over {len(ratios)} pairs "
           f"(range {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.8)")
     print(f"CPU, medians: orchestrator {median['orch']:.2f} ms per rollout (target <= 1 ms; raw client "
           f"{median['raw']:.2f} ms per request); vLLM API server {median['orch_server']:.2f} ms per request from the "
           f"orchestrator, {median['raw_server']:.2f} ms from the raw client")
+    if plain:
+        print(f"API server CPU per raw request, medians: rl's server {median['raw_server']:.2f} ms, plain vLLM "
+              f"{median['plain_server']:.2f} ms (rl's gate and wrappers: "
+              f"{median['raw_server'] - median['plain_server']:+.2f} ms)")
     print(f"orchestrator {statistics.median(ratios):.2f}x raw vLLM tokens/s, {median['orch']:.2f} ms CPU per rollout")
 
 
@@ -165,12 +185,37 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from tests.integration.inference_server import Server
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         server = Server(Path(args.model), Path(tmp), Path(tmp) / "inference.log")
+        stack.callback(server.stop)
+        plain = stack.enter_context(plain_vllm(args.model, Path(tmp) / "plain.log")) if args.plain_vllm else None
+        asyncio.run(measure(args, server.url, server.proc.pid, plain))
+
+
+@contextlib.contextmanager
+def plain_vllm(model: str, log: Path):
+    """vLLM's own OpenAI server with the settings rl's CPU server uses, and its generate route; (url, pid)."""
+    from rl.inference.main import CPU_MEMORY_SHARE, cpu_vllm_args
+    from tests.integration.inference_server import wait_serving
+    from tests.integration.launched import free_port
+
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--enable-scale-out",
+        "--gpu-memory-utilization", str(CPU_MEMORY_SHARE), *cpu_vllm_args(512),
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env=os.environ | {"TORCH_COMPILE_DISABLE": "1"})  # as rl's CPU server runs vLLM
+    try:
+        wait_serving(f"http://127.0.0.1:{port}", proc, log)
+        yield f"http://127.0.0.1:{port}", proc.pid
+    finally:
+        proc.terminate()
         try:
-            asyncio.run(measure(args, server.url, server.proc.pid))
-        finally:
-            server.stop()
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 if __name__ == "__main__":

@@ -163,3 +163,15 @@ def test_a_patch_whose_target_is_gone_fails_loudly_naming_it():
         patch_target(moved, "build_async_openai", "verifiers")
     moved.build_async_openai = object
     assert patch_target(moved, "build_async_openai", "verifiers") is object
+
+
+def test_training_rollouts_ask_vllm_for_tokens_only_unless_stop_strings_need_the_text():
+    from rl.orchestrator.rollouts import ChatClient, InferenceClient, Sampling, model_context
+
+    train = InferenceClient("http://127.0.0.1:8000", "m", "/models/m", renderer=None)
+    chat = ChatClient("http://127.0.0.1:8000", "m")
+    sampled = model_context(train, Sampling(max_tokens=4), 0).sampling.model_dump(exclude_none=True)
+    assert sampled["detokenize"] is False and sampled["max_tokens"] == 4
+    stopped = model_context(train, Sampling(extra={"stop": ["\n"]}), 0).sampling.model_dump(exclude_none=True)
+    assert "detokenize" not in stopped and stopped["stop"] == ["\n"]
+    assert "detokenize" not in model_context(chat, Sampling(), 0).sampling.model_dump(exclude_none=True)

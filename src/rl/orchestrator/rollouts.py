@@ -237,9 +237,17 @@ def model_context(client: InferenceClient | ChatClient, sampling: Sampling, offs
         top_p=sampling.top_p,
         max_tokens=sampling.max_tokens,
         **({"seed": seed} if seed is not None else {}),
+        **({"detokenize": False} if tokens_only(client, sampling) else {}),
         **sampling.extra,
     )
     return vf.ModelContext(model=client.model, client=client.client_config(), sampling=settings)
+
+
+def tokens_only(client: InferenceClient | ChatClient, sampling: Sampling) -> bool:
+    """Whether vLLM may skip detokenizing: the training client sends and reads token ids, and its renderer parses
+    the completion from them, so vLLM's text and its logprobs' token strings go unread; making them cost the API
+    server's CPU on every token (docs/architecture.md, Measurements). Stop strings are matched on text."""
+    return isinstance(client, InferenceClient) and "stop" not in sampling.extra
 
 
 def scored_trace(task_index: int, episode: vf.Episode) -> vf.Trace:
