@@ -20,6 +20,13 @@ def test_token_strings_are_added_to_token_id_logprobs():
     assert entry["token"] == "token_id:7" and entry["top_logprobs"][0]["token"] == "token_id:9"
 
 
+def test_a_body_with_non_finite_logprobs_gets_its_token_strings_too():
+    """vLLM may write -Infinity (not strict JSON) for a token of probability 0."""
+    body = b'{"choices": [{"logprobs": {"content": [{"token_id": 7, "logprob": -Infinity}]}}]}'
+    entry = json.loads(add_token_strings(body))["choices"][0]["logprobs"]["content"][0]
+    assert entry["token"] == "token_id:7" and entry["logprob"] == float("-inf")
+
+
 def test_a_null_body_passes_unchanged():
     """vLLM answers `null` when the client went away mid-request; that must not raise in the server."""
     assert add_token_strings(b"null") == b"null"

@@ -12,6 +12,7 @@ import json
 import re
 from typing import Annotated
 
+import msgspec
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
@@ -390,8 +391,13 @@ class TokenStringRewrite:
 
 
 def add_token_strings(body: bytes) -> bytes:
-    """`{"token_id": 343, ...}` -> `{"token": "token_id:343", "token_id": 343, ...}` in every choice."""
-    response = json.loads(body)
+    """`{"token_id": 343, ...}` -> `{"token": "token_id:343", "token_id": 343, ...}` in every choice. Parsed and
+    written with msgspec (~3x the json module's speed: this runs on every generation response), or with json where
+    the body is not strict JSON (Infinity, NaN)."""
+    try:
+        response, encode = msgspec.json.decode(body), msgspec.json.encode
+    except msgspec.DecodeError:
+        response, encode = json.loads(body), lambda value: json.dumps(value).encode()
     if not isinstance(response, dict):  # vLLM answers `null` to a request whose client went away
         return body
     for choice in response.get("choices") or []:
@@ -399,4 +405,4 @@ def add_token_strings(body: bytes) -> bytes:
             for item in [entry, *(entry.get("top_logprobs") or [])]:
                 if "token_id" in item:  # tokens mode; text mode already has `token` strings
                     item["token"] = f"token_id:{item['token_id']}"
-    return json.dumps(response).encode()
+    return encode(response)
