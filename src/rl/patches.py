@@ -4,7 +4,9 @@ save is in docs/architecture.md ("Patches of other libraries"):
 
 - pydantic: its inspection of default factories is cached (`cache_default_factory_inspection`);
 - verifiers: its training client sends requests through our `EngineClient` (`use_engine_client`);
-  both applied by the orchestrator's rollouts module when it is imported (`apply_orchestrator_patches`, which
+- renderers: each renderer it builds for verifiers' training client remembers its recent renders
+  (`remember_renders`): a group's rollouts render the same prompt;
+  all three applied by the orchestrator's rollouts module when it is imported (`apply_orchestrator_patches`, which
   it hands the client class: this module imports nothing of rl's);
 - verifiers: its eval client reads chat replies through an httpx client that bounds their size and the time to
   read them (`bound_eval_client`), applied by `eval/replies.py` when it is imported;
@@ -99,9 +101,57 @@ def bound_eval_client(build_client) -> None:
     verifiers_eval.build_async_httpx = build_client
 
 
+RENDERS_REMEMBERED = 256  # per renderer: more than the distinct prompts of the groups in flight at once
+
+
+def remember_renders() -> None:
+    """verifiers' training client renders each rollout's prompt (chat template, then tokenizer) on a renderer from
+    its pool; the rollouts of a group share their prompt, so a group of n rendered it n times (~0.4-0.6 ms each for
+    a short prompt). Each renderer built for the pool (`renderers.create_renderer`) keeps its last
+    RENDERS_REMEMBERED renders, keyed by everything `render` takes, and hands out a copy: callers own what they
+    get. A render is a pure function of its arguments for one renderer."""
+    import copy
+    import json
+    from collections import OrderedDict
+
+    import renderers
+
+    create = patch_target(renderers, "create_renderer", "renderers")
+    if getattr(create, "remembers_renders", False):
+        return
+
+    def remembering(render):
+        memory: OrderedDict[str, object] = OrderedDict()
+
+        @functools.wraps(render)
+        def remembered_render(messages, **kwargs):
+            try:
+                key = json.dumps([messages, kwargs], sort_keys=True)
+            except TypeError:  # not plain JSON (images): rendered each time
+                return render(messages, **kwargs)
+            if key not in memory:
+                memory[key] = render(messages, **kwargs)
+                if len(memory) > RENDERS_REMEMBERED:
+                    memory.popitem(last=False)
+            memory.move_to_end(key)
+            return copy.deepcopy(memory[key])
+
+        return remembered_render
+
+    @functools.wraps(create)
+    def create_renderer(*args, **kwargs):
+        renderer = create(*args, **kwargs)
+        renderer.render = remembering(renderer.render)
+        return renderer
+
+    create_renderer.remembers_renders = True
+    renderers.create_renderer = create_renderer
+
+
 def apply_orchestrator_patches(client_class: type) -> None:
     cache_default_factory_inspection()
     use_engine_client(client_class)
+    remember_renders()
 
 
 # --------------------------------------------------------------------------------------------------

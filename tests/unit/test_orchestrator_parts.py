@@ -175,3 +175,28 @@ def test_training_rollouts_ask_vllm_for_tokens_only_unless_stop_strings_need_the
     stopped = model_context(train, Sampling(extra={"stop": ["\n"]}), 0).sampling.model_dump(exclude_none=True)
     assert "detokenize" not in stopped and stopped["stop"] == ["\n"]
     assert "detokenize" not in model_context(chat, Sampling(), 0).sampling.model_dump(exclude_none=True)
+
+
+def test_renderers_built_for_the_training_client_render_a_repeated_prompt_once_and_hand_out_copies(
+        tiny_model, monkeypatch):
+    import renderers
+    from renderers.base import load_tokenizer
+
+    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+    from rl.renderer import renderer_config
+
+    def build():
+        return renderers.create_renderer(load_tokenizer(str(tiny_model)), renderer_config("auto", str(tiny_model))[0])
+
+    plain = build().render.__wrapped__  # a renderer's own render, bound before the count below
+    calls, own = [], type(plain.__self__).render
+    monkeypatch.setattr(type(plain.__self__), "render", lambda self, *a, **k: calls.append(1) or own(self, *a, **k))
+    renderer, messages = build(), [{"role": "user", "content": "reverse: abc"}]
+    first = renderer.render(messages, tools=None, add_generation_prompt=True)
+    second = renderer.render(messages, tools=None, add_generation_prompt=True)
+    assert len(calls) == 1
+    assert first.token_ids == second.token_ids == plain(messages, tools=None, add_generation_prompt=True).token_ids
+    first.token_ids.append(-1)  # each caller owns its copy
+    assert renderer.render(messages, tools=None, add_generation_prompt=True).token_ids == second.token_ids
+    assert renderer.render(messages, tools=None, add_generation_prompt=False).token_ids != second.token_ids
+    assert len(calls) == 2  # every argument is part of the key
