@@ -231,7 +231,8 @@ def test_a_retried_update_reloads_a_changed_directory_and_checksums_cover_every_
     first = update(server, 40, step_dir(run_dir, 40))
     assert first.status_code == 200, first.text
     again = update(server, 40, run_dir / "weights" / "step_40")  # a retry of the same request: nothing reloads
-    assert again.json() == {"step": 40, "weights_checksum": first.json()["weights_checksum"]}
+    assert again.json() == {"step": 40, "weights_checksum": first.json()["weights_checksum"],
+                            "instance": first.json()["instance"]}
 
     def change_unsampled_column(state):
         weight = state[name]

@@ -218,8 +218,8 @@ def test_update_pauses_a_request_in_flight_which_then_finishes(server, run_dir):
     assert response.status_code == 200 and response.json()["paused_requests"] == 1, response.text
     assert result["response"].status_code == 200
     assert len(result["response"].json()["choices"][0]["token_ids"]) == 400
-    assert server.admin("GET", "/policy_step").json() | {"weights_checksum": None} == {
-        "step": 5, "weights_checksum": None, "requests_in_flight": 0}
+    assert server.admin("GET", "/policy_step").json() | {"weights_checksum": None, "instance": None} == {
+        "step": 5, "weights_checksum": None, "requests_in_flight": 0, "instance": None}
     assert max_mismatch(server, step) < TOLERANCE
 
 

@@ -99,8 +99,8 @@ def update(server, step: int, path):
 def test_adapter_steps_serve_the_merged_weights(server, run_dir):
     """Step 0's adapter (B = 0) serves the base model's logprobs; a random adapter serves those of the merged
     weights and not the base model's; the next step's adapter replaces it."""
-    assert server.admin("GET", "/policy_step").json() | {"weights_checksum": None} == {
-        "step": 0, "weights_checksum": None, "requests_in_flight": 0}  # the base model, no adapter yet
+    assert server.admin("GET", "/policy_step").json() | {"weights_checksum": None, "instance": None} == {
+        "step": 0, "weights_checksum": None, "requests_in_flight": 0, "instance": None}  # the base model, no adapter
     assert max_mismatch(server, str(run_dir / "model"), run_dir / "model") < TOLERANCE
 
     zero = random_adapter(run_dir / "model", seed=0, zero_b=True)
