@@ -144,8 +144,7 @@ class Orchestrator:
         """Batch `step` may only use policies v_j with j >= step - async_level: wait for and load one. A server that
         restarted gets the run's newest policy before any request."""
         required = step - self.config.async_level
-        if all(instance == DOWN for instance in self.instances):
-            await self.wait_for_a_server()
+        await self.wait_for_a_server()
         if self.config.transfer.collective:
             return await self.take_offers(required, step, f"batch {step} (async_level={self.config.async_level})")
         up = self.up_servers()
@@ -184,7 +183,7 @@ class Orchestrator:
         return changed
 
     async def wait_for_a_server(self) -> None:
-        """No server answers: wait for one, at most client.startup_timeout_s."""
+        """While no server answers, wait for one, at most client.startup_timeout_s (at once if one answers)."""
         deadline = time.monotonic() + self.config.client.startup_timeout_s
         while all(instance == DOWN for instance in self.instances):
             if time.monotonic() > deadline:
@@ -228,8 +227,7 @@ class Orchestrator:
             pending = [k for k in offered_steps(self.config.output_dir) if k > self.last_offer]
             if pending:
                 await self.check_servers()
-                if all(instance == DOWN for instance in self.instances):
-                    await self.wait_for_a_server()
+                await self.wait_for_a_server()
                 served = await self.take(pending[0]) or served
                 continue
             self.usable = [i for i, s in enumerate(self.served_steps) if s >= required]
