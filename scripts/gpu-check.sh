@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What only a GPU can show, in one command: the CUDA tests, the trainer alone at Qwen3-0.6B's shape, then a short
-# Qwen3-0.6B run (bf16 trainer, vLLM with CUDA graphs, one trainer GPU and one inference GPU), ending with the
-# figures that tell where the GPU path stands: trainer tokens/s and MFU, peak allocated and reserved memory, and the
-# publish-to-served reload latency.
+# Qwen3-0.6B run (bf16 trainer, vLLM with CUDA graphs, one trainer GPU and one inference GPU) and a shorter one with
+# weights over NCCL, ending with the figures that tell where the GPU path stands: trainer tokens/s and MFU, peak
+# allocated and reserved memory, and the publish-to-served reload latency.
 #
 #   bash scripts/gpu-check.sh [OUTPUT_DIR] [MODEL]      (MODEL: default Qwen/Qwen3-0.6B; needs the hub or a local dir)
 #
@@ -41,6 +41,13 @@ part rl-run uv run rl \
   --inference @ configs/reverse_text/infer.toml \
   --model.name "$model" --trainer.optim.lr 1e-6 --max-steps 10 --seq-len 512 \
   --trainer-gpus 1 --inference-gpus 1 --output-dir "$out/run"
+# the same run with weights over NCCL (trainer GPU -> the server's GPU), every step verified by its checksum
+part rl-run-nccl uv run rl \
+  --trainer @ configs/reverse_text/train.toml \
+  --orchestrator @ configs/reverse_text/orch.toml \
+  --inference @ configs/reverse_text/infer.toml \
+  --model.name "$model" --trainer.optim.lr 1e-6 --max-steps 5 --seq-len 512 \
+  --trainer-gpus 1 --inference-gpus 1 --transfer.transport nccl --output-dir "$out/run-nccl"
 
 part figures uv run python - "$out/run" <<'PY'
 import json, re, statistics, sys

@@ -111,9 +111,9 @@ class TransferConfig(Section):
     from one `--transfer.*` so the three agree."""
 
     transport: Annotated[
-        Literal["filesystem", "gloo"],
-        Field(description="filesystem: weights/step_k/ files every step; gloo: a broadcast from the trainer to every "
-                          "server each step, files only at checkpoints (resume needs them)"),
+        Literal["filesystem", "gloo", "nccl"],
+        Field(description="filesystem: weights/step_k/ files every step; gloo (CPU hosts) or nccl (GPUs): a broadcast "
+                          "from the trainer to every server each step, files only at checkpoints (resume needs them)"),
     ] = "filesystem"
     host: Annotated[
         str, Field(min_length=1, description="address the servers reach the trainer's rank 0 at (its TCP store)")
@@ -129,6 +129,12 @@ class TransferConfig(Section):
     @property
     def collective(self) -> bool:
         return self.transport != "filesystem"
+
+    def check_device(self, device: str, process: str) -> None:
+        """NCCL moves tensors between GPUs only."""
+        if self.transport == "nccl" and device != "cuda":
+            raise ConfigError(f"transfer.transport = 'nccl' needs CUDA GPUs, but the {process} runs on {device}: use "
+                              "'gloo' on CPU hosts")
 
 
 class EnvConfig(Section):

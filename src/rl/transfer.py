@@ -16,15 +16,25 @@ With `weight_transport = "gloo"` a step's weights travel trainer -> every server
    step if the bytes it got do not hash to the trainer's checksum, and only then loads it with the same verified
    reload, rollback and tensor-parallel sharding as a step read from files.
 
+With `weight_transport = "nccl"` (GPU hosts) the same protocol runs over NCCL between GPUs: the trainer broadcasts
+each gathered tensor from its rank 0's GPU, and on each server its first worker (`rl_receive_weights` in
+rl/inference/worker.py, the one process of a server that holds a GPU of its own and an NCCL library) receives it into
+GPU memory and copies it into the memfd, which the server then takes over as if it had received it itself: from
+there on, the checks, the reload on every tensor-parallel worker, the verification and the rollback are the ones of
+gloo and of files. Both sides hash the bytes on the host (the same checksum as files), so `weights_checksum` means
+the same whatever the transport.
+
 Every wait has a deadline: the trainer's wait for the take (`offer_timeout_s`), the group's forming and every
-broadcast (`timeout_s`). The group is formed per step (milliseconds for gloo), so no stale member can hang a later
-step. Transports are looked up by name in `TRANSPORTS`, a registry in the manner of vLLM's weight-transfer engine
-factory.
+broadcast (`timeout_s`; NCCL's wait blocks with that deadline, and a group that failed is aborted, so no kernel of it
+is left waiting on a GPU). The group is formed per step (milliseconds for gloo; NCCL's set-up is not measured), so
+no stale member can hang a later step. Transports are looked up by name in `TRANSPORTS`, a registry in the manner of
+vLLM's weight-transfer engine factory.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 from dataclasses import asdict, dataclass
@@ -40,7 +50,10 @@ from rl.atomic import atomic_write_text
 TRANSPORTS = {
     "filesystem": "every step's weights as files in weights/step_k/, which servers read and verify",
     "gloo": "every step's weights broadcast from trainer rank 0 to every server over TCP (gloo), verified as files",
+    "nccl": "every step's weights broadcast from trainer rank 0's GPU to each server's first worker's GPU (NCCL), "
+            "verified as files",
 }
+NCCL_CLEANUP_ONLY = "2"  # TORCH_NCCL_ASYNC_ERROR_HANDLING: a failed collective aborts its group, not the process
 DIGEST_BYTES = 16
 MAX_HEADER_BYTES = 64 * 2**20
 
@@ -63,7 +76,7 @@ class TensorDigest:
     def update_bytes(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], data: torch.Tensor) -> None:
         """A tensor given as its dtype, shape and raw bytes (a flat uint8 tensor on the CPU)."""
         one = xxhash.xxh3_128(f"{name}\0{dtype}\0{tuple(shape)}\0".encode())
-        one.update(data.numpy())
+        one.update(data.cpu().numpy())  # a GPU tensor's bytes come to the host to be hashed
         self._tensors[name] = one.digest()
 
     def digest(self) -> bytes:
@@ -156,14 +169,61 @@ def clear_transfers(output_dir: Path, from_step: int = 0) -> None:
             path.unlink(missing_ok=True)
 
 
-def open_group(store: dist.Store, step: int, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
-    """The step's own gloo group over `store`: formed once every member joined, within `timeout_s`."""
+@dataclass
+class StepGroup:
+    """A step's group: trainer rank 0 and the servers' receivers, with where its tensors live (the CPU for gloo, each
+    member's current GPU for NCCL) and how long any broadcast may take."""
+
+    process_group: dist.ProcessGroup
+    device: torch.device
+    timeout: timedelta
+
+    @property
+    def nccl(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def open_group(store: dist.Store, step: int, rank: int, world_size: int, timeout_s: float,
+               backend: str = "gloo") -> StepGroup:
+    """The step's own group over `store` (gloo, or NCCL between GPUs: each member on its current CUDA device), whose
+    members all joined within `timeout_s`."""
+    prefixed, timeout = dist.PrefixStore(f"step_{step}", store), timedelta(seconds=timeout_s)
     try:
-        return dist.ProcessGroupGloo(dist.PrefixStore(f"step_{step}", store), rank, world_size,
-                                     timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+            return StepGroup(_nccl_group(prefixed, step, rank, world_size, timeout), device, timeout)
+        return StepGroup(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), torch.device("cpu"), timeout)
     except Exception as e:  # the store's wait timed out, or the store went away
         raise TransferError(f"the transfer group of step {step} did not form within {timeout_s:.0f} s "
                             f"(rank {rank} of {world_size}): {e}") from None
+
+
+def _nccl_group(store: dist.Store, step: int, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+    """An NCCL group whose failure (a member died, a deadline passed) aborts the group and raises, leaving the process
+    (a vLLM worker, the trainer) running: NCCL's default tears the process down. The setting is read as the group is
+    made."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    before = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_CLEANUP_ONLY
+    try:
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        else:
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = before
+
+
+def close_group(group: StepGroup | None, failed: bool = False) -> None:
+    """Release a step's group: an NCCL one holds a communicator and GPU buffers until shut down (aborted if a
+    collective failed, so that none is left waiting on the GPU); gloo's go with the object."""
+    if group is None or not group.nccl:
+        return
+    try:
+        group.process_group.abort() if failed else group.process_group.shutdown()
+    except Exception:  # noqa: BLE001 - releasing a group that already failed must not hide why it failed
+        pass
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
@@ -174,40 +234,43 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
                             f"{e}") from None
 
 
-def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, what: str) -> None:
+def broadcast(group: StepGroup, tensor: torch.Tensor, what: str) -> None:
     """Broadcast `tensor` from rank 0 (in place on the others); TransferError names what was being sent."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
     try:
-        group.broadcast([tensor], options).wait()
+        work = group.process_group.broadcast([tensor], options)
+        # NCCL's wait would only order the GPU's streams; with a deadline it blocks this thread until the broadcast
+        # is done, or raises at the deadline (gloo's own timeout bounds it the same way)
+        work.wait(group.timeout)
     except Exception as e:
         raise TransferError(f"the broadcast of {what} failed: {e}") from None
 
 
-def send_header(group: dist.ProcessGroup, step: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+def send_header(group: StepGroup, step: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
                 adapter_config: str | None = None) -> None:
     """The step's tensors (name, dtype, shape) in the order they follow, and a LoRA adapter's adapter_config.json."""
     raw = json.dumps({"step": step, "tensors": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in tensors],
                       "adapter_config": adapter_config})
-    data = torch.frombuffer(bytearray(raw.encode()), dtype=torch.uint8)
-    broadcast(group, torch.tensor([len(data)], dtype=torch.int64), f"step {step}'s header length")
+    data = torch.frombuffer(bytearray(raw.encode()), dtype=torch.uint8).to(group.device)
+    broadcast(group, torch.tensor([len(data)], dtype=torch.int64, device=group.device), f"step {step}'s header length")
     broadcast(group, data, f"step {step}'s header")
 
 
 TensorMeta = tuple[str, torch.dtype, tuple[int, ...]]  # name, dtype, shape
 
 
-def receive_header(group: dist.ProcessGroup, step: int) -> tuple[list[TensorMeta], str | None]:
+def receive_header(group: StepGroup, step: int) -> tuple[list[TensorMeta], str | None]:
     """The step's tensors as the trainer announced them, and its adapter config (None: full weights); TransferError if
     it sends another step or nonsense."""
-    length = torch.zeros(1, dtype=torch.int64)
+    length = torch.zeros(1, dtype=torch.int64, device=group.device)
     broadcast(group, length, f"step {step}'s header length")
     if not 0 < length.item() <= MAX_HEADER_BYTES:
         raise TransferError(f"step {step}'s header claims {length.item()} bytes")
-    data = torch.empty(int(length.item()), dtype=torch.uint8)
+    data = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
     broadcast(group, data, f"step {step}'s header")
     try:
-        header = json.loads(bytes(data.numpy()))
+        header = json.loads(bytes(data.cpu().numpy()))
         tensors = [(str(n), getattr(torch, d), tuple(int(x) for x in s)) for n, d, s in header["tensors"]]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise TransferError(f"step {step}'s header is malformed: {e!r}") from None
@@ -226,8 +289,8 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
 
 
-def pack_digest(digest: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+def pack_digest(digest: bytes, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
 
 
 def safetensors_layout(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, list[tuple[int, int]]]:

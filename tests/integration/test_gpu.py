@@ -121,3 +121,50 @@ def test_a_tp2_cuda_server_reloads_verifies_each_shard_and_rolls_back_a_wrong_on
         assert server.generate([1, 91, 89, 75, 88, 5], max_tokens=8, temperature=0.0) == before
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: the sender on one, the server on another")
+def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_verifies_it_on_every_worker(tmp_path):
+    """`transfer.transport = nccl` end to end on GPUs: the trainer's sender (this process, cuda:0) broadcasts a bf16
+    step over NCCL into the first worker of a server (TP=2 on GPUs 1 and 2 where there are 3, else TP=1 on GPU 1),
+    which stages it; every worker loads and verifies it with the trainer's checksum; a step altered on the way is
+    refused before anything loads."""
+    from rl.config import TransferConfig
+    from rl.trainer.transfer import CollectiveSender
+    from tests.integration.test_inference_tp import send_over_the_wire
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    paths = RunPaths(tmp_path / "run")
+    paths.weights_root.mkdir(parents=True)
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    tp = 2 if torch.cuda.device_count() >= 3 else 1
+    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log",
+                    toml=f'tensor_parallel_size = {tp}\ngpu_memory_utilization = 0.4\n[transfer]\ntransport = "nccl"\n',
+                    env={"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(1, tp + 1)),
+                         "RL_TEST_HOOK_DIR": str(hooks)})
+    world = type("World", (), {"is_main": True, "rank": 0, "world_size": 1, "on_gpu": True,
+                               "device": torch.device("cuda", 0), "all_reduce": lambda self, v, op="sum": v})()
+    torch.cuda.set_device(0)
+    sender = CollectiveSender(TransferConfig(transport="nccl", timeout_s=60, offer_timeout_s=120), tmp_path / "wire",
+                              world, torch.bfloat16, first_step=0)
+    try:
+        base = load_file(str(model_dir / "model.safetensors"))
+        g = torch.Generator().manual_seed(1)
+        state = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g)).bfloat16().cuda() for k, v in base.items()}
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+        tensors = list(state.items())
+        before = server.generate([1, 91, 89, 75, 88, 5], max_tokens=8, temperature=0.0)
+        (hooks / "corrupt_receive").write_text("model.layers.0.mlp.up_proj.weight")
+        answer, sent = send_over_the_wire(server, sender, tmp_path / "wire", 1, tensors)
+        assert answer.status_code == 422 and "arrived altered" in answer.text, answer.text
+        assert server.generate([1, 91, 89, 75, 88, 5], max_tokens=8, temperature=0.0) == before
+        answer, sent = send_over_the_wire(server, sender, tmp_path / "wire", 2, tensors)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["weights_checksum"] == sent["weights_checksum"]
+        assert server.admin("GET", "/policy_step").json()["step"] == 2
+        assert server.generate([1, 91, 89, 75, 88, 5], max_tokens=8, temperature=0.0) != before
+        assert "received over nccl by the first worker" in (tmp_path / "inference.log").read_text()
+    finally:
+        sender.close()
+        server.stop()

@@ -5,6 +5,7 @@ point rolls back for certain; and what the server checked is what it loads (a st
 check, a weight file cut short inside its data). Faults are driven by rl's test hooks (rl/inference/hooks.py)."""
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -14,10 +15,16 @@ import httpx
 import psutil
 import pytest
 import torch
+from safetensors.torch import load_file
+
+from rl.config import TransferConfig
+from rl.trainer.transfer import CollectiveSender
+from rl.transfer import offered_steps, read_offer, write_take
 
 from rl.inference.fingerprint import checkpoint_fingerprint
 from tests.integration.inference_server import Server, model_and_weights_dir
 from tests.integration.test_inference import PROMPTS, TOLERANCE, perturbed_step
+from tests.unit.test_transfer import single_rank_world
 
 pytestmark = pytest.mark.integration
 
@@ -34,9 +41,10 @@ def servers(run_dir):
     """A TP=1 and a TP=2 server on the same model and weights dir, started side by side."""
     started: dict[int, Server] = {}
 
-    def start(tp: int):
+    def start(tp: int):  # the TP=2 server takes steps over the wire too
+        wire = '[transfer]\ntransport = "gloo"\n' if tp == 2 else ""
         started[tp] = Server(run_dir / "model", run_dir / "weights", run_dir / f"inference-tp{tp}.log",
-                             toml=f"tensor_parallel_size = {tp}\n",
+                             toml=f"tensor_parallel_size = {tp}\n{wire}",
                              env={"RL_TEST_HOOK_DIR": str(run_dir / "hooks")})
 
     threads = [threading.Thread(target=start, args=(tp,)) for tp in (1, 2)]
@@ -194,3 +202,52 @@ def test_a_weight_file_cut_short_inside_its_data_is_422_and_nothing_loads(server
     assert answer.status_code == 422 and "past its end" in answer.text, answer.text
     assert tp2.admin("GET", "/policy_step").json() == served
     assert greedy(tp2) == before
+
+
+def test_a_step_the_first_worker_receives_loads_on_both_workers_and_one_altered_on_the_way_is_refused(servers,
+                                                                                                     run_dir):
+    """NCCL's path, proved on CPU with gloo in its place (the `receive_in_worker` hook): the server's first worker
+    receives the step while generation goes on, the server takes its sealed memfd over, and both workers load and
+    verify it; a step altered on the way is refused before anything loads."""
+    tp1, tp2 = servers
+    step_dir = perturbed_step(run_dir, 7, seed=7)
+    tensors = list(load_file(step_dir / "model.safetensors").items())
+    config = TransferConfig(transport="gloo", timeout_s=30, offer_timeout_s=60)
+    sender = CollectiveSender(config, run_dir / "wire", single_rank_world(), torch.float32, first_step=0)
+    try:
+        served, before = tp2.admin("GET", "/policy_step").json(), greedy(tp2)
+        arm(run_dir, "receive_in_worker")
+        arm(run_dir, "corrupt_receive", "model.layers.0.mlp.up_proj.weight")
+        answer, sent = send_over_the_wire(tp2, sender, run_dir / "wire", 7, tensors)
+        assert answer.status_code == 422 and "arrived altered" in answer.text, answer.text
+        assert tp2.admin("GET", "/policy_step").json() == served
+        assert greedy(tp2) == before
+
+        arm(run_dir, "receive_in_worker")
+        answer, sent = send_over_the_wire(tp2, sender, run_dir / "wire", 8, tensors)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["weights_checksum"] == sent["weights_checksum"] == files_checksum(step_dir)
+        assert update(tp1, 7).status_code == 200
+        assert_same_outputs(greedy(tp1), greedy(tp2))
+        log = (run_dir / "inference-tp2.log").read_text()
+        pid = int(re.search(r"step 8 received over gloo by the first worker \(pid (\d+)\)", log)[1])
+        assert "Worker_TP0" in psutil.Process(pid).name()
+    finally:
+        sender.close()
+
+
+def send_over_the_wire(server, sender, wire_dir: Path, step: int, tensors) -> tuple[httpx.Response, dict]:
+    """The trainer's sender offers `step` (in a thread), the test takes it for `server` alone as the orchestrator
+    would; the server's answer and the sender's stats."""
+    sent: dict = {}
+    thread = threading.Thread(target=lambda: sent.update(sender.send_tensors(step, tensors)))
+    thread.start()
+    wait_for(wire_dir / "transfer" / f"offer_{step}.json")
+    assert step in offered_steps(wire_dir)
+    offer = read_offer(wire_dir, step)
+    write_take(wire_dir, step, 1)
+    spec = {"host": offer.host, "port": offer.port, "rank": 1, "world_size": 2, "timeout_s": 30}
+    answer = server.admin("POST", "/update_weights", json={"step": step, "transfer": spec})
+    thread.join(60)
+    assert not thread.is_alive(), "the sender hung"
+    return answer, sent

@@ -146,6 +146,14 @@ def test_launcher_keeps_cpu_defaults_for_a_cpu_plan():
     assert r.device_choices["trainer.loss.mismatch"] == "auto: CPU"
 
 
+def test_weights_over_nccl_need_a_gpu_plan_and_cpu_plans_are_told_to_use_gloo(tmp_path):
+    model = model_dir(tmp_path, torch_dtype="bfloat16")
+    r = resolved(parse_config(RLConfig, ["--model.name", model, "--transfer.transport", "nccl"]), GPU_PLAN)
+    assert r.trainer.transfer.transport == r.inference.transfer.transport == r.orchestrator.transfer.transport == "nccl"
+    with pytest.raises(ConfigError, match="'nccl' needs CUDA GPUs, but the inference runs on cpu: use 'gloo'"):
+        resolved(parse_config(RLConfig, ["--transfer.transport", "nccl"]), cpu_plan(1, 1))
+
+
 def test_an_explicit_inference_dtype_sets_the_publish_dtype_and_a_conflict_names_both(tmp_path):
     model = model_dir(tmp_path, torch_dtype="bfloat16")
     r = resolved(parse_config(RLConfig, ["--model.name", model, "--inference.dtype", "float16"]), GPU_PLAN)

@@ -197,3 +197,56 @@ def test_an_adapter_arrives_with_its_config_and_is_written_as_a_checked_private_
     finally:
         received.staged.close()
         copies.close()
+
+
+def test_nccl_is_refused_where_there_is_no_gpu_naming_gloo():
+    from rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="'nccl' needs CUDA GPUs, but the inference runs on cpu: use 'gloo'"):
+        TransferConfig(transport="nccl").check_device("cpu", "inference")
+    TransferConfig(transport="nccl").check_device("cuda", "trainer")
+    with pytest.raises(TransferError, match="needs the trainer on CUDA GPUs"):
+        CollectiveSender(TransferConfig(transport="nccl"), Path("unused"),
+                         SimpleNamespace(is_main=True, on_gpu=False, device=torch.device("cpu")), torch.float32, 0)
+
+
+NCCL_RECEIVER = """
+import sys, torch
+from rl.inference.staging import receive_weights
+from rl.transfer import GroupSpec
+torch.cuda.set_device(1)
+host, port, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+received = receive_weights(GroupSpec(host, port, 1, 2, 60.0), step, backend="nccl")
+print("checksum", received.checksum, received.staged.bytes)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: NCCL will not join two ranks on one GPU")
+def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_with_the_trainers_checksum(tmp_path):
+    """The GPU path of rl.transfer: the trainer's sender broadcasts from cuda:0 over NCCL, a receiver process on
+    cuda:1 (as a server's first worker) gets it into its GPU and stages it; both hash the same bytes."""
+    import subprocess
+    import sys
+
+    world = SimpleNamespace(is_main=True, rank=0, world_size=1, on_gpu=True, device=torch.device("cuda", 0),
+                            all_reduce=lambda values, op="sum": values)
+    torch.cuda.set_device(0)
+    sender = CollectiveSender(TransferConfig(transport="nccl", timeout_s=60, offer_timeout_s=60), tmp_path, world,
+                              torch.bfloat16, first_step=0)
+    model = TinyLM().cuda()
+    stats: dict = {}
+    thread = threading.Thread(target=lambda: stats.update(sender.send(1, model)))
+    thread.start()
+    while 1 not in offered_steps(tmp_path):
+        time.sleep(0.01)
+    offer = read_offer(tmp_path, 1)
+    write_take(tmp_path, 1, 1)
+    receiver = subprocess.run([sys.executable, "-c", NCCL_RECEIVER, offer.host, str(offer.port), "1"],
+                              capture_output=True, text=True, timeout=300)
+    thread.join(120)
+    assert receiver.returncode == 0, receiver.stderr[-3000:]
+    assert stats["weights_sent"] is True
+    checksum = receiver.stdout.split()[receiver.stdout.split().index("checksum") + 1]
+    assert checksum == stats["weights_checksum"]
+    sender.close()

@@ -149,6 +149,7 @@ def resolve_device_defaults(config: InferenceConfig, device: Literal["cuda", "cp
     """Fill, in place, the fields left to the device (unset); a value the user set is kept. CUDA: vLLM's
     `--dtype auto` and CUDA graphs; CPU: float32 and eager (as measured fastest there). Returns {field: why}
     for every device-dependent field, for `rl --dry-run`."""
+    config.transfer.check_device(device, "inference")
     on_cuda = device == "cuda"
     why = {"dtype": "set by you", "enforce_eager": "set by you"}
     if config.dtype is None:

@@ -12,7 +12,9 @@ alone (so every tensor-parallel worker sees the same choice, passed to it as an 
 - `during_receive` present: the same, in a step arriving over the wire, once its header arrived (the trainer is then
   mid-send);
 - `corrupt_receive` holding a tensor name: the next step over the wire gets that tensor's first byte flipped on
-  arrival, as a fault on the way would (consumed).
+  arrival, as a fault on the way would (consumed);
+- `receive_in_worker` present: the next step over gloo is received by the server's first worker, as one over NCCL is
+  (consumed): the CPU's proof of that path.
 """
 
 from __future__ import annotations

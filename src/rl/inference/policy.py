@@ -15,14 +15,14 @@ import os
 import secrets
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fastapi import HTTPException
 
 from rl.adapter import ADAPTER_CONFIG
 from rl.inference import hooks
-from rl.inference.staging import PrivateCopies, StagedStep, receive_weights, stage_weights
+from rl.inference.staging import PrivateCopies, Received, StagedStep, receive_weights, stage_weights, take_over
 from rl.manifest import STABLE, CorruptFileError, Entry, OpenDir, check_listed, read_manifest, read_marker
 from rl.transfer import GroupSpec, TransferError
 
@@ -32,6 +32,7 @@ ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update 
 ADAPTER_ID = 1  # vLLM's lora_int_id of the one adapter a LoRA server serves, replaced in place at every step
 PROBE_TIMEOUT_S = 60  # the one-token generation that proves the served state clean after a failed load
 PROBE_TOKENS = [0, 1, 2]  # any ids of the vocabulary
+RECEIVE_POLL_S = 0.02  # how often the server asks its first worker whether a step it receives has arrived
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,11 @@ class AdminSettings:
     admin_token: str | None
     api_keys: tuple[str, ...] = ()  # vLLM's --api-key / VLLM_API_KEY: required on every generation route
     lora_name: str | None = None  # the served adapter's name (None: LoRA off, full-weight steps only)
-    over_the_wire: bool = False  # whether steps may also arrive by a collective transfer (inference.transfer)
+    transport: str = "filesystem"  # inference.transfer.transport: gloo and nccl take steps over the wire too
+
+    @property
+    def over_the_wire(self) -> bool:
+        return self.transport != "filesystem"
 
 
 class PolicyWeights:
@@ -120,7 +125,7 @@ class PolicyWeights:
                                      "filesystem): send a `path`")
         corrupt, start = hooks.take("corrupt_receive"), time.perf_counter()
         try:
-            received = await asyncio.to_thread(receive_weights, spec, step, corrupt)
+            received = await self._receive(spec, step, corrupt)
         except CorruptFileError as e:
             logger.warning("step %d refused over the wire, %s: %s", step, self._still_serving(), e)
             raise HTTPException(422, f"step {step} refused, {self._still_serving()}: {e}") from None
@@ -148,6 +153,33 @@ class PolicyWeights:
                 received.staged.close()
             if isinstance(staged, str) and staged != self.adapter_copy:
                 self.copies.remove(staged)
+
+    async def _receive(self, spec: GroupSpec, step: int, corrupt: str | None) -> Received:
+        """The step received and checked against the trainer's checksum: over gloo by this process; over NCCL by the
+        first worker (the process with a GPU, `rl_receive_weights`) while generation goes on, its sealed memfd then
+        taken over by this process, so that from here both are the same. The test hook `receive_in_worker` takes
+        the worker's path over gloo: how a CPU host proves it."""
+        if self.settings.transport == "gloo" and hooks.take("receive_in_worker") is None:
+            return await asyncio.to_thread(receive_weights, spec, step, corrupt)
+        await self._first_worker("rl_receive_weights", asdict(spec), step, self.settings.transport, corrupt)
+        deadline = time.monotonic() + max(600.0, 10 * spec.timeout_s)  # each broadcast has its own deadline too
+        try:
+            while (report := await self._first_worker("rl_received")).get("pending"):
+                if time.monotonic() > deadline:
+                    raise TransferError(f"the first worker was still receiving step {step} after "
+                                        f"{max(600.0, 10 * spec.timeout_s):.0f} s")
+                await asyncio.sleep(RECEIVE_POLL_S)
+            if "error" in report:
+                raise (CorruptFileError if report["kind"] == "corrupt" else TransferError)(report["error"])
+            logger.info("step %d received over %s by the first worker (pid %d): %d bytes", step,
+                        self.settings.transport, report["pid"], report["size"])
+            return await asyncio.to_thread(take_over, report)
+        finally:
+            await self.engine.collective_rpc("rl_release_received")
+
+    async def _first_worker(self, method: str, *args) -> dict:
+        """`method`'s answer from the first tensor-parallel worker (the others answer None)."""
+        return next(r for r in await self.engine.collective_rpc(method, args=args) if r is not None)
 
     async def _update(self, step: int, target: str, directory: OpenDir) -> dict:
         try:  # files truncated or changed since the trainer published them are never loaded

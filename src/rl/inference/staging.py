@@ -29,7 +29,8 @@ from rl.inference import hooks
 from rl.manifest import CorruptFileError, Entry, OpenDir, read_listed
 from rl.safetensors_io import read_file_header
 from rl.transfer import (
-    DIGEST_BYTES, GroupSpec, TensorDigest, broadcast, connect_store, open_group, receive_header, safetensors_layout,
+    DIGEST_BYTES, GroupSpec, StepGroup, TensorDigest, broadcast, close_group, connect_store, open_group,
+    receive_header, safetensors_layout,
 )
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -108,47 +109,72 @@ class Received:
     adapter_config: str | None
 
 
-def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None) -> Received:
+def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, backend: str = "gloo") -> Received:
     """Receive step `step` from the trainer's group (rl/transfer.py) into one sealed memfd laid out as a safetensors
     file, checked against the trainer's checksum: CorruptFileError if its bytes hash to anything else (nothing is kept
-    then); TransferError if the transfer fails or times out. `corrupt` (tests only): the tensor whose first received
+    then); TransferError if the transfer fails or times out. `backend` "nccl": each tensor arrives in this process's
+    current GPU, and is copied from there into the memfd. `corrupt` (tests only): the tensor whose first received
     byte is flipped, as a fault on the way would."""
     group = open_group(connect_store(spec.host, spec.port, spec.timeout_s), step, spec.rank, spec.world_size,
-                       spec.timeout_s)
-    tensors, adapter_config = receive_header(group, step)
-    hooks.hold_in_thread("during_receive")
-    head, spans = safetensors_layout(tensors)
-    size = spans[-1][1] if spans else len(head)
-    fd = os.memfd_create(f"rl-step-{step}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+                       spec.timeout_s, backend)
+    fd, failed = None, True
     try:
+        tensors, adapter_config = receive_header(group, step)
+        hooks.hold_in_thread("during_receive")
+        head, spans = safetensors_layout(tensors)
+        size = spans[-1][1] if spans else len(head)
+        fd = os.memfd_create(f"rl-step-{step}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size) as data:
             data[: len(head)] = head
             digest = _receive_into(group, data, tensors, spans, step, corrupt)
-        sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8)
+        sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8, device=group.device)
         broadcast(group, sent, f"step {step}'s checksum")
-        if bytes(sent.numpy()) != digest.digest():
+        failed = False
+        sent = bytes(sent.cpu().numpy())
+        if sent != digest.digest():
             raise CorruptFileError(f"step {step} arrived altered: its bytes hash to {digest.hexdigest()}, the trainer "
-                                   f"sent {bytes(sent.numpy()).hex()}")
+                                   f"sent {sent.hex()}")
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # the mapping is closed: from here the bytes are fixed
     except BaseException:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
         raise
+    finally:
+        close_group(group, failed)
     return Received(StagedStep({WIRE_FILE: (fd, size)}), digest.hexdigest(), adapter_config)
 
 
-def _receive_into(group, data: mmap.mmap, tensors: list, spans: list, step: int, corrupt: str | None) -> TensorDigest:
-    """Each tensor broadcast straight into its place in `data`, hashed as it arrives."""
+def _receive_into(group: StepGroup, data: mmap.mmap, tensors: list, spans: list, step: int, corrupt: str | None
+                  ) -> TensorDigest:
+    """Each tensor broadcast into its place in `data` (straight into it over gloo; over NCCL into the GPU, then
+    copied there), hashed as it arrives."""
     digest = TensorDigest()
     for (name, dtype, shape), (begin, end) in zip(tensors, spans, strict=True):
         place = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=begin) if end > begin else (
             torch.empty(0, dtype=torch.uint8))
-        broadcast(group, place, f"{name} of step {step}")
+        if group.nccl:
+            arrived = torch.empty(end - begin, dtype=torch.uint8, device=group.device)
+            broadcast(group, arrived, f"{name} of step {step}")
+            place.copy_(arrived)
+            del arrived
+        else:
+            broadcast(group, place, f"{name} of step {step}")
         if name == corrupt and len(place):
             place[0] ^= 1
         digest.update_bytes(name, dtype, shape, place)
         del place  # no view of the mapping may outlive it
     return digest
+
+
+def take_over(received: dict) -> Received:
+    """In the server: the step a worker received (`rl_receive_weights`'s report: its pid and memfd), opened through
+    /proc as this process's own descriptor of the same sealed memfd (the worker may then close its own)."""
+    fd = os.open(f"/proc/{received['pid']}/fd/{received['fd']}", os.O_RDONLY | os.O_CLOEXEC)
+    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+        os.close(fd)
+        raise CorruptFileError(f"the memfd worker {received['pid']} received into is not sealed")
+    return Received(StagedStep({WIRE_FILE: (fd, received["size"])}), received["checksum"], received["adapter_config"])
 
 
 def map_staged(staged: dict) -> Iterator[tuple[str, mmap.mmap]]:

@@ -9,6 +9,8 @@ vLLM's LoRA slots (rl/inference/adapters.py): `rl_read_adapter` before vLLM's ow
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,9 @@ from rl.inference.fingerprint import FileTally, Fingerprint, compare, served_fin
 from rl.inference.reading import (
     MappedStep, ReadCount, checkpoint_shapes, checkpoint_tensors, read_adapter, with_tied_head, with_tied_shape,
 )
+from rl.inference.staging import receive_weights
 from rl.manifest import CorruptFileError, Entry
+from rl.transfer import GroupSpec, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +139,66 @@ class WeightSyncExtension:
     def _rl_dtype_tied(self) -> tuple[torch.dtype, bool]:
         model_config = self.vllm_config.model_config
         return model_config.dtype, bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+
+    # ---- a step over NCCL (rl/transfer.py): the first worker receives it for its server ----
+
+    def rl_receive_weights(self, spec: dict, step: int, backend: str, corrupt: str | None = None) -> dict | None:
+        """On the first tensor-parallel worker (the others answer None): start receiving step `step` in a thread of
+        this worker, which joins the step's group at the server's rank with this worker's GPU and receives the step
+        into a sealed memfd checked against the trainer's checksum (`rl.inference.staging.receive_weights`), while
+        the worker goes on generating. `rl_received` tells how it went."""
+        if self._rl_tp_rank() != 0:
+            return None
+        thread, _ = getattr(self, "_rl_receiving", (None, {}))
+        if thread is not None and thread.is_alive():
+            return {"error": f"{thread.name} is still in progress", "kind": "transfer"}
+        self.rl_release_received()
+        outcome: dict = {}
+        device = torch.cuda.current_device() if backend == "nccl" else None
+
+        def receive() -> None:
+            if device is not None:
+                torch.cuda.set_device(device)  # a new thread starts on GPU 0
+            try:
+                outcome["received"] = receive_weights(GroupSpec(**spec), step, corrupt, backend)
+            except CorruptFileError as error:
+                outcome["error"] = {"error": str(error), "kind": "corrupt"}
+            except TransferError as error:
+                outcome["error"] = {"error": str(error), "kind": "transfer"}
+            except Exception as error:  # noqa: BLE001 - reported to the server, with the traceback in this log
+                logger.exception("receiving step %d failed", step)
+                outcome["error"] = {"error": f"receiving failed: {error!r}", "kind": "transfer"}
+
+        thread = threading.Thread(target=receive, name=f"the receive of step {step}", daemon=True)
+        self._rl_receiving = (thread, outcome)
+        thread.start()
+        return {"started": step}
+
+    def rl_received(self) -> dict | None:
+        """How the receive `rl_receive_weights` started went: `pending`; or the step, kept open until the server took
+        it over (`pid` and `fd` name it; `rl_release_received`); or `error` and its `kind`: `corrupt` (it arrived
+        altered) or `transfer` (it did not arrive). None on the other workers."""
+        if self._rl_tp_rank() != 0:
+            return None
+        thread, outcome = getattr(self, "_rl_receiving", (None, {}))
+        if thread is None:
+            return {"error": "no receive was started", "kind": "transfer"}
+        if thread.is_alive():
+            return {"pending": True}
+        self._rl_receiving = (None, {})
+        if "error" in outcome:
+            return outcome["error"]
+        received = outcome["received"]
+        self._rl_received = received.staged
+        fd, size = next(iter(received.staged.files.values()))
+        return {"pid": os.getpid(), "fd": fd, "size": size, "checksum": received.checksum,
+                "adapter_config": received.adapter_config}
+
+    def rl_release_received(self) -> None:
+        """Close this worker's descriptor of the last step it received (the server holds its own)."""
+        staged, self._rl_received = getattr(self, "_rl_received", None), None
+        if staged is not None:
+            staged.close()
 
     # ---- LoRA adapters (servers started with --enable-lora) ----
 

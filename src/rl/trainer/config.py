@@ -323,6 +323,7 @@ def check_device(config: TrainerConfig) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     resolve_device_defaults(config, device)
+    config.transfer.check_device(device, "trainer")
     if config.dtype == "bfloat16" and device == "cpu":
         raise ConfigError("trainer.dtype = 'bfloat16' needs a GPU; use 'float32' on CPU hosts")
     if config.attn_implementation == "flex_attention" and device == "cpu":

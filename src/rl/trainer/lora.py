@@ -128,17 +128,20 @@ def adapters_disabled(model: nn.Module):
             layer.enabled = True
 
 
-def full_tensor(tensor: torch.Tensor, dtype: torch.dtype, to_host: bool = True) -> torch.Tensor | None:
+def full_tensor(tensor: torch.Tensor, dtype: torch.dtype, to_host: bool = True, on_device: bool = False
+                ) -> torch.Tensor | None:
     """Collective for a DTensor: the whole tensor in `dtype` on the CPU, never sharing memory with the parameter
     (the optimizer updates it in place while a background write may still be reading). `to_host` False: the
-    gather only (a rank that does not keep the tensor copies nothing to the host), None."""
+    gather only (a rank that does not keep the tensor copies nothing to the host), None. `on_device`: the whole
+    tensor where the gather left it (the parameter's device), for a broadcast from there."""
     tensor = tensor.detach()
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     cast = tensor.to(dtype)
     full = cast.full_tensor() if isinstance(cast, DTensor) else cast
-    if not to_host:
+    if not to_host and not on_device:
         return None
-    full = full.cpu()
+    if not on_device:
+        full = full.cpu()
     if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         full = full.clone()
     return full.contiguous()

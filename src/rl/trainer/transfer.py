@@ -2,10 +2,11 @@
 
 Every rank takes part in each tensor's gather (FSDP's all-gather, tensor by tensor, as the files path gathers them);
 rank 0 alone holds the step's store and group and broadcasts each tensor, in the served dtype, as soon as it is
-whole, then drops it: no rank holds more than one whole tensor beyond its shards. A failed transfer (no server
-joined in time, one died mid-broadcast) is logged with its reason and the run goes on: the servers keep the weights
-they verified last, and the next step's transfer brings every server that answers to that step. Every rank learns
-how the step went, so all ranks agree on what was sent.
+whole, then drops it: no rank holds more than one whole tensor beyond its shards. Over gloo the whole tensor is on
+rank 0's host; over NCCL it stays on rank 0's GPU, which broadcasts it, and comes to the host only to be hashed.
+A failed transfer (no server joined in time, one died mid-broadcast) is logged with its reason and the run goes on:
+the servers keep the weights they verified last, and the next step's transfer brings every server that answers to
+that step. Every rank learns how the step went, so all ranks agree on what was sent.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from rl.config import TransferConfig
 from rl.transfer import (
-    Offer, TensorDigest, TransferError, broadcast, clear_transfers, open_group, pack_digest, send_header,
+    Offer, TensorDigest, TransferError, broadcast, clear_transfers, close_group, open_group, pack_digest, send_header,
     tensor_bytes, wait_for_take, write_offer,
 )
 from rl.adapter import adapter_checksum
@@ -39,11 +40,16 @@ class CollectiveSender:
         self.config, self.output_dir, self.world, self.dtype = config, output_dir, world, dtype
         self.adapter_config = adapter_config  # set: the trainer sends its LoRA adapter (PEFT names), not the weights
         self.store: dist.TCPStore | None = None
+        self.nccl = config.transport == "nccl"
+        if self.nccl and not world.on_gpu:
+            raise TransferError("transfer.transport = 'nccl' needs the trainer on CUDA GPUs; this one runs on "
+                                f"{world.device.type}: use 'gloo'")
         if world.is_main:
             clear_transfers(output_dir, first_step)  # a resumed run's old offers name a store that is gone
             self.store = dist.TCPStore("0.0.0.0", config.port, is_master=True, wait_for_workers=False,
                                        timeout=timedelta(seconds=config.timeout_s))
-            logger.info(f"weights go over the wire (gloo): transfer store on {config.host}:{self.store.port}")
+            logger.info(f"weights go over the wire ({config.transport}): transfer store on "
+                        f"{config.host}:{self.store.port}")
 
     def send(self, step: int, model: torch.nn.Module) -> dict:
         """Offer step `step`, wait for the orchestrator to take it, broadcast it. Returns the step's metrics:
@@ -66,7 +72,7 @@ class CollectiveSender:
             failure = "no server was up to take it"
         elif self.world.is_main:
             try:
-                group = open_group(self.store, step, 0, receivers + 1, self.config.timeout_s)
+                group = open_group(self.store, step, 0, receivers + 1, self.config.timeout_s, self.config.transport)
                 send_header(group, step, meta, config)
             except TransferError as e:
                 failure = str(e)
@@ -75,16 +81,17 @@ class CollectiveSender:
             full = self._gather(source)
             if group is not None and failure is None:
                 try:
+                    broadcast(group, tensor_bytes(full.to(group.device)), f"{name} of step {step}")
                     digest.update(name, full)
-                    broadcast(group, tensor_bytes(full), f"{name} of step {step}")
                 except TransferError as e:
                     failure = str(e)
             del full
         if group is not None and failure is None:
             try:
-                broadcast(group, pack_digest(digest.digest()), f"step {step}'s checksum")
+                broadcast(group, pack_digest(digest.digest(), group.device), f"step {step}'s checksum")
             except TransferError as e:
                 failure = str(e)
+        close_group(group, failed=failure is not None)
         failed, = self.world.all_reduce([1.0 if failure is not None else 0.0], op="max")  # rank 0's verdict
         stats = {"weights_sent": failed == 0.0, "transfer_wait_s": waited,
                  "transfer_s": time.perf_counter() - start - waited}
@@ -106,12 +113,16 @@ class CollectiveSender:
         return published_sources(model)
 
     def _gather(self, source: torch.Tensor | LoRALinear) -> torch.Tensor | None:
-        """Collective: the whole tensor in the served dtype on rank 0's host (None elsewhere)."""
+        """Collective: the whole tensor in the served dtype on rank 0 (None elsewhere): on its host, or over NCCL on
+        its GPU, where the gather left it."""
         if isinstance(source, LoRALinear):
             full = merged_weight(source, self.dtype)
             return full if self.world.is_main else None
         if self.adapter_config is not None:  # adapter tensors: already whole on every rank
             return source
+        if self.nccl:
+            full = full_tensor(source, self.dtype, on_device=True)
+            return full if self.world.is_main else None
         return full_tensor(source, self.dtype, to_host=self.world.is_main)
 
     def close(self) -> None:
