@@ -210,7 +210,7 @@ def test_a_step_the_first_worker_receives_loads_on_both_workers_and_one_altered_
     receives the step while generation goes on, the server takes its sealed memfd over, and both workers load and
     verify it; a step altered on the way is refused before anything loads."""
     tp1, tp2 = servers
-    step_dir = perturbed_step(run_dir, 7, seed=7)
+    step_dir = perturbed_step(run_dir, 20, seed=20)  # steps 20 and 21: no other test of this module's
     tensors = list(load_file(step_dir / "model.safetensors").items())
     config = TransferConfig(transport="gloo", timeout_s=30, offer_timeout_s=60)
     sender = CollectiveSender(config, run_dir / "wire", single_rank_world(), torch.float32, first_step=0)
@@ -218,19 +218,19 @@ def test_a_step_the_first_worker_receives_loads_on_both_workers_and_one_altered_
         served, before = tp2.admin("GET", "/policy_step").json(), greedy(tp2)
         arm(run_dir, "receive_in_worker")
         arm(run_dir, "corrupt_receive", "model.layers.0.mlp.up_proj.weight")
-        answer, sent = send_over_the_wire(tp2, sender, run_dir / "wire", 7, tensors)
+        answer, sent = send_over_the_wire(tp2, sender, run_dir / "wire", 20, tensors)
         assert answer.status_code == 422 and "arrived altered" in answer.text, answer.text
         assert tp2.admin("GET", "/policy_step").json() == served
         assert greedy(tp2) == before
 
         arm(run_dir, "receive_in_worker")
-        answer, sent = send_over_the_wire(tp2, sender, run_dir / "wire", 8, tensors)
+        answer, sent = send_over_the_wire(tp2, sender, run_dir / "wire", 21, tensors)
         assert answer.status_code == 200, answer.text
         assert answer.json()["weights_checksum"] == sent["weights_checksum"] == files_checksum(step_dir)
-        assert update(tp1, 7).status_code == 200
+        assert update(tp1, 20).status_code == 200
         assert_same_outputs(greedy(tp1), greedy(tp2))
         log = (run_dir / "inference-tp2.log").read_text()
-        pid = int(re.search(r"step 8 received over gloo by the first worker \(pid (\d+)\)", log)[1])
+        pid = int(re.search(r"step 21 received over gloo by the first worker \(pid (\d+)\)", log)[1])
         assert "Worker_TP0" in psutil.Process(pid).name()
     finally:
         sender.close()
