@@ -6,7 +6,9 @@ save is in docs/architecture.md ("Patches of other libraries"):
 - verifiers: its training client sends requests through our `EngineClient` (`use_engine_client`);
 - renderers: each renderer it builds for verifiers' training client remembers its recent renders
   (`remember_renders`): a group's rollouts render the same prompt;
-  all three applied by the orchestrator's rollouts module when it is imported (`apply_orchestrator_patches`, which
+- verifiers: its subprocess runtime makes each rollout's working directory at its first use, not at every start
+  (`lazy_runtime_workdirs`);
+  all four applied by the orchestrator's rollouts module when it is imported (`apply_orchestrator_patches`, which
   it hands the client class: this module imports nothing of rl's);
 - verifiers: its eval client reads chat replies through an httpx client that bounds their size and the time to
   read them (`bound_eval_client`), applied by `eval/replies.py` when it is imported;
@@ -150,10 +152,74 @@ def remember_renders() -> None:
     renderers.create_renderer = create_renderer
 
 
+WORKDIR_USES = ("run", "open_process", "run_background", "_read", "write")  # every use of a runtime's workdir
+
+
+def lazy_runtime_workdirs() -> None:
+    """verifiers' subprocess runtime, the one rollouts get on the orchestrator's host, makes a working directory for
+    every rollout as it starts (a mkdir on the event loop) and removes it as it ends (an rmtree in a thread), though
+    a harness that runs no program (rl's in-process chat) never uses it: py-spy put ~15% of the orchestrator's CPU
+    in them (benchmarks/orchestrator_throughput.py). The directory is now made at its first use (a program run or
+    started, a file written or read) and removed only where it was made. Same path, same contents for any harness
+    that uses it; none for one that does not."""
+    from verifiers.v1.runtimes import subprocess as runtimes
+
+    runtime = runtimes.SubprocessRuntime
+    start = patch_target(runtime, "start", "verifiers")
+    if getattr(start, "lazy_workdir", False):
+        return
+
+    async def start_lazily(self) -> None:
+        self.workdir = runtimes.CACHE_DIR / "runtimes" / "subprocess" / self.name
+        self.info.id = str(self.workdir)
+
+    def made_first(use):
+        @functools.wraps(use)
+        async def using_workdir(self, *args, **kwargs):
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            return await use(self, *args, **kwargs)
+
+        return using_workdir
+
+    def removed_where_made(end):
+        @functools.wraps(end)
+        def ending(self):
+            workdir = self.workdir
+            if workdir is not None and not workdir.exists():
+                self.workdir = None  # never made: nothing to remove (the rest of `end` still runs)
+            try:
+                return end(self)
+            finally:
+                self.workdir = workdir
+
+        return ending
+
+    def removed_where_made_async(end):
+        @functools.wraps(end)
+        async def ending(self):
+            workdir = self.workdir
+            if workdir is not None and not workdir.exists():
+                self.workdir = None
+            try:
+                return await end(self)
+            finally:
+                self.workdir = workdir
+
+        return ending
+
+    for name in WORKDIR_USES:
+        setattr(runtime, name, made_first(patch_target(runtime, name, "verifiers")))
+    runtime.teardown = removed_where_made_async(patch_target(runtime, "teardown", "verifiers"))
+    runtime.cleanup = removed_where_made(patch_target(runtime, "cleanup", "verifiers"))
+    start_lazily.lazy_workdir = True
+    runtime.start = start_lazily
+
+
 def apply_orchestrator_patches(client_class: type) -> None:
     cache_default_factory_inspection()
     use_engine_client(client_class)
     remember_renders()
+    lazy_runtime_workdirs()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -200,3 +200,29 @@ def test_renderers_built_for_the_training_client_render_a_repeated_prompt_once_a
     assert renderer.render(messages, tools=None, add_generation_prompt=True).token_ids == second.token_ids
     assert renderer.render(messages, tools=None, add_generation_prompt=False).token_ids != second.token_ids
     assert len(calls) == 2  # every argument is part of the key
+
+
+def test_a_rollouts_working_directory_is_made_at_its_first_use_and_removed_only_where_made(tmp_path, monkeypatch):
+    import asyncio
+
+    from verifiers.v1.runtimes import subprocess as runtimes
+
+    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+
+    monkeypatch.setattr(runtimes, "CACHE_DIR", tmp_path)
+
+    async def rollout(name: str, use: bool) -> tuple[bool, bool, bool]:
+        runtime = runtimes.SubprocessRuntime(runtimes.SubprocessConfig(), name)
+        await runtime.start()
+        made_at_start = runtime.workdir.exists()
+        if use:  # a harness that runs a program there: it runs in the directory, as before
+            result = await runtime.run(["sh", "-c", "pwd > where"], {})
+            assert result.exit_code == 0
+            assert (await runtime.read("where")).decode().strip() == str(runtime.workdir)
+        made = runtime.workdir.exists()
+        await runtime.teardown()
+        return made_at_start, made, runtime.workdir.exists()
+
+    assert asyncio.run(rollout("chat", use=False)) == (False, False, False)  # rl's in-process chat: none made
+    assert asyncio.run(rollout("program", use=True)) == (False, True, False)  # made when used, removed after
+    assert not list((tmp_path / "runtimes" / "subprocess").iterdir())
