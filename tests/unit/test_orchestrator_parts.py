@@ -226,3 +226,37 @@ def test_a_rollouts_working_directory_is_made_at_its_first_use_and_removed_only_
     assert asyncio.run(rollout("chat", use=False)) == (False, False, False)  # rl's in-process chat: none made
     assert asyncio.run(rollout("program", use=True)) == (False, True, False)  # made when used, removed after
     assert not list((tmp_path / "runtimes" / "subprocess").iterdir())
+
+
+def test_a_renderers_tokenizer_encodes_a_short_string_once_and_hands_out_copies(tiny_model):
+    from renderers.base import load_tokenizer
+
+    from rl import patches
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    calls, own = [], tokenizer.encode
+    tokenizer.encode = lambda text, *args, **kwargs: calls.append(text) or own(text, *args, **kwargs)
+    patches.remember_short_encodes(tokenizer)
+    patches.remember_short_encodes(tokenizer)  # once per tokenizer
+    header = "<|im_start|>assistant\n"
+    first = tokenizer.encode(header, add_special_tokens=False)
+    second = tokenizer.encode(header, add_special_tokens=False)
+    assert first == second == own(header, add_special_tokens=False) and len(calls) == 1
+    first.append(-1)  # each caller owns its copy
+    assert tokenizer.encode(header, add_special_tokens=False) == second
+    tokenizer.encode(header)  # other arguments: another key
+    long_text = "reverse this " * 10  # a prompt, not a marker: never remembered
+    tokenizer.encode(long_text, add_special_tokens=False)
+    tokenizer.encode(long_text, add_special_tokens=False)
+    assert calls == [header, header, long_text, long_text]
+
+
+def test_harness_classes_are_looked_up_once_per_id():
+    from verifiers.v1.utils import loaders
+
+    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+
+    first = loaders.harness_class("in_process_chat")
+    assert loaders.harness_class("in_process_chat") is first and loaders.harness_class.cache_info().hits >= 1
+    with pytest.raises(ModuleNotFoundError):  # a failed lookup is not remembered: it fails again
+        loaders.harness_class("no_such_harness_anywhere")
