@@ -34,6 +34,7 @@ vLLM's weight-transfer engine factory.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import time
@@ -46,6 +47,8 @@ import torch.distributed as dist
 import xxhash
 
 from rl.atomic import atomic_write_text
+
+logger = logging.getLogger(__name__)
 
 TRANSPORTS = {
     "filesystem": "every step's weights as files in weights/step_k/, which servers read and verify",
@@ -222,8 +225,8 @@ def close_group(group: StepGroup | None, failed: bool = False) -> None:
         return
     try:
         group.process_group.abort() if failed else group.process_group.shutdown()
-    except Exception:  # noqa: BLE001 - releasing a group that already failed must not hide why it failed
-        pass
+    except Exception as e:  # noqa: BLE001 - releasing a group that already failed must not hide why it failed
+        logger.warning("releasing a transfer group failed (its GPU buffers may stay allocated): %r", e)
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
