@@ -15,9 +15,7 @@ save is in docs/architecture.md ("Patches of other libraries"):
   read them (`bound_eval_client`), applied by `eval/replies.py` when it is imported;
 - vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
   general plugin that vLLM runs in each of its processes, active only where `RL_VLLM_SHM_POLL_S` is set
-  (the inference server sets it on CPU hosts);
-- vLLM: its CPU platform starts the engine core and workers by fork, as vLLM does elsewhere, not by spawn
-  (`vllm_cpu_fork`), applied by the inference server on CPU hosts (`rl.inference.server.cpu_start_method`).
+  (the inference server sets it on CPU hosts).
 
 The imports of the patched libraries stay inside the functions: vLLM loads this module in every process
 it starts, where neither pydantic's internals nor verifiers are needed. A patch whose target is gone (the
@@ -306,30 +304,3 @@ def vllm_shm_polling() -> None:
         logger.warning("vllm's shm_broadcast has no sched_yield: %s has no effect", POLL_ENV)
         return
     shm_broadcast.sched_yield = functools.partial(time.sleep, poll_s)
-
-
-START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
-
-
-def vllm_cpu_fork() -> None:
-    """vLLM's CLI sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` where nothing is set, and its CPU platform sets it again as
-    it checks the config (in the API process, and in the engine core), so on CPU its engine core and every worker
-    import vLLM, torch and transformers anew: ~8-10 s each on a 2-core host, one after the other. Spawn is vLLM's safe
-    choice for accelerators (CUDA cannot be used in a process forked after it started); a CPU host has none, and
-    fork is vLLM's library default. This keeps the platform's other settings and puts fork back after them. Measured
-    on the tiny model: a server healthy 15.1 s after its start instead of 35.2 s (TP=1), 18.3 s instead of 37.4 s
-    (TP=2), the same greedy tokens. Forked processes inherit the patched class, so the engine core forks too. Apply it
-    before vLLM parses its arguments, and only where the user set no start method."""
-    from vllm.platforms import cpu
-
-    platform = cpu.CpuPlatform
-    check = patch_target(platform, "check_and_update_config", "vllm")
-    if getattr(check, "rl_forks", False):
-        return
-
-    def check_and_fork(vllm_config) -> None:
-        check(vllm_config)
-        os.environ[START_METHOD_ENV] = "fork"
-
-    check_and_fork.rl_forks = True
-    platform.check_and_update_config = staticmethod(check_and_fork)
