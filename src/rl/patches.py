@@ -24,6 +24,7 @@ library changed) raises `PatchTargetMissing` when it is applied, at start-up: it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -181,29 +182,30 @@ def lazy_runtime_workdirs() -> None:
 
         return using_workdir
 
+    @contextlib.contextmanager
+    def unmade_passed_over(self):
+        """While `self`'s directory was never made, it has none: `teardown`/`cleanup` remove nothing, the rest runs."""
+        workdir = self.workdir
+        if workdir is not None and not workdir.exists():
+            self.workdir = None
+        try:
+            yield
+        finally:
+            self.workdir = workdir
+
     def removed_where_made(end):
         @functools.wraps(end)
         def ending(self):
-            workdir = self.workdir
-            if workdir is not None and not workdir.exists():
-                self.workdir = None  # never made: nothing to remove (the rest of `end` still runs)
-            try:
+            with unmade_passed_over(self):
                 return end(self)
-            finally:
-                self.workdir = workdir
 
         return ending
 
     def removed_where_made_async(end):
         @functools.wraps(end)
         async def ending(self):
-            workdir = self.workdir
-            if workdir is not None and not workdir.exists():
-                self.workdir = None
-            try:
+            with unmade_passed_over(self):
                 return await end(self)
-            finally:
-                self.workdir = workdir
 
         return ending
 

@@ -162,12 +162,12 @@ class PolicyWeights:
         if self.settings.transport == "gloo" and hooks.take("receive_in_worker") is None:
             return await asyncio.to_thread(receive_weights, spec, step, corrupt)
         await self._first_worker("rl_receive_weights", asdict(spec), step, self.settings.transport, corrupt)
-        deadline = time.monotonic() + max(600.0, 10 * spec.timeout_s)  # each broadcast has its own deadline too
+        limit_s = max(600.0, 10 * spec.timeout_s)  # each broadcast has its own deadline too
+        deadline = time.monotonic() + limit_s
         try:
             while (report := await self._first_worker("rl_received")).get("pending"):
                 if time.monotonic() > deadline:
-                    raise TransferError(f"the first worker was still receiving step {step} after "
-                                        f"{max(600.0, 10 * spec.timeout_s):.0f} s")
+                    raise TransferError(f"the first worker was still receiving step {step} after {limit_s:.0f} s")
                 await asyncio.sleep(RECEIVE_POLL_S)
             if "error" in report:
                 raise (CorruptFileError if report["kind"] == "corrupt" else TransferError)(report["error"])
