@@ -52,6 +52,9 @@ def test_four_steps_over_the_wire_to_two_servers_one_refusing_an_altered_step(ti
     # no files but what a resume needs (the final checkpoint), and the same checksum for its files
     assert stable_steps(paths.weights_root) == [4]
     assert checkpoint_fingerprint(paths.weights(4), torch.float32, tied=True)[1] == sent[4]
-    assert "arrived altered" in (out / "logs").joinpath("inference-0.log").read_text() + \
-        (out / "logs").joinpath("inference-1.log").read_text()
+    logs = {name: (out / "logs" / name).read_text() for name in ("trainer.log", "inference-0.log", "inference-1.log")}
+    assert "arrived altered" in logs["inference-0.log"] + logs["inference-1.log"]
+    # one group of trainer rank 0 and both servers carried every step: formed at the first, kept after (the refusal
+    # of the altered step came after the transfer itself went through)
+    assert all(log.count("formed the transfer group") == 1 for log in logs.values()), logs["trainer.log"][-3000:]
 

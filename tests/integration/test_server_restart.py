@@ -49,5 +49,11 @@ def test_a_server_restarted_mid_run_rejoins_at_the_next_offer(tiny_model, tmp_pa
     after = log[back.end():]
     taken = re.search(r"policy (\d+) went over the wire to 1 of 1 servers", after)
     assert taken, after[-3000:]  # brought up to date by the next offer, before any batch used it
+    # the trainer kept its group with the server until the restart, then formed one with the new process; each
+    # process of the server formed its group once
+    (trainer_log,) = (out / "logs").glob("*/trainer.log")
+    assert trainer_log.read_text().count("formed the transfer group") == 2
+    for log_name in ("inference-1.log", "inference-2.log"):
+        assert (tmp_path / log_name).read_text().count("formed the transfer group") == 1, log_name
     orchestrator = [m for m in metrics if m["process"] == "orchestrator"]
     assert all(m["staleness"] <= 1 for m in orchestrator)

@@ -18,7 +18,7 @@ from rl.inference.staging import WIRE_FILE, receive_weights
 from rl.manifest import CorruptFileError
 from rl.safetensors_io import tensors_of
 from rl.trainer.transfer import CollectiveSender
-from rl.transfer import GroupSpec, TransferError, offered_steps, read_offer, write_take
+from rl.transfer import GroupKeeper, GroupSpec, TransferError, offered_steps, read_offer, write_take
 from rl.trainer.weights import TIED_HEAD
 
 
@@ -44,9 +44,9 @@ def staged_tensors(staged) -> dict[str, torch.Tensor]:
         return {name: tensor.clone() for name, tensor in tensors_of(data, WIRE_FILE)}
 
 
-def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=10.0):
-    """Offer `step`, take it for `receivers` servers, receive it in threads; returns the sender's stats and each
-    receiver's (staged, checksum) or exception."""
+def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=10.0, keepers=None):
+    """Offer `step`, take it for `receivers` servers, receive it in threads (each in its group kept in `keepers`, by
+    rank, where given); returns the sender's stats and each receiver's (staged, checksum) or exception."""
     results: dict[int, object] = {}
     stats = {}
 
@@ -65,7 +65,8 @@ def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=1
     def receive(rank):
         spec = GroupSpec(offer.host, offer.port, rank, receivers + 1, timeout_s)
         try:
-            results[rank] = receive_weights(spec, step, corrupt if rank == 1 else None)
+            results[rank] = receive_weights(spec, step, corrupt if rank == 1 else None,
+                                            keeper=(keepers or {}).get(rank))
         except Exception as e:  # noqa: BLE001 - the test inspects it
             results[rank] = e
 
@@ -111,6 +112,65 @@ def test_a_step_altered_on_the_way_is_refused_by_the_server_that_got_it(tmp_path
     assert results[2].checksum == stats["weights_checksum"]
 
 
+def test_the_group_is_formed_once_and_kept_while_every_member_holds_it_and_formed_anew_when_one_does_not(
+    tmp_path, sender
+):
+    """Forming a group costs every member a rendezvous, so it is kept from step to step; a member that restarted (a
+    new keeper), another set of receivers, or a failed step makes all form a new one, and every step goes through."""
+    keepers = {1: GroupKeeper(), 2: GroupKeeper()}
+
+    def step_through(step, receivers=2):
+        stats, results = run_step(tmp_path, sender, TinyLM(), step, receivers, keepers=keepers)
+        assert stats["weights_sent"] is True, step
+        for rank in range(1, receivers + 1):
+            results[rank].staged.close()
+            assert results[rank].checksum == stats["weights_checksum"]
+
+    for step in (1, 2, 3):
+        step_through(step)
+    assert [sender.groups.formed, keepers[1].formed, keepers[2].formed] == [1, 1, 1]
+    kept = sender.groups.group
+
+    keepers[2] = GroupKeeper()  # server 2 restarted
+    step_through(4)
+    assert [sender.groups.formed, keepers[1].formed, keepers[2].formed] == [2, 2, 1]
+    assert sender.groups.group is not kept
+    step_through(5)
+    assert sender.groups.formed == 2
+
+    step_through(6, receivers=1)  # the orchestrator asked one server only
+    step_through(7, receivers=1)
+    assert [sender.groups.formed, keepers[1].formed] == [3, 3]
+
+    stats, results = run_step(tmp_path, sender, TinyLM(), 8, 1, keepers=keepers, corrupt="model.proj.weight")
+    assert isinstance(results[1], CorruptFileError)  # refused by the server; the group itself served, and is kept
+    step_through(9, receivers=1)
+    assert sender.groups.formed == 3
+
+
+def test_a_group_kept_by_a_trainer_that_resumed_is_never_taken_for_the_new_trainers(tmp_path):
+    """A resumed trainer starts a new store with a new run token, so the groups it forms have other names than those
+    the servers still hold: all form anew."""
+    keepers = {1: GroupKeeper()}
+    for attempt in range(2):
+        config = TransferConfig(transport="gloo", timeout_s=5, offer_timeout_s=10)
+        sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=attempt)
+        try:
+            stats, results = run_step(tmp_path, sender, TinyLM(), attempt + 1, 1, keepers=keepers)
+            assert stats["weights_sent"] is True and results[1].checksum == stats["weights_checksum"]
+            results[1].staged.close()
+        finally:
+            sender.close()
+    assert keepers[1].formed == 2
+
+
+def test_a_kept_group_serves_one_step_at_a_time(tmp_path, sender):
+    keeper = GroupKeeper()
+    keeper.busy.acquire()  # a receive of another step is still running
+    with pytest.raises(TransferError, match="cannot be transferred while another step's transfer is in progress"):
+        keeper.join(None, 3, 1, 2, 1.0)
+
+
 def test_a_server_that_never_joins_fails_the_step_within_the_deadline_and_the_next_step_goes_through(
     tmp_path, sender
 ):
@@ -128,7 +188,7 @@ def test_a_server_that_never_joins_fails_the_step_within_the_deadline_and_the_ne
     offer = read_offer(tmp_path, 2)
     write_take(tmp_path, 2, 2)
     start = time.monotonic()
-    with pytest.raises(TransferError, match="did not form within"):
+    with pytest.raises(TransferError, match="did not all report within 2 s"):
         receive_weights(GroupSpec(offer.host, offer.port, 1, 3, 2.0), 2)
     thread.join(30)
     assert not thread.is_alive()
@@ -155,11 +215,15 @@ def test_a_server_asked_for_another_step_refuses_what_the_trainer_sends(tmp_path
 
 
 def receive_weights_as(spec: GroupSpec, group_step: int, asked_step: int):
-    from rl.transfer import connect_store, open_group, receive_header
+    from rl.transfer import GroupKeeper, connect_store, receive_header
 
-    group = open_group(connect_store(spec.host, spec.port, spec.timeout_s), group_step, spec.rank, spec.world_size,
-                       spec.timeout_s)
-    receive_header(group, asked_step)
+    keeper = GroupKeeper()
+    group = keeper.join(connect_store(spec.host, spec.port, spec.timeout_s), group_step, spec.rank, spec.world_size,
+                        spec.timeout_s)
+    try:
+        receive_header(group, asked_step)
+    finally:
+        keeper.done(failed=True)
 
 
 def test_the_trainer_gives_up_on_an_offer_nobody_takes(tmp_path):
@@ -213,11 +277,16 @@ def test_nccl_is_refused_where_there_is_no_gpu_naming_gloo():
 NCCL_RECEIVER = """
 import sys, torch
 from rl.inference.staging import receive_weights
-from rl.transfer import GroupSpec
+from rl.transfer import GroupKeeper, GroupSpec
 torch.cuda.set_device(1)
-host, port, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-received = receive_weights(GroupSpec(host, port, 1, 2, 60.0), step, backend="nccl")
-print("checksum", received.checksum, received.staged.bytes)
+host, port = sys.argv[1], int(sys.argv[2])
+keeper = GroupKeeper()
+for step in (1, 2):
+    received = receive_weights(GroupSpec(host, port, 1, 2, 60.0), step, backend="nccl", keeper=keeper)
+    print("checksum", step, received.checksum, flush=True)
+    received.staged.close()
+print("formed", keeper.formed)
+keeper.drop()
 """
 
 
@@ -225,7 +294,8 @@ print("checksum", received.checksum, received.staged.bytes)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: NCCL will not join two ranks on one GPU")
 def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_with_the_trainers_checksum(tmp_path):
     """The GPU path of rl.transfer: the trainer's sender broadcasts from cuda:0 over NCCL, a receiver process on
-    cuda:1 (as a server's first worker) gets it into its GPU and stages it; both hash the same bytes."""
+    cuda:1 (as a server's first worker) gets it into its GPU and stages it; both hash the same bytes. The NCCL group
+    formed for the first step carries the second."""
     import subprocess
     import sys
 
@@ -236,17 +306,36 @@ def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_wit
                               torch.bfloat16, first_step=0)
     model = TinyLM().cuda()
     stats: dict = {}
-    thread = threading.Thread(target=lambda: stats.update(sender.send(1, model)))
+
+    def send():
+        for step in (1, 2):
+            stats[step] = sender.send(step, model)
+            with torch.no_grad():
+                model.proj.weight += 1  # the next step's weights differ
+
+    thread = threading.Thread(target=send)
     thread.start()
-    while 1 not in offered_steps(tmp_path):
-        time.sleep(0.01)
-    offer = read_offer(tmp_path, 1)
-    write_take(tmp_path, 1, 1)
-    receiver = subprocess.run([sys.executable, "-c", NCCL_RECEIVER, offer.host, str(offer.port), "1"],
-                              capture_output=True, text=True, timeout=300)
-    thread.join(120)
-    assert receiver.returncode == 0, receiver.stderr[-3000:]
-    assert stats["weights_sent"] is True
-    checksum = receiver.stdout.split()[receiver.stdout.split().index("checksum") + 1]
-    assert checksum == stats["weights_checksum"]
-    sender.close()
+    receiver = None
+    try:
+        for step in (1, 2):
+            deadline = time.monotonic() + 120
+            while step not in offered_steps(tmp_path):
+                assert time.monotonic() < deadline, f"step {step} was never offered"
+                time.sleep(0.01)
+            offer = read_offer(tmp_path, step)
+            write_take(tmp_path, step, 1)
+            if receiver is None:
+                receiver = subprocess.Popen([sys.executable, "-c", NCCL_RECEIVER, offer.host, str(offer.port)],
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = receiver.communicate(timeout=300)
+        thread.join(120)
+    finally:
+        if receiver is not None and receiver.poll() is None:
+            receiver.kill()
+        sender.close()
+    assert receiver.returncode == 0, err[-3000:]
+    assert all(stats[step]["weights_sent"] is True for step in (1, 2))
+    checksums = {int(line.split()[1]): line.split()[2] for line in out.splitlines() if line.startswith("checksum")}
+    assert checksums == {step: stats[step]["weights_checksum"] for step in (1, 2)}
+    assert checksums[1] != checksums[2]
+    assert "formed 1" in out and sender.groups.formed == 1

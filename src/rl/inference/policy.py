@@ -24,7 +24,7 @@ from rl.adapter import ADAPTER_CONFIG
 from rl.inference import hooks
 from rl.inference.staging import PrivateCopies, Received, StagedStep, receive_weights, stage_weights, take_over
 from rl.manifest import STABLE, CorruptFileError, Entry, OpenDir, check_listed, read_manifest, read_marker
-from rl.transfer import GroupSpec, TransferError
+from rl.transfer import GroupKeeper, GroupSpec, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class PolicyWeights:
         weakref.finalize(self, lambda s=self: s.wire_staged and s.wire_staged.close())
         self.broken: str | None = None
         self.lock = asyncio.Lock()
+        self.transfer_group = GroupKeeper()  # this process's group with the trainer, where it receives over gloo
         # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
         # while the weights change, so only requests already in flight need vLLM to pause.
         self.in_flight = 0
@@ -160,7 +161,10 @@ class PolicyWeights:
         taken over by this process, so that from here both are the same. The test hook `receive_in_worker` takes
         the worker's path over gloo: how a CPU host proves it."""
         if self.settings.transport == "gloo" and hooks.take("receive_in_worker") is None:
-            return await asyncio.to_thread(receive_weights, spec, step, corrupt)
+            return await asyncio.to_thread(receive_weights, spec, step, corrupt, "gloo", self.transfer_group)
+        return await self._receive_in_worker(spec, step, corrupt)
+
+    async def _receive_in_worker(self, spec: GroupSpec, step: int, corrupt: str | None) -> Received:
         await self._first_worker("rl_receive_weights", asdict(spec), step, self.settings.transport, corrupt)
         limit_s = max(600.0, 10 * spec.timeout_s)  # each broadcast has its own deadline too
         deadline = time.monotonic() + limit_s

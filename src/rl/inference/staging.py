@@ -29,7 +29,7 @@ from rl.inference import hooks
 from rl.manifest import CorruptFileError, Entry, OpenDir, read_listed
 from rl.safetensors_io import read_file_header
 from rl.transfer import (
-    DIGEST_BYTES, GroupSpec, StepGroup, TensorDigest, broadcast, close_group, connect_store, open_group,
+    DIGEST_BYTES, GroupKeeper, GroupSpec, StepGroup, TensorDigest, broadcast, connect_store,
     receive_header, safetensors_layout,
 )
 
@@ -109,14 +109,17 @@ class Received:
     adapter_config: str | None
 
 
-def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, backend: str = "gloo") -> Received:
+def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, backend: str = "gloo",
+                    keeper: GroupKeeper | None = None) -> Received:
     """Receive step `step` from the trainer's group (rl/transfer.py) into one sealed memfd laid out as a safetensors
     file, checked against the trainer's checksum: CorruptFileError if its bytes hash to anything else (nothing is kept
-    then); TransferError if the transfer fails or times out. `backend` "nccl": each tensor arrives in this process's
-    current GPU, and is copied from there into the memfd. `corrupt` (tests only): the tensor whose first received
-    byte is flipped, as a fault on the way would."""
-    group = open_group(connect_store(spec.host, spec.port, spec.timeout_s), step, spec.rank, spec.world_size,
-                       spec.timeout_s, backend)
+    then); TransferError if the transfer fails or times out. `keeper`: the receiver's group, kept for the next step
+    (unset: a group for this step alone). `backend` "nccl": each tensor arrives in this process's current GPU, and is
+    copied from there into the memfd. `corrupt` (tests only): the tensor whose first received byte is flipped, as a
+    fault on the way would."""
+    kept, keeper = keeper is not None, keeper or GroupKeeper()
+    group = keeper.join(connect_store(spec.host, spec.port, spec.timeout_s), step, spec.rank, spec.world_size,
+                        spec.timeout_s, backend)
     fd, failed = None, True
     try:
         tensors, adapter_config = receive_header(group, step)
@@ -141,7 +144,7 @@ def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, back
             os.close(fd)
         raise
     finally:
-        close_group(group, failed)
+        keeper.done(failed, keep=kept)
     return Received(StagedStep({WIRE_FILE: (fd, size)}), digest.hexdigest(), adapter_config)
 
 

@@ -24,7 +24,7 @@ from rl.inference.reading import (
 )
 from rl.inference.staging import receive_weights
 from rl.manifest import CorruptFileError, Entry
-from rl.transfer import GroupSpec, TransferError
+from rl.transfer import GroupKeeper, GroupSpec, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -155,12 +155,15 @@ class WeightSyncExtension:
         self.rl_release_received()
         outcome: dict = {}
         device = torch.cuda.current_device() if backend == "nccl" else None
+        if getattr(self, "_rl_transfer_group", None) is None:
+            self._rl_transfer_group = GroupKeeper()  # this worker's group with the trainer, kept between steps
 
         def receive() -> None:
             if device is not None:
                 torch.cuda.set_device(device)  # a new thread starts on GPU 0
             try:
-                outcome["received"] = receive_weights(GroupSpec(**spec), step, corrupt, backend)
+                outcome["received"] = receive_weights(GroupSpec(**spec), step, corrupt, backend,
+                                                      self._rl_transfer_group)
             except CorruptFileError as error:
                 outcome["error"] = {"error": str(error), "kind": "corrupt"}
             except TransferError as error:

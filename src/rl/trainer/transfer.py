@@ -1,8 +1,9 @@
 """The trainer's side of the collective transport (rl/transfer.py says how a step travels).
 
 Every rank takes part in each tensor's gather (FSDP's all-gather, tensor by tensor, as the files path gathers them);
-rank 0 alone holds the step's store and group and broadcasts each tensor, in the served dtype, as soon as it is
-whole, then drops it: no rank holds more than one whole tensor beyond its shards. Over gloo the whole tensor is on
+rank 0 alone holds the run's store and the group with the servers (kept from step to step while every member holds
+it: `GroupKeeper`) and broadcasts each tensor, in the served dtype, as soon as it is whole, then drops it: no rank
+holds more than one whole tensor beyond its shards. Over gloo the whole tensor is on
 rank 0's host; over NCCL it stays on rank 0's GPU, which broadcasts it, and comes to the host only to be hashed.
 A failed transfer (no server joined in time, one died mid-broadcast) is logged with its reason and the run goes on:
 the servers keep the weights they verified last, and the next step's transfer brings every server that answers to
@@ -13,15 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from rl.config import TransferConfig
 from rl.transfer import (
-    Offer, TensorDigest, TransferError, broadcast, clear_transfers, close_group, open_group, pack_digest, send_header,
-    tensor_bytes, wait_for_take, write_offer,
+    GroupKeeper, Offer, TensorDigest, TransferError, broadcast, clear_transfers, pack_digest, send_header,
+    start_store, tensor_bytes, wait_for_take, write_offer,
 )
 from rl.adapter import adapter_checksum
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_weight
@@ -40,14 +40,14 @@ class CollectiveSender:
         self.config, self.output_dir, self.world, self.dtype = config, output_dir, world, dtype
         self.adapter_config = adapter_config  # set: the trainer sends its LoRA adapter (PEFT names), not the weights
         self.store: dist.TCPStore | None = None
+        self.groups = GroupKeeper()  # rank 0's group with the servers, kept from step to step while it serves
         self.nccl = config.transport == "nccl"
         if self.nccl and not world.on_gpu:
             raise TransferError("transfer.transport = 'nccl' needs the trainer on CUDA GPUs; this one runs on "
                                 f"{world.device.type}: use 'gloo'")
         if world.is_main:
             clear_transfers(output_dir, first_step)  # a resumed run's old offers name a store that is gone
-            self.store = dist.TCPStore("0.0.0.0", config.port, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=config.timeout_s))
+            self.store = start_store(config.port, config.timeout_s)
             logger.info(f"weights go over the wire ({config.transport}): transfer store on "
                         f"{config.host}:{self.store.port}")
 
@@ -72,7 +72,8 @@ class CollectiveSender:
             failure = "no server was up to take it"
         elif self.world.is_main:
             try:
-                group = open_group(self.store, step, 0, receivers + 1, self.config.timeout_s, self.config.transport)
+                group = self.groups.join(self.store, step, 0, receivers + 1, self.config.timeout_s,
+                                         self.config.transport)
                 send_header(group, step, meta, config)
             except TransferError as e:
                 failure = str(e)
@@ -91,7 +92,8 @@ class CollectiveSender:
                 broadcast(group, pack_digest(digest.digest(), group.device), f"step {step}'s checksum")
             except TransferError as e:
                 failure = str(e)
-        close_group(group, failed=failure is not None)
+        if group is not None:
+            self.groups.done(failed=failure is not None)
         failed, = self.world.all_reduce([1.0 if failure is not None else 0.0], op="max")  # rank 0's verdict
         stats = {"weights_sent": failed == 0.0, "transfer_wait_s": waited,
                  "transfer_s": time.perf_counter() - start - waited}
@@ -126,6 +128,7 @@ class CollectiveSender:
         return full_tensor(source, self.dtype, to_host=self.world.is_main)
 
     def close(self) -> None:
+        self.groups.drop()
         self.store = None
 
 
