@@ -235,13 +235,13 @@ class GroupKeeper:
         try:
             reports = exchange_reports(store, step, rank, world_size, held, timeout_s)
         except TransferError:
-            self.drop(failed=True)
+            self.drop()
             raise
         group = self.group
         if group is not None and group.world_size == world_size and group.nccl == (backend == "nccl") \
                 and all(r == group.report(i) for i, r in enumerate(reports)):
             return group
-        self.drop(failed=True)  # aborted, not shut down: a member it had may be gone, and NCCL's shutdown waits on it
+        self.drop()
         group = open_group(store, step, rank, world_size, timeout_s, backend)
         group.name, group.rank, group.world_size = f"{run_token(store, timeout_s)}:{step}", rank, world_size
         self.group, self.formed = group, self.formed + 1
@@ -249,17 +249,16 @@ class GroupKeeper:
         return group
 
     def done(self, failed: bool, keep: bool = True) -> None:
-        """After a step: a group whose transfer failed is dropped (aborted over NCCL); one that served is kept unless
-        `keep` is False."""
+        """After a step: a group whose transfer failed is dropped; one that served is kept unless `keep` is False."""
         try:
             if failed or not keep:
-                self.drop(failed)
+                self.drop()
         finally:
             self.busy.release()
 
-    def drop(self, failed: bool = False) -> None:
+    def drop(self) -> None:
         group, self.group = self.group, None
-        close_group(group, failed)
+        release_group(group)
 
 
 def exchange_reports(store: dist.Store, step: int, rank: int, world_size: int, held: str,
@@ -324,13 +323,13 @@ def _nccl_group(store: dist.Store, step: int, rank: int, world_size: int, timeou
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = before
 
 
-def close_group(group: StepGroup | None, failed: bool = False) -> None:
-    """Release a step's group: an NCCL one holds a communicator and GPU buffers until shut down (aborted if a
-    collective failed, so that none is left waiting on the GPU); gloo's go with the object."""
+def release_group(group: StepGroup | None) -> None:
+    """Release a group: an NCCL one holds a communicator and GPU buffers until aborted (abort, not shutdown: a member
+    may be gone, and no collective is pending, as every broadcast was waited on); gloo's go with the object."""
     if group is None or not group.nccl:
         return
     try:
-        group.process_group.abort() if failed else group.process_group.shutdown()
+        group.process_group.abort()
     except Exception as e:  # noqa: BLE001 - releasing a group that already failed must not hide why it failed
         logger.warning("releasing a transfer group failed (its GPU buffers may stay allocated): %r", e)
 
