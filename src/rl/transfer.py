@@ -11,7 +11,8 @@ With `weight_transport = "gloo"` a step's weights travel trainer -> every server
 3. trainer rank 0 and the servers join the step's gloo group: the one they formed at an earlier step if every member
    still holds it at the same rank, else one formed for this step by all (`GroupKeeper`; its keys are under
    `step_<k>/` in the store, so a server restarted since the last step makes everyone form anew). Rank 0 broadcasts
-   the step's header (every tensor's name, dtype and shape), each tensor's bytes in that order, then `weights_checksum`
+   the step's header (every tensor's name, dtype and shape), the tensors' bytes in that order (small ones together, in
+   buckets of up to `BUCKET_BYTES`: `bucket_plan`), then `weights_checksum`
    (`TensorDigest`: the same xxh3-128 of names, dtypes, shapes and bytes that the files' tally takes);
 4. each server receives into a sealed memfd laid out as one safetensors file (`rl.inference.staging`), refuses the
    step if the bytes it got do not hash to the trainer's checksum, and only then loads it with the same verified
@@ -61,6 +62,10 @@ TRANSPORTS = {
 NCCL_CLEANUP_ONLY = "2"  # TORCH_NCCL_ASYNC_ERROR_HANDLING: a failed collective aborts its group, not the process
 DIGEST_BYTES = 16
 MAX_HEADER_BYTES = 64 * 2**20
+BUCKET_BYTES = 32 * 2**20
+"""Tensors smaller than this share broadcasts of up to this size: each broadcast costs a fixed time (a wait, and over
+NCCL a kernel launch), which a LoRA adapter's hundreds of small tensors would otherwise pay one by one. The sender holds
+one bucket beyond the tensor it gathers."""
 
 
 class TransferError(RuntimeError):
@@ -356,10 +361,11 @@ def broadcast(group: StepGroup, tensor: torch.Tensor, what: str) -> None:
 
 
 def send_header(group: StepGroup, step: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                adapter_config: str | None = None) -> None:
-    """The step's tensors (name, dtype, shape) in the order they follow, and a LoRA adapter's adapter_config.json."""
+                adapter_config: str | None, bucket_bytes: int) -> None:
+    """The step's tensors (name, dtype, shape) in the order they follow, a LoRA adapter's adapter_config.json, and
+    how the tensors are grouped into broadcasts (`bucket_plan`)."""
     raw = json.dumps({"step": step, "tensors": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in tensors],
-                      "adapter_config": adapter_config})
+                      "adapter_config": adapter_config, "bucket_bytes": bucket_bytes})
     data = torch.frombuffer(bytearray(raw.encode()), dtype=torch.uint8).to(group.device)
     broadcast(group, torch.tensor([len(data)], dtype=torch.int64, device=group.device), f"step {step}'s header length")
     broadcast(group, data, f"step {step}'s header")
@@ -368,9 +374,18 @@ def send_header(group: StepGroup, step: int, tensors: list[tuple[str, torch.dtyp
 TensorMeta = tuple[str, torch.dtype, tuple[int, ...]]  # name, dtype, shape
 
 
-def receive_header(group: StepGroup, step: int) -> tuple[list[TensorMeta], str | None]:
-    """The step's tensors as the trainer announced them, and its adapter config (None: full weights); TransferError if
-    it sends another step or nonsense."""
+@dataclass(frozen=True)
+class Header:
+    """A step as the trainer announces it: its tensors in the order they follow, its adapter config (None: full
+    weights), and the size of its broadcasts (`bucket_plan`)."""
+
+    tensors: list[TensorMeta]
+    adapter_config: str | None
+    bucket_bytes: int
+
+
+def receive_header(group: StepGroup, step: int) -> Header:
+    """The step's header; TransferError if the trainer sends another step or nonsense."""
     length = torch.zeros(1, dtype=torch.int64, device=group.device)
     broadcast(group, length, f"step {step}'s header length")
     if not 0 < length.item() <= MAX_HEADER_BYTES:
@@ -386,10 +401,33 @@ def receive_header(group: StepGroup, step: int) -> tuple[list[TensorMeta], str |
         raise TransferError(f"asked to receive step {step}, but the trainer sends step {header.get('step')}")
     if any(not isinstance(d, torch.dtype) for _, d, _ in tensors):
         raise TransferError(f"step {step}'s header names a dtype torch does not have")
-    adapter_config = header.get("adapter_config")
+    adapter_config, bucket_bytes = header.get("adapter_config"), header.get("bucket_bytes")
     if adapter_config is not None and not isinstance(adapter_config, str):
         raise TransferError(f"step {step}'s header holds an adapter config that is not a string")
-    return tensors, adapter_config
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise TransferError(f"step {step}'s header gives no bucket size (bucket_bytes {bucket_bytes!r})")
+    return Header(tensors, adapter_config, bucket_bytes)
+
+
+def bucket_plan(sizes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
+    """The step's broadcasts, as [first, stop) ranges of its tensors (sizes in bytes, in order): consecutive tensors
+    together up to `bucket_bytes`, a bigger tensor alone. Sender and receivers compute it from the header alike; the
+    receivers' safetensors layout keeps consecutive tensors contiguous, so a bucket arrives straight into its place."""
+    plan, first, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > first and total + size > bucket_bytes:
+            plan.append((first, i))
+            first, total = i, 0
+        total += size
+    if sizes:
+        plan.append((first, len(sizes)))
+    return plan
+
+
+def bucket_name(names: list[str], step: int) -> str:
+    """What a broadcast carries, for its error message."""
+    what = names[0] if len(names) == 1 else f"{len(names)} tensors ({names[0]} to {names[-1]})"
+    return f"{what} of step {step}"
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -171,6 +171,38 @@ def test_a_kept_group_serves_one_step_at_a_time(tmp_path, sender):
         keeper.join(None, 3, 1, 2, 1.0)
 
 
+def test_small_tensors_share_broadcasts_and_a_big_one_goes_alone():
+    from rl.transfer import bucket_plan
+
+    assert bucket_plan([10, 100, 10, 10, 50, 0], 64) == [(0, 1), (1, 2), (2, 4), (4, 6)]
+    assert bucket_plan([10, 20], 64) == [(0, 2)]
+    assert bucket_plan([], 64) == []
+    assert bucket_plan([5, 5], 0) == [(0, 1), (1, 2)]  # a bucket of 0 bytes: one tensor per broadcast
+
+
+def test_tensors_sent_in_buckets_arrive_bit_for_bit_and_an_altered_one_inside_a_bucket_is_refused(
+    tmp_path, sender, monkeypatch
+):
+    """With buckets smaller than the model: the embedding (512 bytes) alone, the projection's weight and bias
+    together, the head alone; every tensor lands in its place, and a byte altered in the shared bucket is caught."""
+    import rl.trainer.transfer
+
+    monkeypatch.setattr(rl.trainer.transfer, "BUCKET_BYTES", 300)
+    model = TinyLM()
+    stats, results = run_step(tmp_path, sender, model, step=1, receivers=2, corrupt="model.proj.bias")
+    assert isinstance(results[1], CorruptFileError) and "arrived altered" in str(results[1])
+    staged, checksum = results[2].staged, results[2].checksum
+    try:
+        assert checksum == stats["weights_checksum"]
+        expected = dict(model.state_dict()) | {TIED_HEAD: model.embed_tokens.weight}
+        received = staged_tensors(staged)
+        assert list(received) == list(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(received[name], tensor.detach()), name
+    finally:
+        staged.close()
+
+
 def test_a_server_that_never_joins_fails_the_step_within_the_deadline_and_the_next_step_goes_through(
     tmp_path, sender
 ):

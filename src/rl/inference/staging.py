@@ -29,8 +29,8 @@ from rl.inference import hooks
 from rl.manifest import CorruptFileError, Entry, OpenDir, read_listed
 from rl.safetensors_io import read_file_header
 from rl.transfer import (
-    DIGEST_BYTES, GroupKeeper, GroupSpec, StepGroup, TensorDigest, broadcast, connect_store,
-    receive_header, safetensors_layout,
+    DIGEST_BYTES, GroupKeeper, GroupSpec, Header, StepGroup, TensorDigest, broadcast, bucket_name, bucket_plan,
+    connect_store, receive_header, safetensors_layout,
 )
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -122,15 +122,15 @@ def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, back
                         spec.timeout_s, backend)
     fd, failed = None, True
     try:
-        tensors, adapter_config = receive_header(group, step)
+        header = receive_header(group, step)
         hooks.hold_in_thread("during_receive")
-        head, spans = safetensors_layout(tensors)
+        head, spans = safetensors_layout(header.tensors)
         size = spans[-1][1] if spans else len(head)
         fd = os.memfd_create(f"rl-step-{step}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size) as data:
             data[: len(head)] = head
-            digest = _receive_into(group, data, tensors, spans, step, corrupt)
+            digest = _receive_into(group, data, header, spans, step, corrupt)
         sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8, device=group.device)
         broadcast(group, sent, f"step {step}'s checksum")
         failed = False
@@ -145,27 +145,33 @@ def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, back
         raise
     finally:
         keeper.done(failed, keep=kept)
-    return Received(StagedStep({WIRE_FILE: (fd, size)}), digest.hexdigest(), adapter_config)
+    return Received(StagedStep({WIRE_FILE: (fd, size)}), digest.hexdigest(), header.adapter_config)
 
 
-def _receive_into(group: StepGroup, data: mmap.mmap, tensors: list, spans: list, step: int, corrupt: str | None
+def _receive_into(group: StepGroup, data: mmap.mmap, header: Header, spans: list, step: int, corrupt: str | None
                   ) -> TensorDigest:
-    """Each tensor broadcast into its place in `data` (straight into it over gloo; over NCCL into the GPU, then
-    copied there), hashed as it arrives."""
+    """Each bucket of tensors broadcast into its place in `data` (straight into it over gloo; over NCCL into the GPU,
+    then copied there), each tensor hashed as it arrives."""
     digest = TensorDigest()
-    for (name, dtype, shape), (begin, end) in zip(tensors, spans, strict=True):
+    for first, stop in bucket_plan([end - begin for begin, end in spans], header.bucket_bytes):
+        begin, end = spans[first][0], spans[stop - 1][1]
         place = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=begin) if end > begin else (
             torch.empty(0, dtype=torch.uint8))
+        what = bucket_name([name for name, _, _ in header.tensors[first:stop]], step)
         if group.nccl:
             arrived = torch.empty(end - begin, dtype=torch.uint8, device=group.device)
-            broadcast(group, arrived, f"{name} of step {step}")
+            broadcast(group, arrived, what)
             place.copy_(arrived)
             del arrived
         else:
-            broadcast(group, place, f"{name} of step {step}")
-        if name == corrupt and len(place):
-            place[0] ^= 1
-        digest.update_bytes(name, dtype, shape, place)
+            broadcast(group, place, what)
+        for (name, dtype, shape), (tensor_begin, tensor_end) in zip(header.tensors[first:stop], spans[first:stop],
+                                                                     strict=True):
+            part = place[tensor_begin - begin: tensor_end - begin]
+            if name == corrupt and len(part):
+                part[0] ^= 1
+            digest.update_bytes(name, dtype, shape, part)
+            del part
         del place  # no view of the mapping may outlive it
     return digest
 

@@ -2,9 +2,10 @@
 
 Every rank takes part in each tensor's gather (FSDP's all-gather, tensor by tensor, as the files path gathers them);
 rank 0 alone holds the run's store and the group with the servers (kept from step to step while every member holds
-it: `GroupKeeper`) and broadcasts each tensor, in the served dtype, as soon as it is whole, then drops it: no rank
-holds more than one whole tensor beyond its shards. Over gloo the whole tensor is on
-rank 0's host; over NCCL it stays on rank 0's GPU, which broadcasts it, and comes to the host only to be hashed.
+it: `GroupKeeper`) and broadcasts the tensors, in the served dtype, as they become whole: a big one at once, small
+ones together once their bucket is full (`bucket_plan`), then drops them: no rank holds more than a bucket or one whole
+tensor beyond its shards. Over gloo the whole tensor is on rank 0's host; over NCCL it stays on rank 0's GPU, which
+broadcasts it, and comes to the host only to be hashed.
 A failed transfer (no server joined in time, one died mid-broadcast) is logged with its reason and the run goes on:
 the servers keep the weights they verified last, and the next step's transfer brings every server that answers to
 that step. Every rank learns how the step went, so all ranks agree on what was sent.
@@ -20,8 +21,8 @@ import torch.distributed as dist
 
 from rl.config import TransferConfig
 from rl.transfer import (
-    GroupKeeper, Offer, TensorDigest, TransferError, broadcast, clear_transfers, pack_digest, send_header,
-    start_store, tensor_bytes, wait_for_take, write_offer,
+    BUCKET_BYTES, GroupKeeper, Offer, TensorDigest, TransferError, broadcast, bucket_name, bucket_plan,
+    clear_transfers, pack_digest, send_header, start_store, tensor_bytes, wait_for_take, write_offer,
 )
 from rl.adapter import adapter_checksum
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_weight
@@ -60,11 +61,11 @@ class CollectiveSender:
     def send_tensors(self, step: int, tensors: list[tuple[str, torch.Tensor | LoRALinear]]) -> dict:
         """`send` of the given (name, source) pairs, in order."""
         meta = [(name, self.dtype, _shape(source)) for name, source in tensors]
+        sizes = [self.dtype.itemsize * _numel(source) for _, source in tensors]
         config = None if self.adapter_config is None else self.adapter_config.decode()
         start = time.perf_counter()
         if self.world.is_main:
-            write_offer(self.output_dir, Offer(step, self.config.host, self.store.port,
-                                               sum(self.dtype.itemsize * _numel(s) for _, s in tensors)))
+            write_offer(self.output_dir, Offer(step, self.config.host, self.store.port, sum(sizes)))
         receivers = wait_for_take(self.output_dir, step, self.config.offer_timeout_s)  # every rank: all agree
         waited = time.perf_counter() - start
         group, failure = None, None
@@ -74,19 +75,25 @@ class CollectiveSender:
             try:
                 group = self.groups.join(self.store, step, 0, receivers + 1, self.config.timeout_s,
                                          self.config.transport)
-                send_header(group, step, meta, config)
+                send_header(group, step, meta, config, BUCKET_BYTES)  # the receivers bucket as the header says
             except TransferError as e:
                 failure = str(e)
         digest = TensorDigest()
-        for name, source in tensors:  # every rank gathers every tensor; rank 0 sends it while nothing failed
-            full = self._gather(source)
-            if group is not None and failure is None:
-                try:
-                    broadcast(group, tensor_bytes(full.to(group.device)), f"{name} of step {step}")
+        for first, stop in bucket_plan(sizes, BUCKET_BYTES):
+            bucket = []  # every rank gathers every tensor; rank 0 sends each bucket while nothing failed
+            for name, source in tensors[first:stop]:
+                full = self._gather(source)
+                if group is not None and failure is None:
+                    bucket.append(tensor_bytes(full.to(group.device)))
                     digest.update(name, full)
+                del full
+            if bucket:
+                try:
+                    names = [name for name, _ in tensors[first:stop]]
+                    broadcast(group, bucket[0] if len(bucket) == 1 else torch.cat(bucket), bucket_name(names, step))
                 except TransferError as e:
                     failure = str(e)
-            del full
+            del bucket
         if group is not None and failure is None:
             try:
                 broadcast(group, pack_digest(digest.digest(), group.device), f"step {step}'s checksum")
