@@ -182,23 +182,26 @@ def clear_transfers(output_dir: Path, from_step: int = 0) -> None:
 @dataclass
 class StepGroup:
     """A transfer group: trainer rank 0 and the servers' receivers, with where its tensors live (the CPU for gloo, each
-    member's current GPU for NCCL), how long any broadcast may take, and what it is: its `name` (the trainer's run
-    token and the step that formed it), this member's rank and the group's size."""
+    member's current GPU for NCCL), how long any broadcast may take, and its `name` (the trainer's run token and the
+    step that formed it)."""
 
     process_group: dist.ProcessGroup
     device: torch.device
     timeout: timedelta
-    name: str = ""
-    rank: int = 0
-    world_size: int = 0
+    name: str
 
     @property
     def nccl(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def world_size(self) -> int:
+        return self.process_group.size()
+
     def report(self, rank: int | None = None) -> str:
         """What a member holding this group reports at a step's start (`rank`: as the member of that rank would)."""
-        return f"{self.name} {self.rank if rank is None else rank}/{self.world_size} {'nccl' if self.nccl else 'gloo'}"
+        rank = self.process_group.rank() if rank is None else rank
+        return f"{self.name} {rank}/{self.world_size} {'nccl' if self.nccl else 'gloo'}"
 
 
 NOTHING_HELD = "-"
@@ -247,11 +250,11 @@ class GroupKeeper:
                 and all(r == group.report(i) for i, r in enumerate(reports)):
             return group
         self.drop()
-        group = open_group(store, step, rank, world_size, timeout_s, backend)
-        group.name, group.rank, group.world_size = f"{run_token(store, timeout_s)}:{step}", rank, world_size
-        self.group, self.formed = group, self.formed + 1
+        name = f"{run_token(store, timeout_s)}:{step}"
+        self.group = open_group(store, step, rank, world_size, timeout_s, backend, name)
+        self.formed += 1
         logger.info("formed the transfer group of step %d (rank %d of %d, %s)", step, rank, world_size, backend)
-        return group
+        return self.group
 
     def done(self, failed: bool, keep: bool = True) -> None:
         """After a step: a group whose transfer failed is dropped; one that served is kept unless `keep` is False."""
@@ -296,16 +299,16 @@ def run_token(store: dist.Store, timeout_s: float) -> str:
         raise TransferError(f"the trainer's transfer store holds no run token: {e}") from None
 
 
-def open_group(store: dist.Store, step: int, rank: int, world_size: int, timeout_s: float,
-               backend: str = "gloo") -> StepGroup:
+def open_group(store: dist.Store, step: int, rank: int, world_size: int, timeout_s: float, backend: str,
+               name: str) -> StepGroup:
     """The step's own group over `store` (gloo, or NCCL between GPUs: each member on its current CUDA device), whose
     members all joined within `timeout_s`."""
     prefixed, timeout = dist.PrefixStore(f"step_{step}/group", store), timedelta(seconds=timeout_s)
     try:
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-            return StepGroup(_nccl_group(prefixed, step, rank, world_size, timeout), device, timeout)
-        return StepGroup(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), torch.device("cpu"), timeout)
+            return StepGroup(_nccl_group(prefixed, step, rank, world_size, timeout), device, timeout, name)
+        return StepGroup(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), torch.device("cpu"), timeout, name)
     except Exception as e:  # the store's wait timed out, or the store went away
         raise TransferError(f"the transfer group of step {step} did not form within {timeout_s:.0f} s "
                             f"(rank {rank} of {world_size}): {e}") from None
