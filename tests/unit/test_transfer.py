@@ -150,18 +150,27 @@ def test_the_group_is_formed_once_and_kept_while_every_member_holds_it_and_forme
 
 def test_a_group_kept_by_a_trainer_that_resumed_is_never_taken_for_the_new_trainers(tmp_path):
     """A resumed trainer starts a new store with a new run token, so the groups it forms have other names than those
-    the servers still hold: all form anew."""
-    keepers = {1: GroupKeeper()}
-    for attempt in range(2):
-        config = TransferConfig(transport="gloo", timeout_s=5, offer_timeout_s=10)
-        sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=attempt)
-        try:
-            stats, results = run_step(tmp_path, sender, TinyLM(), attempt + 1, 1, keepers=keepers)
-            assert stats["weights_sent"] is True and results[1].checksum == stats["weights_checksum"]
-            results[1].staged.close()
-        finally:
-            sender.close()
-    assert keepers[1].formed == 2
+    the servers still hold. Here server 1 holds the old trainer's group formed at step 1, at rank 1 of 2, and the
+    resumed trainer formed its own group at step 1 too (with another server, at the same ranks): by step and ranks
+    alone the two would pass for one, and server 1 would wait on a trainer that is gone."""
+    config = TransferConfig(transport="gloo", timeout_s=5, offer_timeout_s=10)
+    old_group, new_group = {1: GroupKeeper()}, {1: GroupKeeper()}
+
+    def step_through(sender, step, keepers):
+        stats, results = run_step(tmp_path, sender, TinyLM(), step, 1, keepers=keepers)
+        assert stats["weights_sent"] is True and results[1].checksum == stats["weights_checksum"]
+        results[1].staged.close()
+
+    old = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
+    step_through(old, 1, old_group)
+    old.close()
+    resumed = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=1)
+    try:
+        step_through(resumed, 1, new_group)
+        step_through(resumed, 2, old_group)  # server 1 again
+    finally:
+        resumed.close()
+    assert old_group[1].formed == 2
 
 
 def test_a_kept_group_serves_one_step_at_a_time(tmp_path, sender):
