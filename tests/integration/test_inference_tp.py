@@ -99,6 +99,10 @@ def test_tp2_serves_what_tp1_serves_before_and_after_an_update(servers, run_dir)
     worker_reads = [p.io_counters().read_chars - b for p, b in zip(workers, before_reads, strict=True)]
     print(f"TP=2 update of a {file_bytes}-byte step: bytes read by each worker {worker_reads}")
     assert all(read < file_bytes // 100 for read in worker_reads), worker_reads
+    # each worker moved its shard to its device, not the whole step (all but the norms are split in two here)
+    moved = [a.json()["device_bytes"] for a in answers]
+    print(f"bytes moved to the device by the busiest worker: TP=1 {moved[0]}, TP=2 {moved[1]}")
+    assert moved[0] > 0.95 * file_bytes and moved[1] < 0.55 * moved[0], moved
     after = greedy(tp2)
     assert_same_outputs(greedy(tp1), after)
     assert after != base  # the update changed what is served

@@ -111,6 +111,107 @@ def test_a_step_is_read_once_into_sealed_memory_and_workers_map_the_files_tensor
         step.close()
 
 
+def test_the_server_takes_the_steps_checksum_as_it_stages_it_and_workers_do_not_hash_it_again(tmp_path,
+                                                                                                 monkeypatch):
+    """`weights_checksum` is taken once per server, from the bytes it checked (outside the hold on generation), and is
+    the same function as the trainer's digest and a model directory's tally, however the step is split in files."""
+    from rl.inference.fingerprint import FileTally, checkpoint_fingerprint
+    from rl.transfer import TensorDigest
+
+    shards = [{"a.weight": torch.randn(8, 4), "a.bias": torch.randn(8)},
+              {"b.weight": torch.randn(3, 5).bfloat16(), "c.steps": torch.arange(7)}]
+    directory = published_step(tmp_path, shards)
+    step, mapped = staged(directory)
+    try:
+        trainer = TensorDigest()
+        for name, tensor in reversed([item for shard in shards for item in shard.items()]):  # any order
+            trainer.update(name, tensor)
+        assert step.checksum == trainer.hexdigest()
+        assert step.checksum == checkpoint_fingerprint(directory, torch.float32, tied=False)[1]
+        assert step.rpc()["checksum"] == step.checksum
+
+        hashed = []
+        monkeypatch.setattr(TensorDigest, "update", lambda self, name, tensor: hashed.append(name))
+        tally = FileTally(torch.float32, checksum=step.rpc()["checksum"])  # as a worker loads a staged step
+        assert sorted(name for name, _ in tally.through(mapped.tensors())) == ["a.bias", "a.weight", "b.weight",
+                                                                                "c.steps"]
+        assert hashed == [] and tally.checksum == step.checksum and set(tally.prints) == set(mapped.shapes())
+        for _ in FileTally(torch.float32).through(mapped.tensors()):  # a model directory: hashed as it passes
+            pass
+        assert len(hashed) == 4
+    finally:
+        step.close()
+
+
+def tally_of_a_sharded_and_a_whole_tensor(device: str):
+    """A worker's tally of two tensors: `w` of which it serves rows 4..7 (a column-parallel shard), `norm` whole."""
+    from rl.inference.fingerprint import FileTally
+    from rl.inference.sharding import Shard
+
+    w, norm = torch.randn(8, 6), torch.randn(6)
+    tally = FileTally(torch.float32, device, shards={"w": Shard(0, 4, 4)}, checksum="known")
+    return tally, {"w": w, "norm": norm}, dict(tally.through(iter([("w", w), ("norm", norm)])))
+
+
+def test_a_worker_moves_only_its_shard_of_a_sharded_tensor_to_its_device():
+    """Each tensor-parallel worker fingerprints its shard on its device and hands the reload the host tensor, which
+    vLLM's loader cuts the same shard from: a worker moves its part of the model to its GPU, not all of it (at TP=8
+    on a 32B model, 16 GB per update instead of 64 GB per worker, while generation is held)."""
+    from rl.inference.fingerprint import tensor_fingerprint
+
+    tally, given, loaded = tally_of_a_sharded_and_a_whole_tensor("cpu")
+    assert loaded["w"] is given["w"]  # the whole host tensor, for the loader to cut
+    assert tally.device_bytes == (4 * 6 + 6) * 4  # the shard's bytes and the whole norm's
+    print_ = tally.prints["w"]
+    assert print_.shape == (8, 6) and print_.shard.start == 4 and print_.shard.length == 4
+    expected = tensor_fingerprint(given["w"][4:], torch.float32)
+    assert torch.equal(print_.exact, expected.exact) and torch.equal(print_.dense, expected.dense)
+    assert print_.scale == expected.scale > 0  # the files' side keeps the size of its dense probe's terms
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_sharded_tensor_stays_on_the_host_for_the_loader_and_a_whole_one_moves_once():
+    tally, given, loaded = tally_of_a_sharded_and_a_whole_tensor("cuda")
+    assert loaded["w"].device.type == "cpu" and loaded["norm"].device.type == "cuda"
+    assert tally.device_bytes == (4 * 6 + 6) * 4
+    assert torch.equal(tally.prints["w"].exact, given["w"][4:, tally_probe_columns(6)].T)
+
+
+def tally_probe_columns(n: int) -> list[int]:
+    cols, _ = probe_inputs(n, torch.float32)
+    return cols
+
+
+def test_a_steps_memory_is_given_back_off_the_event_loop():
+    """Freeing a step's pages takes ~50 ms per 400 MB here (seconds for a 32B model): never on the event loop, where
+    it would hold up every request the server answers meanwhile."""
+    import asyncio
+    import threading
+
+    from rl.inference.staging import StagedStep, release
+
+    fd = os.memfd_create("step")
+    os.ftruncate(fd, 4096)
+    closed_in = []
+
+    class Recorded(StagedStep):
+        def close(self):
+            closed_in.append(threading.get_ident())
+            super().close()
+
+    step = Recorded({"model.safetensors": (fd, 4096)}, "checksum")
+
+    async def main():
+        await release(step)
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert closed_in and closed_in[0] != loop_thread and step.files == {}
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed
+
+
 def test_a_weight_file_changed_after_publication_is_refused_before_any_tensor_is_given(tmp_path):
     from rl.manifest import CorruptFileError
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -79,19 +79,15 @@ def _file_probes(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[-1].abs()
 
 
-def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype, shard: Shard | None = None,
-                       shape: tuple[int, ...] | None = None) -> Fingerprint:
-    """Fingerprint of a tensor as stored (a file tensor, or a parameter the model uses directly): of its part
-    `shard` if given (`w` is then the whole tensor), of all of it otherwise. `shape`: the whole tensor's, where `w`
-    is already the part.
+def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype) -> Fingerprint:
+    """Fingerprint of a tensor as stored (a file tensor, or a parameter the model uses directly), or of the part of
+    one served here (`part_fingerprint` labels it).
 
     Computed where `w` lives, in row chunks; only the small results are brought to the CPU.
     """
     w = w.detach()
-    shape = tuple(w.shape) if shape is None else shape
-    w = w if shard is None else shard.of(w)
     if w.ndim == 1:
-        return Fingerprint(exact=w.to("cpu", dtype).clone(), dense=None, shape=shape, shard=shard)
+        return Fingerprint(exact=w.to("cpu", dtype).clone(), dense=None, shape=tuple(w.shape))
     probes, magnitudes = _file_probes(w.shape[1], w.device)
     ys, scale = [], 0.0
     for rows in w.split(ROW_CHUNK):
@@ -101,7 +97,7 @@ def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype, shard: Shard | None 
         ys.append(torch.nn.functional.linear(probes, rows))
         scale = max(scale, torch.mv(rows.abs(), magnitudes).max().item())
     y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)).cpu()
-    return Fingerprint(exact=y[:-1].to(dtype), dense=y[-1], shape=shape, scale=scale, shard=shard)
+    return Fingerprint(exact=y[:-1].to(dtype), dense=y[-1], shape=tuple(w.shape), scale=scale)
 
 
 def kernel_fingerprint(y: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int], shard: Shard | None
@@ -124,26 +120,45 @@ class FileTally:
     """The fingerprint of every tensor of a checkpoint, cast to the served dtype, and `weights_checksum`
     (`rl.transfer.TensorDigest`: of every tensor's name, dtype, shape and bytes); both taken as the tensors pass on
     their way to the reload, so the files are read once. Once the served fingerprint matches, the checksum names
-    what is served; it covers every element (the fingerprint samples a few columns exactly)."""
+    what is served; it covers every element (the fingerprint samples a few columns exactly).
 
-    def __init__(self, dtype: torch.dtype, device="cpu", shards: dict[str, Shard | None] | None = None):
+    `checksum`: the files' checksum where the server already took it from these very bytes as it checked them (a
+    staged step, sealed since: rl.inference.staging), so no worker hashes the whole model again while generation
+    is held; it then names the files' own tensors (a tied head the reload adds is the embedding's bytes)."""
+
+    def __init__(self, dtype: torch.dtype, device="cpu", shards: dict[str, Shard | None] | None = None,
+                 checksum: str | None = None):
         self.dtype, self.device, self.shards = dtype, device, shards or {}
         self.prints: dict[str, Fingerprint] = {}
-        self.digest = TensorDigest()
+        self.digest, self.known = (TensorDigest(), None) if checksum is None else (None, checksum)
         self.seconds = 0.0
+        self.device_bytes = 0  # copied to the device for the fingerprint and the reload
 
     def through(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors, fingerprinted on the way (on the device that serves them). A tensor served whole here goes to
+        the device once and on to the reload from there; of one this worker serves a shard of, only the shard goes,
+        to be fingerprinted, and the reload gets the host tensor, from which vLLM's loader copies the same shard:
+        each tensor-parallel worker moves its own part to its GPU, not the whole model."""
         for name, tensor in tensors:
             start = time.perf_counter()
-            self.digest.update(name, tensor)
-            tensor = tensor.to(self.device)  # fingerprinted where it is served, and copied there once
-            self.prints[name] = tensor_fingerprint(tensor, self.dtype, self.shards.get(name))
+            if self.digest is not None:
+                self.digest.update(name, tensor)
+            shard = self.shards.get(name)
+            if shard is None:
+                tensor = tensor.to(self.device)
+                self.prints[name] = tensor_fingerprint(tensor, self.dtype)
+                self.device_bytes += tensor.numel() * tensor.element_size()
+            else:
+                part = shard.of(tensor).to(self.device)
+                self.prints[name] = part_fingerprint(part, self.dtype, tuple(tensor.shape), shard)
+                self.device_bytes += part.numel() * part.element_size()
+                del part
             self.seconds += time.perf_counter() - start
             yield name, tensor
 
     @property
     def checksum(self) -> str:
-        return self.digest.hexdigest()
+        return self.known if self.digest is None else self.digest.hexdigest()
 
 
 def checkpoint_fingerprint(path: str | Path, dtype: torch.dtype, tied: bool) -> tuple[dict[str, Fingerprint], str]:
@@ -202,16 +217,15 @@ def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, device) -> di
                 rows, shard = vocab_rows(module)
                 param = param[:rows]
             shape = tuple(param.shape) if shard is None else (module.org_vocab_size, *param.shape[1:])
-            prints[f"{prefix}.{pname}"] = _part_fingerprint(param, dtype, shape, shard)
+            prints[f"{prefix}.{pname}"] = part_fingerprint(param, dtype, shape, shard)
     return prints
 
 
-def _part_fingerprint(part: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], shard: Shard | None
-                      ) -> Fingerprint:
+def part_fingerprint(part: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], shard: Shard | None
+                     ) -> Fingerprint:
     """The fingerprint of the part of a tensor served here, labelled with the whole tensor's shape and the part's
     shard (None: the part is the whole tensor)."""
-    print_ = tensor_fingerprint(part, dtype)
-    return Fingerprint(print_.exact, print_.dense, shape, shard=shard)
+    return replace(tensor_fingerprint(part, dtype), shape=shape, shard=shard)
 
 
 def _head_prints(prefix: str, module, dtype: torch.dtype, device) -> dict:
@@ -237,7 +251,7 @@ def _kernel_prints(prefix: str, module, dtype: torch.dtype, packed: dict, device
     bias = getattr(module, "bias", None)
     if bias is not None:
         for name, part, b in zip(names, parts, bias.split([p.local for p in parts]), strict=True):
-            prints[f"{name}.bias"] = _part_fingerprint(b, dtype, (part.full,), part.shard)
+            prints[f"{name}.bias"] = part_fingerprint(b, dtype, (part.full,), part.shard)
     return prints
 
 

@@ -22,7 +22,9 @@ from fastapi import HTTPException
 
 from rl.adapter import ADAPTER_CONFIG
 from rl.inference import hooks
-from rl.inference.staging import PrivateCopies, Received, StagedStep, receive_weights, stage_weights, take_over
+from rl.inference.staging import (
+    PrivateCopies, Received, StagedStep, receive_weights, release, stage_weights, take_over,
+)
 from rl.manifest import STABLE, CorruptFileError, Entry, OpenDir, check_listed, read_manifest, read_marker
 from rl.transfer import GroupKeeper, GroupSpec, TransferError
 
@@ -151,7 +153,7 @@ class PolicyWeights:
                 return reply | {"receive_s": received_s}
         finally:
             if received.staged is not self.wire_staged:
-                received.staged.close()
+                await release(received.staged)
             if isinstance(staged, str) and staged != self.adapter_copy:
                 self.copies.remove(staged)
 
@@ -209,7 +211,7 @@ class PolicyWeights:
                 return await self._held_switch(step, target, marker, manifest, staged)
             finally:
                 if isinstance(staged, StagedStep):
-                    staged.close()
+                    await release(staged)
                 elif staged != self.adapter_copy:
                     self.copies.remove(staged)
 
@@ -319,17 +321,17 @@ class PolicyWeights:
         if adapter:
             self.copies.remove(self.adapter_copy)
             self.adapter_copy = staged
-        self._keep_for_rollback(staged if manifest is None else None)
+        await self._keep_for_rollback(staged if manifest is None else None)
         self.step, self.path, self.checksum, self.broken = step, target, report["checksum"], None
         self.marker, self.manifest = marker, manifest
         served = {"step": step, "weights_checksum": self.checksum} | ({"adapter": self.adapter} if self.adapter else {})
         return served | _timings(report)
 
-    def _keep_for_rollback(self, wire_staged: StagedStep | None) -> None:
+    async def _keep_for_rollback(self, wire_staged: StagedStep | None) -> None:
         """A step that came over the wire exists nowhere else: keep its bytes until another step is served."""
-        if self.wire_staged is not None and self.wire_staged is not wire_staged:
-            self.wire_staged.close()
-        self.wire_staged = wire_staged
+        before, self.wire_staged = self.wire_staged, wire_staged
+        if before is not None and before is not wire_staged:
+            await release(before)
 
     def _resolve(self, path: str, step: int) -> str:
         """The real path of the step's own `step_<step>` directory, strictly inside the weights dir, with a
@@ -424,7 +426,7 @@ class PolicyWeights:
         try:
             return await self._load(staged, self.step)
         finally:
-            staged.close()
+            await release(staged)
 
     async def _load_adapter(self, path: str, step: int, manifest: dict[str, Entry]) -> dict:
         """Serve the adapter at `path`, the server's private copy of a step (rl.inference.staging), in place of the
@@ -520,6 +522,8 @@ def _merge(reports: list[dict]) -> dict:
             first["differing"] = ["the workers verified different files: checksums " +
                                   ", ".join(str(r.get("checksum")) for r in reports)]
         first["corrupt"] = next((r["corrupt"] for r in reports if r.get("corrupt")), None)
+        if all("device_bytes" in r for r in reports):  # what the worker that copied the most copied
+            first["device_bytes"] = max(r["device_bytes"] for r in reports)
     return first
 
 
@@ -529,5 +533,5 @@ def _why(report: dict) -> str:
 
 
 def _timings(report: dict) -> dict:
-    keys = ("files_s", "reload_s", "verify_s", "bytes_read")
+    keys = ("files_s", "reload_s", "verify_s", "bytes_read", "device_bytes")
     return {k: report[k] for k in keys if k in report}

@@ -3,15 +3,19 @@
 The server opens a step directory once (`OpenDir`: no component may be a symlink) and takes every read through
 that one handle: the STABLE marker, the manifest, the small files and then each weight file, read once into a
 sealed memfd (`stage_weights`) while its size, CRC-32 and safetensors header (every tensor inside the file, none
-overlapping) are checked. The workers, every tensor-parallel rank of the server, map those memfds read-only through
+overlapping) are checked. The step's `weights_checksum` is taken here as well, once per server, from the bytes in
+hand (a step over the wire: as it arrives), while generation goes on; the workers only fingerprint what they load.
+The workers, every tensor-parallel rank of the server, map those memfds read-only through
 `/proc/<server pid>/fd/<fd>` (`map_staged`): no worker opens the user's directory, nothing can change the bytes
 after the check (the memfd is sealed against writes), and they are in memory once per server however many workers
-map them. An adapter step is copied the same way into a private directory the server owns (`stage_adapter`), from
-which the workers read it and vLLM's `add_lora` loads it: vLLM never opens the user's path.
+map them. A step's memory is given back off the event loop (`release`). An adapter step is copied the same way
+into a private directory the server owns (`stage_adapter`), from which the workers read it and vLLM's `add_lora`
+loads it: vLLM never opens the user's path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import mmap
 import os
@@ -27,7 +31,7 @@ from zlib_ng import zlib_ng
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.inference import hooks
 from rl.manifest import CorruptFileError, Entry, OpenDir, read_listed
-from rl.safetensors_io import read_file_header
+from rl.safetensors_io import read_file_header, tensors_of
 from rl.transfer import (
     DIGEST_BYTES, GroupKeeper, GroupSpec, Header, StepGroup, TensorDigest, broadcast, bucket_name, bucket_plan,
     connect_store, receive_header, safetensors_layout,
@@ -46,16 +50,19 @@ def weight_files(manifest: dict[str, Entry]) -> list[str]:
 
 @dataclass
 class StagedStep:
-    """A step's weight files, each in a sealed memfd of this process; `rpc()` is what a worker needs to map them."""
+    """A step's weight files, each in a sealed memfd of this process, and the `weights_checksum` of their tensors
+    (`rl.transfer.TensorDigest`), taken as they were checked; `rpc()` is what a worker needs to map them."""
 
     files: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (memfd, bytes)
+    checksum: str | None = None
 
     @property
     def bytes(self) -> int:
         return sum(size for _, size in self.files.values())
 
     def rpc(self) -> dict:
-        return {"pid": os.getpid(), "files": {name: list(entry) for name, entry in self.files.items()}}
+        return {"pid": os.getpid(), "files": {name: list(entry) for name, entry in self.files.items()},
+                "checksum": self.checksum}
 
     def close(self) -> None:
         for fd, _ in self.files.values():
@@ -63,21 +70,28 @@ class StagedStep:
         self.files.clear()
 
 
+async def release(staged: StagedStep) -> None:
+    """Close a step's memfds in a thread: the last close frees the step's pages (~50 ms per 400 MB here), which on
+    the event loop would hold up every request the server answers meanwhile."""
+    await asyncio.to_thread(staged.close)
+
+
 def stage_weights(step: OpenDir, manifest: dict[str, Entry]) -> StagedStep:
     """Read every listed weight file of `step` once, through its handle, into a sealed memfd, checked as it is
-    read (size, CRC-32, then the safetensors header against the file's length). CorruptFileError names the first
-    problem; nothing is kept then."""
-    staged = StagedStep()
+    read (size, CRC-32, then the safetensors header against the file's length), and hash its tensors for the step's
+    checksum while they are in hand. CorruptFileError names the first problem; nothing is kept then."""
+    staged, digest = StagedStep(), TensorDigest()
     try:
         for name in weight_files(manifest):
-            staged.files[name] = _stage_file(step, name, manifest[name])
+            staged.files[name] = _stage_file(step, name, manifest[name], digest)
     except BaseException:
         staged.close()
         raise
+    staged.checksum = digest.hexdigest()
     return staged
 
 
-def _stage_file(step: OpenDir, name: str, entry: Entry) -> tuple[int, int]:
+def _stage_file(step: OpenDir, name: str, entry: Entry, digest: TensorDigest) -> tuple[int, int]:
     fd = os.memfd_create(f"rl-{name}"[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         def into_memfd(size: int):  # the read goes straight into the memfd's pages
@@ -86,9 +100,12 @@ def _stage_file(step: OpenDir, name: str, entry: Entry) -> tuple[int, int]:
 
         data = read_listed(step, name, entry, allocate=into_memfd)
         size = len(data)
-        if isinstance(data, mmap.mmap):
-            data.close()  # no writable mapping may be left for the seal
-        read_file_header(fd, str(step / name))  # every tensor inside the file's bytes, none over another
+        try:
+            read_file_header(fd, str(step / name))  # every tensor inside the file's bytes, none over another
+            _hash_tensors(data, str(step / name), digest)
+        finally:
+            if isinstance(data, mmap.mmap):
+                data.close()  # no writable mapping may be left for the seal
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # no writable mapping is left: from here the bytes are fixed
         return fd, size
     except BaseException:
@@ -96,17 +113,26 @@ def _stage_file(step: OpenDir, name: str, entry: Entry) -> tuple[int, int]:
         raise
 
 
+def _hash_tensors(data, where: str, digest: TensorDigest) -> None:
+    """Add a checked file's tensors to the step's digest (their views of `data` are gone when this returns)."""
+    for name, tensor in tensors_of(data, where):
+        digest.update(name, tensor)
+
+
 WIRE_FILE = "model.safetensors"  # the one file a step received over the wire is staged as
 
 
 @dataclass
 class Received:
-    """A step as it arrived over the wire: its bytes staged, the checksum they hash to (the trainer's), and with an
-    adapter its adapter_config.json."""
+    """A step as it arrived over the wire: its bytes staged, with the checksum they hash to (the trainer's), and with
+    an adapter its adapter_config.json."""
 
     staged: StagedStep
-    checksum: str
     adapter_config: str | None
+
+    @property
+    def checksum(self) -> str:
+        return self.staged.checksum
 
 
 def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, backend: str = "gloo",
@@ -145,7 +171,7 @@ def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, back
         raise
     finally:
         keeper.done(failed, keep=kept)
-    return Received(StagedStep({WIRE_FILE: (fd, size)}), digest.hexdigest(), header.adapter_config)
+    return Received(StagedStep({WIRE_FILE: (fd, size)}, digest.hexdigest()), header.adapter_config)
 
 
 def _receive_into(group: StepGroup, data: mmap.mmap, header: Header, spans: list, step: int, corrupt: str | None
@@ -183,7 +209,7 @@ def take_over(received: dict) -> Received:
     if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
         os.close(fd)
         raise CorruptFileError(f"the memfd worker {received['pid']} received into is not sealed")
-    return Received(StagedStep({WIRE_FILE: (fd, received["size"])}), received["checksum"], received["adapter_config"])
+    return Received(StagedStep({WIRE_FILE: (fd, received["size"])}, received["checksum"]), received["adapter_config"])
 
 
 def map_staged(staged: dict) -> Iterator[tuple[str, mmap.mmap]]:

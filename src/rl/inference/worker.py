@@ -55,9 +55,9 @@ class WeightSyncExtension:
     def rl_load_weights(self, staged: dict | None = None, path: str | None = None, faults: dict | None = None
                         ) -> dict:
         """Reload weights in place and verify them: from the step files the server staged (`staged`:
-        `StagedStep.rpc()`, checked as the server read them) or, with `staged` None, from the model directory `path`
-        (the base model, on a rollback to step 0). `faults` (tests only: rl.inference.hooks) fail or corrupt the
-        reload on purpose, to prove the verification and the rollback.
+        `StagedStep.rpc()`, checked and hashed as the server read them) or, with `staged` None, from the model
+        directory `path` (the base model, on a rollback to step 0). `faults` (tests only: rl.inference.hooks) fail or
+        corrupt the reload on purpose, to prove the verification and the rollback.
 
         A checkpoint that is not of the served model (a tensor missing, extra or of another shape, read from the
         files' headers) is refused before anything is loaded, so the old weights keep serving.
@@ -73,7 +73,7 @@ class WeightSyncExtension:
             mismatched = shape_mismatches(self._rl_shapes(), shapes)
             if mismatched:
                 return {"ok": False, "reloaded": False, "mismatched": mismatched[:20], "differing": []}
-            tally = FileTally(dtype, self.device, self._rl_shards())
+            tally = FileTally(dtype, self.device, self._rl_shards(), None if staged is None else staged["checksum"])
             start, reloaded = time.perf_counter(), True
             self._rl_reload(_with_faults(tally.through(source), faults or {}, self._rl_tp_rank()))
             reload_s = time.perf_counter() - start
@@ -86,7 +86,7 @@ class WeightSyncExtension:
         start = time.perf_counter()
         report = self._rl_verify(tally)
         return report | {"reloaded": True, "reload_s": round(reload_s, 3), "files_s": round(tally.seconds, 3),
-                         "verify_s": round(time.perf_counter() - start, 3)}
+                         "verify_s": round(time.perf_counter() - start, 3), "device_bytes": tally.device_bytes}
 
     def _rl_reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """vLLM's in-place reload. vLLM moves each layer to the meta device as the reload begins and processes it
