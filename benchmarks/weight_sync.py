@@ -284,9 +284,9 @@ def main() -> None:
                 f"lower bound (write + reload) {r['lower_bound_s']:.3f}s, ratio {r['ratio']:.2f}x (target <= 1.5x)"
             )
             print("        " + ", ".join(f"{k} {v:.3f}s" for k, v in r["breakdown"].items())
-                  + "\n        (publish: write + CRC + STABLE; files: fingerprint of the files, in the server's process"
-                  " while the worker reloads; verify: of the served weights, and the comparison; rest: CRC check of"
-                  " the files, header check, HTTP, RPCs)")
+                  + "\n        (publish: write + CRC + STABLE; files: the files' fingerprint, in the worker as the"
+                  " tensors pass to its reload (part of reload); verify: of the served weights, and the comparison;"
+                  " rest: the server's read of the files with their CRC, header check and checksum, HTTP, RPCs)")
             print(f"        over the wire: publish-to-served {r['wire_s']:.3f}s "
                   f"({r['wire_s'] / r['publish_to_served_s']:.2f}x files), "
                   f"bound (bare gloo broadcast + reload) {r['wire_bound_s']:.3f}s, ratio "

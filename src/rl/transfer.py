@@ -350,17 +350,39 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
                             f"{e}") from None
 
 
-def broadcast(group: StepGroup, tensor: torch.Tensor, what: str) -> None:
-    """Broadcast `tensor` from rank 0 (in place on the others); TransferError names what was being sent."""
+@dataclass
+class InFlight:
+    """A broadcast started and not yet waited on; it holds its tensor, which must not be touched until `wait`."""
+
+    work: dist.Work
+    tensor: torch.Tensor
+    group: StepGroup
+    what: str
+
+    def wait(self) -> None:
+        """Until the broadcast is done; TransferError at the group's deadline, or if it failed. NCCL's wait would only
+        order the GPU's streams; with a deadline it blocks this thread until the broadcast is done, or raises at the
+        deadline (gloo's own timeout bounds it the same way)."""
+        try:
+            self.work.wait(self.group.timeout)
+        except Exception as e:
+            raise TransferError(f"the broadcast of {self.what} failed: {e}") from None
+
+
+def start_broadcast(group: StepGroup, tensor: torch.Tensor, what: str) -> InFlight:
+    """Start broadcasting `tensor` from rank 0 (in place on the others), so that the next one can be made ready
+    meanwhile; TransferError names what was being sent."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
     try:
-        work = group.process_group.broadcast([tensor], options)
-        # NCCL's wait would only order the GPU's streams; with a deadline it blocks this thread until the broadcast
-        # is done, or raises at the deadline (gloo's own timeout bounds it the same way)
-        work.wait(group.timeout)
+        return InFlight(group.process_group.broadcast([tensor], options), tensor, group, what)
     except Exception as e:
         raise TransferError(f"the broadcast of {what} failed: {e}") from None
+
+
+def broadcast(group: StepGroup, tensor: torch.Tensor, what: str) -> None:
+    """Broadcast `tensor` from rank 0 (in place on the others); TransferError names what was being sent."""
+    start_broadcast(group, tensor, what).wait()
 
 
 def send_header(group: StepGroup, step: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],

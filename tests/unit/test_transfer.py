@@ -212,6 +212,60 @@ def test_tensors_sent_in_buckets_arrive_bit_for_bit_and_an_altered_one_inside_a_
         staged.close()
 
 
+def test_each_bucket_goes_on_its_way_while_the_next_is_gathered_and_buckets_are_packed_in_two_kept_buffers(
+    tmp_path, sender, monkeypatch
+):
+    """The trainer gathers, packs and hashes the next bucket while the last one is broadcast (waited on only before the
+    next starts), and packs small tensors into the same two buffers from bucket to bucket and step to step; a server
+    receives the next bucket into its place while it hashes the one that arrived."""
+    import rl.trainer.transfer
+    from rl.transfer import InFlight
+
+    monkeypatch.setattr(rl.trainer.transfer, "BUCKET_BYTES", 300)  # the embedding, then weight and bias, then head
+    events = []
+    gather, wait = CollectiveSender._gather, InFlight.wait
+
+    def logged_gather(self, source):
+        events.append(("gather", tuple(source.shape)))
+        return gather(self, source)
+
+    def logged_wait(self):
+        if self.group.process_group.rank() == 0:  # the trainer's waits, not the receivers'
+            events.append(("wait", self.what))
+        return wait(self)
+
+    import rl.inference.staging
+
+    start, land = rl.inference.staging.start_broadcast, rl.inference.staging._land
+
+    def logged_start(group, tensor, what):  # the receiver's
+        events.append(("receive", what))
+        return start(group, tensor, what)
+
+    def logged_land(in_flight, *args):
+        events.append(("hash", in_flight.what))
+        return land(in_flight, *args)
+
+    monkeypatch.setattr(CollectiveSender, "_gather", logged_gather)
+    monkeypatch.setattr(InFlight, "wait", logged_wait)
+    monkeypatch.setattr(rl.inference.staging, "start_broadcast", logged_start)
+    monkeypatch.setattr(rl.inference.staging, "_land", logged_land)
+    buffers = []
+    for step in (1, 2):
+        events.clear()
+        stats, results = run_step(tmp_path, sender, TinyLM(), step=step, receivers=1)
+        assert results[1].checksum == stats["weights_checksum"]
+        results[1].staged.close()
+        assert events.index(("gather", (8,))) < events.index(("wait", f"model.embed_tokens.weight of step {step}"))
+        assert events.index(("gather", (16, 8)), 1) < events.index(
+            ("wait", f"2 tensors (model.proj.weight to model.proj.bias) of step {step}"))
+        # the server receives the next bucket into its place while it hashes the one that arrived
+        pair = f"2 tensors (model.proj.weight to model.proj.bias) of step {step}"
+        assert events.index(("receive", pair)) < events.index(("hash", f"model.embed_tokens.weight of step {step}"))
+        buffers.append([buffer.data_ptr() for buffer in sender.staging])
+    assert buffers[0] == buffers[1]
+
+
 def test_a_server_that_never_joins_fails_the_step_within_the_deadline_and_the_next_step_goes_through(
     tmp_path, sender
 ):

@@ -33,8 +33,8 @@ from rl.inference import hooks
 from rl.manifest import CorruptFileError, Entry, OpenDir, read_listed
 from rl.safetensors_io import read_file_header, tensors_of
 from rl.transfer import (
-    DIGEST_BYTES, GroupKeeper, GroupSpec, Header, StepGroup, TensorDigest, broadcast, bucket_name, bucket_plan,
-    connect_store, receive_header, safetensors_layout,
+    DIGEST_BYTES, GroupKeeper, GroupSpec, Header, InFlight, StepGroup, TensorDigest, broadcast, bucket_name,
+    bucket_plan, connect_store, receive_header, safetensors_layout, start_broadcast,
 )
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -176,30 +176,43 @@ def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, back
 
 def _receive_into(group: StepGroup, data: mmap.mmap, header: Header, spans: list, step: int, corrupt: str | None
                   ) -> TensorDigest:
-    """Each bucket of tensors broadcast into its place in `data` (straight into it over gloo; over NCCL into the GPU,
-    then copied there), each tensor hashed as it arrives."""
-    digest = TensorDigest()
+    """Each bucket of tensors broadcast into its place in `data`, each tensor hashed once its bucket arrived. Over gloo
+    a bucket arrives straight into its place, while the one before it is hashed; over NCCL into the GPU, then it is
+    copied there, one bucket at a time (the GPU is vLLM's but for one arriving bucket)."""
+    digest, landing = TensorDigest(), None
     for first, stop in bucket_plan([end - begin for begin, end in spans], header.bucket_bytes):
         begin, end = spans[first][0], spans[stop - 1][1]
         place = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=begin) if end > begin else (
             torch.empty(0, dtype=torch.uint8))
+        arriving = torch.empty(end - begin, dtype=torch.uint8, device=group.device) if group.nccl else place
         what = bucket_name([name for name, _, _ in header.tensors[first:stop]], step)
         if group.nccl:
-            arrived = torch.empty(end - begin, dtype=torch.uint8, device=group.device)
-            broadcast(group, arrived, what)
-            place.copy_(arrived)
-            del arrived
+            _land(start_broadcast(group, arriving, what), place, header.tensors[first:stop], spans[first:stop],
+                  digest, corrupt)
         else:
-            broadcast(group, place, what)
-        for (name, dtype, shape), (tensor_begin, tensor_end) in zip(header.tensors[first:stop], spans[first:stop],
-                                                                     strict=True):
-            part = place[tensor_begin - begin: tensor_end - begin]
-            if name == corrupt and len(part):
-                part[0] ^= 1
-            digest.update_bytes(name, dtype, shape, part)
-            del part
-        del place  # no view of the mapping may outlive it
+            in_flight = start_broadcast(group, arriving, what)
+            if landing is not None:
+                _land(*landing, digest, corrupt)
+            landing = (in_flight, place, header.tensors[first:stop], spans[first:stop])
+        del place, arriving  # no view of the mapping may outlive it
+    if landing is not None:
+        _land(*landing, digest, corrupt)
     return digest
+
+
+def _land(in_flight: InFlight, place: torch.Tensor, tensors: list, spans: list, digest: TensorDigest,
+          corrupt: str | None) -> None:
+    """Wait for a bucket to arrive, put it in its `place` (over NCCL: from the GPU), and hash each of its tensors."""
+    in_flight.wait()
+    if in_flight.tensor is not place:
+        place.copy_(in_flight.tensor)
+    begin = spans[0][0]
+    for (name, dtype, shape), (tensor_begin, tensor_end) in zip(tensors, spans, strict=True):
+        part = place[tensor_begin - begin: tensor_end - begin]
+        if name == corrupt and len(part):
+            part[0] ^= 1
+        digest.update_bytes(name, dtype, shape, part)
+        del part
 
 
 def take_over(received: dict) -> Received:

@@ -3,9 +3,10 @@
 Every rank takes part in each tensor's gather (FSDP's all-gather, tensor by tensor, as the files path gathers them);
 rank 0 alone holds the run's store and the group with the servers (kept from step to step while every member holds
 it: `GroupKeeper`) and broadcasts the tensors, in the served dtype, as they become whole: a big one at once, small
-ones together once their bucket is full (`bucket_plan`), then drops them: no rank holds more than a bucket or one whole
-tensor beyond its shards. Over gloo the whole tensor is on rank 0's host; over NCCL it stays on rank 0's GPU, which
-broadcasts it, and comes to the host only to be hashed.
+ones together once their bucket is full (`bucket_plan`). Each broadcast goes on while the next bucket is gathered,
+packed and hashed, and is waited on before the next starts: rank 0 holds at most two buckets (or whole tensors)
+beyond its shards, the others none. Over gloo the whole tensor is on rank 0's host; over NCCL it stays on rank 0's
+GPU, which broadcasts it, and comes to the host only to be hashed.
 A failed transfer (no server joined in time, one died mid-broadcast) is logged with its reason and the run goes on:
 the servers keep the weights they verified last, and the next step's transfer brings every server that answers to
 that step. Every rank learns how the step went, so all ranks agree on what was sent.
@@ -21,8 +22,8 @@ import torch.distributed as dist
 
 from rl.config import TransferConfig
 from rl.transfer import (
-    BUCKET_BYTES, GroupKeeper, Offer, TensorDigest, TransferError, broadcast, bucket_name, bucket_plan,
-    clear_transfers, pack_digest, send_header, start_store, tensor_bytes, wait_for_take, write_offer,
+    BUCKET_BYTES, GroupKeeper, InFlight, Offer, TensorDigest, TransferError, broadcast, bucket_name, bucket_plan,
+    clear_transfers, pack_digest, send_header, start_broadcast, start_store, tensor_bytes, wait_for_take, write_offer,
 )
 from rl.adapter import adapter_checksum
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_weight
@@ -42,6 +43,7 @@ class CollectiveSender:
         self.adapter_config = adapter_config  # set: the trainer sends its LoRA adapter (PEFT names), not the weights
         self.store: dist.TCPStore | None = None
         self.groups = GroupKeeper()  # rank 0's group with the servers, kept from step to step while it serves
+        self.staging: list[torch.Tensor] | None = None  # rank 0's two bucket buffers (`_packed`)
         self.nccl = config.transport == "nccl"
         if self.nccl and not world.on_gpu:
             raise TransferError("transfer.transport = 'nccl' needs the trainer on CUDA GPUs; this one runs on "
@@ -78,8 +80,8 @@ class CollectiveSender:
                 send_header(group, step, meta, config, BUCKET_BYTES)  # the receivers bucket as the header says
             except TransferError as e:
                 failure = str(e)
-        digest = TensorDigest()
-        for first, stop in bucket_plan(sizes, BUCKET_BYTES):
+        digest, in_flight = TensorDigest(), None
+        for index, (first, stop) in enumerate(bucket_plan(sizes, BUCKET_BYTES)):
             bucket = []  # every rank gathers every tensor; rank 0 sends each bucket while nothing failed
             for name, source in tensors[first:stop]:
                 full = self._gather(source)
@@ -87,13 +89,19 @@ class CollectiveSender:
                     bucket.append(tensor_bytes(full.to(group.device)))
                     digest.update(name, full)
                 del full
-            if bucket:
-                try:
-                    names = [name for name, _ in tensors[first:stop]]
-                    broadcast(group, bucket[0] if len(bucket) == 1 else torch.cat(bucket), bucket_name(names, step))
-                except TransferError as e:
-                    failure = str(e)
+            if bucket:  # gathered while the previous bucket was on its way; now that one must have arrived
+                data = bucket[0] if len(bucket) == 1 else self._packed(bucket, index % 2, group.device)
+                failure, in_flight = _waited(in_flight), None
+                if failure is None:
+                    try:
+                        names = [name for name, _ in tensors[first:stop]]
+                        in_flight = start_broadcast(group, data, bucket_name(names, step))
+                    except TransferError as e:
+                        failure = str(e)
+                del data
             del bucket
+        failure = failure or _waited(in_flight)
+        del in_flight
         if group is not None and failure is None:
             try:
                 broadcast(group, pack_digest(digest.digest(), group.device), f"step {step}'s checksum")
@@ -134,9 +142,29 @@ class CollectiveSender:
             return full if self.world.is_main else None
         return full_tensor(source, self.dtype, to_host=self.world.is_main)
 
+    def _packed(self, bucket: list[torch.Tensor], slot: int, device: torch.device) -> torch.Tensor:
+        """A bucket's tensors, one after the other, in staging buffer `slot` (of two, reused from bucket to bucket
+        and step to step: one is on its way while the other fills; a fresh allocation each time cost page faults
+        on the CPU)."""
+        if self.staging is None or self.staging[0].device != device:
+            self.staging = [torch.empty(BUCKET_BYTES, dtype=torch.uint8, device=device) for _ in range(2)]
+        size = sum(len(data) for data in bucket)
+        return torch.cat(bucket, out=self.staging[slot][:size])
+
     def close(self) -> None:
         self.groups.drop()
+        self.staging = None
         self.store = None
+
+
+def _waited(in_flight: InFlight | None) -> str | None:
+    """Wait for a broadcast in flight; why it failed, or None."""
+    try:
+        if in_flight is not None:
+            in_flight.wait()
+    except TransferError as e:
+        return str(e)
+    return None
 
 
 def _shape(source: torch.Tensor | LoRALinear) -> tuple[int, ...]:
