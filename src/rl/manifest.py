@@ -342,15 +342,14 @@ def read_manifest(directory: Where, marker: bytes | None = None) -> dict[str, En
     return recorded
 
 
-def read_listed(directory: Where, name: str, entry: Entry, chunk: int = READ_CHUNK, allocate=bytearray):
-    """The bytes of a listed file, read once: checked against the recorded size and CRC-32 as they are read, into
-    `allocate(size)` (a writable buffer of that size: a bytearray, or a mapping the caller owns)."""
+def read_listed(directory: Where, name: str, entry: Entry, chunk: int = READ_CHUNK) -> bytearray:
+    """The bytes of a listed file, read once: checked against the recorded size and CRC-32 as they are read."""
     path = directory / name
     with open_regular(directory, name) as f:
         size = os.fstat(f.fileno()).st_size
         if entry.checked and size != entry.bytes:
             raise CorruptFileError(f"{path} has {size} bytes, {entry.bytes} were written: truncated or changed")
-        data = allocate(size)
+        data = bytearray(size)
         with memoryview(data) as view:
             done, crc = 0, 0
             while done < size:
@@ -360,6 +359,32 @@ def read_listed(directory: Where, name: str, entry: Entry, chunk: int = READ_CHU
                 crc = zlib_ng.crc32(view[done : done + n], crc)
                 done += n
     if entry.checked and crc != entry.crc32:
+        raise CorruptFileError(f"{path} fails its CRC-32 check: changed after it was written")
+    return data
+
+
+def copy_listed(directory: Where, name: str, entry: Entry, into: int) -> mmap.mmap | bytes:
+    """A listed file's bytes, copied once by the kernel into the file open at `into` (a memfd: sendfile, so no page
+    passes through this process on the way), then checked where they landed against the recorded size and CRC-32.
+    Returns a private mapping of them (writable views for torch, pages shared until written, which nothing does; the
+    caller closes it), or b"" for an empty file."""
+    path = directory / name
+    with open_regular(directory, name) as f:
+        size = os.fstat(f.fileno()).st_size
+        if entry.checked and size != entry.bytes:
+            raise CorruptFileError(f"{path} has {size} bytes, {entry.bytes} were written: truncated or changed")
+        os.ftruncate(into, size)
+        os.lseek(into, 0, os.SEEK_SET)  # sendfile writes at `into`'s offset
+        done = 0
+        while done < size:
+            sent = os.sendfile(into, f.fileno(), done, size - done)
+            if not sent:
+                raise CorruptFileError(f"{path} ended after {done} of {size} bytes: truncated while read")
+            done += sent
+    data = mmap.mmap(into, size, access=mmap.ACCESS_COPY) if size else b""
+    if entry.checked and zlib_ng.crc32(data) != entry.crc32:
+        if size:
+            data.close()
         raise CorruptFileError(f"{path} fails its CRC-32 check: changed after it was written")
     return data
 

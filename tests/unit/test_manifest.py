@@ -106,6 +106,31 @@ def test_read_listed_reads_once_and_checks_the_crc(published):
         read_listed(published, "model.safetensors", manifest["model.safetensors"])
 
 
+def test_copy_listed_copies_into_the_memfd_and_checks_the_bytes_where_they_landed(published, monkeypatch):
+    """The server's read of a weight file: copied by the kernel into a memfd, its size and CRC-32 checked there."""
+    from rl.manifest import copy_listed
+
+    manifest = read_manifest(published)
+    entry, expected = manifest["model.safetensors"], (published / "model.safetensors").read_bytes()
+    fd = os.memfd_create("copy")
+    try:
+        data = copy_listed(published, "model.safetensors", entry, fd)
+        assert bytes(data) == expected == os.pread(fd, 10**6, 0) and os.fstat(fd).st_size == len(expected)
+        data.close()
+        with pytest.raises(CorruptFileError, match=f"has {len(expected)} bytes, 3 were written"):
+            copy_listed(published, "model.safetensors", Entry(3, entry.crc32), fd)
+        monkeypatch.setattr(os, "sendfile", lambda out, source, offset, count: min(count, 7) if offset < 14 else 0)
+        with pytest.raises(CorruptFileError, match=f"ended after 14 of {len(expected)} bytes: truncated while read"):
+            copy_listed(published, "model.safetensors", entry, fd)
+        monkeypatch.undo()
+        with open(published / "model.safetensors", "r+b") as f:
+            f.write(b"\xff")  # same size, other bytes
+        with pytest.raises(CorruptFileError, match="fails its CRC-32 check"):
+            copy_listed(published, "model.safetensors", entry, fd)
+    finally:
+        os.close(fd)
+
+
 def batch_file(lengths: list[int], tokens: int) -> dict[str, torch.Tensor]:
     tensors = encode_samples([Sample([1] * tokens, [1] * tokens, [0.0] * tokens, 0.5, 1.0, 0)])
     tensors["lengths"] = torch.tensor(lengths, dtype=torch.int64)

@@ -1,8 +1,8 @@
 """A step's files as the server checked them: what is checked is what is loaded.
 
 The server opens a step directory once (`OpenDir`: no component may be a symlink) and takes every read through
-that one handle: the STABLE marker, the manifest, the small files and then each weight file, read once into a
-sealed memfd (`stage_weights`) while its size, CRC-32 and safetensors header (every tensor inside the file, none
+that one handle: the STABLE marker, the manifest, the small files and then each weight file, copied once into a
+sealed memfd (`stage_weights`), where its size, CRC-32 and safetensors header (every tensor inside the file, none
 overlapping) are checked. The step's `weights_checksum` is taken here as well, once per server, from the bytes in
 hand (a step over the wire: as it arrives), while generation goes on; the workers only fingerprint what they load.
 The workers, every tensor-parallel rank of the server, map those memfds read-only through
@@ -30,7 +30,7 @@ from zlib_ng import zlib_ng
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.inference import hooks
-from rl.manifest import CorruptFileError, Entry, OpenDir, read_listed
+from rl.manifest import CorruptFileError, Entry, OpenDir, copy_listed, read_listed
 from rl.safetensors_io import read_file_header, tensors_of
 from rl.transfer import (
     DIGEST_BYTES, GroupKeeper, GroupSpec, Header, InFlight, StepGroup, TensorDigest, broadcast, bucket_name,
@@ -77,9 +77,9 @@ async def release(staged: StagedStep) -> None:
 
 
 def stage_weights(step: OpenDir, manifest: dict[str, Entry]) -> StagedStep:
-    """Read every listed weight file of `step` once, through its handle, into a sealed memfd, checked as it is
-    read (size, CRC-32, then the safetensors header against the file's length), and hash its tensors for the step's
-    checksum while they are in hand. CorruptFileError names the first problem; nothing is kept then."""
+    """Copy every listed weight file of `step` once, through its handle, into a sealed memfd, checked there (size,
+    CRC-32, then the safetensors header against the file's length), and hash its tensors for the step's checksum
+    while they are in hand. CorruptFileError names the first problem; nothing is kept then."""
     staged, digest = StagedStep(), TensorDigest()
     try:
         for name in weight_files(manifest):
@@ -94,11 +94,7 @@ def stage_weights(step: OpenDir, manifest: dict[str, Entry]) -> StagedStep:
 def _stage_file(step: OpenDir, name: str, entry: Entry, digest: TensorDigest) -> tuple[int, int]:
     fd = os.memfd_create(f"rl-{name}"[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        def into_memfd(size: int):  # the read goes straight into the memfd's pages
-            os.ftruncate(fd, size)
-            return mmap.mmap(fd, size) if size else bytearray()
-
-        data = read_listed(step, name, entry, allocate=into_memfd)
+        data = copy_listed(step, name, entry, fd)  # checked in the memfd, where the workers will map it
         size = len(data)
         try:
             read_file_header(fd, str(step / name))  # every tensor inside the file's bytes, none over another
