@@ -124,7 +124,7 @@ class FileTally:
 
     `checksum`: the files' checksum where the server already took it from these very bytes as it checked them (a
     staged step, sealed since: rl.inference.staging), so no worker hashes the whole model again while generation
-    is held; it then names the files' own tensors (a tied head the reload adds is the embedding's bytes)."""
+    is held; it then covers the files' own tensors, not a tied head the reload adds from the embedding."""
 
     def __init__(self, dtype: torch.dtype, device="cpu", shards: dict[str, Shard | None] | None = None,
                  checksum: str | None = None):
