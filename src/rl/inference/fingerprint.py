@@ -132,7 +132,7 @@ class FileTally:
         self.prints: dict[str, Fingerprint] = {}
         self.digest, self.known = (TensorDigest(), None) if checksum is None else (None, checksum)
         self.seconds = 0.0
-        self.device_bytes = 0  # copied to the device for the fingerprint and the reload
+        self.device_bytes = 0  # moved to the device here: a tensor served whole, or the shard fingerprinted
 
     def through(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors, fingerprinted on the way (on the device that serves them). A tensor served whole here goes to

@@ -97,7 +97,9 @@ def _stage_file(step: OpenDir, name: str, entry: Entry, digest: TensorDigest) ->
         data = copy_listed(step, name, entry, fd)  # checked in the memfd, where the workers will map it
         size = len(data)
         try:
-            read_file_header(fd, str(step / name))  # every tensor inside the file's bytes, none over another
+            # every tensor inside the file's bytes, none over another; checked from the fd, before any view of the
+            # mapping exists (a refusal raised inside `tensors_of` would leave one exported, and the close would fail)
+            read_file_header(fd, str(step / name))
             _hash_tensors(data, str(step / name), digest)
         finally:
             if isinstance(data, mmap.mmap):
