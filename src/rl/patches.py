@@ -6,9 +6,11 @@ save is in docs/architecture.md ("Patches of other libraries"):
 - verifiers: its training client sends requests through our `EngineClient` (`use_engine_client`);
 - renderers: each renderer it builds for verifiers' training client remembers its recent renders
   (`remember_renders`): a group's rollouts render the same prompt; its tokenizer remembers encodes of short strings
-  (`remember_short_encodes`);
+  (`remember_short_encodes`); verifiers' renderer slots hand out a remembered render on the event loop instead of
+  through a thread (`remembered_on_loop`);
 - verifiers: its subprocess runtime makes each rollout's working directory at its first use, not at every start
-  (`lazy_runtime_workdirs`); harness classes are remembered by id (`remember_harness_classes`);
+  (`lazy_runtime_workdirs`); harness classes are remembered by id (`remember_harness_classes`); the
+  signatures of the hooks and scoring functions it calls, by function (`remember_signatures`);
   all applied by the orchestrator's rollouts module when it is imported (`apply_orchestrator_patches`, which
   it hands the client class: this module imports nothing of rl's);
 - verifiers: its eval client reads chat replies through an httpx client that bounds their size and the time to
@@ -28,6 +30,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 
 logger = logging.getLogger(__name__)
@@ -108,12 +111,20 @@ def bound_eval_client(build_client) -> None:
 RENDERS_REMEMBERED = 256  # per renderer: more than the distinct prompts of the groups in flight at once
 
 
+class NotRemembered(Exception):
+    """Raised inside a renderer slot's work tried on the event loop: the work is not a remembered render."""
+
+
+_on_loop = threading.local()  # `.active` while a slot's work is tried on the event loop thread
+
+
 def remember_renders() -> None:
     """verifiers' training client renders each rollout's prompt (chat template, then tokenizer) on a renderer from
     its pool; the rollouts of a group share their prompt, so a group of n rendered it n times (~0.4-0.6 ms each for
     a short prompt). Each renderer built for the pool (`renderers.create_renderer`) keeps its last
     RENDERS_REMEMBERED renders, keyed by everything `render` takes, and hands out a copy: callers own what they
-    get. A render is a pure function of its arguments for one renderer."""
+    get. A render is a pure function of its arguments for one renderer. The pool's slots hand out remembered
+    renders on the event loop (`remembered_on_loop`)."""
     import copy
     import json
     from collections import OrderedDict
@@ -125,32 +136,81 @@ def remember_renders() -> None:
         return
 
     def remembering(render):
-        memory: OrderedDict[str, object] = OrderedDict()
+        memory: OrderedDict[str, object] = OrderedDict()  # used under the renderer's slot lock only
 
         @functools.wraps(render)
         def remembered_render(messages, **kwargs):
             try:
                 key = json.dumps([messages, kwargs], sort_keys=True)
             except TypeError:  # not plain JSON (images): rendered each time
+                key = None
+            rendered = memory.get(key)
+            if rendered is None and getattr(_on_loop, "active", False):
+                raise NotRemembered
+            if key is None:
                 return render(messages, **kwargs)
-            if key not in memory:
-                memory[key] = render(messages, **kwargs)
+            if rendered is None:
+                rendered = memory[key] = render(messages, **kwargs)
                 if len(memory) > RENDERS_REMEMBERED:
                     memory.popitem(last=False)
             memory.move_to_end(key)
-            return copy.deepcopy(memory[key])
+            return copy.deepcopy(rendered)
 
+        remembered_render.remembers_renders = True
         return remembered_render
+
+    def never_on_loop(work):
+        @functools.wraps(work)
+        def off_loop_only(*args, **kwargs):
+            if getattr(_on_loop, "active", False):
+                raise NotRemembered
+            return work(*args, **kwargs)
+
+        return off_loop_only
 
     @functools.wraps(create)
     def create_renderer(tokenizer, *args, **kwargs):
         renderer = create(tokenizer, *args, **kwargs)
         renderer.render = remembering(renderer.render)
+        renderer.bridge_to_next_turn = never_on_loop(renderer.bridge_to_next_turn)
         remember_short_encodes(tokenizer)
         return renderer
 
     create_renderer.remembers_renders = True
     renderers.create_renderer = create_renderer
+    remembered_on_loop()
+
+
+def remembered_on_loop() -> None:
+    """verifiers runs a renderer slot's work (a render, a multi-turn bridge) in a thread under the slot's lock, so
+    tokenizing a long prompt never blocks the event loop. A remembered render is a dictionary lookup and a copy:
+    the hop to a thread and back cost more than the render (~5% of the orchestrator's CPU with the parameter
+    names below: benchmarks/orchestrator_throughput.py against a stand-in engine, docs/architecture.md). Where the
+    slot's lock is free, its work is tried on the loop first, holding the lock; a render not remembered, or any
+    other work of the renderer (`bridge_to_next_turn`), stops at once (`NotRemembered`) and goes to the thread as
+    before. A renderer not built through `create_renderer` (so not remembering) is always sent to the thread."""
+    from verifiers.v1.clients import train as verifiers_train
+
+    slot = patch_target(verifiers_train, "RendererSlot", "verifiers")
+    run_in_thread = patch_target(slot, "run", "verifiers")
+    if getattr(run_in_thread, "remembered_on_loop", False):
+        return
+
+    @functools.wraps(run_in_thread)
+    async def run(self, fn):
+        if getattr(self.renderer.render, "remembers_renders", False) and self.lock.acquire(blocking=False):
+            _on_loop.active = True
+            try:
+                return fn()
+            except NotRemembered:
+                pass
+            finally:
+                _on_loop.active = False
+                self.lock.release()
+        return await run_in_thread(self, fn)
+
+    run.remembered_on_loop = True
+    slot.run = run
 
 
 WORKDIR_USES = ("run", "open_process", "run_background", "_read", "write")  # every use of a runtime's workdir
@@ -258,12 +318,58 @@ def remember_harness_classes() -> None:
     loaders.harness_class = functools.cache(find)
 
 
+def remember_signatures() -> None:
+    """verifiers calls each task hook and scoring function (`setup`, rewards, metrics, ...) through
+    `utils.decorators.invoke`, which reads the function's signature (`inspect.signature`) on every call to pick
+    the arguments it takes: several per rollout, ~5% of the orchestrator's CPU (py-spy). The module's `inspect`
+    remembers signatures (`RememberingInspect`); `invoke` is unchanged, and any other use of `inspect` there goes
+    to `inspect` itself."""
+    import inspect
+    import types
+
+    from verifiers.v1.utils import decorators
+
+    if isinstance(patch_target(decorators, "inspect", "verifiers"), RememberingInspect):
+        return
+    patch_target(decorators, "invoke", "verifiers")
+    decorators.inspect = RememberingInspect(inspect, types.MethodType)
+
+
+SIGNATURES_REMEMBERED = 4096  # functions; more than any environment's hooks and scoring functions
+
+
+class RememberingInspect:
+    """`inspect`, with `signature` remembered per function; a bound method's per function, as it does not depend on
+    the instance. Past SIGNATURES_REMEMBERED functions (callables made per call) it starts again."""
+
+    def __init__(self, inspect_module, method_type: type) -> None:
+        self._inspect, self._method_type = inspect_module, method_type
+        self._memory: dict[tuple, object] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._inspect, name)
+
+    def signature(self, fn):
+        bound = isinstance(fn, self._method_type)
+        key = (fn.__func__ if bound else fn, bound)
+        try:
+            signature = self._memory.get(key)
+        except TypeError:  # an unhashable callable
+            return self._inspect.signature(fn)
+        if signature is None:
+            if len(self._memory) >= SIGNATURES_REMEMBERED:
+                self._memory.clear()
+            signature = self._memory[key] = self._inspect.signature(fn)
+        return signature
+
+
 def apply_orchestrator_patches(client_class: type) -> None:
     cache_default_factory_inspection()
     use_engine_client(client_class)
     remember_renders()
     lazy_runtime_workdirs()
     remember_harness_classes()
+    remember_signatures()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -166,7 +166,10 @@ def test_a_patch_whose_target_is_gone_fails_loudly_naming_it():
 
 
 def test_training_rollouts_ask_vllm_for_tokens_only_unless_stop_strings_need_the_text():
-    from rl.orchestrator.rollouts import ChatClient, InferenceClient, Sampling, model_context
+    from rl.orchestrator.rollouts import ChatClient, InferenceClient, Sampling, model_contexts
+
+    def model_context(client, sampling, _):
+        return model_contexts(client, sampling, 1)[0]
 
     train = InferenceClient("http://127.0.0.1:8000", "m", "/models/m", renderer=None)
     chat = ChatClient("http://127.0.0.1:8000", "m")
@@ -175,6 +178,17 @@ def test_training_rollouts_ask_vllm_for_tokens_only_unless_stop_strings_need_the
     stopped = model_context(train, Sampling(extra={"stop": ["\n"]}), 0).sampling.model_dump(exclude_none=True)
     assert "detokenize" not in stopped and stopped["stop"] == ["\n"]
     assert "detokenize" not in model_context(chat, Sampling(), 0).sampling.model_dump(exclude_none=True)
+
+
+def test_a_groups_rollouts_share_their_configs_and_seeded_ones_get_a_seed_each():
+    from rl.orchestrator.rollouts import InferenceClient, Sampling, model_contexts
+
+    train = InferenceClient("http://127.0.0.1:8000", "m", "/models/m", renderer=None)
+    unseeded = model_contexts(train, Sampling(max_tokens=4), 3)
+    assert len(unseeded) == 3 and len({id(c.client) for c in unseeded} | {id(c.sampling) for c in unseeded}) == 2
+    assert "seed" not in unseeded[0].sampling.model_dump() and unseeded[0].client.base_url == "http://127.0.0.1:8000/v1"
+    seeded = model_contexts(train, Sampling(max_tokens=4, seed=7), 3)
+    assert [c.sampling.model_dump()["seed"] for c in seeded] == [7, 8, 9] and len({id(c.client) for c in seeded}) == 1
 
 
 def test_renderers_built_for_the_training_client_render_a_repeated_prompt_once_and_hand_out_copies(
@@ -260,3 +274,77 @@ def test_harness_classes_are_looked_up_once_per_id():
     assert loaders.harness_class("in_process_chat") is first and loaders.harness_class.cache_info().hits >= 1
     with pytest.raises(ModuleNotFoundError):  # a failed lookup is not remembered: it fails again
         loaders.harness_class("no_such_harness_anywhere")
+
+
+def test_a_renderer_slot_hands_out_a_remembered_render_on_the_loop_and_sends_other_work_to_a_thread(
+        tiny_model, monkeypatch):
+    import asyncio
+    import threading
+
+    import renderers
+    from renderers.base import load_tokenizer
+    from verifiers.v1.clients.train import RendererSlot
+
+    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+    from rl.renderer import renderer_config
+
+    kind = type(renderers.create_renderer(load_tokenizer(str(tiny_model)), renderer_config("auto", str(tiny_model))[0])
+                .render.__wrapped__.__self__)
+    bridged = []
+    monkeypatch.setattr(kind, "bridge_to_next_turn", lambda self, *a, **k: bridged.append(threading.get_ident()))
+    slot = RendererSlot(renderers.create_renderer(load_tokenizer(str(tiny_model)),
+                                                  renderer_config("auto", str(tiny_model))[0]))
+    messages, tried_on = [{"role": "user", "content": "reverse: abc"}], []
+
+    def render():
+        tried_on.append(threading.get_ident())
+        return slot.renderer.render(messages, tools=None, add_generation_prompt=True)
+
+    async def main():
+        loop = threading.get_ident()
+        first = await slot.run(render)  # not remembered: tried on the loop, then rendered in a thread
+        assert tried_on[0] == loop and tried_on[1] != loop and len(tried_on) == 2
+        second = await slot.run(render)  # remembered: handed out on the loop
+        assert tried_on[2:] == [loop] and second.token_ids == first.token_ids
+        await slot.run(lambda: slot.renderer.bridge_to_next_turn([1], [2], []))  # never on the loop
+        assert len(bridged) == 1 and bridged[0] != loop
+        slot.lock.acquire()  # the slot is busy in a thread: the work waits there, not on the loop
+        waiting = asyncio.ensure_future(slot.run(render))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and tried_on[3:] == []
+        slot.lock.release()
+        assert (await waiting).token_ids == first.token_ids and tried_on[3] != loop
+
+    asyncio.run(main())
+
+
+def test_verifiers_reads_a_hooks_signature_once_per_function():
+    import inspect
+
+    from verifiers.v1.utils import decorators
+
+    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+
+    reads = []
+    real = inspect.signature
+    decorators.inspect._inspect = type("Counting", (), {"signature": staticmethod(
+        lambda fn: reads.append(fn) or real(fn))})()
+    decorators.inspect._memory.clear()
+    try:
+        class Task:
+            def reward(self, trace, runtime=None):
+                return (self, trace, runtime)
+
+            def anything(*args):
+                return args
+
+        first, second = Task(), Task()
+        available = {"trace": "t", "runtime": "r", "unused": 0}
+        assert decorators.invoke(first.reward, available) == (first, "t", "r")
+        assert decorators.invoke(second.reward, available) == (second, "t", "r")  # another instance: remembered
+        assert decorators.invoke(first.anything, available) == (first,)  # *args: as inspect reads it
+        assert len(reads) == 2
+        assert decorators.invoke(lambda trace: trace, available) == "t" and len(reads) == 3
+    finally:
+        decorators.inspect._inspect = inspect
+        decorators.inspect._memory.clear()
