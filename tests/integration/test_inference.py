@@ -131,6 +131,7 @@ def test_admin_requests_that_must_be_refused(server, run_dir):
         assert 400 <= response.status_code < 500, (body, response.status_code)
     assert server.admin("GET", "/policy_step", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert server.proc.poll() is None  # still alive after all that
+    assert '"GET /policy_step HTTP/1.1" 401' in server.log.read_text()  # admin requests stay in the access log
 
 
 def generate_concurrently(server, requests: list[tuple[list[int], dict]], in_flight: int) -> list[list[int]]:
@@ -160,6 +161,8 @@ def test_seeded_requests_with_long_prompts_under_load(server):
     first, second = (generate_concurrently(server, requests, in_flight=len(requests)) for _ in range(2))
     assert first == second
     assert server.proc.poll() is None
+    log = server.log.read_text()  # answered generation requests are left out of the access log, other routes not
+    assert '"POST /inference/v1/generate HTTP/1.1" 200' not in log and '"GET /health HTTP/1.1" 200' in log
 
 
 def test_the_engine_core_sleeps_while_its_worker_computes(server):

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from rl.inference.gate import add_token_strings, is_loopback, route_of
+from rl.inference.gate import AnsweredGenerationFilter, add_token_strings, is_loopback, route_of
 from rl.inference.server import private_ipc_dir
 
 
@@ -30,6 +30,25 @@ def test_a_body_with_non_finite_logprobs_gets_its_token_strings_too():
 def test_a_null_body_passes_unchanged():
     """vLLM answers `null` when the client went away mid-request; that must not raise in the server."""
     assert add_token_strings(b"null") == b"null"
+
+
+def test_the_access_log_leaves_out_answered_generation_requests_only(caplog):
+    import logging
+
+    access = logging.getLogger("uvicorn.access")
+    access.addFilter(answered := AnsweredGenerationFilter())
+    try:
+        with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+            for path, status in [("/inference/v1/generate", 200), ("/v1/chat/completions", 200),
+                                 ("/v1/completions?x=1", 200), ("/inference/v1/generate", 503),
+                                 ("/v1/chat/completions", 401), ("/update_weights", 200), ("/health", 200)]:
+                access.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5000", "POST", path, "1.1", status)  # as uvicorn
+            access.info("a line of another shape")
+    finally:
+        access.removeFilter(answered)
+    assert [record.getMessage().split('"')[1] if record.args else record.getMessage() for record in caplog.records] == [
+        "POST /inference/v1/generate HTTP/1.1", "POST /v1/chat/completions HTTP/1.1", "POST /update_weights HTTP/1.1",
+        "POST /health HTTP/1.1", "a line of another shape"]
 
 
 def test_vllm_ipc_sockets_get_a_directory_removed_at_exit(monkeypatch):

@@ -139,6 +139,11 @@ class InferenceConfig(Settings):
         TransferConfig, Field(description="how weights arrive; a server takes updates over the wire only with a "
                                           "collective transport (rl fills it from --transfer.*)")
     ] = TransferConfig()
+    log_generation_requests: Annotated[
+        bool, Field(description="a line in the server's access log for every answered generation request (one per "
+                                "rollout turn: thousands per step); refused and failed ones, and every other route, "
+                                "are always logged")
+    ] = False
     extra_args: Annotated[
         list[str], AfterValidator(_no_rl_flags),
         Field(description="any other vLLM server arguments, passed through (after rl's: they win)"),

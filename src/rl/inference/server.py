@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rl import patches
 from rl.inference.config import InferenceConfig
-from rl.inference.gate import AdminMiddleware
+from rl.inference.gate import AdminMiddleware, AnsweredGenerationFilter
 from rl.inference.policy import AdminSettings
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,8 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
         transport=config.transfer.transport,
     )
     set_shm_poll()
+    if not config.log_generation_requests:  # a filter of the logger itself: uvicorn's logging setup keeps it
+        logging.getLogger("uvicorn.access").addFilter(AnsweredGenerationFilter())
     with private_ipc_dir(), cpu_compile_policy(args.enforce_eager):
         uvloop.run(run_server(args, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
 
