@@ -57,3 +57,22 @@ def test_max_grad_norm_clips_the_global_norm():
     model.weight.grad = torch.tensor([[3.0, 4.0]])  # norm 5
     assert clip_gradients(model, max_norm=1.0) == pytest.approx(5.0)
     assert model.weight.grad.tolist() == [pytest.approx([0.6, 0.8])]
+
+
+def test_the_optimizer_is_fused_and_steps_as_adamw_does():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    reference = torch.nn.Linear(4, 3)
+    reference.load_state_dict(model.state_dict())
+    config = OptimConfig(lr=1e-2, weight_decay=0.1)
+    optimizer = build_optimizer(model, config)
+    assert optimizer.defaults["fused"] is True
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for _ in range(3):
+        for m in (model, reference):
+            m.zero_grad()
+            m(torch.ones(2, 4)).square().sum().backward()
+        optimizer.step()
+        plain.step()
+    for fused, looped in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(fused, looped)
