@@ -7,7 +7,9 @@ directly; the orchestrator side goes through verifiers (harness, interception se
 scoring). Each repeat measures raw then orchestrator back to back; the figure is the median over repeats
 of orchestrator tokens/s over raw tokens/s (target >= 0.8), as the machine's speed drifts between repeats.
 Beside it: the orchestrator's CPU per rollout (this process's CPU time, every thread, over the rollouts: the
-orchestrator side runs in this process) against the raw client's per request, and the vLLM API server process's
+orchestrator side runs in this process), less the environment's own scoring (the CPU time of the task's reward and
+metric functions, timed around each call: exact for functions that do not await), against the raw client's per
+request, and the vLLM API server process's
 CPU per request on each side (rl's gate and vLLM's frontend; the engine and its workers are other processes). The
 last line reads `orchestrator <R>x raw vLLM tokens/s, <C> ms CPU per rollout`.
 
@@ -25,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
+import inspect
 import logging
 import os
 import statistics
@@ -111,6 +115,40 @@ def rendered_prompts(env, tokenizer, groups: int) -> list[list[int]]:
     return prompts
 
 
+class ScoringClock:
+    """CPU seconds spent in the environment's scoring: each reward and metric function of the task's classes timed
+    with the calling thread's CPU clock (the event loop's, for the coroutines verifiers awaits)."""
+
+    def __init__(self, environment) -> None:
+        self.seconds = 0.0
+        for klass in type(environment.task(0)).__mro__:
+            for name, fn in list(vars(klass).items()):
+                if callable(fn) and (hasattr(fn, "reward") or hasattr(fn, "metric")):
+                    setattr(klass, name, self._timed(fn))
+
+    def _timed(self, fn):
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def timed_coroutine(*args, **kwargs):
+                start = time.thread_time()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    self.seconds += time.thread_time() - start
+
+            return timed_coroutine
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - start
+
+        return timed
+
+
 class CpuMeter:
     """CPU seconds of this process (every thread) and of the API server process (when known), between calls."""
 
@@ -128,6 +166,7 @@ class CpuMeter:
 
 async def measure(args, base_url: str, server_pid: int | None = None, plain: tuple[str, int] | None = None) -> None:
     env = load_environment(EnvConfig(id=args.env, args={"num_examples": args.groups}))
+    scoring = ScoringClock(env)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = rendered_prompts(env, tokenizer, args.groups)
     client = InferenceClient(base_url, args.model, args.model, renderer_config("auto", args.model)[0])
@@ -135,7 +174,8 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
         tune_gc_for_serving()  # as the orchestrator does once its environments serve
         await orchestrator_side(args, env, client)  # warm-up both paths
         await raw_side(args, prompts, base_url)
-        ratios, cpu = [], {"raw": [], "orch": [], "raw_server": [], "orch_server": [], "plain_server": []}
+        ratios = []
+        cpu = {"raw": [], "orch": [], "scoring": [], "raw_server": [], "orch_server": [], "plain_server": []}
         meter, requests = CpuMeter(server_pid), args.groups * args.group_size
         plain_meter = CpuMeter(plain[1]) if plain else None
         if plain:
@@ -150,23 +190,26 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
             own, server = meter.since(before)
             cpu["raw"].append(own / requests)
             cpu["raw_server"].append(server / requests)
-            before = meter.read()
+            before, scored = meter.read(), scoring.seconds
             orch_tokens, orch_s = await orchestrator_side(args, env, client)
             own, server = meter.since(before)
-            cpu["orch"].append(own / requests)
+            cpu["scoring"].append((scoring.seconds - scored) / requests)
+            cpu["orch"].append(own / requests - cpu["scoring"][-1])
             cpu["orch_server"].append(server / requests)
             ratios.append((orch_tokens / orch_s) / (raw_tokens / raw_s))
             print(
                 f"raw {raw_tokens} tokens in {raw_s:.2f}s = {raw_tokens / raw_s:.0f} tokens/s; orchestrator "
                 f"{orch_tokens} in {orch_s:.2f}s = {orch_tokens / orch_s:.0f} tokens/s; ratio {ratios[-1]:.2f}; "
-                f"CPU per rollout {1e3 * cpu['orch'][-1]:.2f} ms (raw client {1e3 * cpu['raw'][-1]:.2f} ms per "
+                f"CPU per rollout {1e3 * cpu['orch'][-1]:.2f} ms + scoring {1e3 * cpu['scoring'][-1]:.2f} ms "
+                f"(raw client {1e3 * cpu['raw'][-1]:.2f} ms per "
                 f"request), API server {1e3 * cpu['orch_server'][-1]:.2f} / {1e3 * cpu['raw_server'][-1]:.2f} ms per "
                 "request"
             )
     median = {k: 1e3 * statistics.median(v) for k, v in cpu.items() if v}
     print(f"orchestrator / raw vLLM tokens/s: median {statistics.median(ratios):.2f} over {len(ratios)} pairs "
           f"(range {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.8)")
-    print(f"CPU, medians: orchestrator {median['orch']:.2f} ms per rollout (target <= 1 ms; raw client "
+    print(f"CPU, medians: orchestrator {median['orch']:.2f} ms per rollout, the environment's scoring "
+          f"{median['scoring']:.2f} ms besides (target <= 1 ms; raw client "
           f"{median['raw']:.2f} ms per request); vLLM API server {median['orch_server']:.2f} ms per request from the "
           f"orchestrator, {median['raw_server']:.2f} ms from the raw client")
     if plain:
