@@ -348,3 +348,23 @@ def test_verifiers_reads_a_hooks_signature_once_per_function():
     finally:
         decorators.inspect._inspect = inspect
         decorators.inspect._memory.clear()
+
+
+def test_engine_replies_are_decoded_by_msgspec_and_by_json_where_they_are_not_strict_json():
+    import json
+
+    from renderers import client as renderers_client
+
+    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+
+    decoder, decoded = renderers_client.json, []
+    real_decode = decoder._decode
+    decoder._decode = lambda text: decoded.append(text) or real_decode(text)
+    try:
+        strict = b'{"choices": [{"token_ids": [3, 5], "logprobs": {"content": [{"token_id": 3, "logprob": -0.25}]}}]}'
+        assert renderers_client.parse_generate_response(strict) == json.loads(strict) and decoded == [strict]
+        loose = strict.replace(b"-0.25", b"-Infinity")  # as vLLM writes a -inf logprob
+        assert renderers_client.parse_generate_response(loose) == json.loads(loose) and len(decoded) == 2
+        assert renderers_client.json.dumps({"a": 1}) == json.dumps({"a": 1})  # the rest is the json module's
+    finally:
+        decoder._decode = real_decode
