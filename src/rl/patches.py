@@ -366,7 +366,7 @@ class RememberingInspect:
 
 def decode_engine_replies_with_msgspec() -> None:
     """renderers parses each `/inference/v1/generate` reply (`renderers.client.parse_generate_response`) with the
-    json module: a dict per sampled token, ~2.7x msgspec's time (a 4,096-token reply 7.4 against 2.8 ms on this
+    json module: two dicts per sampled token, ~2.8x msgspec's time (a 4,096-token reply 8.1 against 2.9 ms on this
     CPU; docs/architecture.md, Measurements), on the orchestrator's one event loop, for every turn of every rollout.
     That module's `json` decodes with msgspec instead; a reply msgspec refuses (vLLM writes a -inf logprob as
     `-Infinity`, which strict JSON has not) is decoded by the json module as before. The same values either way."""
