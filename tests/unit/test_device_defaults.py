@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from rl.config import ConfigError, parse_config
 from rl.inference.config import InferenceConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference
+from rl.inference.server import vllm_argv
 from rl.launcher import main as launcher
 from rl.launcher.config import RLConfig, resolve
 from rl.launcher.devices import DevicePlan, cpu_plan
@@ -83,13 +84,16 @@ def test_on_a_real_cuda_host_the_trainer_masks_the_mismatch_and_computes_in_bf16
 
 def test_inference_defaults_by_device_and_the_users_values_win():
     cpu, cuda = InferenceConfig(), InferenceConfig()
-    assert resolve_inference(cpu, "cpu") == {"dtype": "auto: CPU", "enforce_eager": "auto: CPU"}
-    assert (cpu.dtype, cpu.enforce_eager) == ("float32", True)
+    assert resolve_inference(cpu, "cpu") == dict.fromkeys(["dtype", "enforce_eager", "log_stats"], "auto: CPU")
+    assert (cpu.dtype, cpu.enforce_eager, cpu.log_stats) == ("float32", True, False)
     resolve_inference(cuda, "cuda")
-    assert (cuda.dtype, cuda.enforce_eager) == ("auto", False)
-    mine = InferenceConfig(dtype="float32", enforce_eager=True)
-    assert resolve_inference(mine, "cuda") == {"dtype": "set by you", "enforce_eager": "set by you"}
-    assert (mine.dtype, mine.enforce_eager) == ("float32", True)
+    assert (cuda.dtype, cuda.enforce_eager, cuda.log_stats) == ("auto", False, True)
+    mine = InferenceConfig(dtype="float32", enforce_eager=True, log_stats=True)
+    assert resolve_inference(mine, "cpu") == {"dtype": "set by you", "enforce_eager": "set by you",
+                                              "log_stats": "set by you"}
+    assert (mine.dtype, mine.enforce_eager, mine.log_stats) == ("float32", True, True)
+    assert "--disable-log-stats" in vllm_argv(cpu, "/m", 0.2, []) and "--disable-log-stats" not in vllm_argv(
+        cuda, "/m", 0.9, []) + vllm_argv(mine, "/m", 0.2, [])
 
 
 @pytest.mark.parametrize("config, served", [
@@ -188,6 +192,7 @@ def test_dry_run_prints_what_the_device_chose_and_the_mapped_gpus(tmp_path, monk
     assert "trainer.activation_checkpointing = true (auto: CUDA)" in out
     assert 'trainer.loss.mismatch = { type = "mask", max_log_ratio = 1.0 } (auto: CUDA)' in out
     assert "inference.dtype = auto (auto: CUDA)" in out and "inference.enforce_eager = false (auto: CUDA)" in out
+    assert "inference.log_stats = true (auto: CUDA)" in out
     commands = {line.split(":", 1)[0]: line for line in out.splitlines() if line.startswith(("inference:", "trainer:"))}
     assert "CUDA_VISIBLE_DEVICES=4 " in commands["inference"]
     assert "VLLM_WORKER_MULTIPROC_METHOD=spawn" in commands["inference"]

@@ -46,6 +46,7 @@ def vllm_argv(config: InferenceConfig, model_dir: str, memory_share: float, host
         "--worker-extension-cls", WORKER_EXTENSION, "--middleware", MIDDLEWARE,
     ]
     argv += ["--enforce-eager"] if config.enforce_eager else []
+    argv += ["--disable-log-stats"] if config.log_stats is False else []
     # Parsed in this process (never a command line others can read); vLLM's log of its args hides it.
     argv += ["--api-key", config.api_key] if config.api_key else []
     # One adapter slot: the policy's adapter, replaced in place at every step.
