@@ -137,7 +137,7 @@ def remember_renders() -> None:
         return
 
     def remembering(render):
-        memory: OrderedDict[str, object] = OrderedDict()  # used under the renderer's slot lock only
+        memory: OrderedDict[str, object] = OrderedDict()  # verifiers renders only under the renderer's slot lock
 
         @functools.wraps(render)
         def remembered_render(messages, **kwargs):
@@ -185,11 +185,11 @@ def remember_renders() -> None:
 def remembered_on_loop() -> None:
     """verifiers runs a renderer slot's work (a render, a multi-turn bridge) in a thread under the slot's lock, so
     tokenizing a long prompt never blocks the event loop. A remembered render is a dictionary lookup and a copy:
-    the hop to a thread and back cost more than the render (~5% of the orchestrator's CPU with the parameter
-    names below: benchmarks/orchestrator_throughput.py against a stand-in engine, docs/architecture.md). Where the
-    slot's lock is free, its work is tried on the loop first, holding the lock; a render not remembered, or any
-    other work of the renderer (`bridge_to_next_turn`), stops at once (`NotRemembered`) and goes to the thread as
-    before. A renderer not built through `create_renderer` (so not remembering) is always sent to the thread."""
+    the hop to a thread and back cost more than the render (with `remember_signatures`, 2.67 -> 2.44 ms of
+    orchestrator CPU per rollout: docs/architecture.md, Patches of other libraries). Where the slot's lock is
+    free, its work is tried on the loop first, holding the lock; a render not remembered, or any other work of the
+    renderer (`bridge_to_next_turn`), stops at once (`NotRemembered`) and goes to the thread as before. A
+    renderer not built through `create_renderer` (so not remembering) is always sent to the thread."""
     from verifiers.v1.clients import train as verifiers_train
 
     slot = patch_target(verifiers_train, "RendererSlot", "verifiers")
@@ -368,8 +368,8 @@ def decode_engine_replies_with_msgspec() -> None:
     """renderers parses each `/inference/v1/generate` reply (`renderers.client.parse_generate_response`) with the
     json module: two dicts per sampled token, ~2.8x msgspec's time (a 4,096-token reply 8.1 against 2.9 ms on this
     CPU; docs/architecture.md, Measurements), on the orchestrator's one event loop, for every turn of every rollout.
-    That module's `json` decodes with msgspec instead; a reply msgspec refuses (vLLM writes a -inf logprob as
-    `-Infinity`, which strict JSON has not) is decoded by the json module as before. The same values either way."""
+    That module's `json` decodes with msgspec instead; a reply that is not strict JSON (`NaN`, `-Infinity`, which
+    Python's json writes and reads) is decoded by the json module as before. The same values either way."""
     from renderers import client as renderers_client
 
     module_json = patch_target(renderers_client, "json", "renderers")
