@@ -334,21 +334,32 @@ def read_manifest(directory: Where, marker: bytes | None = None) -> dict[str, En
             raise CorruptFileError(
                 f"{directory / name} is listed in {directory / STABLE} but missing (or not a plain file)"
             )
-        size = present[name].st_size
-        if size != entry.bytes:
-            raise CorruptFileError(
-                f"{directory / name} has {size} bytes, {entry.bytes} were written: truncated or changed"
-            )
+        if present[name].st_size != entry.bytes:
+            raise size_mismatch(directory / name, present[name].st_size, entry)
     return recorded
+
+
+def size_mismatch(path: Path, size: int, entry: Entry) -> CorruptFileError:
+    return CorruptFileError(f"{path} has {size} bytes, {entry.bytes} were written: truncated or changed")
+
+
+def crc_mismatch(path: Path) -> CorruptFileError:
+    return CorruptFileError(f"{path} fails its CRC-32 check: changed after it was written")
+
+
+def listed_size(f, path: Path, entry: Entry) -> int:
+    """The size of the open listed file `f`, which must be the recorded one where the entry is checked."""
+    size = os.fstat(f.fileno()).st_size
+    if entry.checked and size != entry.bytes:
+        raise size_mismatch(path, size, entry)
+    return size
 
 
 def read_listed(directory: Where, name: str, entry: Entry, chunk: int = READ_CHUNK) -> bytearray:
     """The bytes of a listed file, read once: checked against the recorded size and CRC-32 as they are read."""
     path = directory / name
     with open_regular(directory, name) as f:
-        size = os.fstat(f.fileno()).st_size
-        if entry.checked and size != entry.bytes:
-            raise CorruptFileError(f"{path} has {size} bytes, {entry.bytes} were written: truncated or changed")
+        size = listed_size(f, path, entry)
         data = bytearray(size)
         with memoryview(data) as view:
             done, crc = 0, 0
@@ -359,7 +370,7 @@ def read_listed(directory: Where, name: str, entry: Entry, chunk: int = READ_CHU
                 crc = zlib_ng.crc32(view[done : done + n], crc)
                 done += n
     if entry.checked and crc != entry.crc32:
-        raise CorruptFileError(f"{path} fails its CRC-32 check: changed after it was written")
+        raise crc_mismatch(path)
     return data
 
 
@@ -370,9 +381,7 @@ def copy_listed(directory: Where, name: str, entry: Entry, into: int) -> mmap.mm
     caller closes it), or b"" for an empty file."""
     path = directory / name
     with open_regular(directory, name) as f:
-        size = os.fstat(f.fileno()).st_size
-        if entry.checked and size != entry.bytes:
-            raise CorruptFileError(f"{path} has {size} bytes, {entry.bytes} were written: truncated or changed")
+        size = listed_size(f, path, entry)
         os.ftruncate(into, size)
         os.lseek(into, 0, os.SEEK_SET)  # sendfile writes at `into`'s offset
         done = 0
@@ -385,7 +394,7 @@ def copy_listed(directory: Where, name: str, entry: Entry, into: int) -> mmap.mm
     if entry.checked and zlib_ng.crc32(data) != entry.crc32:
         if size:
             data.close()
-        raise CorruptFileError(f"{path} fails its CRC-32 check: changed after it was written")
+        raise crc_mismatch(path)
     return data
 
 
@@ -394,17 +403,12 @@ def check_listed(directory: Where, name: str, entry: Entry) -> None:
     if not entry.checked:
         return
     with open_regular(directory, name) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != entry.bytes:
-            raise CorruptFileError(
-                f"{directory / name} has {size} bytes, {entry.bytes} were written: truncated or changed"
-            )
         crc = 0
-        if size:
+        if listed_size(f, directory / name, entry):
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 crc = zlib_ng.crc32(data)
     if crc != entry.crc32:
-        raise CorruptFileError(f"{directory / name} fails its CRC-32 check: changed after it was written")
+        raise crc_mismatch(directory / name)
 
 
 def verify_stable(directory: Path, names: list[str] | None = None) -> dict[str, Entry]:

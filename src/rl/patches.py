@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import threading
 import time
+import types
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +126,7 @@ def remember_renders() -> None:
     its pool; the rollouts of a group share their prompt, so a group of n rendered it n times (~0.4-0.6 ms each for
     a short prompt). Each renderer built for the pool (`renderers.create_renderer`) keeps its last
     RENDERS_REMEMBERED renders, keyed by everything `render` takes, and hands out a copy: callers own what they
-    get. A render is a pure function of its arguments for one renderer. The pool's slots hand out remembered
-    renders on the event loop (`remembered_on_loop`)."""
+    get. A render is a pure function of its arguments for one renderer."""
     import copy
     import json
     from collections import OrderedDict
@@ -179,7 +180,6 @@ def remember_renders() -> None:
 
     create_renderer.remembers_renders = True
     renderers.create_renderer = create_renderer
-    remembered_on_loop()
 
 
 def remembered_on_loop() -> None:
@@ -325,15 +325,12 @@ def remember_signatures() -> None:
     the arguments it takes: several per rollout, ~5% of the orchestrator's CPU (py-spy). The module's `inspect`
     remembers signatures (`RememberingInspect`); `invoke` is unchanged, and any other use of `inspect` there goes
     to `inspect` itself."""
-    import inspect
-    import types
-
     from verifiers.v1.utils import decorators
 
     if isinstance(patch_target(decorators, "inspect", "verifiers"), RememberingInspect):
         return
     patch_target(decorators, "invoke", "verifiers")
-    decorators.inspect = RememberingInspect(inspect, types.MethodType)
+    decorators.inspect = RememberingInspect()
 
 
 SIGNATURES_REMEMBERED = 4096  # functions; more than any environment's hooks and scoring functions
@@ -343,15 +340,15 @@ class RememberingInspect:
     """`inspect`, with `signature` remembered per function; a bound method's per function, as it does not depend on
     the instance. Past SIGNATURES_REMEMBERED functions (callables made per call) it starts again."""
 
-    def __init__(self, inspect_module, method_type: type) -> None:
-        self._inspect, self._method_type = inspect_module, method_type
+    def __init__(self) -> None:
+        self._inspect = inspect
         self._memory: dict[tuple, object] = {}
 
     def __getattr__(self, name: str):
         return getattr(self._inspect, name)
 
     def signature(self, fn):
-        bound = isinstance(fn, self._method_type)
+        bound = isinstance(fn, types.MethodType)
         key = (fn.__func__ if bound else fn, bound)
         try:
             signature = self._memory.get(key)
@@ -403,6 +400,7 @@ def apply_orchestrator_patches(client_class: type) -> None:
     cache_default_factory_inspection()
     use_engine_client(client_class)
     remember_renders()
+    remembered_on_loop()
     lazy_runtime_workdirs()
     remember_harness_classes()
     remember_signatures()

@@ -60,7 +60,8 @@ class EngineClient:
         return path if path.startswith(("http://", "https://")) else f"{self.base_url}/{path.lstrip('/')}"
 
     async def post(self, path: str, *, cast_to: type, body: Any = None, options: dict | None = None) -> Any:
-        return await self._request("POST", self._url(path), cast_to, options, encode_json(body))
+        # msgspec: a 2,000-token prompt's body in 0.01 ms against json's 0.11 ms
+        return await self._request("POST", self._url(path), cast_to, options, msgspec.json.encode(body))
 
     async def get(self, path: str, *, cast_to: type, options: dict | None = None) -> Any:
         return await self._request("GET", self._url(path), cast_to, options, None)
@@ -86,11 +87,6 @@ class EngineClient:
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
-
-
-def encode_json(body: Any) -> bytes:
-    """A request body as JSON, by msgspec: a 2,000-token prompt's body in 0.01 ms against json's 0.11 ms."""
-    return msgspec.json.encode(body)
 
 
 def status_error(method: str, url: str, status: int, content: bytes) -> openai.APIStatusError:

@@ -234,12 +234,11 @@ def model_contexts(client: InferenceClient | ChatClient, sampling: Sampling, n: 
     sampling. The configs are built once per group and shared (verifiers copies what it changes; validating them
     per rollout was ~1% of the orchestrator's CPU); only seeded rollouts get sampling settings of their own."""
     config = client.client_config()
-    shared = None if sampling.seed is not None else sampling_config(client, sampling, None)
-    return [
-        vf.ModelContext(model=client.model, client=config,
-                        sampling=shared or sampling_config(client, sampling, sampling.seed + j))
-        for j in range(n)
-    ]
+    if sampling.seed is None:
+        settings = [sampling_config(client, sampling, None)] * n
+    else:
+        settings = [sampling_config(client, sampling, sampling.seed + j) for j in range(n)]
+    return [vf.ModelContext(model=client.model, client=config, sampling=each) for each in settings]
 
 
 def sampling_config(client: InferenceClient | ChatClient, sampling: Sampling, seed: int | None) -> vf.SamplingConfig:
