@@ -18,7 +18,9 @@ save is in docs/architecture.md ("Patches of other libraries"):
   read them (`bound_eval_client`), applied by `eval/replies.py` when it is imported;
 - vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
   general plugin that vLLM runs in each of its processes, active only where `RL_VLLM_SHM_POLL_S` is set
-  (the inference server sets it on CPU hosts).
+  (the inference server sets it on CPU hosts);
+- vLLM: its generate route answers through the inference gate's response class, which adds token strings and
+  writes the response once (`render_generate_responses`), applied by the gate when vLLM builds it.
 
 The imports of the patched libraries stay inside the functions: vLLM loads this module in every process
 it starts, where neither pydantic's internals nor verifiers are needed. A patch whose target is gone (the
@@ -428,6 +430,21 @@ def poll_interval() -> float | None:
     if not 0 <= poll_s <= 1:
         raise ValueError(f"{POLL_ENV}={value!r}: give seconds from 0 to 1, or leave it empty to keep vLLM's spinning")
     return poll_s
+
+
+def render_generate_responses(response_class: type) -> None:
+    """vLLM's `/inference/v1/generate` route answers through `response_class` (`rl.inference.gate.GenerateResponse`)
+    instead of starlette's JSONResponse; the route reads the name from its module at every call. The route wrote
+    its dict with the json module, and rl's gate parsed that body again to add the token strings verifiers' client
+    needs, then wrote it again; `response_class` adds them on the dict and writes it once."""
+    from starlette.responses import JSONResponse
+    from vllm.entrypoints.scale_out.token_in_token_out import api_router
+
+    current = patch_target(api_router, "JSONResponse", "vllm")
+    if current is not response_class and current is not JSONResponse:
+        raise PatchTargetMissing(f"vLLM's generate route answers through {current!r}, not starlette's JSONResponse: "
+                                 "rl/patches.py would replace another class than it was written for")
+    api_router.JSONResponse = response_class
 
 
 def vllm_shm_polling() -> None:

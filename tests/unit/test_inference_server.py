@@ -1,35 +1,108 @@
-"""The generate route's response rewrite and the server's private IPC directory, without a server."""
+"""The generate route's response and the server's private IPC directory, without a server."""
 
 import json
 import os
 import tempfile
+import typing
 from pathlib import Path
+from typing import Any
 
 import shutil
 
 import pytest
+from pydantic import BaseModel
+from starlette.responses import JSONResponse
 
-from rl.inference.gate import AnsweredGenerationFilter, add_token_strings, is_loopback, route_of
+from rl import patches
+from rl.inference.gate import (FLOATS_BESIDE_LOGPROBS, AnsweredGenerationFilter, GenerateResponse, PlainJSONResponse,
+                               is_loopback, route_of)
 from rl.inference.server import private_ipc_dir
 
 
-def test_token_strings_are_added_to_token_id_logprobs():
-    entry = {"token_id": 7, "logprob": -0.5, "top_logprobs": [{"token_id": 9}]}
-    body = {"choices": [{"logprobs": {"content": [entry]}}]}
-    entry = json.loads(add_token_strings(json.dumps(body).encode()))["choices"][0]["logprobs"]["content"][0]
-    assert entry["token"] == "token_id:7" and entry["top_logprobs"][0]["token"] == "token_id:9"
+def generate_reply(*entries) -> dict:
+    return {"request_id": "r", "prompt_logprobs": None, "metrics": None,
+            "choices": [{"index": 0, "token_ids": [7], "logprobs": {"content": list(entries)}}]}
 
 
-def test_a_body_with_non_finite_logprobs_gets_its_token_strings_too():
-    """vLLM may write -Infinity (not strict JSON) for a token of probability 0."""
-    body = b'{"choices": [{"logprobs": {"content": [{"token_id": 7, "logprob": -Infinity}]}}]}'
-    entry = json.loads(add_token_strings(body))["choices"][0]["logprobs"]["content"][0]
-    assert entry["token"] == "token_id:7" and entry["logprob"] == float("-inf")
+def test_token_strings_are_added_and_the_reply_is_written_once_with_msgspec(monkeypatch):
+    sampled = {"token_id": 7, "logprob": -0.5, "rank": 1, "top_logprobs": [{"token_id": 9, "logprob": -1.0}]}
+    reply = generate_reply(sampled, {"token_id": 8, "logprob": -9999.0, "top_logprobs": []})
+    expected = json.loads(json.dumps(reply))
+    for entry in expected["choices"][0]["logprobs"]["content"]:
+        for item in [entry, *entry["top_logprobs"]]:
+            item["token"] = f"token_id:{item['token_id']}"
+    monkeypatch.setattr(JSONResponse, "render", lambda self, content: pytest.fail("rendered with the json module"))
+    assert json.loads(GenerateResponse(reply).body) == expected
 
 
-def test_a_null_body_passes_unchanged():
-    """vLLM answers `null` when the client went away mid-request; that must not raise in the server."""
-    assert add_token_strings(b"null") == b"null"
+@pytest.mark.parametrize("where", ["logprob", "top_logprob", "metrics"])
+def test_a_non_finite_float_is_refused_as_vllm_refuses_it_never_written_as_null(where):
+    """starlette's render refuses NaN and infinities (vLLM answers 500); msgspec would write `null`."""
+    entry = {"token_id": 7, "logprob": -0.5, "top_logprobs": [{"token_id": 9, "logprob": -0.5}]}
+    reply = generate_reply(entry)
+    if where == "logprob":
+        entry["logprob"] = float("-inf")
+    elif where == "top_logprob":
+        entry["top_logprobs"][0]["logprob"] = float("nan")
+    else:
+        reply["metrics"] = {"time_to_first_token_ms": float("nan")}
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        GenerateResponse(reply)
+
+
+def test_an_error_or_null_reply_is_written_unchanged():
+    """vLLM answers `null` when the client went away mid-request."""
+    assert GenerateResponse(None).body == b"null"
+    error = {"error": {"message": "bad ids", "type": "BadRequestError", "code": 400}}
+    assert json.loads(GenerateResponse(error, 400).body) == error
+
+
+def may_hold_float(annotation, seen=()) -> bool:
+    if annotation in (float, Any):
+        return True
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation not in seen and any(may_hold_float(field.annotation, (*seen, annotation))
+                                              for field in annotation.model_fields.values())
+    return any(may_hold_float(arg, seen) for arg in typing.get_args(annotation))
+
+
+def models_in(annotation) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in typing.get_args(annotation) for model in models_in(arg)]
+
+
+def float_fields(model: type[BaseModel]) -> set[str]:
+    return {name for name, field in model.model_fields.items() if may_hold_float(field.annotation)}
+
+
+def test_every_float_field_of_vllms_generate_reply_is_checked_before_msgspec_writes_it():
+    """msgspec writes a non-finite float as null: GenerateResponse checks every logprob entry and leaves a reply
+    with another float-bearing field to starlette. A vLLM that adds a float field fails here, not in a run."""
+    from vllm.entrypoints.scale_out.token_in_token_out import protocol
+
+    for reply in (protocol.GenerateTokensResponse, protocol.GenerateTextResponse):
+        assert float_fields(reply) - {"choices"} <= set(FLOATS_BESIDE_LOGPROBS), reply
+        for choice in models_in(reply.model_fields["choices"].annotation):
+            assert float_fields(choice) == {"logprobs"}, choice
+            for logprobs in models_in(choice.model_fields["logprobs"].annotation):
+                assert float_fields(logprobs) == {"content"}, logprobs
+                for entry in models_in(logprobs.model_fields["content"].annotation):
+                    assert float_fields(entry) == {"logprob", "top_logprobs"}, entry
+                    for top in models_in(entry.model_fields["top_logprobs"].annotation):
+                        assert float_fields(top) == {"logprob"}, top
+
+
+def test_the_generate_route_answers_through_generate_response(monkeypatch):
+    from vllm.entrypoints.scale_out.token_in_token_out import api_router
+
+    monkeypatch.setattr(api_router, "JSONResponse", JSONResponse)
+    patches.render_generate_responses(GenerateResponse)
+    patches.render_generate_responses(GenerateResponse)  # each API server's gate applies it: twice is once
+    assert api_router.JSONResponse is GenerateResponse
+    monkeypatch.setattr(api_router, "JSONResponse", PlainJSONResponse)
+    with pytest.raises(patches.PatchTargetMissing, match="not starlette's JSONResponse"):
+        patches.render_generate_responses(GenerateResponse)
 
 
 def test_the_access_log_leaves_out_answered_generation_requests_only(caplog):

@@ -2,14 +2,15 @@
 request by allow-list, answers the admin routes itself (once their bearer token, or a loopback client when no
 token is set, authorizes them), checks vLLM's API key on the generation routes and holds those while
 `PolicyWeights` changes the weights. Bodies are read bounded and parsed with a depth limit; what a client sends
-is compared and quoted as bytes or ASCII, so no request can make an answer fail to encode. It also adds the token
-strings verifiers' training client reads to the logprobs of `/inference/v1/generate`.
+is compared and quoted as bytes or ASCII, so no request can make an answer fail to encode. `GenerateResponse`
+adds the token strings verifiers' training client reads to the logprobs of `/inference/v1/generate`.
 """
 
 import hmac
 import ipaddress
 import json
 import logging
+import math
 import re
 from typing import Annotated
 
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rl import patches
 from rl.inference.policy import AdminSettings, PolicyWeights
 from rl.transfer import GroupSpec
 
@@ -233,14 +235,15 @@ class AdminMiddleware:
     before any body is read; bodies are bounded); passes `OPEN_PATHS` through; treats `GENERATION_PATHS`
     as generation: checks vLLM's API key when one is set, holds the request while the weights change, counts
     those in flight (`PolicyWeights.admit`) and refuses them while the weights are broken; refuses every other
-    route (403). Adds `"token": "token_id:<id>"` to every logprob entry of `/inference/v1/generate` JSON
-    responses (vLLM writes only `"token_id": <id>`; the `renderers` client of verifiers' training client
-    requires the string form). Websockets are refused: nothing of rl uses them.
+    route (403). Installs `GenerateResponse` as the generate route's response, which adds the token strings
+    verifiers' training client reads (in each process vLLM builds this middleware in: every API server).
+    Websockets are refused: nothing of rl uses them.
     """
 
     def __init__(self, app):
         self.app = app
         self.admin = build_admin_app()
+        patches.render_generate_responses(GenerateResponse)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "websocket":
@@ -270,7 +273,7 @@ class AdminMiddleware:
             return await refused(scope, receive, send)
         weights.in_flight += 1  # no await since admit(): an update starting now sees this request
         try:
-            return await self.app(scope, receive, TokenStringRewrite(send) if route == GENERATE_PATH else send)
+            return await self.app(scope, receive, send)
         finally:
             weights.in_flight -= 1
 
@@ -376,47 +379,42 @@ def replay(body: bytes, receive):
     return replayed
 
 
-class TokenStringRewrite:
-    """ASGI `send` wrapper: buffers a 200 JSON response and adds token strings to its logprobs.
+class GenerateResponse(JSONResponse):
+    """The response of vLLM's `/inference/v1/generate` route (`patches.render_generate_responses` installs it as the
+    route's JSONResponse). It adds `"token": "token_id:<id>"` to every logprob entry (vLLM writes only
+    `"token_id": <id>`; the `renderers` client of verifiers' training client requires the string form) and writes
+    the dict once, with msgspec. Before, starlette wrote it with the json module and the gate parsed that body
+    again to add the strings and wrote it a second time: 3x the CPU of one msgspec pass, which grows with the
+    completion (two dicts per sampled token) on the API server's one event loop.
 
-    Error responses and event streams (`"stream": true`) pass through unchanged.
+    msgspec writes a non-finite float as `null` where json refuses it, and vLLM answers 500 then. So a response
+    with a non-finite logprob, or with any field that may hold a float beside the logprobs, takes starlette's
+    render as before (with the strings added). vLLM clamps logprobs to -9999.0: in practice none is non-finite.
     """
 
-    def __init__(self, send):
-        self.send, self.start, self.body, self.passthrough = send, None, [], False
-
-    async def __call__(self, message):
-        if message["type"] == "http.response.start":
-            self.start = message
-            content_type = dict(message.get("headers", [])).get(b"content-type", b"")
-            self.passthrough = message["status"] != 200 or not content_type.startswith(b"application/json")
-            if self.passthrough:
-                await self.send(message)
-            return
-        if self.passthrough or message["type"] != "http.response.body":
-            return await self.send(message)
-        self.body.append(message.get("body", b""))
-        if message.get("more_body", False):
-            return
-        body = add_token_strings(b"".join(self.body))
-        headers = [(k, v) for k, v in self.start["headers"] if k.lower() != b"content-length"]
-        await self.send(self.start | {"headers": headers + [(b"content-length", str(len(body)).encode())]})
-        await self.send({"type": "http.response.body", "body": body})
+    def render(self, content) -> bytes:
+        if isinstance(content, dict) and add_token_strings(content) and not any(
+            content.get(name) is not None for name in FLOATS_BESIDE_LOGPROBS
+        ):
+            return msgspec.json.encode(content)
+        return super().render(content)
 
 
-def add_token_strings(body: bytes) -> bytes:
-    """`{"token_id": 343, ...}` -> `{"token": "token_id:343", "token_id": 343, ...}` in every choice. Parsed and
-    written with msgspec (~3x the json module's speed: this runs on every generation response), or with json where
-    the body is not strict JSON (Infinity, NaN)."""
-    try:
-        response, encode = msgspec.json.decode(body), msgspec.json.encode
-    except msgspec.DecodeError:
-        response, encode = json.loads(body), lambda value: json.dumps(value).encode()
-    if not isinstance(response, dict):  # vLLM answers `null` to a request whose client went away
-        return body
-    for choice in response.get("choices") or []:
-        for entry in (choice.get("logprobs") or {}).get("content") or []:
-            for item in [entry, *(entry.get("top_logprobs") or [])]:
-                if "token_id" in item:  # tokens mode; text mode already has `token` strings
+# The fields of vLLM's generate response that may hold floats, beside the choices' logprobs (a unit test reads
+# vLLM's response models to keep this list whole). rl asks for none of them.
+FLOATS_BESIDE_LOGPROBS = ("prompt_logprobs", "metrics", "kv_transfer_params", "ec_transfer_params")
+
+
+def add_token_strings(response: dict) -> bool:
+    """`{"token_id": 343, ...}` -> `{"token_id": 343, ..., "token": "token_id:343"}` in every logprob entry of
+    every choice, in place (text mode's entries have their `token` strings already). Whether every logprob is
+    finite."""
+    finite = True
+    for choice in response.get("choices") or ():
+        for entry in (choice.get("logprobs") or {}).get("content") or ():
+            for item in (entry, *(entry.get("top_logprobs") or ())):
+                if "token_id" in item:
                     item["token"] = f"token_id:{item['token_id']}"
-    return encode(response)
+                if not -math.inf < item.get("logprob", 0.0) < math.inf:  # NaN compares false too
+                    finite = False
+    return finite
