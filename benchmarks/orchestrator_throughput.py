@@ -13,6 +13,11 @@ request, and the vLLM API server process's
 CPU per request on each side (rl's gate and vLLM's frontend; the engine and its workers are other processes). The
 last line reads `orchestrator <R>x raw vLLM tokens/s, <C> ms CPU per rollout`.
 
+The orchestrator sends a group's identical first-turn requests as one request with n samples
+(`orchestrator.client.group_gap_s`, `--group-gap-s`); the raw side then sends each group as one such request too, so
+the ratio compares like with like. `--group-gap-s 0` sends one request per rollout on both sides. Figures are per
+rollout either way.
+
 `--plain-vllm` also starts vLLM as a user would (`vllm.entrypoints.openai.api_server`, none of rl's parts) beside
 rl's server, and in every repeat sends it the raw side's requests too: the two API servers' CPU per request,
 side by side, is what rl's gate and route wrappers cost on the generation path.
@@ -43,6 +48,7 @@ import psutil
 from transformers import AutoTokenizer
 
 from rl.config import EnvConfig
+from rl.orchestrator.config import GROUP_GAP_S
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group, tune_gc_for_serving
 from rl.renderer import renderer_config
@@ -61,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="raw-then-orchestrator measurement pairs")
     parser.add_argument("--plain-vllm", action="store_true", help="also measure a plain vLLM server's API CPU")
+    parser.add_argument("--group-gap-s", type=float, default=GROUP_GAP_S,
+                        help="the orchestrator's orchestrator.client.group_gap_s; above 0 the raw side sends each "
+                             "group as one request with n samples too, 0 one request per rollout on both sides")
     return parser.parse_args()
 
 
@@ -79,7 +88,8 @@ async def orchestrator_side(args, env, client: InferenceClient) -> tuple[int, fl
 
 
 async def raw_side(args, prompts: list[list[int]], base_url: str) -> tuple[int, float]:
-    semaphore = asyncio.Semaphore(args.concurrency)
+    n = args.group_size if args.group_gap_s > 0 else 1  # as the orchestrator's requests reach the server at best
+    semaphore = asyncio.Semaphore(max(1, args.concurrency // n))
     async with httpx.AsyncClient(timeout=600, trust_env=False) as http:
 
         async def one(prompt: list[int]) -> int:
@@ -88,17 +98,17 @@ async def raw_side(args, prompts: list[list[int]], base_url: str) -> tuple[int, 
                 "token_ids": prompt,
                 "sampling_params": {  # as the training client sends them (rollouts.model_context)
                     "max_tokens": args.max_tokens, "min_tokens": args.max_tokens, "temperature": 1.0,
-                    "logprobs": 1, "detokenize": False,
+                    "logprobs": 1, "detokenize": False, "n": n,
                 },
             }
             async with semaphore:
                 response = await http.post(f"{base_url}/inference/v1/generate", json=body)
             response.raise_for_status()
-            return len(response.json()["choices"][0]["token_ids"])
+            return sum(len(choice["token_ids"]) for choice in response.json()["choices"])
 
         start = time.perf_counter()
         counts = await asyncio.gather(
-            *(one(p) for p in prompts for _ in range(args.group_size))
+            *(one(p) for p in prompts for _ in range(args.group_size // n))
         )
     return sum(counts), time.perf_counter() - start
 
@@ -169,7 +179,8 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
     scoring = ScoringClock(env)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = rendered_prompts(env, tokenizer, args.groups)
-    client = InferenceClient(base_url, args.model, args.model, renderer_config("auto", args.model)[0])
+    client = InferenceClient(base_url, args.model, args.model, renderer_config("auto", args.model)[0],
+                             group_gap_s=args.group_gap_s)
     async with env.serving():
         tune_gc_for_serving()  # as the orchestrator does once its environments serve
         await orchestrator_side(args, env, client)  # warm-up both paths

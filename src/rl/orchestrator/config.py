@@ -12,6 +12,11 @@ from rl.config import (
     ChatModelConfig, CkptConfig, EnvConfig, Section, Settings, TransferConfig, WandbConfig, check_env_labels,
 )
 
+GROUP_GAP_S = 0.003
+"""How long a generate request waits for an identical one after the last joined (rl/orchestrator/engine_client.py).
+A group's first requests reach the client ~0.2-2 ms apart under the benchmark's load (the rollouts' own work
+between them); a request with no twin (a later turn) pays this once."""
+
 
 class SamplingConfig(Section):
     temperature: Annotated[float, Field(ge=0, description="sampling temperature")] = 1.0
@@ -69,6 +74,12 @@ class ClientConfig(Section):
                                 "rollouts are bounded by rollout.timeout_s"),
     ] = 300.0
     startup_timeout_s: Annotated[float, Field(gt=0, description="deadline for the servers to become healthy")] = 600.0
+    group_gap_s: Annotated[
+        float,
+        Field(ge=0, le=1, description="a group's identical generate requests (its first turns) go as one request "
+                                      "with n samples: each waits this long for the next to join; 0 sends each "
+                                      "alone"),
+    ] = GROUP_GAP_S
 
 
 class AdvantageBase(Section):

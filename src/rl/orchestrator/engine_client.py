@@ -9,20 +9,43 @@ a host where vLLM needs every core that CPU is generation lost. `EngineClient` o
 over one aiohttp session and raises the SDK's error types, so verifiers maps failures to the same
 statuses (4xx not retried; connection 503; timeout 504). verifiers' own retries are off (MAX_RETRIES 0),
 so none are lost.
+
+A group's rollouts send identical generate requests for their first turn (the same prompt, the same sampling
+settings). `EngineClient` sends those as one request with `n` samples and hands each rollout its own choice
+(`RequestGrouper`), as TRL and verl sample a group: the server then parses, schedules and prefills the prompt once
+per group, not once per rollout (docs/architecture.md, Measurements). A generate request waits for identical
+ones at most `group_gap_s` after the last one joined, and a full group (`group_size`) goes at once. Seeded
+requests are never grouped: n samples of one seeded request are not the n seeds' samples.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import httpx
 import msgspec
 import openai
+import verifiers.v1 as vf
+from pydantic import Field
+from verifiers.v1.clients.client import SESSION_ID_HEADER
 from verifiers.v1.configs.client import BaseClientConfig, resolve_api_key, resolve_headers
 
+from rl.orchestrator.config import GROUP_GAP_S
+
 IDLE_CONNECTION_S = 15.0
+GENERATE_ROUTE = "/inference/v1/generate"
+
+
+class GroupedTrainClientConfig(vf.TrainClientConfig):
+    """verifiers' training client config, plus how `EngineClient` groups identical generate requests."""
+
+    group_size: int = Field(1, ge=1, description="rollouts per group: a group's requests go as soon as all joined")
+    group_gap_s: float = Field(GROUP_GAP_S, ge=0, description="wait for an identical request after the last "
+                                                               "joined; 0: every request goes alone")
 
 
 class EngineClient:
@@ -42,6 +65,8 @@ class EngineClient:
             total=None, sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
         )
         self.session: aiohttp.ClientSession | None = None  # made on first use, inside the serving loop
+        group_size, gap_s = getattr(config, "group_size", 1), getattr(config, "group_gap_s", 0.0)
+        self.grouper = RequestGrouper(self._generate, group_size, gap_s) if group_size > 1 and gap_s > 0 else None
 
     def _session(self) -> aiohttp.ClientSession:
         if self.session is None:
@@ -60,8 +85,14 @@ class EngineClient:
         return path if path.startswith(("http://", "https://")) else f"{self.base_url}/{path.lstrip('/')}"
 
     async def post(self, path: str, *, cast_to: type, body: Any = None, options: dict | None = None) -> Any:
+        url = self._url(path)
         # msgspec: a 2,000-token prompt's body in 0.01 ms against json's 0.11 ms
-        return await self._request("POST", self._url(path), cast_to, options, msgspec.json.encode(body))
+        if self.grouper is not None and cast_to is httpx.Response and url.endswith(GENERATE_ROUTE) and groupable(body):
+            return httpx.Response(200, content=await self.grouper.submit(url, body, options))
+        return await self._request("POST", url, cast_to, options, msgspec.json.encode(body))
+
+    async def _generate(self, url: str, body: dict, options: dict | None) -> bytes:
+        return (await self._request("POST", url, httpx.Response, options, msgspec.json.encode(body))).content
 
     async def get(self, path: str, *, cast_to: type, options: dict | None = None) -> Any:
         return await self._request("GET", self._url(path), cast_to, options, None)
@@ -87,6 +118,94 @@ class EngineClient:
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+
+def groupable(body: Any) -> bool:
+    """A generate request that n samples of one request can stand for: one sample, not seeded."""
+    sampling = body.get("sampling_params") if isinstance(body, dict) else None
+    return isinstance(sampling, dict) and sampling.get("n", 1) == 1 and sampling.get("seed") is None
+
+
+class RequestGrouper:
+    """Sends identical generate requests as one with `n` samples; each caller gets a reply with its own choice.
+
+    Requests are identical when their bodies and headers are, the rollout's session id aside (it only names the
+    rollout). Each waits at most `gap_s` after the last identical one joined; `group_size` of them go at once.
+    A caller cancelled before its group goes is left out of it; once it has gone, its sample is dropped.
+    """
+
+    def __init__(self, send: Callable[[str, dict, dict | None], Awaitable[bytes]], group_size: int, gap_s: float):
+        self.send, self.group_size, self.gap_s = send, group_size, gap_s
+        self.forming: dict[bytes, PendingGroup] = {}
+
+    async def submit(self, url: str, body: dict, options: dict | None) -> bytes:
+        headers = {k: v for k, v in ((options or {}).get("headers") or {}).items() if k != SESSION_ID_HEADER}
+        key = msgspec.json.encode([url, body, sorted(headers.items())])
+        group = self.forming.get(key)
+        if group is None:
+            group = self.forming[key] = PendingGroup(url, body, options)
+        reply = asyncio.get_running_loop().create_future()
+        group.callers.append(reply)
+        if group.timer is not None:
+            group.timer.cancel()
+        if len(group.callers) >= self.group_size:
+            self._go(key)
+        else:
+            group.timer = asyncio.get_running_loop().call_later(self.gap_s, self._go, key)
+        return await reply
+
+    def _go(self, key: bytes) -> None:
+        group = self.forming.pop(key)
+        if group.timer is not None:
+            group.timer.cancel()
+        callers = [reply for reply in group.callers if not reply.done()]  # the cancelled ones are out
+        if callers:
+            asyncio.ensure_future(self._answer(group, callers))
+
+    async def _answer(self, group: "PendingGroup", callers: list[asyncio.Future]) -> None:
+        n = len(callers)
+        body = group.body if n == 1 else group.body | {"sampling_params": group.body["sampling_params"] | {"n": n}}
+        request = asyncio.ensure_future(self.send(group.url, body, group.options))
+        for reply in callers:  # nobody left to answer: the request is cancelled (and vLLM aborts it)
+            reply.add_done_callback(lambda _: all(r.cancelled() for r in callers) and request.cancel())
+        try:
+            content = await request
+            replies = [content] if n == 1 else split_reply(group.url, content, n)
+        except BaseException as e:  # noqa: BLE001 - every caller gets the request's error, as its own
+            for reply in callers:
+                if not reply.done():
+                    reply.set_exception(e)
+            return
+        for reply, one in zip(callers, replies):
+            if not reply.done():
+                reply.set_result(one)
+
+
+class PendingGroup:
+    def __init__(self, url: str, body: dict, options: dict | None):
+        self.url, self.body, self.options = url, body, options
+        self.callers: list[asyncio.Future] = []
+        self.timer: asyncio.TimerHandle | None = None
+
+
+def split_reply(url: str, content: bytes, n: int) -> list[bytes]:
+    """vLLM's reply with n choices -> n replies of one choice each, as n requests would have had them: choice
+    index 0, the usage of that choice, request ids told apart."""
+    reply = msgspec.json.decode(content)
+    choices = sorted(reply.get("choices") or (), key=lambda choice: choice.get("index", 0))
+    if len(choices) != n:
+        raise openai.APIError(f"{url} answered a request for {n} samples with {len(choices)}",
+                              request=httpx.Request("POST", url), body=None)
+    usage, request_id = reply.get("usage"), reply.get("request_id") or ""
+    replies = []
+    for i, choice in enumerate(choices):
+        one = reply | {"request_id": f"{request_id}-{i}", "choices": [choice | {"index": 0}]}
+        if isinstance(usage, dict):
+            completion = len(choice.get("token_ids") or ())
+            one["usage"] = usage | {"completion_tokens": completion,
+                                    "total_tokens": (usage.get("prompt_tokens") or 0) + completion}
+        replies.append(msgspec.json.encode(one))
+    return replies
 
 
 def status_error(method: str, url: str, status: int, content: bytes) -> openai.APIStatusError:

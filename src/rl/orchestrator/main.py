@@ -68,7 +68,8 @@ class Orchestrator:
             logger.info(env.describe())
         renderer, why = chat_renderer(config.model.renderer, config.model.name, self.envs + self.eval_envs)
         logger.info(f"model {config.model.name!r} renders with {describe_renderer(renderer)} ({why})")
-        self.clients = [InferenceClient(url, served, config.model.name, renderer) for url in config.client.base_urls]
+        self.clients = [InferenceClient(url, served, config.model.name, renderer, group_gap_s=config.client.group_gap_s)
+                        for url in config.client.base_urls]
         self.samplers = [TaskSampler(env.num_tasks, config.seed + i) for i, env in enumerate(self.envs)]
         self.semaphore = asyncio.Semaphore(config.max_concurrent)
         self.policy_step = 0

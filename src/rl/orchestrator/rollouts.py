@@ -25,7 +25,8 @@ from in_process_chat.tools import tool_messages
 
 from rl.inference.config import API_KEY_VAR
 from rl.eval.replies import MAX_REPLY_BYTES, BoundedChatConfig
-from rl.orchestrator.engine_client import EngineClient
+from rl.orchestrator.config import GROUP_GAP_S
+from rl.orchestrator.engine_client import EngineClient, GroupedTrainClientConfig
 from rl.orchestrator.environment import Environment
 from rl.patches import apply_orchestrator_patches
 
@@ -57,15 +58,18 @@ class InferenceClient:
     tokenizer: str  # local model/tokenizer directory the prompt is rendered with
     renderer: Any  # a typed renderers config (rl/renderer.py picks it per model)
     api_key_var: str = API_KEY_VAR
+    group_gap_s: float = GROUP_GAP_S  # a group's identical requests go as one with n samples (engine_client.py)
 
-    def client_config(self) -> vf.TrainClientConfig:
+    def client_config(self, group_size: int = 1) -> GroupedTrainClientConfig:
         base_url = self.base_url.rstrip("/")
-        return vf.TrainClientConfig(
+        return GroupedTrainClientConfig(
             # renderers finds /inference/v1/generate beside /v1 and reads max_model_len from /v1/models.
             base_url=base_url if base_url.endswith("/v1") else f"{base_url}/v1",
             api_key_var=self.api_key_var,
             renderer=self.renderer,
             renderer_model_name=self.tokenizer,
+            group_size=group_size,
+            group_gap_s=self.group_gap_s,
         )
 
 
@@ -80,7 +84,7 @@ class ChatClient:
     max_reply_bytes: int = MAX_REPLY_BYTES  # a reply past this is refused as it streams (eval/replies.py)
     reply_deadline_s: float | None = None  # each reply is read whole within this of its request, or refused
 
-    def client_config(self) -> BoundedChatConfig:
+    def client_config(self, group_size: int = 1) -> BoundedChatConfig:  # one sample per chat request: no groups
         return BoundedChatConfig(base_url=openai_api_root(self.base_url), api_key_var=self.api_key_var,
                                  max_reply_bytes=self.max_reply_bytes, deadline_s=self.reply_deadline_s)
 
@@ -233,7 +237,7 @@ def model_contexts(client: InferenceClient | ChatClient, sampling: Sampling, n: 
     """verifiers' model contexts for a group's n rollouts: the client's verifiers config, and each rollout's
     sampling. The configs are built once per group and shared (verifiers copies what it changes; validating them
     per rollout was ~1% of the orchestrator's CPU); only seeded rollouts get sampling settings of their own."""
-    config = client.client_config()
+    config = client.client_config(n)
     if sampling.seed is None:
         settings = [sampling_config(client, sampling, None)] * n
     else:
