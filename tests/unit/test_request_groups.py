@@ -12,7 +12,8 @@ from renderers import DefaultRendererConfig, create_renderer
 from renderers.base import load_tokenizer
 from renderers.client import generate
 
-from rl.orchestrator.engine_client import EngineClient, GroupedTrainClientConfig, RequestGrouper, split_reply
+from rl.orchestrator.engine_client import (MAX_SAMPLES_PER_REQUEST, EngineClient, GroupedTrainClientConfig,
+                                          RequestGrouper, split_reply)
 from rl.orchestrator.rollouts import API_KEY_VAR, InferenceClient, Sampling, model_contexts
 
 URL = "http://engine/inference/v1/generate"
@@ -89,6 +90,17 @@ def test_a_full_group_goes_at_once_and_a_lone_request_after_the_gap_unchanged():
     assert full_s < 5  # not the 20 s gap
     assert [body["sampling_params"].get("n") for body, _ in engine.sent] == [2, None]
     assert engine.sent[1][0] is BODY and lone == reply_with(1)  # one caller: its own request and reply as they were
+
+
+def test_a_group_larger_than_a_request_may_sample_goes_in_parts():
+    engine = FakeEngine()
+
+    async def scenario():
+        grouper = RequestGrouper(engine, group_size=100, gap_s=0.05)
+        await asyncio.gather(*(grouper.submit(URL, BODY, session(i)) for i in range(65)))
+
+    run(scenario())
+    assert [body["sampling_params"].get("n", 1) for body, _ in engine.sent] == [MAX_SAMPLES_PER_REQUEST, 1]
 
 
 def test_requests_that_differ_go_apart_whatever_their_session_ids():

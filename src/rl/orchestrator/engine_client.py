@@ -38,6 +38,7 @@ from rl.orchestrator.config import GROUP_GAP_S
 
 IDLE_CONNECTION_S = 15.0
 GENERATE_ROUTE = "/inference/v1/generate"
+MAX_SAMPLES_PER_REQUEST = 64  # vLLM refuses n above its max_num_seqs (by default 128 on CPU, 256-1024 on GPUs)
 
 
 class GroupedTrainClientConfig(vf.TrainClientConfig):
@@ -130,12 +131,13 @@ class RequestGrouper:
     """Sends identical generate requests as one with `n` samples; each caller gets a reply with its own choice.
 
     Requests are identical when their bodies and headers are, the rollout's session id aside (it only names the
-    rollout). Each waits at most `gap_s` after the last identical one joined; `group_size` of them go at once.
+    rollout). Each waits at most `gap_s` after the last identical one joined; `group_size` of them (at most
+    `MAX_SAMPLES_PER_REQUEST`) go at once.
     A caller cancelled before its group goes is left out of it; once it has gone, its sample is dropped.
     """
 
     def __init__(self, send: Callable[[str, dict, dict | None], Awaitable[bytes]], group_size: int, gap_s: float):
-        self.send, self.group_size, self.gap_s = send, group_size, gap_s
+        self.send, self.group_size, self.gap_s = send, min(group_size, MAX_SAMPLES_PER_REQUEST), gap_s
         self.forming: dict[bytes, PendingGroup] = {}
 
     async def submit(self, url: str, body: dict, options: dict | None) -> bytes:
