@@ -69,7 +69,7 @@ def test_identical_requests_go_as_one_with_n_samples_and_each_caller_gets_its_ow
     assert len(engine.sent) == 1 and engine.sent[0][0]["sampling_params"] == BODY["sampling_params"] | {"n": 3}
     assert "n" not in BODY["sampling_params"]  # the callers' bodies are left as they were
     assert [r["choices"][0]["token_ids"] for r in replies] == [[10, 20], [11, 21], [12, 22]]
-    assert all(len(r["choices"]) == 1 and r["choices"][0]["index"] == 0 for r in replies)
+    assert [(len(r["choices"]), r["choices"][0]["index"]) for r in replies] == [(1, 0), (1, 1), (1, 2)]
     assert [r["request_id"] for r in replies] == ["gen-1-0", "gen-1-1", "gen-1-2"]
     assert all(r["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5} for r in replies)
 

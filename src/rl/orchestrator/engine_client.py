@@ -190,20 +190,27 @@ class PendingGroup:
         self.timer: asyncio.TimerHandle | None = None
 
 
+class TokenCount(msgspec.Struct):
+    token_ids: list[int] | None = None
+
+
 def split_reply(url: str, content: bytes, n: int) -> list[bytes]:
-    """vLLM's reply with n choices -> n replies of one choice each, as n requests would have had them: choice
-    index 0, the usage of that choice, request ids told apart."""
-    reply = msgspec.json.decode(content)
-    choices = sorted(reply.get("choices") or (), key=lambda choice: choice.get("index", 0))
+    """vLLM's reply with n choices -> n replies of one choice each, as n requests would have had them: that
+    choice's usage, request ids told apart; each choice keeps its index. The choices are copied as bytes, not
+    parsed (their logprobs are two dicts per token, parsed again by the caller): 1.2 ms against 12.9 ms for 8
+    choices of 400 tokens."""
+    reply = msgspec.json.decode(content, type=dict[str, msgspec.Raw])
+    choices = msgspec.json.decode(reply.pop("choices", b"[]"), type=list[msgspec.Raw])
     if len(choices) != n:
         raise openai.APIError(f"{url} answered a request for {n} samples with {len(choices)}",
                               request=httpx.Request("POST", url), body=None)
-    usage, request_id = reply.get("usage"), reply.get("request_id") or ""
+    usage = msgspec.json.decode(reply["usage"]) if "usage" in reply else None
+    request_id = msgspec.json.decode(reply.get("request_id", b'""')) or ""
     replies = []
     for i, choice in enumerate(choices):
-        one = reply | {"request_id": f"{request_id}-{i}", "choices": [choice | {"index": 0}]}
+        one = reply | {"request_id": f"{request_id}-{i}", "choices": [choice]}
         if isinstance(usage, dict):
-            completion = len(choice.get("token_ids") or ())
+            completion = len(msgspec.json.decode(choice, type=TokenCount).token_ids or ())
             one["usage"] = usage | {"completion_tokens": completion,
                                     "total_tokens": (usage.get("prompt_tokens") or 0) + completion}
         replies.append(msgspec.json.encode(one))
