@@ -3,11 +3,14 @@ advantage type, the staleness bound at async_level 0 and 2 (weights published by
 trainer), eval, and W&B offline files."""
 
 import asyncio
+import dataclasses
 import logging
+import re
 import shutil
 import threading
 import time
 
+import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
@@ -78,6 +81,33 @@ def test_each_environment_returns_scored_token_samples(server, env_id):
         assert set(results[0].rewards) == {"correct", "tool_use"}
     if env_id == "reasoning-gym-env":  # a Taskset-only package: scored by its own reward and metric
         assert set(results[0].rewards) == {"dataset_score"} and set(results[0].metrics) == {"exact"}
+
+
+def generate_requests(server) -> float:
+    """The generate requests the server has answered, from its Prometheus metrics."""
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    answered = r'http_requests_total\{handler="/inference/v1/generate",method="POST",status="2xx"\} (\S+)'
+    found = re.search(answered, metrics)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_groups_first_turns_reach_vllm_as_one_request_and_each_rollout_gets_its_own_sample(server):
+    env = load_environment(EnvConfig(id="reverse-text", args=ENVS["reverse-text"]))
+
+    async def group(gap_s: float):
+        async with env.serving():
+            sampler = dataclasses.replace(client(server), group_gap_s=gap_s)
+            return await run_group(env, 1, 8, sampler, Sampling(max_tokens=12), timeout_s=120)
+
+    before = generate_requests(server)
+    grouped = asyncio.run(group(5.0))  # a full group goes at once: the gap is never waited
+    between = generate_requests(server)
+    alone = asyncio.run(group(0.0))
+    assert (between - before, generate_requests(server) - between) == (1, 8)
+    for results in (grouped, alone):
+        completions = {tuple(r.segments[0].completion_ids) for r in results}
+        assert len(completions) > 1  # eight samples, not one sample eight times
+        assert all(len(r.segments[0].completion_logprobs) == len(r.segments[0].completion_ids) for r in results)
 
 
 def assert_env_turns_masked(server, results):
