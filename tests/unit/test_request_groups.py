@@ -157,9 +157,12 @@ def test_every_caller_gets_the_error_of_the_groups_request():
     assert len(engine.sent) == 1 and all(isinstance(e, openai.APIConnectionError) for e in errors)
 
 
-def test_a_reply_short_of_samples_fails_every_caller():
+def test_a_reply_short_of_samples_or_not_json_fails_every_caller():
     with pytest.raises(openai.APIError, match="for 3 samples with 2"):
         split_reply(URL, reply_with(2), 3)
+    for body in (b"<html>", b"[1, 2]", b'{"choices": 7}'):
+        with pytest.raises(openai.APIError, match="no JSON object of choices"):
+            split_reply(URL, body, 3)
 
 
 def test_a_caller_gone_before_its_group_goes_is_left_out_and_a_group_nobody_waits_for_is_cancelled():
