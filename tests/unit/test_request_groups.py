@@ -92,6 +92,22 @@ def test_a_full_group_goes_at_once_and_a_lone_request_after_the_gap_unchanged():
     assert engine.sent[1][0] is BODY and lone == reply_with(1)  # one caller: its own request and reply as they were
 
 
+def test_only_a_rollouts_first_request_waits_for_twins():
+    """A later turn (a session id seen before) has no twin to wait for: it goes at once, even with a long gap."""
+    engine = FakeEngine()
+    later = BODY | {"token_ids": [1, 2, 3, 10, 20, 4]}
+
+    async def scenario():
+        grouper = RequestGrouper(engine, group_size=2, gap_s=20)
+        await asyncio.gather(grouper.submit(URL, BODY, session(0)), grouper.submit(URL, BODY, session(1)))
+        start = time.monotonic()
+        await grouper.submit(URL, later, session(0))
+        return time.monotonic() - start
+
+    assert run(scenario()) < 5
+    assert [body["sampling_params"].get("n") for body, _ in engine.sent] == [2, None]
+
+
 def test_a_group_larger_than_a_request_may_sample_goes_in_parts():
     engine = FakeEngine()
 

@@ -15,7 +15,7 @@ from rl.config import (
 GROUP_GAP_S = 0.003
 """How long a generate request waits for an identical one after the last joined (rl/orchestrator/engine_client.py).
 A group's first requests reach the client ~0.2-2 ms apart under the benchmark's load (the rollouts' own work
-between them); a request with no twin (a later turn) pays this once."""
+between them); a later turn does not wait."""
 
 
 class SamplingConfig(Section):

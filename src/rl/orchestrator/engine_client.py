@@ -13,9 +13,10 @@ so none are lost.
 A group's rollouts send identical generate requests for their first turn (the same prompt, the same sampling
 settings). `EngineClient` sends those as one request with `n` samples and hands each rollout its own choice
 (`RequestGrouper`), as TRL and verl sample a group: the server then parses, schedules and prefills the prompt once
-per group, not once per rollout (docs/architecture.md, Measurements). A generate request waits for identical
-ones at most `group_gap_s` after the last one joined, and a full group (`group_size`) goes at once. Seeded
-requests are never grouped: n samples of one seeded request are not the n seeds' samples.
+per group, not once per rollout (docs/architecture.md, Measurements). A rollout's first generate request waits for
+identical ones at most `group_gap_s` after the last one joined, and a full group (`group_size`) goes at once; its
+later requests do not wait. Seeded requests are never grouped: n samples of one seeded request are not the n
+seeds' samples.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from rl.orchestrator.config import GROUP_GAP_S
 IDLE_CONNECTION_S = 15.0
 GENERATE_ROUTE = "/inference/v1/generate"
 MAX_SAMPLES_PER_REQUEST = 64  # vLLM refuses n above its max_num_seqs (by default 128 on CPU, 256-1024 on GPUs)
+SESSIONS_REMEMBERED = 65_536  # rollouts whose first request was seen: more than are ever in flight at once
 
 
 class GroupedTrainClientConfig(vf.TrainClientConfig):
@@ -132,7 +134,8 @@ class RequestGrouper:
 
     Requests are identical when their bodies and headers are, the rollout's session id aside (it only names the
     rollout). Each waits at most `gap_s` after the last identical one joined; `group_size` of them (at most
-    `MAX_SAMPLES_PER_REQUEST`) go at once.
+    `MAX_SAMPLES_PER_REQUEST`) go at once. Only a rollout's first request waits: a later one (a session id seen
+    before) joins an identical request already waiting, else goes at once.
     A caller cancelled before its group goes is left out of it; once it has gone, its sample is dropped.
     """
 
@@ -140,9 +143,11 @@ class RequestGrouper:
         self.send, self.group_size, self.gap_s = send, min(group_size, MAX_SAMPLES_PER_REQUEST), gap_s
         self.forming: dict[bytes, PendingGroup] = {}
         self.answering: set[asyncio.Task] = set()  # the loop holds tasks weakly
+        self.sessions: dict[str, None] = {}  # the session ids seen, oldest first
 
     async def submit(self, url: str, body: dict, options: dict | None) -> bytes:
-        headers = {k: v for k, v in ((options or {}).get("headers") or {}).items() if k != SESSION_ID_HEADER}
+        headers = dict((options or {}).get("headers") or {})
+        later_turn = self._seen(headers.pop(SESSION_ID_HEADER, None))
         key = msgspec.json.encode([url, body, sorted(headers.items())])
         group = self.forming.get(key)
         if group is None:
@@ -151,11 +156,22 @@ class RequestGrouper:
         group.callers.append(reply)
         if group.timer is not None:
             group.timer.cancel()
-        if len(group.callers) >= self.group_size:
+        if len(group.callers) >= self.group_size or (later_turn and len(group.callers) == 1):
             self._go(key)
         else:
             group.timer = asyncio.get_running_loop().call_later(self.gap_s, self._go, key)
         return await reply
+
+    def _seen(self, session: str | None) -> bool:
+        """Whether this session (a rollout) has sent a request before; remembers it."""
+        if session is None:
+            return False
+        if session in self.sessions:
+            return True
+        self.sessions[session] = None
+        if len(self.sessions) > SESSIONS_REMEMBERED:
+            del self.sessions[next(iter(self.sessions))]
+        return False
 
     def _go(self, key: bytes) -> None:
         group = self.forming.pop(key)
