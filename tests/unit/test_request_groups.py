@@ -232,7 +232,8 @@ def test_renderers_parse_each_callers_choice_from_a_real_engine(tiny_model, monk
         try:
             return await asyncio.gather(*(
                 generate(client=client, renderer=renderer, messages=[{"role": "user", "content": "hi"}], model="m",
-                         sampling_params={"max_tokens": 2}, extra_headers={"X-Session-ID": f"rollout-{i}"})
+                         sampling_params={"max_tokens": 2}, extra_headers={"X-Session-ID": f"rollout-{i}"},
+                         max_prompt_len=64)  # not looked up: renderers' lookup lock belongs to the first test's loop
                 for i in range(4)))
         finally:
             await client.close()
