@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -34,12 +35,18 @@ def _hook(name: str) -> Path | None:
 
 
 def take(name: str) -> str | None:
-    """The armed hook's text, disarming it; None when it is not armed."""
+    """The armed hook's text, disarming it; None when it is not armed. Of the processes (servers) that race for one
+    hook, exactly one takes it: the hook is renamed away first, which only one rename can do."""
     path = _hook(name)
-    if path is None or not path.exists():
+    if path is None:
         return None
-    value = path.read_text().strip()
-    path.unlink()
+    taken = path.with_name(f"{name}.taken-{os.getpid()}-{threading.get_ident()}")
+    try:
+        path.rename(taken)
+    except FileNotFoundError:
+        return None
+    value = taken.read_text().strip()
+    taken.unlink()
     return value
 
 
