@@ -12,7 +12,9 @@ inference server and, several times in turn:
   the step's gloo group, every tensor broadcast into the server's memfd, the checksum) with the orchestrator's
   `POST /update_weights {"step", "transfer"}` (receive, check, reload, verify), timed from the offer to the answer;
 - its bound: a bare gloo broadcast of the same bytes, in one piece, to another (warm) process receiving into a
-  fresh memfd as a server does, plus the server's reload time alone.
+  fresh memfd as a server does, plus the server's reload time alone;
+- sparse over the wire (`sparse_gloo`): a step that changes `--changed` of the elements (2%: what peers report a
+  bf16 step changes) sent as its changes against the step the server serves, timed as above.
 
 It prints the medians and their ratios (targets: publish-to-served <= 1.5x its bound for files; over the wire
 <= 0.5x files and <= 1.3x its bound at ~100M), then the same for a rank-16 LoRA adapter on every projection, on a
@@ -77,7 +79,19 @@ def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tens
     return new
 
 
-def measure_sync(root: Path, name: str, repeats: int) -> dict:
+def changed_in_part(state: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """`state` with `fraction` of each tensor's elements changed (the head kept tied), the others bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    new = {}
+    for k, v in state.items():
+        if k != "lm_head.weight":
+            mask = torch.rand(v.shape, generator=g) < fraction
+            new[k] = torch.where(mask, v + 1e-3, v)
+    new["lm_head.weight"] = new["model.embed_tokens.weight"].clone()
+    return new
+
+
+def measure_sync(root: Path, name: str, repeats: int, changed: float) -> dict:
     model_dir = build_tiny_model(root / name, **MODELS[name])
     params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
     paths = RunPaths(root / f"run_{name}")
@@ -86,13 +100,15 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
     side_files = hf_side_files(config, tokenizer)
     base = load_file(str(model_dir / "model.safetensors"))
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}.log", timeout_s=900,
-                    toml='[transfer]\ntransport = "gloo"\n')  # takes steps both ways
+                    toml='[transfer]\ntransport = "sparse_gloo"\n')  # takes steps every way
     sender = CollectiveSender(TransferConfig(transport="gloo"), paths.root, ONE_RANK, torch.float32, first_step=1)
+    sparse_sender = CollectiveSender(TransferConfig(transport="sparse_gloo"), paths.root, ONE_RANK, torch.float32,
+                                     first_step=1)
     bare = BareReceiver(sum(t.numel() * t.element_size() for t in perturbed(base, 0).values()), repeats)
-    totals, bounds, parts, wire, wire_bounds = [], [], [], [], []
+    totals, bounds, parts, wire, wire_bounds, sparse, sparse_bytes = [], [], [], [], [], [], []
     bound_file = root / f"bound_{name}.safetensors"
     try:
-        for step in range(1, 2 * repeats, 2):  # files take the odd steps, the wire the even ones after them
+        for step in range(1, 4 * repeats, 4):  # files, the wire, then sparse: whole, then changes
             state = perturbed(base, step)
             # Each write first frees the memory of the one it replaces (a new file each time, as publish writes
             # one): on this VM a write into memory not used lately can take 5x longer (a 400 MB save_file:
@@ -104,7 +120,7 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
             save_file(state, str(bound_file))
             bound_write = time.perf_counter() - write_start
             if step > 1:  # as the trainer prunes old steps
-                shutil.rmtree(paths.weights(step - 2))
+                shutil.rmtree(paths.weights(step - 4))
             os.sync()
             start = time.perf_counter()
             publish_step(paths, step, single_process_shards(state, DEFAULT_SHARD_BYTES), side_files)  # as the trainer
@@ -123,24 +139,35 @@ def measure_sync(root: Path, name: str, repeats: int) -> dict:
             wire_s, wire_reload_s = send_over_the_wire(server, sender, paths.root, step + 1, perturbed(base, -step))
             wire.append(wire_s)
             wire_bounds.append(bare.broadcast_s(state) + wire_reload_s)
+            whole = perturbed(base, step + 2)  # the server serves another sender's step: this one goes whole
+            send_over_the_wire(server, sparse_sender, paths.root, step + 2, whole)
+            stats: dict = {}
+            sparse.append(send_over_the_wire(server, sparse_sender, paths.root, step + 3,
+                                             changed_in_part(whole, changed, step), stats)[0])
+            if not stats["transfer_sparse"]:
+                raise RuntimeError(f"step {step + 3} went whole, not as its changes: {stats}")
+            sparse_bytes.append(stats["transfer_bytes"])
     finally:
         server.stop()
         bare.close()
+        sparse_sender.close()
     total, bound = statistics.median(totals), statistics.median(bounds)
     breakdown = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     return {"model": name, "params": params, "publish_to_served_s": total, "lower_bound_s": bound,
             "ratio": total / bound, "breakdown": breakdown, "wire_s": statistics.median(wire),
-            "wire_bound_s": statistics.median(wire_bounds)}
+            "wire_bound_s": statistics.median(wire_bounds), "sparse_s": statistics.median(sparse),
+            "sparse_bytes": statistics.median(sparse_bytes), "changed": changed}
 
 
 ONE_RANK = SimpleNamespace(is_main=True, rank=0, world_size=1, all_reduce=lambda values, op="sum": values)
 
 
 def send_over_the_wire(server: Server, sender: CollectiveSender, run_dir: Path, step: int,
-                       state: dict[str, torch.Tensor]) -> tuple[float, float]:
+                       state: dict[str, torch.Tensor], stats: dict | None = None) -> tuple[float, float]:
     """The trainer's send of `state` (the head too, as the trainer sends it) as step `step` and the orchestrator's
-    take, timed from the offer to the server's answer; and the server's reload time."""
-    stats: dict = {}
+    take, timed from the offer to the server's answer; and the server's reload time. The sender's stats go into
+    `stats`."""
+    stats = {} if stats is None else stats
     start = time.perf_counter()
     thread = threading.Thread(target=lambda: stats.update(sender.send_tensors(step, list(state.items()))))
     thread.start()
@@ -267,6 +294,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-large", action="store_true", help="only the tiny model")
+    parser.add_argument("--changed", type=float, default=0.02, help="share of elements a sparse step changes")
     parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                         help="where the models, weights and bound files are written (default: /dev/shm)")
     args = parser.parse_args()
@@ -274,7 +302,7 @@ def main() -> None:
     print(f"writing under {args.dir or tempfile.gettempdir()}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
-        results = [measure_sync(root, name, args.repeats) for name in names]
+        results = [measure_sync(root, name, args.repeats, args.changed) for name in names]
         adapters = [measure_adapter_sync(root, name, args.repeats) for name in names]
         print("\nweight publish -> served (median of %d)" % args.repeats)
         for r in results:
@@ -291,6 +319,10 @@ def main() -> None:
                   f"({r['wire_s'] / r['publish_to_served_s']:.2f}x files), "
                   f"bound (bare gloo broadcast + reload) {r['wire_bound_s']:.3f}s, ratio "
                   f"{r['wire_s'] / r['wire_bound_s']:.2f}x (targets <= 0.5x files, <= 1.3x bound)")
+            print(f"        sparse over the wire ({r['changed']:.0%} of elements changed): publish-to-served "
+                  f"{r['sparse_s']:.3f}s ({r['sparse_s'] / r['publish_to_served_s']:.2f}x files, "
+                  f"{r['sparse_s'] / r['wire_s']:.2f}x the whole step over the wire), "
+                  f"{r['sparse_bytes'] / 2**20:.1f} MiB sent")
         print("\nLoRA adapter (rank 16, every projection) publish -> served vs full weights (median of %d)"
               % args.repeats)
         for r, a in zip(results, adapters):
@@ -306,6 +338,9 @@ def main() -> None:
             server.stop()
         print(f"\nraw vLLM generation, tiny model, 64 prompts x 64 tokens in flight: {rate:.0f} tokens/s")
         last = results[-1]
+        sparse_ratio = last["sparse_s"] / last["publish_to_served_s"]
+        print(f"sparse collective publish-to-served {last['model']} {sparse_ratio:.2f}x filesystem "
+              f"({last['changed']:.0%} of elements changed)")
         print(f"collective publish-to-served {last['model']} {last['wire_s'] / last['publish_to_served_s']:.2f}x "
               f"filesystem, {last['wire_s'] / last['wire_bound_s']:.2f}x bound")
 

@@ -111,9 +111,11 @@ class TransferConfig(Section):
     from one `--transfer.*` so the three agree."""
 
     transport: Annotated[
-        Literal["filesystem", "gloo", "nccl"],
+        Literal["filesystem", "gloo", "nccl", "sparse_gloo", "sparse_nccl"],
         Field(description="filesystem: weights/step_k/ files every step; gloo (CPU hosts) or nccl (GPUs): a broadcast "
-                          "from the trainer to every server each step, files only at checkpoints (resume needs them)"),
+                          "from the trainer to every server each step, files only at checkpoints (resume needs them); "
+                          "sparse_gloo / sparse_nccl: the same, sending only the elements that changed since the step "
+                          "every server serves (needs one host copy of the served weights on trainer rank 0)"),
     ] = "filesystem"
     host: Annotated[
         str, Field(min_length=1, description="address the servers reach the trainer's rank 0 at (its TCP store)")
@@ -130,11 +132,26 @@ class TransferConfig(Section):
     def collective(self) -> bool:
         return self.transport != "filesystem"
 
+    @property
+    def backend(self) -> str:
+        """The collective's backend: nccl or gloo."""
+        return transport_backend(self.transport)
+
+    @property
+    def sparse(self) -> bool:
+        """Whether a step sends only what changed since the step every server serves."""
+        return self.transport.startswith("sparse_")
+
     def check_device(self, device: str, process: str) -> None:
         """NCCL moves tensors between GPUs only."""
-        if self.transport == "nccl" and device != "cuda":
-            raise ConfigError(f"transfer.transport = 'nccl' needs CUDA GPUs, but the {process} runs on {device}: use "
-                              "'gloo' on CPU hosts")
+        if self.backend == "nccl" and device != "cuda":
+            raise ConfigError(f"transfer.transport = {self.transport!r} needs CUDA GPUs, but the {process} runs on "
+                              f"{device}: use {self.transport.replace('nccl', 'gloo')!r} on CPU hosts")
+
+
+def transport_backend(transport: str) -> str:
+    """The collective backend a transport broadcasts over (`filesystem`: none, reported as gloo)."""
+    return "nccl" if transport.endswith("nccl") else "gloo"
 
 
 class EnvConfig(Section):

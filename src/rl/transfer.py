@@ -58,6 +58,8 @@ TRANSPORTS = {
     "gloo": "every step's weights broadcast from trainer rank 0 to every server over TCP (gloo), verified as files",
     "nccl": "every step's weights broadcast from trainer rank 0's GPU to each server's first worker's GPU (NCCL), "
             "verified as files",
+    "sparse_gloo": "as gloo, but only the elements that changed since the step every server serves",
+    "sparse_nccl": "as nccl, but only the elements that changed since the step every server serves",
 }
 NCCL_CLEANUP_ONLY = "2"  # TORCH_NCCL_ASYNC_ERROR_HANDLING: a failed collective aborts its group, not the process
 DIGEST_BYTES = 16
@@ -386,11 +388,12 @@ def broadcast(group: StepGroup, tensor: torch.Tensor, what: str) -> None:
 
 
 def send_header(group: StepGroup, step: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                adapter_config: str | None, bucket_bytes: int) -> None:
-    """The step's tensors (name, dtype, shape) in the order they follow, a LoRA adapter's adapter_config.json, and
-    how the tensors are grouped into broadcasts (`bucket_plan`)."""
+                adapter_config: str | None, bucket_bytes: int, base: str | None = None) -> None:
+    """The step's tensors (name, dtype, shape) in the order they follow, a LoRA adapter's adapter_config.json, how
+    the tensors are grouped into broadcasts (`bucket_plan`), and the `weights_checksum` of the step the changes are
+    against (`base`; None: every tensor whole)."""
     raw = json.dumps({"step": step, "tensors": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in tensors],
-                      "adapter_config": adapter_config, "bucket_bytes": bucket_bytes})
+                      "adapter_config": adapter_config, "bucket_bytes": bucket_bytes, "base": base})
     data = torch.frombuffer(bytearray(raw.encode()), dtype=torch.uint8).to(group.device)
     broadcast(group, torch.tensor([len(data)], dtype=torch.int64, device=group.device), f"step {step}'s header length")
     broadcast(group, data, f"step {step}'s header")
@@ -402,11 +405,13 @@ TensorMeta = tuple[str, torch.dtype, tuple[int, ...]]  # name, dtype, shape
 @dataclass(frozen=True)
 class Header:
     """A step as the trainer announces it: its tensors in the order they follow, its adapter config (None: full
-    weights), and the size of its broadcasts (`bucket_plan`)."""
+    weights), the size of its broadcasts (`bucket_plan`), and the checksum of the step it sends changes against
+    (None: every tensor whole)."""
 
     tensors: list[TensorMeta]
     adapter_config: str | None
     bucket_bytes: int
+    base: str | None = None
 
 
 def receive_header(group: StepGroup, step: int) -> Header:
@@ -431,7 +436,10 @@ def receive_header(group: StepGroup, step: int) -> Header:
         raise TransferError(f"step {step}'s header holds an adapter config that is not a string")
     if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise TransferError(f"step {step}'s header gives no bucket size (bucket_bytes {bucket_bytes!r})")
-    return Header(tensors, adapter_config, bucket_bytes)
+    base = header.get("base")
+    if base is not None and not isinstance(base, str):
+        raise TransferError(f"step {step}'s header names a base that is not a checksum: {base!r}")
+    return Header(tensors, adapter_config, bucket_bytes, base)
 
 
 def bucket_plan(sizes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
@@ -486,3 +494,76 @@ def _numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         n *= dim
     return n
+
+
+# Sparse steps (`sparse_gloo`, `sparse_nccl`): only what changed since the step every server serves.
+#
+# Each receiver announces the checksum of the full weights it serves and holds the bytes of (`announce_base`, before
+# it joins); the trainer sends changes only when every receiver announced the step it sent last (`common_base`),
+# else every tensor whole, so a server that missed a step, restarted or rolled back is brought up to date by the
+# next step. In a sparse step each bucket is preceded by its tensors' counts: WHOLE for a tensor sent whole (its
+# changes would not be smaller), else the number of elements that changed, sent as their flat indices and their new
+# values. The receiver applies them to a copy of its base's bytes and hashes the result, so the trainer's checksum
+# proves the whole step, not only the changes.
+
+NO_BASE = "-"
+WHOLE = -1
+INDEX_DTYPE = torch.int32
+WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # elements compared bit for bit
+
+
+def announce_base(store: dist.Store, step: int, rank: int, base: str | None) -> None:
+    """A receiver's announcement of the checksum of the full weights it serves and can apply changes to."""
+    store.set(f"step_{step}/base/{rank}", base or NO_BASE)
+
+
+def common_base(store: dist.Store, step: int, receivers: int, base: str | None, timeout_s: float) -> str | None:
+    """`base` (the step the trainer sent last) if every receiver of step `step` announced it, else None: the step
+    then goes whole."""
+    if base is None:
+        return None
+    keys = [f"step_{step}/base/{rank}" for rank in range(1, receivers + 1)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+        served = [value.decode() for value in store.multi_get(keys)]
+    except Exception as e:  # the wait timed out, or the store went away
+        raise TransferError(f"the receivers of step {step} did not all say what they serve within "
+                            f"{timeout_s:.0f} s: {e}") from None
+    return base if all(one == base for one in served) else None
+
+
+def encode_changes(now: torch.Tensor, before: torch.Tensor, itemsize: int) -> tuple[int, torch.Tensor]:
+    """What a sparse step sends of a tensor whose bytes (flat uint8, on the host) went from `before` to `now`: the
+    number of elements that changed and their flat indices (int32) followed by their new values; or WHOLE and the
+    bytes as they are, where that is no larger."""
+    numel = now.numel() // itemsize
+    changed = (now.view(WORDS[itemsize]) != before.view(WORDS[itemsize])).nonzero().view(-1)
+    if numel > torch.iinfo(INDEX_DTYPE).max or len(changed) * (INDEX_DTYPE.itemsize + itemsize) >= now.numel():
+        return WHOLE, now
+    values = now.view(WORDS[itemsize])[changed]
+    return len(changed), torch.cat([changed.to(INDEX_DTYPE).view(torch.uint8), values.view(torch.uint8)])
+
+
+def encoded_bytes(count: int, size: int, itemsize: int) -> int:
+    """How many bytes a tensor of `size` bytes takes in a sparse step's bucket, by its count."""
+    return size if count == WHOLE else count * (INDEX_DTYPE.itemsize + itemsize)
+
+
+def apply_changes(place: torch.Tensor, count: int, payload: torch.Tensor, itemsize: int) -> None:
+    """Apply what `encode_changes` sent to `place`, the tensor's bytes as the base step has them (flat uint8);
+    ValueError if an index lies outside the tensor."""
+    if count == WHOLE:
+        place.copy_(payload)
+        return
+    split = count * INDEX_DTYPE.itemsize
+    indices = payload[:split].clone().view(INDEX_DTYPE).long()  # cloned: a bucket's parts need not be aligned
+    values = payload[split:].clone().view(WORDS[itemsize])
+    numel = place.numel() // itemsize
+    if count and not (0 <= int(indices.min()) and int(indices.max()) < numel):
+        raise ValueError(f"a change names element {int(indices.min())}..{int(indices.max())} of a tensor of "
+                         f"{numel} elements")
+    aligned = place.storage_offset() % itemsize == 0
+    target = place.view(WORDS[itemsize]) if aligned else place.clone().view(WORDS[itemsize])
+    target[indices] = values
+    if not aligned:
+        place.copy_(target.view(torch.uint8))

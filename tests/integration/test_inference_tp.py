@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from rl.config import TransferConfig
 from rl.trainer.transfer import CollectiveSender
-from rl.transfer import offered_steps, read_offer, write_take
+from rl.transfer import TensorDigest, offered_steps, read_offer, write_take
 
 from rl.inference.fingerprint import checkpoint_fingerprint
 from tests.integration.inference_server import Server, model_and_weights_dir
@@ -41,8 +41,8 @@ def servers(run_dir):
     """A TP=1 and a TP=2 server on the same model and weights dir, started side by side."""
     started: dict[int, Server] = {}
 
-    def start(tp: int):  # the TP=2 server takes steps over the wire too
-        wire = '[transfer]\ntransport = "gloo"\n' if tp == 2 else ""
+    def start(tp: int):  # the TP=2 server takes steps over the wire too, whole or as changes
+        wire = '[transfer]\ntransport = "sparse_gloo"\n' if tp == 2 else ""
         started[tp] = Server(run_dir / "model", run_dir / "weights", run_dir / f"inference-tp{tp}.log",
                              toml=f"tensor_parallel_size = {tp}\n{wire}",
                              env={"RL_TEST_HOOK_DIR": str(run_dir / "hooks")})
@@ -212,11 +212,12 @@ def test_a_step_the_first_worker_receives_loads_on_both_workers_and_one_altered_
                                                                                                      run_dir):
     """NCCL's path, proved on CPU with gloo in its place (the `receive_in_worker` hook): the server's first worker
     receives the step while generation goes on, the server takes its sealed memfd over, and both workers load and
-    verify it; a step altered on the way is refused before anything loads."""
+    verify it; a step altered on the way is refused before anything loads. Then sparse_nccl's: the next step comes
+    as its changes, which the first worker applies to the bytes the server serves."""
     tp1, tp2 = servers
-    step_dir = perturbed_step(run_dir, 20, seed=20)  # steps 20 and 21: no other test of this module's
+    step_dir = perturbed_step(run_dir, 20, seed=20)  # steps 20 to 22: no other test of this module's
     tensors = list(load_file(step_dir / "model.safetensors").items())
-    config = TransferConfig(transport="gloo", timeout_s=30, offer_timeout_s=60)
+    config = TransferConfig(transport="sparse_gloo", timeout_s=30, offer_timeout_s=60)
     sender = CollectiveSender(config, run_dir / "wire", single_rank_world(), torch.float32, first_step=0)
     try:
         served, before = tp2.admin("GET", "/policy_step").json(), greedy(tp2)
@@ -231,11 +232,26 @@ def test_a_step_the_first_worker_receives_loads_on_both_workers_and_one_altered_
         answer, sent = send_over_the_wire(tp2, sender, run_dir / "wire", 21, tensors)
         assert answer.status_code == 200, answer.text
         assert answer.json()["weights_checksum"] == sent["weights_checksum"] == files_checksum(step_dir)
+        assert sent["transfer_sparse"] is False  # the server refused step 20: it serves other weights
         assert update(tp1, 20).status_code == 200
         assert_same_outputs(greedy(tp1), greedy(tp2))
         log = (run_dir / "inference-tp2.log").read_text()
         pid = int(re.search(r"step 21 received over gloo by the first worker \(pid (\d+)\)", log)[1])
         assert "Worker_TP0" in psutil.Process(pid).name()
+
+        changed = [(name, tensor.clone()) for name, tensor in tensors]
+        for name, tensor in changed:
+            if name.endswith("mlp.down_proj.weight"):
+                tensor[0, :4] += 0.5
+        arm(run_dir, "receive_in_worker")
+        answer, sent = send_over_the_wire(tp2, sender, run_dir / "wire", 22, changed)
+        assert answer.status_code == 200, answer.text
+        assert sent["transfer_sparse"] is True and sent["transfer_bytes"] == 4 * 4 * (4 + 4)  # 4 layers' 4 elements
+        digest = TensorDigest()
+        for name, tensor in changed:
+            digest.update(name, tensor)
+        assert answer.json()["weights_checksum"] == sent["weights_checksum"] == digest.hexdigest()
+        assert len(greedy(tp2)) == len(before)  # and it serves them
     finally:
         sender.close()
 

@@ -1,6 +1,7 @@
 """A server the run does not own (started on its own, as on another host) restarts mid-run, weights over the wire:
 the orchestrator sees another instance answer, gives it no requests until the trainer's next offer brings it up to
-date, makes again the groups it lost, and the run reaches its end with every step once."""
+date, makes again the groups it lost, and the run reaches its end with every step once. Steps go as their changes
+(`sparse_gloo`) while the server serves the step sent last, and whole to the restarted server."""
 
 import re
 import time
@@ -13,7 +14,7 @@ from tests.integration.launched import Launched, rl_command
 
 pytestmark = pytest.mark.integration
 MAX_STEPS = 8
-WIRE = '[transfer]\ntransport = "gloo"\n'
+WIRE = '[transfer]\ntransport = "sparse_gloo"\n'
 
 
 def wait_for_step(run: Launched, paths: RunPaths, step: int, timeout_s: float = 600) -> None:
@@ -29,7 +30,8 @@ def test_a_server_restarted_mid_run_rejoins_at_the_next_offer(tiny_model, tmp_pa
     paths = RunPaths(out)
     server = Server(tiny_model, out / "weights", tmp_path / "inference-1.log", toml=WIRE)
     roles = ["--roles", '["orchestrator", "trainer"]', "--orchestrator.client.base-urls", f'["{server.url}"]',
-             "--inference.admin-token", server.token, "--transfer.transport", "gloo", "--transfer.host", "127.0.0.1"]
+             "--inference.admin-token", server.token, "--transfer.transport", "sparse_gloo",
+             "--transfer.host", "127.0.0.1"]
     run = Launched(rl_command(tiny_model, out, MAX_STEPS, *roles))
     try:
         wait_for_step(run, paths, 2)
@@ -49,6 +51,10 @@ def test_a_server_restarted_mid_run_rejoins_at_the_next_offer(tiny_model, tmp_pa
     after = log[back.end():]
     taken = re.search(r"policy (\d+) went over the wire to 1 of 1 servers", after)
     assert taken, after[-3000:]  # brought up to date by the next offer, before any batch used it
+    trainer = {m["step"]: m for m in metrics if m["process"] == "trainer"}  # trainer step k sends policy k + 1
+    assert trainer[0]["transfer_sparse"] is False  # the server served the base model, read from files
+    assert trainer[int(taken.group(1)) - 1]["transfer_sparse"] is False  # the restarted server: whole again
+    assert trainer[MAX_STEPS - 1]["transfer_sparse"] is True, trainer  # and changes once it serves a sent step
     # the trainer kept its group with the server until the restart, then formed one with the new process; each
     # process of the server formed its group once
     (trainer_log,) = (out / "logs").glob("*/trainer.log")

@@ -44,9 +44,10 @@ def staged_tensors(staged) -> dict[str, torch.Tensor]:
         return {name: tensor.clone() for name, tensor in tensors_of(data, WIRE_FILE)}
 
 
-def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=10.0, keepers=None):
+def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=10.0, keepers=None, bases=None):
     """Offer `step`, take it for `receivers` servers, receive it in threads (each in its group kept in `keepers`, by
-    rank, where given); returns the sender's stats and each receiver's (staged, checksum) or exception."""
+    rank, where given; each serving the step received in `bases`, by rank, where given); returns the sender's stats
+    and each receiver's `Received` or exception."""
     results: dict[int, object] = {}
     stats = {}
 
@@ -65,8 +66,9 @@ def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=1
     def receive(rank):
         spec = GroupSpec(offer.host, offer.port, rank, receivers + 1, timeout_s)
         try:
+            base = (bases or {}).get(rank)
             results[rank] = receive_weights(spec, step, corrupt if rank == 1 else None,
-                                            keeper=(keepers or {}).get(rank))
+                                            keeper=(keepers or {}).get(rank), base=base and base.staged.rpc())
         except Exception as e:  # noqa: BLE001 - the test inspects it
             results[rank] = e
 
@@ -434,3 +436,134 @@ def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_wit
     assert checksums == {step: stats[step]["weights_checksum"] for step in (1, 2)}
     assert checksums[1] != checksums[2]
     assert "formed 1" in out and sender.groups.formed == 1
+
+
+def changed_a_little(model: TinyLM) -> None:
+    """What a small optimizer step does to bf16 weights: a few elements change, most keep their bits."""
+    with torch.no_grad():
+        model.proj.weight[2, 3] += 0.5
+        model.embed_tokens.weight[7] += 0.25  # a row: the tied head changes the same way
+
+
+def expect_served(model: TinyLM, received) -> None:
+    expected = dict(model.state_dict()) | {TIED_HEAD: model.embed_tokens.weight}
+    tensors = staged_tensors(received.staged)
+    assert list(tensors) == list(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(tensors[name], tensor.detach()), name
+
+
+@pytest.fixture
+def sparse_sender(tmp_path):
+    config = TransferConfig(transport="sparse_gloo", timeout_s=5, offer_timeout_s=10)
+    sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
+    yield sender
+    sender.close()
+
+
+def close_all(*results) -> None:
+    for received in results:
+        if hasattr(received, "staged"):
+            received.staged.close()
+
+
+def test_a_sparse_step_sends_only_what_changed_and_each_server_serves_the_whole_step_with_the_trainers_checksum(
+    tmp_path, sparse_sender
+):
+    model = TinyLM()
+    stats, first = run_step(tmp_path, sparse_sender, model, step=1, receivers=2)
+    whole = sum(t.numel() * 4 for t in model.state_dict().values()) + model.embed_tokens.weight.numel() * 4
+    assert stats["transfer_sparse"] is False and stats["transfer_bytes"] == whole  # no server serves a sent step yet
+    changed_a_little(model)
+    stats, second = run_step(tmp_path, sparse_sender, model, step=2, receivers=2, bases=first)
+    try:
+        assert stats["weights_sent"] and stats["transfer_sparse"] is True
+        assert stats["transfer_bytes"] == (1 + 8 + 8) * (4 + 4)  # index and value of each changed element
+        for rank in (1, 2):
+            assert second[rank].checksum == stats["weights_checksum"]
+            expect_served(model, second[rank])
+        changed_a_little(model)  # and again, against the step just received
+        stats, third = run_step(tmp_path, sparse_sender, model, step=3, receivers=2, bases=second)
+        assert stats["transfer_sparse"] is True and all(third[r].checksum == stats["weights_checksum"] for r in (1, 2))
+        expect_served(model, third[1])
+        close_all(*third.values())
+    finally:
+        close_all(*first.values(), *second.values())
+
+
+def test_a_step_goes_whole_to_all_when_one_server_does_not_serve_the_step_sent_last(tmp_path, sparse_sender):
+    """A server that refused a step, restarted or caught up from files serves other weights: the changes would not
+    apply to them, so the next step goes whole to every server, and each serves it."""
+    model = TinyLM()
+    _, first = run_step(tmp_path, sparse_sender, model, step=1, receivers=2)
+    changed_a_little(model)
+    try:
+        stats, second = run_step(tmp_path, sparse_sender, model, step=2, receivers=2, bases={1: first[1]})
+        assert stats["weights_sent"] and stats["transfer_sparse"] is False
+        for rank in (1, 2):
+            assert second[rank].checksum == stats["weights_checksum"]
+            expect_served(model, second[rank])
+        close_all(*second.values())
+    finally:
+        close_all(*first.values())
+
+
+def test_sparse_changes_altered_on_the_way_are_refused(tmp_path, sparse_sender, monkeypatch):
+    """A changed element altered (the test hook flips a byte once applied), or an index outside its tensor: the
+    server that got it refuses the step after receiving it whole; the other serves it."""
+    import rl.transfer
+
+    model = TinyLM()
+    _, first = run_step(tmp_path, sparse_sender, model, step=1, receivers=2)
+    changed_a_little(model)
+    stats, second = run_step(tmp_path, sparse_sender, model, step=2, receivers=2, bases=first,
+                             corrupt="model.proj.weight")
+    assert stats["transfer_sparse"] is True
+    assert isinstance(second[1], CorruptFileError) and "arrived altered" in str(second[1])
+    assert second[2].checksum == stats["weights_checksum"]
+    expect_served(model, second[2])
+
+    encode = rl.transfer.encode_changes
+
+    def beyond_the_tensor(now, before, itemsize):
+        count, data = encode(now, before, itemsize)
+        if count > 0:
+            data = data.clone()
+            data[:4] = torch.tensor([10**6], dtype=torch.int32).view(torch.uint8)
+        return count, data
+
+    monkeypatch.setattr(rl.trainer.transfer, "encode_changes", beyond_the_tensor)
+    bases = {1: second[2], 2: second[2]}
+    changed_a_little(model)
+    stats, third = run_step(tmp_path, sparse_sender, model, step=3, receivers=2, bases=bases)
+    try:
+        assert stats["transfer_sparse"] is True
+        for rank in (1, 2):
+            assert isinstance(third[rank], CorruptFileError), third[rank]
+            assert "names element" in str(third[rank]) and "arrived altered" in str(third[rank])
+    finally:
+        close_all(*first.values(), *second.values(), *third.values())
+
+
+def test_changes_are_encoded_bit_for_bit_and_go_whole_where_that_is_smaller():
+    from rl.transfer import WHOLE, apply_changes, encode_changes
+
+    before = torch.randn(1000).to(torch.bfloat16)
+    now = before.clone()
+    now[[3, 500, 999]] += 1
+    now[10] = -0.0 if before[10] == 0 else -before[10]  # a sign flip: a change of the bits
+    count, data = encode_changes(now.view(torch.uint8), before.view(torch.uint8), 2)
+    assert count == 4 and len(data) == 4 * (4 + 2)
+    place = before.clone().view(torch.uint8)
+    apply_changes(place, count, data, 2)
+    assert torch.equal(place.view(torch.bfloat16).view(torch.int16), now.view(torch.int16))
+    unaligned = torch.empty(2001, dtype=torch.uint8)[1:]  # a tensor at an odd place of its file
+    unaligned.copy_(before.view(torch.uint8))
+    apply_changes(unaligned, count, data, 2)
+    assert torch.equal(unaligned, now.view(torch.uint8))
+    everything = before + 1
+    assert encode_changes(everything.view(torch.uint8), before.view(torch.uint8), 2)[0] == WHOLE
+    index = torch.tensor([1000], dtype=torch.int32).view(torch.uint8)
+    past_the_end = torch.cat([index, torch.zeros(2, dtype=torch.uint8)])  # one change: its index, its value
+    with pytest.raises(ValueError, match="names element 1000..1000 of a tensor of 1000 elements"):
+        apply_changes(before.clone().view(torch.uint8), 1, past_the_end, 2)

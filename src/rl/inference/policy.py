@@ -21,6 +21,7 @@ from pathlib import Path
 from fastapi import HTTPException
 
 from rl.adapter import ADAPTER_CONFIG
+from rl.config import transport_backend
 from rl.inference import hooks
 from rl.inference.staging import (
     PrivateCopies, Received, StagedStep, receive_weights, release, stage_weights, take_over,
@@ -46,11 +47,19 @@ class AdminSettings:
     admin_token: str | None
     api_keys: tuple[str, ...] = ()  # vLLM's --api-key / VLLM_API_KEY: required on every generation route
     lora_name: str | None = None  # the served adapter's name (None: LoRA off, full-weight steps only)
-    transport: str = "filesystem"  # inference.transfer.transport: gloo and nccl take steps over the wire too
+    transport: str = "filesystem"  # inference.transfer.transport: the collective ones take steps over the wire too
 
     @property
     def over_the_wire(self) -> bool:
         return self.transport != "filesystem"
+
+    @property
+    def backend(self) -> str:
+        return transport_backend(self.transport)
+
+    @property
+    def sparse(self) -> bool:
+        return self.transport.startswith("sparse_")
 
 
 class PolicyWeights:
@@ -162,12 +171,28 @@ class PolicyWeights:
         first worker (the process with a GPU, `rl_receive_weights`) while generation goes on, its sealed memfd then
         taken over by this process, so that from here both are the same. The test hook `receive_in_worker` takes
         the worker's path over gloo: how a CPU host proves it."""
-        if self.settings.transport == "gloo" and hooks.take("receive_in_worker") is None:
-            return await asyncio.to_thread(receive_weights, spec, step, corrupt, "gloo", self.transfer_group)
-        return await self._receive_in_worker(spec, step, corrupt)
+        base = self._sparse_base()
+        try:
+            if self.settings.backend == "gloo" and hooks.take("receive_in_worker") is None:
+                return await asyncio.to_thread(receive_weights, spec, step, corrupt, "gloo", self.transfer_group,
+                                               base and base.rpc())
+            return await self._receive_in_worker(spec, step, corrupt, base)
+        finally:
+            if base is not None:
+                await release(base)
 
-    async def _receive_in_worker(self, spec: GroupSpec, step: int, corrupt: str | None) -> Received:
-        await self._first_worker("rl_receive_weights", asdict(spec), step, self.settings.transport, corrupt)
+    def _sparse_base(self) -> StagedStep | None:
+        """What a sparse step may change (rl/transfer.py): the full weights served, when they came over the wire
+        and verified, through descriptors of their own (a step served meanwhile releases the server's)."""
+        staged = self.wire_staged
+        if not self.settings.sparse or staged is None or self.broken or staged.checksum != self.checksum:
+            return None
+        return staged.dup()
+
+    async def _receive_in_worker(self, spec: GroupSpec, step: int, corrupt: str | None,
+                                 base: StagedStep | None = None) -> Received:
+        await self._first_worker("rl_receive_weights", asdict(spec), step, self.settings.backend, corrupt,
+                                 base and base.rpc())
         limit_s = max(600.0, 10 * spec.timeout_s)  # each broadcast has its own deadline too
         deadline = time.monotonic() + limit_s
         try:
@@ -178,7 +203,7 @@ class PolicyWeights:
             if "error" in report:
                 raise (CorruptFileError if report["kind"] == "corrupt" else TransferError)(report["error"])
             logger.info("step %d received over %s by the first worker (pid %d): %d bytes", step,
-                        self.settings.transport, report["pid"], report["size"])
+                        self.settings.backend, report["pid"], report["size"])
             return await asyncio.to_thread(take_over, report)
         finally:
             await self.engine.collective_rpc("rl_release_received")

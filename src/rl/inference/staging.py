@@ -33,8 +33,9 @@ from rl.inference import hooks
 from rl.manifest import CorruptFileError, Entry, OpenDir, copy_listed, read_listed
 from rl.safetensors_io import read_file_header, tensors_of
 from rl.transfer import (
-    DIGEST_BYTES, GroupKeeper, GroupSpec, Header, InFlight, StepGroup, TensorDigest, broadcast, bucket_name,
-    bucket_plan, connect_store, receive_header, safetensors_layout, start_broadcast,
+    DIGEST_BYTES, WHOLE, GroupKeeper, GroupSpec, Header, InFlight, StepGroup, TensorDigest, TransferError,
+    announce_base, apply_changes, broadcast, bucket_name, bucket_plan, connect_store, encoded_bytes, receive_header,
+    safetensors_layout, start_broadcast,
 )
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -68,6 +69,10 @@ class StagedStep:
         for fd, _ in self.files.values():
             os.close(fd)
         self.files.clear()
+
+    def dup(self) -> StagedStep:
+        """The same step through descriptors of its own, open until closed whatever happens to this one."""
+        return StagedStep({name: (os.dup(fd), size) for name, (fd, size) in self.files.items()}, self.checksum)
 
 
 async def release(staged: StagedStep) -> None:
@@ -134,16 +139,18 @@ class Received:
 
 
 def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, backend: str = "gloo",
-                    keeper: GroupKeeper | None = None) -> Received:
+                    keeper: GroupKeeper | None = None, base: dict | None = None) -> Received:
     """Receive step `step` from the trainer's group (rl/transfer.py) into one sealed memfd laid out as a safetensors
     file, checked against the trainer's checksum: CorruptFileError if its bytes hash to anything else (nothing is kept
     then); TransferError if the transfer fails or times out. `keeper`: the receiver's group, kept for the next step
     (unset: a group for this step alone). `backend` "nccl": each tensor arrives in this process's current GPU, and is
     copied from there into the memfd. `corrupt` (tests only): the tensor whose first received byte is flipped, as a
-    fault on the way would."""
+    fault on the way would. `base` (sparse transports): the full weights this server serves, as `StagedStep.rpc()`
+    names them, which the trainer may send changes against (rl/transfer.py)."""
     kept, keeper = keeper is not None, keeper or GroupKeeper()
-    group = keeper.join(connect_store(spec.host, spec.port, spec.timeout_s), step, spec.rank, spec.world_size,
-                        spec.timeout_s, backend)
+    store = connect_store(spec.host, spec.port, spec.timeout_s)
+    announce_base(store, step, spec.rank, base["checksum"] if base else None)
+    group = keeper.join(store, step, spec.rank, spec.world_size, spec.timeout_s, backend)
     fd, failed = None, True
     try:
         header = receive_header(group, step)
@@ -152,13 +159,18 @@ def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, back
         size = spans[-1][1] if spans else len(head)
         fd = os.memfd_create(f"rl-step-{step}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
+        if header.base is not None:  # changes against the weights this server serves: start from their bytes
+            _copy_base(base, header.base, fd, head, size, step)
+        receive = _receive_changes if header.base is not None else _receive_into
         with mmap.mmap(fd, size) as data:
             data[: len(head)] = head
-            digest = _receive_into(group, data, header, spans, step, corrupt)
+            digest, altered = receive(group, data, header, spans, step, corrupt)
         sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8, device=group.device)
         broadcast(group, sent, f"step {step}'s checksum")
         failed = False
         sent = bytes(sent.cpu().numpy())
+        if altered is not None:
+            raise CorruptFileError(altered)
         if sent != digest.digest():
             raise CorruptFileError(f"step {step} arrived altered: its bytes hash to {digest.hexdigest()}, the trainer "
                                    f"sent {sent.hex()}")
@@ -173,7 +185,7 @@ def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, back
 
 
 def _receive_into(group: StepGroup, data: mmap.mmap, header: Header, spans: list, step: int, corrupt: str | None
-                  ) -> TensorDigest:
+                  ) -> tuple[TensorDigest, None]:
     """Each bucket of tensors broadcast into its place in `data`, each tensor hashed once its bucket arrived. Over gloo
     a bucket arrives straight into its place, while the one before it is hashed; over NCCL into the GPU, then it is
     copied there, one bucket at a time (the GPU is vLLM's but for one arriving bucket)."""
@@ -195,7 +207,68 @@ def _receive_into(group: StepGroup, data: mmap.mmap, header: Header, spans: list
         del place, arriving  # no view of the mapping may outlive it
     if landing is not None:
         _land(*landing, digest, corrupt)
-    return digest
+    return digest, None
+
+
+def _copy_base(base: dict | None, checksum: str, fd: int, head: bytes, size: int, step: int) -> None:
+    """Copy the bytes of `base` (what this server serves) into the step's memfd `fd`, by the kernel; TransferError
+    unless they are the step the trainer sends changes against, laid out as this step is."""
+    if base is None or base["checksum"] != checksum:
+        held = "no full weights it received" if base is None else f"weights with checksum {base['checksum']}"
+        raise TransferError(f"step {step} comes as changes against the weights with checksum {checksum}, but this "
+                            f"server holds {held}")
+    (own_fd, own_size), = base["files"].values()
+    if own_size != size:
+        raise TransferError(f"step {step}'s tensors take {size} bytes, the weights it changes {own_size}")
+    source = os.open(f"/proc/{base['pid']}/fd/{own_fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        offset = 0
+        while offset < size:
+            sent = os.sendfile(fd, source, offset, size - offset)
+            if sent == 0:
+                raise TransferError(f"the weights step {step} changes ended after {offset} of {size} bytes")
+            offset += sent
+    finally:
+        os.close(source)
+    if os.pread(fd, len(head), 0) != head:
+        raise TransferError(f"step {step}'s tensors are not those of the weights it changes (names, dtypes, shapes)")
+
+
+def _receive_changes(group: StepGroup, data: mmap.mmap, header: Header, spans: list, step: int,
+                     corrupt: str | None) -> tuple[TensorDigest, str | None]:
+    """A sparse step: per bucket, its tensors' counts, then their changes (or whole bytes), applied to the base's
+    bytes in `data`; each tensor then hashed whole, so the trainer's checksum proves the whole step. Changes that
+    cannot be applied are named in the second value, after the whole step was received (leaving mid-step would
+    hold up the other receivers)."""
+    digest, altered = TensorDigest(), None
+    for first, stop in bucket_plan([end - begin for begin, end in spans], header.bucket_bytes):
+        tensors, places = header.tensors[first:stop], spans[first:stop]
+        what = bucket_name([name for name, _, _ in tensors], step)
+        counts = torch.empty(stop - first, dtype=torch.int64, device=group.device)
+        broadcast(group, counts, f"the counts of {what}")
+        counts = counts.cpu().tolist()
+        lengths = []
+        for (name, dtype, _), (begin, end), count in zip(tensors, places, counts, strict=True):
+            if not WHOLE <= count <= (end - begin) // max(dtype.itemsize, 1):
+                raise TransferError(f"step {step} claims {count} changed elements of {name}")
+            lengths.append(encoded_bytes(count, end - begin, dtype.itemsize))
+        payload = torch.empty(sum(lengths), dtype=torch.uint8, device=group.device)
+        if len(payload):
+            broadcast(group, payload, what)
+        payload, offset = payload.cpu(), 0
+        for (name, dtype, shape), (begin, end), count, length in zip(tensors, places, counts, lengths, strict=True):
+            place = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=begin) if end > begin else (
+                torch.empty(0, dtype=torch.uint8))
+            try:
+                apply_changes(place, count, payload[offset: offset + length], dtype.itemsize)
+            except ValueError as e:
+                altered = altered or f"{name} of step {step} arrived altered: {e}"
+            if name == corrupt and len(place):
+                place[0] ^= 1
+            digest.update_bytes(name, dtype, shape, place)
+            offset += length
+            del place  # no view of the mapping may outlive it
+    return digest, altered
 
 
 def _land(in_flight: InFlight, place: torch.Tensor, tensors: list, spans: list, digest: TensorDigest,

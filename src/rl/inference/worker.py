@@ -142,11 +142,13 @@ class WeightSyncExtension:
 
     # ---- a step over NCCL (rl/transfer.py): the first worker receives it for its server ----
 
-    def rl_receive_weights(self, spec: dict, step: int, backend: str, corrupt: str | None = None) -> dict | None:
+    def rl_receive_weights(self, spec: dict, step: int, backend: str, corrupt: str | None = None,
+                           base: dict | None = None) -> dict | None:
         """On the first tensor-parallel worker (the others answer None): start receiving step `step` in a thread of
         this worker, which joins the step's group at the server's rank with this worker's GPU and receives the step
         into a sealed memfd checked against the trainer's checksum (`rl.inference.staging.receive_weights`), while
-        the worker goes on generating. `rl_received` tells how it went."""
+        the worker goes on generating; `base` (sparse transports): the weights served, as the server staged them.
+        `rl_received` tells how it went."""
         if self._rl_tp_rank() != 0:
             return None
         thread, _ = getattr(self, "_rl_receiving", (None, {}))
@@ -163,7 +165,7 @@ class WeightSyncExtension:
                 torch.cuda.set_device(device)  # a new thread starts on GPU 0
             try:
                 outcome["received"] = receive_weights(GroupSpec(**spec), step, corrupt, backend,
-                                                      self._rl_transfer_group)
+                                                      self._rl_transfer_group, base)
             except CorruptFileError as error:
                 outcome["error"] = {"error": str(error), "kind": "corrupt"}
             except TransferError as error:

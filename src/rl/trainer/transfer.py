@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from rl.config import TransferConfig
 from rl.transfer import (
-    BUCKET_BYTES, GroupKeeper, InFlight, Offer, TensorDigest, TransferError, broadcast, bucket_name, bucket_plan,
-    clear_transfers, pack_digest, send_header, start_broadcast, start_store, tensor_bytes, wait_for_take, write_offer,
+    BUCKET_BYTES, WHOLE, GroupKeeper, InFlight, Offer, TensorDigest, TransferError, broadcast, bucket_name,
+    bucket_plan, clear_transfers, common_base, encode_changes, pack_digest, send_header, start_broadcast, start_store,
+    tensor_bytes, wait_for_take, write_offer,
 )
 from rl.adapter import adapter_checksum
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_weight
@@ -44,10 +45,15 @@ class CollectiveSender:
         self.store: dist.TCPStore | None = None
         self.groups = GroupKeeper()  # rank 0's group with the servers, kept from step to step while it serves
         self.staging: list[torch.Tensor] | None = None  # rank 0's two bucket buffers (`_packed`)
-        self.nccl = config.transport == "nccl"
+        self.nccl = config.backend == "nccl"
         if self.nccl and not world.on_gpu:
-            raise TransferError("transfer.transport = 'nccl' needs the trainer on CUDA GPUs; this one runs on "
-                                f"{world.device.type}: use 'gloo'")
+            raise TransferError(f"transfer.transport = {config.transport!r} needs the trainer on CUDA GPUs; this one "
+                                f"runs on {world.device.type}: use {config.transport.replace('nccl', 'gloo')!r}")
+        # sparse: rank 0 keeps the bytes it sent last (one host copy of the served weights) and their checksum, the
+        # base it sends changes against once every server serves it. An adapter always goes whole: it is small.
+        self.sparse = config.sparse and adapter_config is None
+        self.sent: dict[str, torch.Tensor] = {}
+        self.base: str | None = None
         if world.is_main:
             clear_transfers(output_dir, first_step)  # a resumed run's old offers name a store that is gone
             self.store = start_store(config.port, config.timeout_s)
@@ -70,32 +76,46 @@ class CollectiveSender:
             write_offer(self.output_dir, Offer(step, self.config.host, self.store.port, sum(sizes)))
         receivers = wait_for_take(self.output_dir, step, self.config.offer_timeout_s)  # every rank: all agree
         waited = time.perf_counter() - start
-        group, failure = None, None
+        group, failure, base = None, None, None
         if self.world.is_main and receivers == 0:
             failure = "no server was up to take it"
         elif self.world.is_main:
             try:
                 group = self.groups.join(self.store, step, 0, receivers + 1, self.config.timeout_s,
-                                         self.config.transport)
-                send_header(group, step, meta, config, BUCKET_BYTES)  # the receivers bucket as the header says
+                                         self.config.backend)
+                if self.sparse:  # changes only if every server serves the step sent last
+                    base = common_base(self.store, step, receivers, self.base, self.config.timeout_s)
+                send_header(group, step, meta, config, BUCKET_BYTES, base)  # the receivers read as the header says
             except TransferError as e:
                 failure = str(e)
-        digest, in_flight = TensorDigest(), None
+        digest, in_flight, sent_bytes = TensorDigest(), None, 0
         for index, (first, stop) in enumerate(bucket_plan(sizes, BUCKET_BYTES)):
-            bucket = []  # every rank gathers every tensor; rank 0 sends each bucket while nothing failed
+            bucket, counts = [], []  # every rank gathers every tensor; rank 0 sends each bucket while nothing failed
             for name, source in tensors[first:stop]:
                 full = self._gather(source)
                 if group is not None and failure is None:
-                    bucket.append(tensor_bytes(full.to(group.device)))
-                    digest.update(name, full)
+                    if self.sparse:
+                        host = full.cpu()  # hashed and compared with what was sent last on the host
+                        digest.update(name, host)
+                        count, data = self._changes(name, tensor_bytes(host), base is not None)
+                        bucket.append(tensor_bytes(full) if count == WHOLE else data.to(group.device))
+                        counts.append(count)
+                    else:
+                        bucket.append(tensor_bytes(full.to(group.device)))
+                        digest.update(name, full)
                 del full
             if bucket:  # gathered while the previous bucket was on its way; now that one must have arrived
                 data = bucket[0] if len(bucket) == 1 else self._packed(bucket, index % 2, group.device)
                 failure, in_flight = _waited(in_flight), None
                 if failure is None:
                     try:
-                        names = [name for name, _ in tensors[first:stop]]
-                        in_flight = start_broadcast(group, data, bucket_name(names, step))
+                        what = bucket_name([name for name, _ in tensors[first:stop]], step)
+                        if base is not None:  # the receivers learn how much follows, and how to read it
+                            counts = torch.tensor(counts, dtype=torch.int64, device=group.device)
+                            broadcast(group, counts, f"the counts of {what}")
+                        if len(data):  # a sparse bucket where nothing changed sends nothing more
+                            in_flight = start_broadcast(group, data, what)
+                        sent_bytes += len(data)
                     except TransferError as e:
                         failure = str(e)
                 del data
@@ -109,9 +129,13 @@ class CollectiveSender:
                 failure = str(e)
         if group is not None:
             self.groups.done(failed=failure is not None)
+        # the next step's base: this one, if every server now holds it (else the next step goes whole)
+        self.base = digest.hexdigest() if self.sparse and group is not None and failure is None else None
         failed, = self.world.all_reduce([1.0 if failure is not None else 0.0], op="max")  # rank 0's verdict
         stats = {"weights_sent": failed == 0.0, "transfer_wait_s": waited,
                  "transfer_s": time.perf_counter() - start - waited}
+        if self.world.is_main:  # what travelled: all of the step's bytes, or (sparse) its changes
+            stats |= {"transfer_bytes": sent_bytes, "transfer_sparse": base is not None}
         if self.adapter_config is not None and self.world.is_main:  # as inference reports the adapter it serves
             stats["adapter_checksum"] = adapter_checksum((name, source) for name, source in tensors)
         if self.world.is_main:
@@ -142,6 +166,18 @@ class CollectiveSender:
             return full if self.world.is_main else None
         return full_tensor(source, self.dtype, to_host=self.world.is_main)
 
+    def _changes(self, name: str, data: torch.Tensor, against_base: bool) -> tuple[int, torch.Tensor]:
+        """A sparse step's count and bytes for tensor `name` (its bytes `data`, on the host): its changes since the
+        step sent last where the step goes against that base and they are smaller, else WHOLE and `data`. Either way
+        `data` is kept as what was sent last."""
+        sent = self.sent.get(name)
+        if sent is None or len(sent) != len(data):
+            self.sent[name] = data.clone()
+            return WHOLE, data
+        count, encoded = encode_changes(data, sent, self.dtype.itemsize) if against_base else (WHOLE, data)
+        sent.copy_(data)
+        return count, encoded
+
     def _packed(self, bucket: list[torch.Tensor], slot: int, device: torch.device) -> torch.Tensor:
         """A bucket's tensors, one after the other, in staging buffer `slot` (of two, reused from bucket to bucket
         and step to step: one is on its way while the other fills; a fresh allocation each time cost page faults
@@ -154,6 +190,7 @@ class CollectiveSender:
     def close(self) -> None:
         self.groups.drop()
         self.staging = None
+        self.sent.clear()
         self.store = None
 
 
