@@ -174,4 +174,6 @@ def test_gpu_check_runs_every_part_and_prints_the_summary_whatever_failed(tmp_pa
     assert "trainer-figures: ok" in summary, summary
     assert "rl-run: ok" in summary and "\n  figures: FAILED" in summary, summary  # the run wrote no metrics
     assert "no figures" in (out / "figures.log").read_text()
+    assert "rl-run-sparse-nccl: ok" in summary and "sparse-figures: FAILED" in summary, summary
+    assert "no sparse figures" in (out / "sparse-figures.log").read_text()
     assert "1 failed" in (out / "cuda-tests.log").read_text()

@@ -366,6 +366,9 @@ def test_nccl_is_refused_where_there_is_no_gpu_naming_gloo():
     with pytest.raises(ConfigError, match="'nccl' needs CUDA GPUs, but the inference runs on cpu: use 'gloo'"):
         TransferConfig(transport="nccl").check_device("cpu", "inference")
     TransferConfig(transport="nccl").check_device("cuda", "trainer")
+    with pytest.raises(ConfigError, match="'sparse_nccl' needs CUDA GPUs, but the trainer runs on cpu: use "
+                                          "'sparse_gloo'"):
+        TransferConfig(transport="sparse_nccl").check_device("cpu", "trainer")
     with pytest.raises(TransferError, match="needs the trainer on CUDA GPUs"):
         CollectiveSender(TransferConfig(transport="nccl"), Path("unused"),
                          SimpleNamespace(is_main=True, on_gpu=False, device=torch.device("cpu")), torch.float32, 0)
@@ -377,11 +380,14 @@ from rl.inference.staging import receive_weights
 from rl.transfer import GroupKeeper, GroupSpec
 torch.cuda.set_device(1)
 host, port = sys.argv[1], int(sys.argv[2])
-keeper = GroupKeeper()
-for step in (1, 2):
-    received = receive_weights(GroupSpec(host, port, 1, 2, 60.0), step, backend="nccl", keeper=keeper)
+keeper, served = GroupKeeper(), None
+for step in (1, 2):  # the step received last is what this receiver serves (the base of a sparse step)
+    received = receive_weights(GroupSpec(host, port, 1, 2, 60.0), step, backend="nccl", keeper=keeper,
+                               base=served and served.staged.rpc())
     print("checksum", step, received.checksum, flush=True)
-    received.staged.close()
+    if served is not None:
+        served.staged.close()
+    served = received
 print("formed", keeper.formed)
 keeper.drop()
 """
@@ -389,17 +395,19 @@ keeper.drop()
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: NCCL will not join two ranks on one GPU")
-def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_with_the_trainers_checksum(tmp_path):
+@pytest.mark.parametrize("transport", ["nccl", "sparse_nccl"])
+def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_with_the_trainers_checksum(tmp_path,
+                                                                                                      transport):
     """The GPU path of rl.transfer: the trainer's sender broadcasts from cuda:0 over NCCL, a receiver process on
     cuda:1 (as a server's first worker) gets it into its GPU and stages it; both hash the same bytes. The NCCL group
-    formed for the first step carries the second."""
+    formed for the first step carries the second; with sparse_nccl the second goes as its changes."""
     import subprocess
     import sys
 
     world = SimpleNamespace(is_main=True, rank=0, world_size=1, on_gpu=True, device=torch.device("cuda", 0),
                             all_reduce=lambda values, op="sum": values)
     torch.cuda.set_device(0)
-    sender = CollectiveSender(TransferConfig(transport="nccl", timeout_s=60, offer_timeout_s=60), tmp_path, world,
+    sender = CollectiveSender(TransferConfig(transport=transport, timeout_s=60, offer_timeout_s=60), tmp_path, world,
                               torch.bfloat16, first_step=0)
     model = TinyLM().cuda()
     stats: dict = {}
@@ -436,6 +444,7 @@ def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_wit
     assert checksums == {step: stats[step]["weights_checksum"] for step in (1, 2)}
     assert checksums[1] != checksums[2]
     assert "formed 1" in out and sender.groups.formed == 1
+    assert [stats[step]["transfer_sparse"] for step in (1, 2)] == [False, transport == "sparse_nccl"]
 
 
 def changed_a_little(model: TinyLM) -> None:
