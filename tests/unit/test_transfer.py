@@ -476,9 +476,16 @@ def close_all(*results) -> None:
             received.staged.close()
 
 
+@pytest.mark.parametrize("bucket_bytes", [None, 300], ids=["one bucket", "three buckets"])
 def test_a_sparse_step_sends_only_what_changed_and_each_server_serves_the_whole_step_with_the_trainers_checksum(
-    tmp_path, sparse_sender
+    tmp_path, sparse_sender, monkeypatch, bucket_bytes
 ):
+    """Three buckets: the embedding alone, the projection's weight and bias together, the head alone; each applied
+    while the next arrives."""
+    import rl.trainer.transfer
+
+    if bucket_bytes is not None:
+        monkeypatch.setattr(rl.trainer.transfer, "BUCKET_BYTES", bucket_bytes)
     model = TinyLM()
     stats, first = run_step(tmp_path, sparse_sender, model, step=1, receivers=2)
     whole = sum(t.numel() * 4 for t in model.state_dict().values()) + model.embed_tokens.weight.numel() * 4
@@ -555,7 +562,7 @@ def test_sparse_changes_altered_on_the_way_are_refused(tmp_path, sparse_sender, 
 
 
 def test_changes_are_encoded_bit_for_bit_and_go_whole_where_that_is_smaller():
-    from rl.transfer import WHOLE, apply_changes, encode_changes
+    from rl.transfer import WHOLE, apply_changes, encode_changes, tensor_bytes
 
     before = torch.randn(1000).to(torch.bfloat16)
     now = before.clone()
@@ -572,6 +579,14 @@ def test_changes_are_encoded_bit_for_bit_and_go_whole_where_that_is_smaller():
     assert torch.equal(unaligned, now.view(torch.uint8))
     everything = before + 1
     assert encode_changes(everything.view(torch.uint8), before.view(torch.uint8), 2)[0] == WHOLE
+    big = torch.randn(50_000)  # big enough to be sampled first
+    few, most = big.clone(), big + 1
+    few[::1000] += 1
+    assert encode_changes(tensor_bytes(few), tensor_bytes(big), 4)[0] == 50  # the sample did not decide
+    assert encode_changes(tensor_bytes(most), tensor_bytes(big), 4)[0] == WHOLE
+    half = big.clone()
+    half[:20_000] += 1  # below whole's 25,000 (4 + 4 bytes a change), above the sample's 2x margin: counted
+    assert encode_changes(tensor_bytes(half), tensor_bytes(big), 4)[0] == 20_000
     index = torch.tensor([1000], dtype=torch.int32).view(torch.uint8)
     past_the_end = torch.cat([index, torch.zeros(2, dtype=torch.uint8)])  # one change: its index, its value
     with pytest.raises(ValueError, match="names element 1000..1000 of a tensor of 1000 elements"):

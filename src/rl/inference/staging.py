@@ -159,12 +159,13 @@ def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, back
         size = spans[-1][1] if spans else len(head)
         fd = os.memfd_create(f"rl-step-{step}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
-        if header.base is not None:  # changes against the weights this server serves: start from their bytes
-            _copy_base(base, header.base, fd, head, size, step)
-        receive = _receive_changes if header.base is not None else _receive_into
         with mmap.mmap(fd, size) as data:
             data[: len(head)] = head
-            digest, altered = receive(group, data, header, spans, step, corrupt)
+            if header.base is None:
+                digest, altered = _receive_into(group, data, header, spans, step, corrupt)
+            else:  # changes against the weights this server serves
+                with _map_base(base, header.base, head, size, step) as served:
+                    digest, altered = _receive_changes(group, data, served, header, spans, step, corrupt)
         sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8, device=group.device)
         broadcast(group, sent, f"step {step}'s checksum")
         failed = False
@@ -210,9 +211,9 @@ def _receive_into(group: StepGroup, data: mmap.mmap, header: Header, spans: list
     return digest, None
 
 
-def _copy_base(base: dict | None, checksum: str, fd: int, head: bytes, size: int, step: int) -> None:
-    """Copy the bytes of `base` (what this server serves) into the step's memfd `fd`, by the kernel; TransferError
-    unless they are the step the trainer sends changes against, laid out as this step is."""
+def _map_base(base: dict | None, checksum: str, head: bytes, size: int, step: int) -> mmap.mmap:
+    """The bytes of `base` (what this server serves), mapped copy-on-write (never written); TransferError unless they
+    are the step the trainer sends changes against, laid out as this step is."""
     if base is None or base["checksum"] != checksum:
         held = "no full weights it received" if base is None else f"weights with checksum {base['checksum']}"
         raise TransferError(f"step {step} comes as changes against the weights with checksum {checksum}, but this "
@@ -220,32 +221,29 @@ def _copy_base(base: dict | None, checksum: str, fd: int, head: bytes, size: int
     (own_fd, own_size), = base["files"].values()
     if own_size != size:
         raise TransferError(f"step {step}'s tensors take {size} bytes, the weights it changes {own_size}")
-    source = os.open(f"/proc/{base['pid']}/fd/{own_fd}", os.O_RDONLY | os.O_CLOEXEC)
+    own = os.open(f"/proc/{base['pid']}/fd/{own_fd}", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        offset = 0
-        while offset < size:
-            sent = os.sendfile(fd, source, offset, size - offset)
-            if sent == 0:
-                raise TransferError(f"the weights step {step} changes ended after {offset} of {size} bytes")
-            offset += sent
+        served = mmap.mmap(own, size, access=mmap.ACCESS_COPY)
     finally:
-        os.close(source)
-    if os.pread(fd, len(head), 0) != head:
+        os.close(own)
+    if served[: len(head)] != head:
+        served.close()
         raise TransferError(f"step {step}'s tensors are not those of the weights it changes (names, dtypes, shapes)")
+    return served
 
 
-def _receive_changes(group: StepGroup, data: mmap.mmap, header: Header, spans: list, step: int,
+def _receive_changes(group: StepGroup, data: mmap.mmap, served: mmap.mmap, header: Header, spans: list, step: int,
                      corrupt: str | None) -> tuple[TensorDigest, str | None]:
-    """A sparse step: per bucket, its tensors' counts, then their changes (or whole bytes), applied to the base's
-    bytes in `data`; each tensor then hashed whole, so the trainer's checksum proves the whole step. Changes that
-    cannot be applied are named in the second value, after the whole step was received (leaving mid-step would
-    hold up the other receivers)."""
-    digest, altered = TensorDigest(), None
+    """A sparse step: per bucket, its tensors' counts, then their changes (or whole bytes), applied to the served
+    bytes; each tensor then hashed whole, so the trainer's checksum proves the whole step. A bucket is applied while
+    the next one arrives. Changes that cannot be applied are named in the second value, once the whole step has
+    arrived (leaving mid-step would hold up the other receivers)."""
+    digest, altered, landing = TensorDigest(), [], None
     for first, stop in bucket_plan([end - begin for begin, end in spans], header.bucket_bytes):
         tensors, places = header.tensors[first:stop], spans[first:stop]
         what = bucket_name([name for name, _, _ in tensors], step)
         counts = torch.empty(stop - first, dtype=torch.int64, device=group.device)
-        broadcast(group, counts, f"the counts of {what}")
+        broadcast(group, counts, f"the counts of {what}")  # sent after the last bucket's changes: those arrived
         counts = counts.cpu().tolist()
         lengths = []
         for (name, dtype, _), (begin, end), count in zip(tensors, places, counts, strict=True):
@@ -253,22 +251,38 @@ def _receive_changes(group: StepGroup, data: mmap.mmap, header: Header, spans: l
                 raise TransferError(f"step {step} claims {count} changed elements of {name}")
             lengths.append(encoded_bytes(count, end - begin, dtype.itemsize))
         payload = torch.empty(sum(lengths), dtype=torch.uint8, device=group.device)
-        if len(payload):
-            broadcast(group, payload, what)
-        payload, offset = payload.cpu(), 0
-        for (name, dtype, shape), (begin, end), count, length in zip(tensors, places, counts, lengths, strict=True):
-            place = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=begin) if end > begin else (
-                torch.empty(0, dtype=torch.uint8))
-            try:
-                apply_changes(place, count, payload[offset: offset + length], dtype.itemsize)
-            except ValueError as e:
-                altered = altered or f"{name} of step {step} arrived altered: {e}"
-            if name == corrupt and len(place):
-                place[0] ^= 1
-            digest.update_bytes(name, dtype, shape, place)
-            offset += length
-            del place  # no view of the mapping may outlive it
-    return digest, altered
+        in_flight = start_broadcast(group, payload, what) if len(payload) else None
+        if landing is not None:
+            _apply(*landing, data, served, digest, altered, step, corrupt)
+        landing = (in_flight, payload, tensors, places, counts, lengths)
+        del payload
+    if landing is not None:
+        _apply(*landing, data, served, digest, altered, step, corrupt)
+    return digest, (altered[0] if altered else None)
+
+
+def _apply(in_flight: InFlight | None, payload: torch.Tensor, tensors: list, places: list, counts: list,
+           lengths: list, data: mmap.mmap, served: mmap.mmap, digest: TensorDigest, altered: list, step: int,
+           corrupt: str | None) -> None:
+    """Wait for a sparse bucket's changes, apply each tensor's to its served bytes in `data` (a whole one is put in
+    place as it is), and hash it."""
+    if in_flight is not None:
+        in_flight.wait()
+    payload, offset = payload.cpu(), 0
+    for (name, dtype, shape), (begin, end), count, length in zip(tensors, places, counts, lengths, strict=True):
+        place = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=begin) if end > begin else (
+            torch.empty(0, dtype=torch.uint8))
+        if count != WHOLE and end > begin:
+            place.copy_(torch.frombuffer(served, dtype=torch.uint8, count=end - begin, offset=begin))
+        try:
+            apply_changes(place, count, payload[offset: offset + length], dtype.itemsize)
+        except ValueError as e:
+            altered.append(f"{name} of step {step} arrived altered: {e}")
+        if name == corrupt and len(place):
+            place[0] ^= 1
+        digest.update_bytes(name, dtype, shape, place)
+        offset += length
+        del place  # no view of a mapping may outlive it
 
 
 def _land(in_flight: InFlight, place: torch.Tensor, tensors: list, spans: list, digest: TensorDigest,

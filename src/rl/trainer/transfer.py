@@ -88,7 +88,7 @@ class CollectiveSender:
                 send_header(group, step, meta, config, BUCKET_BYTES, base)  # the receivers read as the header says
             except TransferError as e:
                 failure = str(e)
-        digest, in_flight, sent_bytes = TensorDigest(), None, 0
+        digest, in_flight, sent_bytes = TensorDigest(), [], 0
         for index, (first, stop) in enumerate(bucket_plan(sizes, BUCKET_BYTES)):
             bucket, counts = [], []  # every rank gathers every tensor; rank 0 sends each bucket while nothing failed
             for name, source in tensors[first:stop]:
@@ -106,15 +106,15 @@ class CollectiveSender:
                 del full
             if bucket:  # gathered while the previous bucket was on its way; now that one must have arrived
                 data = bucket[0] if len(bucket) == 1 else self._packed(bucket, index % 2, group.device)
-                failure, in_flight = _waited(in_flight), None
+                failure, in_flight = _waited(in_flight), []
                 if failure is None:
                     try:
                         what = bucket_name([name for name, _ in tensors[first:stop]], step)
                         if base is not None:  # the receivers learn how much follows, and how to read it
                             counts = torch.tensor(counts, dtype=torch.int64, device=group.device)
-                            broadcast(group, counts, f"the counts of {what}")
+                            in_flight.append(start_broadcast(group, counts, f"the counts of {what}"))
                         if len(data):  # a sparse bucket where nothing changed sends nothing more
-                            in_flight = start_broadcast(group, data, what)
+                            in_flight.append(start_broadcast(group, data, what))
                         sent_bytes += len(data)
                     except TransferError as e:
                         failure = str(e)
@@ -194,11 +194,11 @@ class CollectiveSender:
         self.store = None
 
 
-def _waited(in_flight: InFlight | None) -> str | None:
-    """Wait for a broadcast in flight; why it failed, or None."""
+def _waited(in_flight: list[InFlight]) -> str | None:
+    """Wait for the broadcasts in flight; why one failed, or None."""
     try:
-        if in_flight is not None:
-            in_flight.wait()
+        for one in in_flight:
+            one.wait()
     except TransferError as e:
         return str(e)
     return None
