@@ -52,6 +52,8 @@ class CollectiveSender:
         # sparse: rank 0 keeps the bytes it sent last (one host copy of the served weights) and their checksum, the
         # base it sends changes against once every server serves it. An adapter always goes whole: it is small.
         self.sparse = config.sparse and adapter_config is None
+        if config.sparse and adapter_config is not None and world.is_main:
+            logger.info(f"{config.transport}: LoRA adapters go whole every step (each step changes most of them)")
         self.sent: dict[str, torch.Tensor] = {}
         self.base: str | None = None
         if world.is_main:
