@@ -111,11 +111,12 @@ class TransferConfig(Section):
     from one `--transfer.*` so the three agree."""
 
     transport: Annotated[
-        Literal["filesystem", "gloo", "nccl", "sparse_gloo", "sparse_nccl"],
+        Literal["filesystem", "collective", "sparse", "gloo", "nccl", "sparse_gloo", "sparse_nccl"],
         Field(description="filesystem: weights/step_k/ files every step; gloo (CPU hosts) or nccl (GPUs): a broadcast "
                           "from the trainer to every server each step, files only at checkpoints (resume needs them); "
                           "sparse_gloo / sparse_nccl: the same, sending only the elements that changed since the step "
-                          "every server serves (needs one host copy of the served weights on trainer rank 0)"),
+                          "every server serves (needs one host copy of the served weights on trainer rank 0); "
+                          "collective / sparse: nccl / sparse_nccl on CUDA hosts, gloo / sparse_gloo on CPU hosts"),
     ] = "filesystem"
     host: Annotated[
         str, Field(min_length=1, description="address the servers reach the trainer's rank 0 at (its TCP store)")
@@ -142,11 +143,25 @@ class TransferConfig(Section):
         """Whether a step sends only what changed since the step every server serves."""
         return self.transport.startswith("sparse_")
 
+    def resolve_device(self, device: str, process: str) -> str:
+        """Fill a transport left to the device (`collective`, `sparse`: NCCL's on CUDA hosts, gloo's elsewhere), then
+        refuse one the device cannot run; returns why the transport is what it is, for `rl --dry-run`."""
+        if self.transport not in DEVICE_TRANSPORTS:
+            self.check_device(device, process)
+            return "set by you"
+        chosen = DEVICE_TRANSPORTS[self.transport]["nccl" if device == "cuda" else "gloo"]
+        why, self.transport = f"{self.transport}: {device.upper()}", chosen
+        return why
+
     def check_device(self, device: str, process: str) -> None:
         """NCCL moves tensors between GPUs only."""
         if self.backend == "nccl" and device != "cuda":
             raise ConfigError(f"transfer.transport = {self.transport!r} needs CUDA GPUs, but the {process} runs on "
                               f"{device}: use {self.transport.replace('nccl', 'gloo')!r} on CPU hosts")
+
+
+DEVICE_TRANSPORTS = {"collective": {"nccl": "nccl", "gloo": "gloo"},
+                     "sparse": {"nccl": "sparse_nccl", "gloo": "sparse_gloo"}}
 
 
 def transport_backend(transport: str) -> str:

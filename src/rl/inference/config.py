@@ -160,9 +160,9 @@ def resolve_device_defaults(config: InferenceConfig, device: Literal["cuda", "cp
     `--dtype auto`, CUDA graphs and vLLM's statistics; CPU: float32 and eager (as measured fastest there), no
     statistics (their CPU is the model's there). Returns {field: why} for every device-dependent field, for
     `rl --dry-run`."""
-    config.transfer.check_device(device, "inference")
     on_cuda = device == "cuda"
-    why = {"dtype": "set by you", "enforce_eager": "set by you", "log_stats": "set by you"}
+    why = {"dtype": "set by you", "enforce_eager": "set by you", "log_stats": "set by you",
+           "transfer.transport": config.transfer.resolve_device(device, "inference")}
     if config.dtype is None:
         config.dtype, why["dtype"] = ("auto" if on_cuda else "float32"), f"auto: {device.upper()}"
     if config.enforce_eager is None:

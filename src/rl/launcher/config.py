@@ -294,6 +294,7 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
             f"to with async_level = {o.async_level}; set it to at least {o.async_level + 2}"
         )
     config._device_choices = resolve_devices(t, i, host.devices.device)
+    o.transfer.transport = t.transfer.transport  # as trainer and inference resolved it (the orchestrator has no device)
     return config
 
 

@@ -226,7 +226,7 @@ DeviceKind = Literal["cuda", "cpu"]
 VLLM_NO_FLOAT16 = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
 
 
-DEVICE_FIELDS = ("dtype", "activation_checkpointing", "loss.mismatch", "publish_dtype")  # resolved by device
+DEVICE_FIELDS = ("dtype", "activation_checkpointing", "loss.mismatch", "publish_dtype", "transfer.transport")
 
 
 def resolve_device_defaults(config: TrainerConfig, device: DeviceKind) -> dict[str, str]:
@@ -251,6 +251,7 @@ def resolve_device_defaults(config: TrainerConfig, device: DeviceKind) -> dict[s
             why["publish_dtype"] = f"auto: CUDA, what vLLM's --dtype auto serves ({served})"
         else:
             config.publish_dtype, why["publish_dtype"] = "float32", "auto: CPU"
+    why["transfer.transport"] = config.transfer.resolve_device(device, "trainer")
     return {field: why.get(field, "set by you") for field in DEVICE_FIELDS}
 
 
@@ -322,8 +323,7 @@ def check_device(config: TrainerConfig) -> None:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolve_device_defaults(config, device)
-    config.transfer.check_device(device, "trainer")
+    resolve_device_defaults(config, device)  # the transport too, refused where it cannot run
     if config.dtype == "bfloat16" and device == "cpu":
         raise ConfigError("trainer.dtype = 'bfloat16' needs a GPU; use 'float32' on CPU hosts")
     if config.attn_implementation == "flex_attention" and device == "cpu":
