@@ -591,3 +591,18 @@ def test_changes_are_encoded_bit_for_bit_and_go_whole_where_that_is_smaller():
     past_the_end = torch.cat([index, torch.zeros(2, dtype=torch.uint8)])  # one change: its index, its value
     with pytest.raises(ValueError, match="names element 1000..1000 of a tensor of 1000 elements"):
         apply_changes(before.clone().view(torch.uint8), 1, past_the_end, 2)
+
+
+def test_a_sparse_sender_refuses_a_host_copy_the_host_cannot_hold(sparse_sender, tmp_path):
+    model = TinyLM()
+    served = (16 * 8 + 8 * 8 + 8 + 16 * 8) * 4  # the embedding, the projection and its bias, the tied head
+    sparse_sender.check_host_memory(model, available=2 * served)
+    with pytest.raises(TransferError, match=r"keeps a host copy of the served weights on trainer rank 0 \(0.0 GiB\), "
+                                            r"but this host has 0.0 GiB available: use 'gloo'"):
+        sparse_sender.check_host_memory(model, available=served)
+    whole = CollectiveSender(TransferConfig(transport="gloo"), tmp_path / "whole", single_rank_world(), torch.float32,
+                             first_step=0)
+    try:
+        whole.check_host_memory(model, available=1)  # a whole step keeps no copy
+    finally:
+        whole.close()

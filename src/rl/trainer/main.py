@@ -125,6 +125,8 @@ def main() -> None:
     publisher = WeightPublisher.for_config(config, paths, policy, tokenizer, world)
     sender = (CollectiveSender(config.transfer, config.output_dir, world, publisher.dtype, first_step,
                                publisher.adapter_config) if config.transfer.collective else None)
+    if sender is not None:
+        sender.check_host_memory(policy)  # sparse: before any step is trained
     logger.info(
         f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}); "
         f"steps {first_step}..{config.max_steps - 1}" + (f"; {describe_lora(policy)}" if config.lora else "")

@@ -32,6 +32,7 @@ from rl.trainer.weights import published_sources, weight_of
 from rl.trainer.world import World
 
 logger = logging.getLogger(__name__)
+HOST_COPY_SHARE = 0.8  # of the host's available memory, the most a sparse sender's copy of the weights may take
 
 
 class CollectiveSender:
@@ -61,6 +62,21 @@ class CollectiveSender:
             self.store = start_store(config.port, config.timeout_s)
             logger.info(f"weights go over the wire ({config.transport}): transfer store on "
                         f"{config.host}:{self.store.port}")
+
+    def check_host_memory(self, model: torch.nn.Module, available: int | None = None) -> None:
+        """Sparse: refuse, before training, a host copy of the served weights (kept by rank 0) that this host's
+        available memory (`available`, else psutil's) cannot hold beside the rest; TransferError names both sizes."""
+        if not (self.sparse and self.world.is_main):
+            return
+        import psutil
+
+        needed = sum(self.dtype.itemsize * _numel(source) for _, source in self._tensors(model))
+        available = psutil.virtual_memory().available if available is None else available
+        if needed > HOST_COPY_SHARE * available:
+            raise TransferError(
+                f"transfer.transport = {self.config.transport!r} keeps a host copy of the served weights on trainer "
+                f"rank 0 ({needed / 2**30:.1f} GiB), but this host has {available / 2**30:.1f} GiB available: use "
+                f"{self.config.backend!r}, which sends every step whole")
 
     def send(self, step: int, model: torch.nn.Module) -> dict:
         """Offer step `step`, wait for the orchestrator to take it, broadcast it. Returns the step's metrics:
