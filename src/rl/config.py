@@ -141,7 +141,7 @@ class TransferConfig(Section):
     @property
     def sparse(self) -> bool:
         """Whether a step sends only what changed since the step every server serves."""
-        return self.transport.startswith("sparse_")
+        return transport_sparse(self.transport)
 
     def resolve_device(self, device: str, process: str) -> str:
         """Fill a transport left to the device (`collective`, `sparse`: NCCL's on CUDA hosts, gloo's elsewhere), then
@@ -167,6 +167,11 @@ DEVICE_TRANSPORTS = {"collective": {"nccl": "nccl", "gloo": "gloo"},
 def transport_backend(transport: str) -> str:
     """The collective backend a transport broadcasts over (`filesystem`: none, reported as gloo)."""
     return "nccl" if transport.endswith("nccl") else "gloo"
+
+
+def transport_sparse(transport: str) -> bool:
+    """Whether a transport sends a step as its changes where it can."""
+    return transport.startswith("sparse")
 
 
 class EnvConfig(Section):

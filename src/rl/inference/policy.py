@@ -21,7 +21,7 @@ from pathlib import Path
 from fastapi import HTTPException
 
 from rl.adapter import ADAPTER_CONFIG
-from rl.config import transport_backend
+from rl.config import transport_backend, transport_sparse
 from rl.inference import hooks
 from rl.inference.staging import (
     PrivateCopies, Received, StagedStep, receive_weights, release, stage_weights, take_over,
@@ -59,7 +59,7 @@ class AdminSettings:
 
     @property
     def sparse(self) -> bool:
-        return self.transport.startswith("sparse_")
+        return transport_sparse(self.transport)
 
 
 class PolicyWeights:
