@@ -1,7 +1,8 @@
 """A server the run does not own (started on its own, as on another host) restarts mid-run, weights over the wire:
 the orchestrator sees another instance answer, gives it no requests until the trainer's next offer brings it up to
 date, makes again the groups it lost, and the run reaches its end with every step once. Steps go as their changes
-(`sparse_gloo`) while the server serves the step sent last, and whole to the restarted server."""
+(`sparse_gloo`) while the server serves the step sent last, and whole to the restarted server; served in bf16 at an
+RL learning rate (1e-6), a step changes few elements, as on GPUs."""
 
 import re
 import time
@@ -14,7 +15,7 @@ from tests.integration.launched import Launched, rl_command
 
 pytestmark = pytest.mark.integration
 MAX_STEPS = 8
-WIRE = '[transfer]\ntransport = "sparse_gloo"\n'
+WIRE = 'dtype = "bfloat16"\n[transfer]\ntransport = "sparse_gloo"\n'
 
 
 def wait_for_step(run: Launched, paths: RunPaths, step: int, timeout_s: float = 600) -> None:
@@ -31,7 +32,7 @@ def test_a_server_restarted_mid_run_rejoins_at_the_next_offer(tiny_model, tmp_pa
     server = Server(tiny_model, out / "weights", tmp_path / "inference-1.log", toml=WIRE)
     roles = ["--roles", '["orchestrator", "trainer"]', "--orchestrator.client.base-urls", f'["{server.url}"]',
              "--inference.admin-token", server.token, "--transfer.transport", "sparse_gloo",
-             "--transfer.host", "127.0.0.1"]
+             "--transfer.host", "127.0.0.1", "--inference.dtype", "bfloat16", "--trainer.optim.lr", "1e-6"]
     run = Launched(rl_command(tiny_model, out, MAX_STEPS, *roles))
     try:
         wait_for_step(run, paths, 2)
@@ -55,6 +56,8 @@ def test_a_server_restarted_mid_run_rejoins_at_the_next_offer(tiny_model, tmp_pa
     assert trainer[0]["transfer_sparse"] is False  # the server served the base model, read from files
     assert trainer[int(taken.group(1)) - 1]["transfer_sparse"] is False  # the restarted server: whole again
     assert trainer[MAX_STEPS - 1]["transfer_sparse"] is True, trainer  # and changes once it serves a sent step
+    whole = trainer[0]["transfer_bytes"]
+    assert all(m["transfer_bytes"] < whole / 10 for m in trainer.values() if m["transfer_sparse"]), trainer
     # the trainer kept its group with the server until the restart, then formed one with the new process; each
     # process of the server formed its group once
     (trainer_log,) = (out / "logs").glob("*/trainer.log")
