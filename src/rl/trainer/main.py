@@ -28,7 +28,8 @@ from rl.trainer.weights import WeightPublisher
 from rl.trainer.world import World, init_world
 
 LINE_KEYS = (
-    "loss", "reward", "entropy", "clip_frac", "mismatch_kl", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s"
+    "loss", "reward", "entropy", "clip_frac", "mismatch_kl", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s",
+    "transfer_s", "transfer_bytes",  # over the wire: how long the step took to send, and how much of it travelled
 )
 
 
