@@ -81,12 +81,16 @@ def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=1
     return stats, results
 
 
-@pytest.fixture
-def sender(tmp_path):
-    config = TransferConfig(transport="gloo", timeout_s=5, offer_timeout_s=10)
+def one_rank_sender(tmp_path, transport: str):
+    config = TransferConfig(transport=transport, timeout_s=5, offer_timeout_s=10)
     sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
     yield sender
     sender.close()
+
+
+@pytest.fixture
+def sender(tmp_path):
+    yield from one_rank_sender(tmp_path, "gloo")
 
 
 def test_every_server_receives_the_step_bit_for_bit_with_the_trainers_checksum(tmp_path, sender):
@@ -464,10 +468,7 @@ def expect_served(model: TinyLM, received) -> None:
 
 @pytest.fixture
 def sparse_sender(tmp_path):
-    config = TransferConfig(transport="sparse_gloo", timeout_s=5, offer_timeout_s=10)
-    sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
-    yield sender
-    sender.close()
+    yield from one_rank_sender(tmp_path, "sparse_gloo")
 
 
 def close_all(*results) -> None:

@@ -218,14 +218,12 @@ def _map_base(base: dict | None, checksum: str, head: bytes, size: int, step: in
         held = "no full weights it received" if base is None else f"weights with checksum {base['checksum']}"
         raise TransferError(f"step {step} comes as changes against the weights with checksum {checksum}, but this "
                             f"server holds {held}")
-    (own_fd, own_size), = base["files"].values()
+    (_, own_size), = base["files"].values()
     if own_size != size:
         raise TransferError(f"step {step}'s tensors take {size} bytes, the weights it changes {own_size}")
-    own = os.open(f"/proc/{base['pid']}/fd/{own_fd}", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        served = mmap.mmap(own, size, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(own)
+    mapped = map_staged(base)  # as a worker maps a staged step
+    _, served = next(mapped)
+    mapped.close()  # closes the descriptor; the mapping stays
     if served[: len(head)] != head:
         served.close()
         raise TransferError(f"step {step}'s tensors are not those of the weights it changes (names, dtypes, shapes)")
