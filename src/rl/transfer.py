@@ -70,6 +70,9 @@ NCCL a kernel launch), which a LoRA adapter's hundreds of small tensors would ot
 one bucket beyond the tensor it gathers."""
 
 
+HOST_CHUNK_BYTES = 64 * 2**20  # a GPU tensor's bytes come to the host to be hashed in chunks of this size
+
+
 class TransferError(RuntimeError):
     """A collective transfer failed or timed out; the message names the step and what it waited for."""
 
@@ -81,15 +84,39 @@ class TensorDigest:
 
     def __init__(self):
         self._tensors: dict[str, bytes] = {}
+        self._pinned: list[torch.Tensor] = []  # the two host buffers a GPU tensor's bytes pass through (`_hash_gpu`)
 
     def update(self, name: str, tensor: torch.Tensor) -> None:
         self.update_bytes(name, tensor.dtype, tuple(tensor.shape), tensor_bytes(tensor.detach()))
 
     def update_bytes(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], data: torch.Tensor) -> None:
-        """A tensor given as its dtype, shape and raw bytes (a flat uint8 tensor on the CPU)."""
+        """A tensor given as its dtype, shape and raw bytes (a flat uint8 tensor, on the host or a GPU)."""
         one = xxhash.xxh3_128(f"{name}\0{dtype}\0{tuple(shape)}\0".encode())
-        one.update(data.cpu().numpy())  # a GPU tensor's bytes come to the host to be hashed
+        if data.is_cuda and len(data):
+            self._hash_gpu(one, data)
+        else:
+            one.update(data.numpy())
         self._tensors[name] = one.digest()
+
+    def _hash_gpu(self, one, data: torch.Tensor) -> None:
+        """Hash a GPU tensor's bytes on the host, in chunks copied through two pinned buffers: the next chunk's copy
+        goes on while this one is hashed. (A pageable copy of the whole tensor moved ~3 GB/s on an H200's host.)"""
+        if not self._pinned:
+            self._pinned = [torch.empty(HOST_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        starts = range(0, len(data), HOST_CHUNK_BYTES)
+        copied = [torch.cuda.Event(), torch.cuda.Event()]
+        with torch.cuda.device(data.device):
+            def copy(index: int) -> None:
+                part = data[starts[index]:starts[index] + HOST_CHUNK_BYTES]
+                self._pinned[index % 2][:len(part)].copy_(part, non_blocking=True)
+                copied[index % 2].record()
+
+            copy(0)
+            for index, start in enumerate(starts):
+                if index + 1 < len(starts):  # into the other buffer, hashed already
+                    copy(index + 1)
+                copied[index % 2].synchronize()
+                one.update(self._pinned[index % 2][:min(HOST_CHUNK_BYTES, len(data) - start)].numpy())
 
     def digest(self) -> bytes:
         whole = xxhash.xxh3_128()

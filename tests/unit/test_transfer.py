@@ -607,3 +607,43 @@ def test_a_sparse_sender_refuses_a_host_copy_the_host_cannot_hold(sparse_sender,
         whole.check_host_memory(model, available=1)  # a whole step keeps no copy
     finally:
         whole.close()
+
+
+@pytest.mark.gpu
+def test_on_one_gpu_a_sparse_nccl_sender_compares_on_the_gpu_and_hashes_through_pinned_host_memory(tmp_path,
+                                                                                                   monkeypatch):
+    """What one GPU can show of sparse_nccl's sender (the broadcast needs a second GPU): each step's changes are
+    found on the GPU, equal to the host's encoding of the same bytes, and its bytes are kept in a pinned host copy;
+    a GPU tensor hashes as its host bytes do, also when it passes the host in several chunks."""
+    import rl.transfer
+    from rl.transfer import WHOLE, TensorDigest, encode_changes, tensor_bytes
+
+    monkeypatch.setattr(rl.transfer, "HOST_CHUNK_BYTES", 1000)  # every tensor below passes in several chunks
+    world = SimpleNamespace(is_main=True, rank=0, world_size=1, on_gpu=True, device=torch.device("cuda", 0),
+                            all_reduce=lambda values, op="sum": values)
+    sender = CollectiveSender(TransferConfig(transport="sparse_nccl"), tmp_path, world, torch.bfloat16, first_step=0)
+    try:
+        weights = {"a": torch.randn(3001, device="cuda").bfloat16(), "b": torch.randn(64, 65, device="cuda").bfloat16()}
+        sender._keep_host_copy(list(weights), [2 * w.numel() for w in weights.values()])
+        assert all(kept.is_pinned() for kept in sender.sent.values())
+        before = {}
+        for step in range(3):
+            for name, weight in weights.items():
+                data, host_before = tensor_bytes(weight), before.get(name)
+                count, encoded = sender._changes(name, data, against_base=step > 0)
+                assert encoded.device.type == "cuda" and torch.equal(sender.sent[name], data.cpu())
+                if step == 0:
+                    assert count == WHOLE
+                else:
+                    expected_count, expected = encode_changes(data.cpu(), host_before, 2)
+                    assert count == expected_count == (7 if name == "a" else 5) and torch.equal(encoded.cpu(), expected)
+                before[name] = data.cpu()
+                on_gpu, on_host = TensorDigest(), TensorDigest()
+                on_gpu.update(name, weight)
+                on_host.update(name, weight.cpu())
+                assert on_gpu.hexdigest() == on_host.hexdigest()
+            weights["a"].view(-1)[::500] += 1  # 7 elements
+            weights["b"].view(-1)[::900] += 1  # 5 elements
+    finally:
+        sender.close()
+    assert sender.pinned is None and sender.sent == {}

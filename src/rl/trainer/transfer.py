@@ -55,7 +55,8 @@ class CollectiveSender:
         self.sparse = config.sparse and adapter_config is None
         if config.sparse and adapter_config is not None and world.is_main:
             logger.info(f"{config.transport}: LoRA adapters go whole every step (each step changes most of them)")
-        self.sent: dict[str, torch.Tensor] = {}
+        self.sent: dict[str, torch.Tensor] = {}  # views of one host buffer (`_keep_host_copy`)
+        self.pinned: torch.Tensor | None = None  # that buffer, where it is registered with CUDA
         self.base: str | None = None
         if world.is_main:
             clear_transfers(output_dir, first_step)  # a resumed run's old offers name a store that is gone
@@ -95,6 +96,8 @@ class CollectiveSender:
         receivers = wait_for_take(self.output_dir, step, self.config.offer_timeout_s)  # every rank: all agree
         waited = time.perf_counter() - start
         group, failure, base = None, None, None
+        if self.sparse and self.world.is_main:
+            self._keep_host_copy([name for name, _ in tensors], sizes)
         if self.world.is_main and receivers == 0:
             failure = "no server was up to take it"
         elif self.world.is_main:
@@ -112,11 +115,10 @@ class CollectiveSender:
             for name, source in tensors[first:stop]:
                 full = self._gather(source)
                 if group is not None and failure is None:
-                    if self.sparse:
-                        host = full.cpu()  # hashed and compared with what was sent last on the host
-                        digest.update(name, host)
-                        count, data = self._changes(name, tensor_bytes(host), base is not None)
-                        bucket.append(tensor_bytes(full) if count == WHOLE else data.to(group.device))
+                    if self.sparse:  # compared where it is (over NCCL on the GPU), hashed from the host copy
+                        count, data = self._changes(name, tensor_bytes(full), base is not None)
+                        digest.update_bytes(name, full.dtype, tuple(full.shape), self.sent[name])
+                        bucket.append(data)
                         counts.append(count)
                     else:
                         bucket.append(tensor_bytes(full.to(group.device)))
@@ -184,16 +186,38 @@ class CollectiveSender:
             return full if self.world.is_main else None
         return full_tensor(source, self.dtype, to_host=self.world.is_main)
 
+    def _keep_host_copy(self, names: list[str], sizes: list[int]) -> None:
+        """Sparse, rank 0: one host buffer for the bytes of every tensor sent last (`sent`, views in send order),
+        made at the first step. On a GPU it is pinned (registered with CUDA, at its exact size), so the bytes go up to
+        be compared and come down to be hashed at the link's speed rather than a pageable copy's."""
+        if [(name, len(self.sent.get(name, ()))) for name in names] == list(zip(names, sizes)):
+            return
+        self._drop_host_copy()
+        host = torch.empty(sum(sizes), dtype=torch.uint8)
+        if self.nccl and int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), len(host), 0)) == 0:
+            self.pinned = host
+        elif self.nccl:
+            logger.warning(f"{self.config.transport}: the host copy of the weights could not be pinned; it is "
+                           "compared and hashed through pageable copies")
+        self.sent = dict(zip(names, host.split(sizes)))
+
+    def _drop_host_copy(self) -> None:
+        self.sent, self.base = {}, None
+        if self.pinned is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.pinned.data_ptr())
+            self.pinned = None
+
     def _changes(self, name: str, data: torch.Tensor, against_base: bool) -> tuple[int, torch.Tensor]:
-        """A sparse step's count and bytes for tensor `name` (its bytes `data`, on the host): its changes since the
-        step sent last where the step goes against that base and they are smaller, else WHOLE and `data`. Either way
-        `data` is kept as what was sent last."""
-        sent = self.sent.get(name)
-        if sent is None or len(sent) != len(data):
-            self.sent[name] = data.clone()
-            return WHOLE, data
-        count, encoded = encode_changes(data, sent, self.dtype.itemsize) if against_base else (WHOLE, data)
-        sent.copy_(data)
+        """A sparse step's count and bytes for tensor `name` (its bytes `data`, on the host or rank 0's GPU): its
+        changes since the step sent last where the step goes against that base and they are smaller (compared on
+        `data`'s device), else WHOLE and `data`. Either way `data` is kept on the host as what was sent last."""
+        sent = self.sent[name]
+        count, encoded = WHOLE, data
+        if against_base:  # the base goes up to the GPU (pinned: asynchronously, ordered before the compare)
+            count, encoded = encode_changes(data, sent.to(data.device, non_blocking=True), self.dtype.itemsize)
+        sent.copy_(data, non_blocking=True)  # after the base went up: the same stream
+        if data.is_cuda:
+            torch.cuda.current_stream(data.device).synchronize()  # down before it is hashed
         return count, encoded
 
     def _packed(self, bucket: list[torch.Tensor], slot: int, device: torch.device) -> torch.Tensor:
@@ -208,7 +232,7 @@ class CollectiveSender:
     def close(self) -> None:
         self.groups.drop()
         self.staging = None
-        self.sent.clear()
+        self._drop_host_copy()
         self.store = None
 
 
