@@ -12,6 +12,14 @@ def test_grpo_by_hand():
     assert grpo_advantages([0.3, 0.3]) == [0.0, 0.0]
 
 
+def test_a_whole_batch_is_in_flight_unless_max_concurrent_says_otherwise():
+    from rl.orchestrator.config import OrchestratorConfig
+
+    assert OrchestratorConfig(batch_size=128).rollouts_in_flight == 128
+    assert OrchestratorConfig(batch_size=128, max_concurrent=16).rollouts_in_flight == 16
+    assert OrchestratorConfig(batch_size=32, max_concurrent=64).rollouts_in_flight == 64
+
+
 def test_sampler_draws_each_task_once_per_epoch_and_resumes():
     sampler = TaskSampler(10, seed=1)
     first = sampler.draw(10)

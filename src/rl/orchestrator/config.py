@@ -169,7 +169,12 @@ class OrchestratorConfig(Settings):
     ]
     batch_size: Annotated[int, Field(ge=1, description="rollouts per trainer step")] = 32
     rollouts_per_example: Annotated[int, Field(ge=1, description="group size: rollouts per task")] = 8
-    max_concurrent: Annotated[int, Field(ge=1, description="rollouts in flight at once")] = 64
+    max_concurrent: Annotated[
+        int | None,
+        Field(ge=1, description="rollouts in flight at once; unset: the batch size, so a whole batch is generated "
+                                "at once, as vLLM batches it (set it where each rollout holds costly resources, "
+                                "e.g. tool servers)"),
+    ] = None
     sampling: SamplingConfig = SamplingConfig()
     client: ClientConfig = ClientConfig()
     adapter: Annotated[
@@ -214,3 +219,9 @@ class OrchestratorConfig(Settings):
                 f"batch_size ({self.batch_size}) must be a multiple of trainer_world_size ({self.trainer_world_size})"
             )
         return self
+
+    @property
+    def rollouts_in_flight(self) -> int:
+        """`max_concurrent`, else the batch size: a batch's rollouts all at once, as vLLM batches them (with 64 of
+        the quickstart's 128, generation took two rounds of decode steps: docs/architecture.md, Measurements)."""
+        return self.max_concurrent or self.batch_size

@@ -71,7 +71,7 @@ class Orchestrator:
         self.clients = [InferenceClient(url, served, config.model.name, renderer, group_gap_s=config.client.group_gap_s)
                         for url in config.client.base_urls]
         self.samplers = [TaskSampler(env.num_tasks, config.seed + i) for i, env in enumerate(self.envs)]
-        self.semaphore = asyncio.Semaphore(config.max_concurrent)
+        self.semaphore = asyncio.Semaphore(config.rollouts_in_flight)
         self.policy_step = 0
         self.served_steps = [0] * len(config.client.base_urls)  # per server, over the wire (they may differ)
         self.last_offer = 0  # the last step offered over the wire that was taken (or tried)
