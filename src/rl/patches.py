@@ -10,7 +10,8 @@ save is in docs/architecture.md ("Patches of other libraries"):
   through a thread (`remembered_on_loop`);
 - verifiers: its subprocess runtime makes each rollout's working directory at its first use, not at every start
   (`lazy_runtime_workdirs`); harness classes are remembered by id (`remember_harness_classes`); the
-  signatures of the hooks and scoring functions it calls, by function (`remember_signatures`); renderers decodes
+  signatures of the hooks and scoring functions it calls, by function (`remember_signatures`); a task's content
+  hash, per data object (`remember_task_hashes`); renderers decodes
   engine replies with msgspec (`decode_engine_replies_with_msgspec`);
   all applied by the orchestrator's rollouts module when it is imported (`apply_orchestrator_patches`, which
   it hands the client class: this module imports nothing of rl's);
@@ -321,6 +322,32 @@ def remember_harness_classes() -> None:
     loaders.harness_class = functools.cache(find)
 
 
+def remember_task_hashes() -> None:
+    """verifiers' `Task.hash`, the sha256 of the task data's JSON recorded on every trace, is computed again on every
+    read (a model_dump and a json.dumps of the data): twice per rollout, 4-5% of the orchestrator's CPU in an rl run
+    of the quickstart (py-spy). Task data are frozen values (`Task.with_data` makes a copy), so a task remembers its
+    hash for the data object it was computed from, and computes it again for any other."""
+    from verifiers.v1 import task as task_module
+
+    task_class = patch_target(task_module, "Task", "verifiers")
+    content_hash = task_class.__dict__.get("hash")
+    if not isinstance(content_hash, property):
+        raise PatchTargetMissing("verifiers.v1.task.Task.hash is no longer a property: rl/patches.py replaces it")
+    if getattr(content_hash.fget, "remembered", False):
+        return
+    compute = content_hash.fget
+
+    def remembered_hash(task):
+        data, digest = task.__dict__.get("_rl_content_hash", (None, None))
+        if digest is None or data is not task.data:
+            digest = compute(task)
+            task.__dict__["_rl_content_hash"] = (task.data, digest)
+        return digest
+
+    remembered_hash.remembered = True
+    task_class.hash = property(remembered_hash, doc=content_hash.__doc__)
+
+
 def remember_signatures() -> None:
     """verifiers calls each task hook and scoring function (`setup`, rewards, metrics, ...) through
     `utils.decorators.invoke`, which reads the function's signature (`inspect.signature`) on every call to pick
@@ -406,6 +433,7 @@ def apply_orchestrator_patches(client_class: type) -> None:
     lazy_runtime_workdirs()
     remember_harness_classes()
     remember_signatures()
+    remember_task_hashes()
     decode_engine_replies_with_msgspec()
 
 

@@ -326,6 +326,24 @@ def test_a_renderer_slot_hands_out_a_remembered_render_on_the_loop_and_sends_oth
     asyncio.run(main())
 
 
+def test_a_tasks_content_hash_is_computed_once_per_data_object(monkeypatch):
+    import verifiers.v1 as vf
+    from verifiers.v1 import task as task_module
+
+    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+
+    computed = []
+    real = task_module.task_key
+    monkeypatch.setattr(task_module, "task_key", lambda data: computed.append(data) or real(data))
+    task = vf.Task(vf.TaskData(prompt="reverse: abc"))
+    first = task.hash
+    assert task.hash == first and len(computed) == 1
+    assert first == real(task.data.model_dump(mode="json", exclude_none=True))  # verifiers' own hash
+    other = task.with_data(prompt="reverse: abd")  # another data object: its own hash
+    assert other.hash != first and len(computed) == 2
+    assert task.hash == first and len(computed) == 2
+
+
 def test_verifiers_reads_a_hooks_signature_once_per_function():
     import inspect
 
