@@ -6,6 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rl.protocol import Sample
+from rl.trainer import attention
+from rl.trainer.attention import PACKED_SDPA, packed_sdpa_attention
 from rl.trainer.config import TrainerConfig
 from rl.trainer.data import (
     build_micro_batches, empty_micro_batch, pack_rows, packed_micro_batch, trained_tokens, truncate,
@@ -65,10 +67,12 @@ def test_truncation_and_trained_tokens():
     assert s.input_ids == [1, 2, 3, 4] and trained_tokens(s) == 2
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager", pytest.param("flex_attention", marks=pytest.mark.gpu)])
-def test_packed_forward_matches_separate_forwards(tiny_model, attention):
-    device = torch.device("cuda" if attention == "flex_attention" else "cpu")
-    model = scoring_model(tiny_model, attn_implementation=attention)
+@pytest.mark.parametrize(
+    "kernel", ["sdpa", PACKED_SDPA, "eager", pytest.param("flex_attention", marks=pytest.mark.gpu)]
+)
+def test_packed_forward_matches_separate_forwards(tiny_model, kernel):
+    device = torch.device("cuda" if kernel == "flex_attention" else "cpu")
+    model = scoring_model(tiny_model, attn_implementation=kernel)
     model.to(device)
     samples = [sample([5, 6, 7, 8, 9, 10], 2), sample([11, 12, 13], 1), sample([14, 15, 16, 17], 1)]
     (packed,) = build_micro_batches(samples, [1.0] * 3, row_tokens=16, micro_batch_size=1, packing=True, pad_id=0)
@@ -85,6 +89,36 @@ def test_packed_forward_matches_separate_forwards(tiny_model, attention):
     with torch.no_grad():
         joined = token_logprobs(model(input_ids=packed.input_ids).logits, packed.input_ids)
     assert not torch.allclose(joined[mask], expected[mask], atol=1e-3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rl_sdpa_attends_each_packed_sample_without_the_mask(tiny_model, monkeypatch, device):
+    """Logprobs and gradients of a packed row are transformers' masked sdpa's, computed one sample at a time."""
+    samples = [sample([5, 6, 7, 8, 9, 10], 2), sample([11, 12, 13], 1), sample([14, 15, 16, 17], 1)]
+    (mb,) = build_micro_batches(samples, [1.0] * 3, row_tokens=16, micro_batch_size=1, packing=True, pad_id=0)
+    assert mb.sample_lengths == (6, 4, 3)
+    mb = mb.to(torch.device(device))
+    ours = scoring_model(tiny_model, attn_implementation=PACKED_SDPA).to(device)
+    masked = scoring_model(tiny_model).to(device)
+    expected, _ = forward_logprobs(masked, mb)
+    expected[mb.loss_mask].sum().backward()
+
+    def masked_path(*args, **kwargs):
+        raise AssertionError("a packed row with its lengths reached the masked sdpa")
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", masked_path)
+    got, _ = forward_logprobs(ours, mb)
+    got[mb.loss_mask].sum().backward()
+    tolerance = 1e-5 if device == "cpu" else 1e-4  # CUDA's kernels differ more from one another
+    assert torch.allclose(got[mb.loss_mask], expected[mb.loss_mask], atol=tolerance)
+    for (name, p), (_, q) in zip(ours.named_parameters(), masked.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=tolerance), name
+
+
+def test_rl_sdpa_refuses_lengths_that_do_not_fill_the_row():
+    q = torch.zeros(1, 2, 7, 32)
+    with pytest.raises(ValueError, match=r"sample_lengths \[4, 2\] \(sum 6\) do not describe one packed row of 7"):
+        packed_sdpa_attention(None, q, q, q, None, sample_lengths=(4, 2))
 
 
 def test_logprobs_follow_the_sampling_temperature(tiny_model):

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from rl.config import ModelConfig
 from rl.protocol import Sample
+from rl.trainer.attention import PACKED_SDPA
 from rl.trainer.config import LossConfig, MaskRatio, TrainerConfig, TruncateRatio
 from rl.trainer.model import load_policy, load_reference
 from rl.trainer.optim import build_optimizer, build_scheduler
@@ -90,6 +91,7 @@ def test_host_syncs_per_step_do_not_grow_with_micro_batches(tiny_model, world, m
     )
     torch.manual_seed(0)
     policy = load_policy(config, world)
+    assert policy.config._attn_implementation == PACKED_SDPA  # packed rows attended one sample at a time
     reference = load_reference(config, world, policy)
     optimizer = build_optimizer(policy, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, config.max_steps)

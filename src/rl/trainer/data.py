@@ -3,7 +3,8 @@
 Packing (default): samples are placed first-fit, longest first, into rows of at most `row_tokens` tokens
 (`micro_batch_tokens`, or `seq_len`); one row is one micro-batch `[1, T]`. Position ids restart at 0 for
 every sample and no attention mask is passed, so transformers detects the packed samples from the position ids
-and builds a block-diagonal causal mask (no attention across samples) for sdpa and eager attention alike.
+and builds a block-diagonal causal mask (no attention across samples) for sdpa and eager attention alike. The
+row also carries its sample lengths, with which rl's sdpa attends each sample on its own (attention.py).
 
 Padding (fallback, `packing = false`): `micro_batch_size` samples per micro-batch, right-padded to the
 longest, with an attention mask.
@@ -29,10 +30,11 @@ class MicroBatch:
     old_logprobs: torch.Tensor  # [B, T] inference logprob of token t, aligned with loss_mask
     advantages: torch.Tensor  # [B, T] advantage of each token's sample
     weights: torch.Tensor  # [B, T] loss weight w_i of each token's sample (see loss.py)
+    sample_lengths: tuple[int, ...] | None = None  # packed: the row's samples in order (attention.py); else None
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return MicroBatch(**{k: None if v is None else v.to(device) for k, v in moved.items()})
+        return MicroBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
 def truncate(sample: Sample, seq_len: int) -> Sample:
@@ -83,7 +85,7 @@ def packed_micro_batch(samples: list[Sample], weights: list[float]) -> MicroBatc
     """One row [1, T]: the samples concatenated."""
     parts = [sample_tensors(s, w) for s, w in zip(samples, weights)]
     row = {k: torch.cat([p[k] for p in parts]).unsqueeze(0) for k in parts[0]}
-    return MicroBatch(attention_mask=None, **row)
+    return MicroBatch(attention_mask=None, sample_lengths=tuple(len(s.input_ids) for s in samples), **row)
 
 
 def padded_micro_batch(samples: list[Sample], weights: list[float], pad_id: int) -> MicroBatch:

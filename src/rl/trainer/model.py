@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl.config import local_model_dir
 from rl.safetensors_io import read_file_header, read_rows
+from rl.trainer.attention import PACKED_SDPA, transformers_attention
 from rl.trainer.output_head import DEFAULT_CHUNK_TOKENS, LogprobHead, install_logprob_head
 
 from rl.trainer.config import LoraConfig, TrainerConfig
@@ -55,7 +56,7 @@ def load_model(
     """A Hugging Face causal LM with fp32 parameters and a `LogprobHead` (and LoRA layers, frozen base), sharded
     over the world. It is built on the meta device and sharded first; then each rank reads only its own rows of
     every tensor from the safetensors files, so no rank ever holds the whole model."""
-    model = meta_model(name, attn_implementation, chunk)
+    model = meta_model(name, transformers_attention(attn_implementation, compile_blocks), chunk)
     if lora is not None:
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     if compile_blocks:
@@ -173,9 +174,11 @@ def forward_logprobs(
             f"{type(model).__name__} has no LogprobHead: call install_logprob_head(model, chunk) before sharding"
         )
     targets = torch.roll(mb.input_ids, -1, dims=1)  # [B, T]: token t + 1 (the last position's is discarded)
+    packed = {"sample_lengths": mb.sample_lengths} if model.config._attn_implementation == PACKED_SDPA else {}
     with head.scoring(targets, temperature):
         scored = model(
-            input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False
+            input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False,
+            **packed,
         ).logits  # [B, T, 2]
     pad = torch.zeros_like(scored[:, :1, 0])
     return torch.cat([pad, scored[:, :-1, 0]], 1), torch.cat([pad, scored[:, :-1, 1]], 1)  # [B, T] each
