@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from rl.protocol import Sample
 from rl.trainer import attention
-from rl.trainer.attention import PACKED_SDPA, packed_sdpa_attention
+from rl.trainer.attention import PACKED_SDPA, packed_sdpa_attention, transformers_attention
 from rl.trainer.config import TrainerConfig
 from rl.trainer.data import (
     build_micro_batches, empty_micro_batch, pack_rows, packed_micro_batch, trained_tokens, truncate,
@@ -119,6 +119,14 @@ def test_rl_sdpa_refuses_lengths_that_do_not_fill_the_row():
     q = torch.zeros(1, 2, 7, 32)
     with pytest.raises(ValueError, match=r"sample_lengths \[4, 2\] \(sum 6\) do not describe one packed row of 7"):
         packed_sdpa_attention(None, q, q, q, None, sample_lengths=(4, 2))
+
+
+def test_rl_sdpa_serves_sdpa_on_cpu_without_compile():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert transformers_attention("sdpa", compile_blocks=False, device=cpu) == PACKED_SDPA
+    assert transformers_attention("sdpa", compile_blocks=False, device=cuda) == "sdpa"
+    assert transformers_attention("sdpa", compile_blocks=True, device=cpu) == "sdpa"
+    assert transformers_attention("eager", compile_blocks=False, device=cpu) == "eager"
 
 
 def test_logprobs_follow_the_sampling_temperature(tiny_model):

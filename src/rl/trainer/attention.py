@@ -7,7 +7,8 @@ each sample on its own (causal sdpa, no mask), so the pairs computed are the pai
 long without attention growing with their square.
 
 Registered with transformers under `PACKED_SDPA`; the trainer loads its models with it for
-`attn_implementation = "sdpa"` (not with `compile`: the lengths would recompile each block every step). A
+`attn_implementation = "sdpa"` on CPU (see `transformers_attention`; not with `compile`: the lengths would
+recompile each block every step). A
 caller that passes no lengths (padded micro-batches, any code that does not know them) gets transformers' sdpa
 under the mask transformers builds from the position ids: a missing length costs speed, never correctness.
 """
@@ -56,6 +57,9 @@ AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, sdpa_mask)
 
 
-def transformers_attention(attn_implementation: str, compile_blocks: bool) -> str:
-    """The name the model is loaded with for rl's `attn_implementation`."""
-    return PACKED_SDPA if attn_implementation == "sdpa" and not compile_blocks else attn_implementation
+def transformers_attention(attn_implementation: str, compile_blocks: bool, device: torch.device) -> str:
+    """The name the model is loaded with for rl's `attn_implementation`: rl's packed sdpa on CPU only. On an H200
+    it was 31% faster than transformers' masked sdpa for a bare model's step, but halved the FSDP trainer's tokens/s
+    (benchmarks/gpu_trainer.py, not yet explained): GPUs keep transformers' sdpa (or flex_attention) until it is."""
+    packed = attn_implementation == "sdpa" and not compile_blocks and device.type == "cpu"
+    return PACKED_SDPA if packed else attn_implementation

@@ -158,10 +158,10 @@ class TrainerConfig(Settings):
     ] = None
     attn_implementation: Annotated[
         Literal["sdpa", "eager", "flex_attention"],
-        Field(description="attention kernel; sdpa: torch's, each sample of a packed row attended on its own (only "
-                          "pairs within a sample are computed; with compile, transformers' sdpa, which computes every "
-                          "pair of the row under a block-diagonal mask, as eager does); flex_attention skips the "
-                          "mask's empty blocks (GPU)"),
+        Field(description="attention kernel; sdpa: torch's; on CPU each sample of a packed row is attended on its "
+                          "own (only pairs within a sample are computed), on GPU and with compile transformers' sdpa "
+                          "computes every pair of the row under a block-diagonal mask, as eager does; "
+                          "flex_attention skips the mask's empty blocks (GPU)"),
     ] = "sdpa"
     compile: Annotated[
         bool,

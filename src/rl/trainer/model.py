@@ -56,7 +56,7 @@ def load_model(
     """A Hugging Face causal LM with fp32 parameters and a `LogprobHead` (and LoRA layers, frozen base), sharded
     over the world. It is built on the meta device and sharded first; then each rank reads only its own rows of
     every tensor from the safetensors files, so no rank ever holds the whole model."""
-    model = meta_model(name, transformers_attention(attn_implementation, compile_blocks), chunk)
+    model = meta_model(name, transformers_attention(attn_implementation, compile_blocks, world.device), chunk)
     if lora is not None:
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     if compile_blocks:
