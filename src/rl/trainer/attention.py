@@ -2,15 +2,15 @@
 
 transformers' sdpa sees a packed row as one sequence under a block-diagonal causal mask: it computes every pair
 of the row's tokens and then masks most of them (in a 512-token row of 30-token samples, the pairs within a
-sample are ~1/17 of the row's). Given the row's sample lengths, this attends
-each sample on its own (causal sdpa, no mask), so the pairs computed are the pairs kept, and the rows can be
-long without attention growing with their square.
+sample are ~1/17 of the row's). Given the row's sample lengths, this attends each sample on its own (causal
+sdpa, no mask), so the pairs computed are the pairs kept, and rows can be long without attention growing with
+their square.
 
 Registered with transformers under `PACKED_SDPA`; the trainer loads its models with it for
-`attn_implementation = "sdpa"` on CPU (see `transformers_attention`; not with `compile`: the lengths would
-recompile each block every step). A
-caller that passes no lengths (padded micro-batches, any code that does not know them) gets transformers' sdpa
-under the mask transformers builds from the position ids: a missing length costs speed, never correctness.
+`attn_implementation = "sdpa"` on CPU (`transformers_attention`; not with `compile`: the lengths would recompile
+each block every step). A caller that passes no lengths (padded micro-batches, any code that does not know them)
+gets transformers' sdpa under the mask transformers builds from the position ids: a missing length costs speed,
+never correctness.
 """
 
 from __future__ import annotations
