@@ -12,7 +12,8 @@ save is in docs/architecture.md ("Patches of other libraries"):
   (`lazy_runtime_workdirs`); harness classes are remembered by id (`remember_harness_classes`); the
   signatures of the hooks and scoring functions it calls, by function (`remember_signatures`); a task's content
   hash, per data object (`remember_task_hashes`); renderers decodes
-  engine replies with msgspec (`decode_engine_replies_with_msgspec`);
+  engine replies with msgspec (`decode_engine_replies_with_msgspec`); each interception server offers rl's
+  in-process chat harness its model routes, called without HTTP (`interception_in_process`);
   all applied by the orchestrator's rollouts module when it is imported (`apply_orchestrator_patches`, which
   it hands the client class: this module imports nothing of rl's);
 - verifiers: its eval client reads chat replies through an httpx client that bounds their size and the time to
@@ -30,6 +31,7 @@ library changed) raises `PatchTargetMissing` when it is applied, at start-up: it
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -425,6 +427,83 @@ class StrictJsonFirst:
             return self._json.loads(text)
 
 
+def interception_in_process() -> None:
+    """verifiers' interception server is an aiohttp server on localhost, and rl's in-process chat harness reaches it
+    over HTTP from the same event loop: a client request and a server request per model call, ~0.7 ms of CPU
+    (py-spy and a bare aiohttp round trip, docs/architecture.md, Measurements) of the few ms a rollout costs. Each
+    server, once started, offers in_process_chat its model routes (`route_in_process`): the harness's calls go to
+    the route's handler directly, with the harness's headers and body in a request that carries what the handler
+    reads (`LocalRequest`), in a task of its own as aiohttp serves each request (a concluded rollout's session
+    cancels its handlers' tasks, never the caller's). Same handler, same checks, same trace; a harness that
+    speaks HTTP (any other) is served over HTTP as before."""
+    from verifiers.v1.interception import server as interception
+
+    server_class = patch_target(interception, "InterceptionServer", "verifiers")
+    start = patch_target(server_class, "start", "verifiers")
+    if getattr(start, "routes_in_process", False):
+        return
+    patch_target(server_class, "_handler_for", "verifiers")
+    dialects = patch_target(interception, "DIALECTS", "verifiers")
+    max_body = patch_target(interception, "MAX_REQUEST_BODY", "verifiers")
+
+    async def start_routing_in_process(self) -> None:
+        from in_process_chat import route_in_process
+
+        await start(self)
+        for dialect in dialects:
+            for route in dialect.routes:
+                url = f"{self.base_url}{route}"
+                route_in_process(url, local_route(self._handler_for(dialect), route, max_body))
+                self.stack.callback(route_in_process, url, None)
+
+    start_routing_in_process.routes_in_process = True
+    server_class.start = start_routing_in_process
+
+
+def local_route(handler, path: str, max_body: int):
+    """An aiohttp route handler called in process: (headers, body) -> (status, body), as HTTP would have answered.
+    Requests with streamed replies are not served here (in_process_chat asks for none)."""
+
+    async def call(headers: dict[str, str], body: bytes) -> tuple[int, bytes]:
+        if len(body) > max_body:  # aiohttp's client_max_size, which the server sets
+            return 413, f"request body of {len(body)} bytes exceeds {max_body}".encode()
+        request = LocalRequest(path, headers, body)
+        del body  # the request holds it until the handler has parsed it
+        served = asyncio.ensure_future(handler(request))
+        del request
+        try:
+            await asyncio.wait([served])
+        except asyncio.CancelledError:  # the caller is gone, as a client that disconnects
+            served.cancel()
+            raise
+        if served.cancelled():
+            return 503, f"{path}: the handler was cancelled (its rollout concluded)".encode()
+        if served.exception() is not None:
+            logger.error("in-process request to %s failed", path, exc_info=served.exception())
+            return 500, f"{path}: {served.exception()!r}".encode()
+        response = served.result()
+        if not isinstance(getattr(response, "body", None), (bytes, bytearray)):
+            return 500, f"{path}: the handler answered with a stream, which is served over HTTP only".encode()
+        return response.status, bytes(response.body)
+
+    return call
+
+
+class LocalRequest(dict):
+    """What verifiers' interception handler reads of an `aiohttp.web.Request`: its path, headers (case-insensitive)
+    and body, and a mapping for per-request state."""
+
+    def __init__(self, path: str, headers: dict[str, str], body: bytes) -> None:
+        from multidict import CIMultiDict, CIMultiDictProxy
+
+        super().__init__()
+        self.path, self.headers, self.content_length = path, CIMultiDictProxy(CIMultiDict(headers)), len(body)
+        self._read_bytes: bytes | None = body  # aiohttp's cache of the body, which the handler drops once parsed
+
+    async def read(self) -> bytes:
+        return self._read_bytes if self._read_bytes is not None else b""  # once dropped, as a drained stream
+
+
 def apply_orchestrator_patches(client_class: type) -> None:
     cache_default_factory_inspection()
     use_engine_client(client_class)
@@ -435,6 +514,7 @@ def apply_orchestrator_patches(client_class: type) -> None:
     remember_signatures()
     remember_task_hashes()
     decode_engine_replies_with_msgspec()
+    interception_in_process()
 
 
 # --------------------------------------------------------------------------------------------------

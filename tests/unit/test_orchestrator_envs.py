@@ -136,3 +136,43 @@ def test_reasoning_gym_tasks_are_reproducible_and_scored_by_the_dataset():
         load_environment("reasoning-gym-env", {"dataset": "no_such_dataset"})
     with pytest.raises(ValueError, match="args: .*max_terms must be >= min_terms"):
         load_environment("reasoning-gym-env", args | {"dataset_args": {"min_terms": 3, "max_terms": 2}})
+
+
+def test_rollouts_reach_their_interception_server_in_process_not_over_http(monkeypatch):
+    """rl's orchestrator offers in_process_chat each interception server's model route: a rollout's model calls go
+    to verifiers' handler directly (HTTP to the server is refused here), and are recorded and answered as before."""
+    from rl.orchestrator.rollouts import ChatClient, Sampling, run_group
+
+    async def over_http(*args, **kwargs):
+        raise AssertionError("a model call went over HTTP to the interception server")
+
+    async def scenario() -> None:
+        asked: list[dict] = []
+
+        async def provider(request: web.Request) -> web.Response:  # the model, behind verifiers' eval client
+            asked.append(await request.json())
+            return web.json_response({
+                "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": "olleh"}}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+            })
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", provider)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        env = load_environment("reverse-text", {"num_examples": 2})
+        client = ChatClient(f"http://127.0.0.1:{runner.addresses[0][1]}", "m")
+        async with env.serving():
+            results = await run_group(env, 1, 2, client, Sampling(temperature=1.0, max_tokens=8))
+        await runner.cleanup()
+        assert not in_process_chat._local_routes  # withdrawn with the servers (started by the first rollouts)
+        prompt = env.task(1).data.prompt
+        assert [r.chat.completion for r in results] == [[{"role": "assistant", "content": "olleh"}]] * 2
+        assert [r.chat.prompt[-1]["content"] for r in results] == [prompt] * 2
+        assert len(asked) == 2 and all(body["messages"][-1]["content"] == prompt for body in asked)
+
+    monkeypatch.setattr(in_process_chat, "_post", over_http)
+    asyncio.run(scenario())

@@ -1,3 +1,5 @@
+import asyncio
+
 import pytest
 
 from rl.orchestrator.advantage import grpo_advantages
@@ -394,3 +396,52 @@ def test_engine_replies_are_decoded_by_msgspec_and_by_json_where_they_are_not_st
         assert renderers_client.json.dumps({"a": 1}) == json.dumps({"a": 1})  # the rest is the json module's
     finally:
         decoder._decode = real_decode
+
+
+def test_a_route_called_in_process_answers_as_http_would_and_never_outlives_its_caller():
+    from aiohttp import web
+
+    from rl.patches import local_route
+
+    async def scenario() -> None:
+        started, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def handler(request) -> web.Response:
+            body = await request.read()
+            if body == b"boom":
+                raise ValueError("boom")
+            if body == b"stream":
+                return web.StreamResponse()
+            if body == b"hang":
+                started.set()
+                try:
+                    await asyncio.sleep(60)
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    raise
+            request["state"] = 1  # per-request state, as verifiers keeps there
+            return web.json_response({"path": request.path, "auth": request.headers["authorization"]}, status=201)
+
+        call = local_route(handler, "/v1/chat/completions", max_body=8)
+        assert await call({"Authorization": "Bearer s"}, b"{}") == (201, b'{"path": "/v1/chat/completions", '
+                                                                         b'"auth": "Bearer s"}')
+        status, text = await call({}, b"boom")
+        assert status == 500 and b"ValueError('boom')" in text
+        assert (await call({}, b"stream"))[0] == 500
+        assert (await call({}, b"123456789"))[0] == 413  # past the server's body limit: never handled
+        caller = asyncio.ensure_future(call({}, b"hang"))
+        await started.wait()
+        caller.cancel()  # a rollout's deadline: the handler goes with it
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await asyncio.wait_for(cancelled.wait(), 5)
+
+        async def released(request) -> web.Response:  # verifiers cancels a concluded rollout's handlers
+            asyncio.current_task().cancel()
+            await asyncio.sleep(0)
+            return web.Response()
+
+        status, text = await local_route(released, "/v1/chat/completions", 8)({}, b"{}")
+        assert status == 503 and b"cancelled" in text
+
+    asyncio.run(scenario())
