@@ -1,8 +1,10 @@
-"""A server the run does not own (started on its own, as on another host) restarts mid-run, weights over the wire:
-the orchestrator sees another instance answer, gives it no requests until the trainer's next offer brings it up to
-date, makes again the groups it lost, and the run reaches its end with every step once. Steps go as their changes
-(`sparse_gloo`) while the server serves the step sent last, and whole to the restarted server; served in bf16 at an
-RL learning rate (1e-6), a step changes few elements, as on GPUs."""
+"""A server the run does not own (started on its own, as on another host) restarts mid-run, weights over the wire,
+killed while a step arrives (held there by the `during_receive` test hook, so the kill lands mid-transfer for
+certain): the step fails by its deadlines and the run goes on; the orchestrator sees another instance answer, gives
+it no requests until the trainer's next offer brings it up to date, makes again the groups it lost, and the run
+reaches its end with every step once. Steps go as their changes (`sparse_gloo`) while the server serves the step
+sent last, and whole to the restarted server; served in bf16 at an RL learning rate (1e-6), a step changes few
+elements, as on GPUs."""
 
 import re
 import time
@@ -10,7 +12,9 @@ import time
 import pytest
 
 from rl.protocol import RunPaths, read_metrics
+from rl.inference.hooks import HOOK_DIR_ENV
 from tests.integration.inference_server import Server
+from tests.integration.test_faults_wire import hold_mid_transfer
 from tests.integration.launched import Launched, rl_command
 
 pytestmark = pytest.mark.integration
@@ -27,16 +31,21 @@ def wait_for_step(run: Launched, paths: RunPaths, step: int, timeout_s: float = 
 
 
 def test_a_server_restarted_mid_run_rejoins_at_the_next_offer(tiny_model, tmp_path):
-    out = tmp_path / "run"
+    out, hooks = tmp_path / "run", tmp_path / "hooks"
     paths = RunPaths(out)
-    server = Server(tiny_model, out / "weights", tmp_path / "inference-1.log", toml=WIRE)
+    hooks.mkdir()
+    server = Server(tiny_model, out / "weights", tmp_path / "inference-1.log", toml=WIRE,
+                    env={HOOK_DIR_ENV: str(hooks)})
     roles = ["--roles", '["orchestrator", "trainer"]', "--orchestrator.client.base-urls", f'["{server.url}"]',
              "--inference.admin-token", server.token, "--transfer.transport", "sparse_gloo",
              "--transfer.host", "127.0.0.1", "--inference.dtype", "bfloat16", "--trainer.optim.lr", "1e-6"]
     run = Launched(rl_command(tiny_model, out, MAX_STEPS, *roles))
     try:
         wait_for_step(run, paths, 2)
-        server.stop()  # SIGTERM, then a new process on the same port: it serves the base model again
+        hold_mid_transfer(run, hooks)
+        server.proc.kill()  # SIGKILL mid-transfer: the orchestrator's request is cut off, as by a host that crashed
+        server.stop()
+        # a new process on the same port: it serves the base model again
         server = Server(tiny_model, out / "weights", tmp_path / "inference-2.log", toml=WIRE, port=server.port)
         assert run.wait(timeout=900) == 0, run.output[-5000:]
     finally:

@@ -130,3 +130,37 @@ def test_over_the_wire_a_server_restarted_after_its_offer_catches_up_from_the_ch
     publish(tmp_path, 5)
     asyncio.run(o.ensure_policy(5))
     assert pool.updates == [(5, [0, 1])] and o.usable == [0, 1] and o.policy_step == 5
+
+
+def test_over_the_wire_a_server_gone_mid_transfer_gets_no_requests_and_the_run_goes_on(tmp_path):
+    from rl.transfer import Offer, write_offer
+
+    class WirePool(FakePool):
+        async def receive_weights(self, step, host, port, timeout_s, servers):
+            self.replies[1] = "http://b:8000 did not answer /policy_step: ConnectError()"  # stopped mid-transfer
+            self.replies[0] = {"step": step, "instance": "a1"}
+            return [{"step": step, "weights_checksum": "c"}, "http://b:8000 did not answer /update_weights: ReadError"]
+
+    pool = WirePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
+    o = orchestrator(tmp_path, pool, collective=True)
+    asyncio.run(o.check_servers())
+    write_offer(tmp_path, Offer(1, "127.0.0.1", 1234, 10))
+    assert asyncio.run(o.take(1)) == [{"step": 1, "weights_checksum": "c"}]
+    assert o.served_steps == [1, -1] and o.instances[1] == DOWN and 1 in o.stale
+    asyncio.run(o.ensure_policy(1))
+    assert o.usable == [0]
+
+
+def test_a_server_that_does_not_answer_an_offer_is_a_failed_receiver_not_the_end_of_the_run():
+    from rl.orchestrator.inference_pool import InferencePool
+    from tests.integration.launched import free_port
+
+    async def offer() -> list:
+        pool = InferencePool([f"http://127.0.0.1:{free_port()}"], None, 2.0)  # nothing listens there
+        try:
+            return await pool.receive_weights(1, "127.0.0.1", 1234, 0.1, [0])
+        finally:
+            await pool.close()
+
+    (reply,) = asyncio.run(offer())
+    assert "did not answer /update_weights for step 1 (over the wire): ConnectError" in reply
