@@ -463,14 +463,14 @@ def interception_in_process() -> None:
 def local_route(handler, path: str, max_body: int):
     """An aiohttp route handler called in process: (headers, body) -> (status, body), as HTTP would have answered.
     Requests with streamed replies are not served here (in_process_chat asks for none)."""
+    from multidict import CIMultiDict, CIMultiDictProxy
 
     async def call(headers: dict[str, str], body: bytes) -> tuple[int, bytes]:
         if len(body) > max_body:  # aiohttp's client_max_size, which the server sets
             return 413, f"request body of {len(body)} bytes exceeds {max_body}".encode()
-        request = LocalRequest(path, headers, body)
+        request = LocalRequest(path, CIMultiDictProxy(CIMultiDict(headers)), body)
         del body  # the request holds it until the handler has parsed it
         served = asyncio.ensure_future(handler(request))
-        del request
         try:
             await asyncio.wait([served])
         except asyncio.CancelledError:  # the caller is gone, as a client that disconnects
@@ -493,11 +493,9 @@ class LocalRequest(dict):
     """What verifiers' interception handler reads of an `aiohttp.web.Request`: its path, headers (case-insensitive)
     and body, and a mapping for per-request state."""
 
-    def __init__(self, path: str, headers: dict[str, str], body: bytes) -> None:
-        from multidict import CIMultiDict, CIMultiDictProxy
-
+    def __init__(self, path: str, headers, body: bytes) -> None:
         super().__init__()
-        self.path, self.headers, self.content_length = path, CIMultiDictProxy(CIMultiDict(headers)), len(body)
+        self.path, self.headers, self.content_length = path, headers, len(body)
         self._read_bytes: bytes | None = body  # aiohttp's cache of the body, which the handler drops once parsed
 
     async def read(self) -> bytes:

@@ -262,7 +262,8 @@ class Orchestrator:
                 self.logger.warning(f"policy {step} did not reach server {i}: {result}")
             else:
                 self.served_steps[i] = result["step"]
-        if len(results) > len(taken := [r for r in results if not isinstance(r, str)]):
+        taken = [r for r in results if not isinstance(r, str)]
+        if len(taken) < len(results):
             await self.check_servers()  # one that stopped or restarted mid-transfer gets no requests until it is back
         self.logger.info(f"policy {step} went over the wire to {len(taken)} of {len(up)} servers (checksums "
                          f"{[r['weights_checksum'] for r in taken]}); they serve policies {self.served_steps}")
