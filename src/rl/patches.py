@@ -131,9 +131,10 @@ def remember_renders() -> None:
     its pool; the rollouts of a group share their prompt, so a group of n rendered it n times (~0.4-0.6 ms each for
     a short prompt). Each renderer built for the pool (`renderers.create_renderer`) keeps its last
     RENDERS_REMEMBERED renders, keyed by everything `render` takes, and hands out a copy: callers own what they
-    get. A render is a pure function of its arguments for one renderer."""
-    import copy
+    get. A render is a pure function of its arguments for one renderer. It is kept pickled: unpickling is the
+    copy (7 us for a short prompt's render against deepcopy's 67 us)."""
     import json
+    import pickle
     from collections import OrderedDict
 
     import renderers
@@ -143,7 +144,7 @@ def remember_renders() -> None:
         return
 
     def remembering(render):
-        memory: OrderedDict[str, object] = OrderedDict()  # verifiers renders only under the renderer's slot lock
+        memory: OrderedDict[str, bytes] = OrderedDict()  # verifiers renders only under the renderer's slot lock
 
         @functools.wraps(render)
         def remembered_render(messages, **kwargs):
@@ -151,17 +152,19 @@ def remember_renders() -> None:
                 key = json.dumps([messages, kwargs], sort_keys=True)
             except TypeError:  # not plain JSON (images): rendered each time
                 key = None
-            rendered = memory.get(key)
-            if rendered is None and getattr(_on_loop, "active", False):
+            pickled = memory.get(key)
+            if pickled is not None:
+                memory.move_to_end(key)
+                return pickle.loads(pickled)
+            if getattr(_on_loop, "active", False):
                 raise NotRemembered
-            if key is None:
-                return render(messages, **kwargs)
-            if rendered is None:
-                rendered = memory[key] = render(messages, **kwargs)
-                if len(memory) > RENDERS_REMEMBERED:
-                    memory.popitem(last=False)
-            memory.move_to_end(key)
-            return copy.deepcopy(rendered)
+            rendered = render(messages, **kwargs)
+            if key is not None:
+                with contextlib.suppress(pickle.PicklingError, TypeError, AttributeError):  # unpicklable: not kept
+                    memory[key] = pickle.dumps(rendered)
+                    if len(memory) > RENDERS_REMEMBERED:
+                        memory.popitem(last=False)
+            return rendered
 
         remembered_render.remembers_renders = True
         return remembered_render

@@ -225,6 +225,11 @@ def test_renderers_built_for_the_training_client_render_a_repeated_prompt_once_a
     assert renderer.render(messages, tools=None, add_generation_prompt=False).token_ids != second.token_ids
     assert len(calls) == 2  # every argument is part of the key
 
+    unpicklable = lambda: None  # noqa: E731 - a render holding what pickle refuses is rendered each time, not lost
+    monkeypatch.setattr(type(plain.__self__), "render", lambda self, *a, **k: calls.append(1) or unpicklable)
+    renderer = build()
+    assert [renderer.render(messages), renderer.render(messages)] == [unpicklable, unpicklable] and len(calls) == 4
+
 
 def test_a_rollouts_working_directory_is_made_at_its_first_use_and_removed_only_where_made(tmp_path, monkeypatch):
     import asyncio
