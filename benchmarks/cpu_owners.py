@@ -19,15 +19,14 @@ import collections
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENVIRONMENTS = {p.name for p in (ROOT / "environments").iterdir() if p.is_dir()} - {"in_process_chat"}
 OWNERS = {  # a frame's top-level package (py-spy prints `name (package/module.py:line)`) -> its owner
+    **{p.name: "the environment" for p in (ROOT / "environments").iterdir() if p.is_dir()},
     "rl": "rl",
     "in_process_chat": "rl",  # rl's harness, packaged as an environment
     "verifiers": "verifiers",
     "renderers": "renderers",
     "transformers": "transformers",
     "tokenizers": "transformers",
-    **{name: "the environment" for name in ENVIRONMENTS},
 }
 WAITS = ("select", "epoll", "poll (", "wait (", "_wait_for_tstate_lock", "acquire", "sleep", "thread.py:81")
 UNOWNED = "event loop and libraries"
@@ -56,14 +55,13 @@ def busy_samples(path: str, skip: list[str]):
             yield frames, int(count)
 
 
-def attribute(samples) -> tuple[collections.Counter, dict[str, collections.Counter]]:
-    by_owner: collections.Counter = collections.Counter()
+def attribute(samples) -> dict[str, collections.Counter]:
+    """Per owner, the busy samples of each of its innermost frames."""
     frames_by_owner: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for frames, count in samples:
         frame, owner = innermost_owned(frames)
-        by_owner[owner] += count
         frames_by_owner[owner][frame] += count
-    return by_owner, frames_by_owner
+    return frames_by_owner
 
 
 def main() -> None:
@@ -77,8 +75,9 @@ def main() -> None:
     )
     parser.add_argument("--top", type=int, default=8, help="frames shown per owner")
     args = parser.parse_args()
-    by_owner, frames_by_owner = attribute(busy_samples(args.profile, args.skip))
-    total = sum(by_owner.values())
+    frames_by_owner = attribute(busy_samples(args.profile, args.skip))
+    by_owner = collections.Counter({owner: frames.total() for owner, frames in frames_by_owner.items()})
+    total = by_owner.total()
     if not total:
         raise SystemExit(f"{args.profile}: no busy samples")
     print(f"{total} busy samples")
