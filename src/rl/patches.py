@@ -21,6 +21,9 @@ save is in docs/architecture.md ("Patches of other libraries"):
 - vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
   general plugin that vLLM runs in each of its processes, active only where `RL_VLLM_SHM_POLL_S` is set
   (the inference server sets it on CPU hosts);
+- vLLM: its CPU platform starts the engine core and workers by fork, as vLLM does where no accelerator is
+  initialised, not by spawn, and each forked worker takes the OpenMP threads and cores vLLM chose for it
+  (`vllm_cpu_fork`), applied by the inference server on CPU hosts (`rl.inference.server.cpu_start_method`);
 - vLLM: its generate route answers through the inference gate's response class, which adds token strings and
   writes the response once (`render_generate_responses`), applied by the gate when vLLM builds it.
 
@@ -37,6 +40,8 @@ import functools
 import inspect
 import logging
 import os
+import re
+import sys
 import threading
 import time
 import types
@@ -573,3 +578,70 @@ def vllm_shm_polling() -> None:
         logger.warning("vllm's shm_broadcast has no sched_yield: %s has no effect", POLL_ENV)
         return
     shm_broadcast.sched_yield = functools.partial(time.sleep, poll_s)
+
+
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def vllm_cpu_fork() -> None:
+    """vLLM's CLI sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` where nothing is set, and its CPU platform sets it again as
+    it checks the config (in the API process, and in the engine core), so on CPU its engine core and every worker
+    import vLLM, torch and transformers anew, one after the other. Spawn is vLLM's safe choice for accelerators (CUDA
+    cannot be used in a process forked after it started); a CPU host has none, and fork is vLLM's library default.
+    This keeps the platform's other settings and puts fork back after them; forked processes inherit the patched
+    class, so the engine core forks its workers too.
+
+    A forked worker must also get the cores and threads vLLM chose for it. vLLM's CPU executor binds each worker
+    through the environment only: it preloads torch's OpenMP (LD_PRELOAD) and sets GOMP_CPU_AFFINITY (or OMP_PLACES)
+    and OMP_NUM_THREADS around the worker's start, which the loader and OpenMP read when a process starts. A forked
+    worker would keep its parent's OpenMP: a thread per core of the host, bound to none, spinning against the engine
+    core and the API server (~35% fewer tokens/s on a 2-core host). So each forked child applies those settings itself
+    (`bind_threads_from_environment`). Apply this before vLLM parses its arguments, and only where the user set no
+    start method."""
+    from vllm.platforms import cpu
+
+    platform = cpu.CpuPlatform
+    check = patch_target(platform, "check_and_update_config", "vllm")
+    if getattr(check, "rl_forks", False):
+        return
+
+    def check_and_fork(vllm_config) -> None:
+        check(vllm_config)
+        os.environ[START_METHOD_ENV] = "fork"
+
+    check_and_fork.rl_forks = True
+    platform.check_and_update_config = staticmethod(check_and_fork)
+    os.register_at_fork(after_in_child=bind_threads_from_environment)
+
+
+OMP_PLACES_LIST = re.compile(r"\{(\d+(?:,\d+)*)\}")  # OMP_PLACES as vLLM writes it: one place, {0,1,2}
+GOMP_CPU = re.compile(r"(\d+)(?:-(\d+)(?::(\d+))?)?")  # an entry of GOMP_CPU_AFFINITY: 3, 0-7 or 0-7:2
+
+
+def omp_cores(environ) -> set[int] | None:
+    """The cores OpenMP would bind a new process's threads to under `environ`: GOMP_CPU_AFFINITY's entries, else
+    OMP_PLACES in the one-place form vLLM writes. None where neither is set, or set in a form not read here (OpenMP's
+    abstract names such as `cores`): the cores are then left as they are."""
+    entries = environ.get("GOMP_CPU_AFFINITY", "").replace(",", " ").split()
+    if entries:
+        matches = [GOMP_CPU.fullmatch(entry) for entry in entries]
+        if not all(matches):
+            return None
+        cores = set()
+        for match in matches:
+            first, last, stride = match.group(1), match.group(2) or match.group(1), match.group(3) or "1"
+            cores.update(range(int(first), int(last) + 1, max(int(stride), 1)))
+        return cores
+    places = OMP_PLACES_LIST.fullmatch(environ.get("OMP_PLACES", ""))
+    return {int(core) for core in places.group(1).split(",")} if places else None
+
+
+def bind_threads_from_environment() -> None:
+    """In a forked child, what the loader and OpenMP do with the environment as a process starts: the cores of
+    `omp_cores`, the thread count from OMP_NUM_THREADS. Threads made later inherit the forking thread's cores."""
+    cores = omp_cores(os.environ)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -182,6 +183,22 @@ def test_the_engine_core_sleeps_while_its_worker_computes(server):
     generate_concurrently(server, requests, in_flight=64)
     engine_s, worker_s = cpu_s(engine) - start[engine], cpu_s(worker) - start[worker]
     assert engine_s < 0.5 * worker_s, f"engine core {engine_s:.2f} s of CPU, worker {worker_s:.2f} s"
+
+
+def test_vllms_processes_are_forked_and_the_worker_runs_on_the_cores_vllm_chose(server):
+    """On CPU rl forks vLLM's engine core and worker (a server healthy in about half the time) and applies to the
+    forked worker the OpenMP binding vLLM sets up for a spawned one: every thread of the worker on the cores vLLM
+    logged for it, not on all the host's cores (unbound, it spun against the engine core: fewer tokens/s)."""
+    log = server.log.read_text()
+    assert "engine core and workers start by fork" in log
+    chosen = {int(core) for core in re.search(r"local_rank=0, core ids=\[([\d, ]+)\]", log).group(1).split(",")}
+    processes = {p.name(): p for p in psutil.Process(server.proc.pid).children(recursive=True)}
+    assert not any("multiprocessing.spawn" in " ".join(p.cmdline()) for p in processes.values()), processes
+    worker = processes["VLLM::Worker"]
+    assert os.sched_getaffinity(worker.pid) == chosen
+    for thread in worker.threads():
+        with contextlib.suppress(ProcessLookupError):  # a thread may end between the listing and the question
+            assert os.sched_getaffinity(thread.id) == chosen, f"thread {thread.id} of the worker"
 
 
 def test_idle_connection_outlives_the_clients_keep_alive(server):

@@ -89,6 +89,11 @@ def test_tp2_serves_what_tp1_serves_before_and_after_an_update(servers, run_dir)
     step = perturbed_step(run_dir, 1, seed=1)
     workers = [p for p in psutil.Process(tp2.proc.pid).children(recursive=True) if "Worker_TP" in p.name()]
     assert len(workers) == 2, [p.name() for p in workers]
+    # forked workers run on the cores vLLM chose for them (test_inference.py has the case of one worker)
+    chosen = {f"VLLM::Worker_TP{rank}": {int(core)}
+              for rank, core in re.findall(r"local_rank=(\d), core ids=\[(\d+)\]", tp2.log.read_text())}
+    assert len(chosen) == 2 and chosen["VLLM::Worker_TP0"] != chosen["VLLM::Worker_TP1"], chosen
+    assert {p.name(): os.sched_getaffinity(p.pid) for p in workers} == chosen
     before_reads = [p.io_counters().read_chars for p in workers]
     answers = [update(server, 1) for server in servers]
     assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]

@@ -118,17 +118,31 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
     if not Path(model_dir).is_dir():
         raise ValueError(f"model {model_dir!r} must be a local Hugging Face directory (its files are verified)")
     check_lora_name(config, model_dir)
+    forks = cpu_start_method()  # before vLLM's own set-up, which sets spawn where nothing is set
     args = parsed_vllm_args(vllm_argv(config, model_dir, memory_share, host_args))
     args.rl_admin = AdminSettings(  # what the gate and the policy it serves read
         base_model=model_dir, weights_dir=str(config.weights_dir) if config.weights_dir else None,
         admin_token=config.admin_token, api_keys=api_keys(args), lora_name=config.lora.name if config.lora else None,
         transport=config.transfer.transport,
     )
+    if forks:
+        logger.info("vLLM's engine core and workers start by fork on CPU (%s was unset)", patches.START_METHOD_ENV)
     set_shm_poll()
     if not config.log_generation_requests:  # a filter of the logger itself: uvicorn's logging setup keeps it
         logging.getLogger("uvicorn.access").addFilter(AnsweredGenerationFilter())
     with private_ipc_dir(), cpu_compile_policy(args.enforce_eager):
         uvloop.run(run_server(args, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+
+
+def cpu_start_method() -> bool:
+    """On CPU hosts vLLM's engine core and workers start by fork (`patches.vllm_cpu_fork`), unless
+    VLLM_WORKER_MULTIPROC_METHOD is set: the user's choice is kept. Whether fork was chosen."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or patches.START_METHOD_ENV in os.environ:
+        return False
+    patches.vllm_cpu_fork()
+    return True
 
 
 INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
@@ -212,11 +226,14 @@ def api_keys(args) -> tuple[str, ...]:
 
 
 def set_shm_poll() -> None:
-    """On CPU hosts, let vLLM's shared-memory queues sleep between polls (see `rl.patches`)."""
+    """On CPU hosts, let vLLM's shared-memory queues sleep between polls (see `rl.patches`). The plugin that does it
+    runs in each process vLLM starts, but only once per process, and this one may have run it before the variable
+    was set: it is applied here too, so that the engine core and workers forked from this process inherit it."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         os.environ.setdefault(patches.POLL_ENV, str(patches.CPU_POLL_S))
     poll_s = patches.poll_interval()  # a bad value fails here, before vLLM starts its processes
     if poll_s is not None:
+        patches.vllm_shm_polling()
         logger.info("vLLM's shared-memory queues sleep %s s per poll (%s)", poll_s, patches.POLL_ENV)
