@@ -27,3 +27,15 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def have(program: str) -> bool:
     return shutil.which(program) is not None
+
+
+@pytest.fixture(autouse=True)
+def nothing_a_test_started_outlives_it():
+    """Servers and `rl` runs a test started and left running (it failed, or pytest-timeout stopped it) are stopped
+    after it. Those of module-scoped fixtures were started before this fixture and are left to their fixture."""
+    from tests.integration.launched import STARTED
+
+    before = set(STARTED)
+    yield
+    for started in set(STARTED) - before:
+        started.stop()

@@ -10,7 +10,7 @@ import httpx
 
 from rl import health
 from tests.conftest import ROOT
-from tests.integration.launched import free_port
+from tests.integration.launched import STARTED, free_port
 
 
 def model_and_weights_dir(tmp_path_factory, name: str) -> Path:
@@ -46,6 +46,7 @@ class Server:
         self.http = httpx.Client(timeout=120)  # one connection kept open, as the orchestrator's client does
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                                      env=os.environ | (env or {}))
+        STARTED.add(self)
         self._wait_healthy(timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -75,6 +76,8 @@ class Server:
 
     def stop(self) -> None:
         self.http.close()
+        if self.proc.poll() is not None:
+            return
         self.proc.terminate()
         try:
             self.proc.wait(30)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import psutil
@@ -43,6 +44,11 @@ def rl_command(model: Path, out: Path, max_steps: int, *extra: str) -> list[str]
     ]
 
 
+STARTED: weakref.WeakSet = weakref.WeakSet()
+"""Every `Launched` run and test `Server` started and not yet collected: what a test left running when it failed or
+timed out is stopped after it (tests/conftest.py), so that it does not slow every later test."""
+
+
 class Launched:
     """An `rl` process whose output is collected line by line."""
 
@@ -50,6 +56,17 @@ class Launched:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
+        STARTED.add(self)
+
+    def stop(self) -> None:
+        """SIGTERM (rl then stops its children), SIGKILL if it is still running 30 s later."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
     def _read(self):
         for line in self.proc.stdout:

@@ -50,6 +50,7 @@ def kill(run: Launched, victim: str) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.timeout(1500)  # five launches of an 18-step run
 def test_each_process_killed_then_resumed_to_completion(tiny_model, tmp_path):
     seed = int(os.environ.get("RL_FAULT_SEED", random.randrange(1 << 30)))
     print(f"RL_FAULT_SEED={seed}")

@@ -28,6 +28,7 @@ def hold_mid_transfer(run: Launched, hooks, timeout_s: float = 300) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.timeout(1200)  # three launches
 def test_a_server_then_the_trainer_killed_mid_transfer_then_resumed(tiny_model, tmp_path, monkeypatch):
     hooks = tmp_path / "hooks"
     hooks.mkdir()

@@ -12,6 +12,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.timeout(1800)  # the README's whole quickstart: ~3 min measured
 def test_quickstart_reward_rises(tmp_path):
     out = tmp_path / "quickstart"
     start = time.monotonic()
