@@ -3,9 +3,14 @@ without a server: the platform's own check still runs, fork is what is left in t
 forked child takes the cores and threads vLLM's environment names for it, as a spawned one would. Every CPU server
 the integration tests start runs with it (test_inference.py checks a real server's forked worker)."""
 
+import contextlib
 import json
 import os
+import socket
+import tempfile
+import time
 
+import psutil
 import pytest
 import torch
 from vllm.platforms import cpu
@@ -37,7 +42,7 @@ def test_after_the_platforms_own_check_vllm_forks(platform_check):
     cpu.CpuPlatform().check_and_update_config("config")
     assert seen == ["config"]  # the platform's other settings are still made, once
     assert os.environ[patches.START_METHOD_ENV] == "fork"
-    assert hooks == [{"after_in_child": patches.bind_threads_from_environment}]
+    assert hooks == [{"before": patches.remember_forking_parent, "after_in_child": patches.forked_vllm_child}]
 
 
 def test_a_start_method_the_user_set_is_kept(platform_check, monkeypatch):
@@ -63,23 +68,90 @@ def test_the_cores_openmp_would_bind_to(environ, cores):
     assert patches.omp_cores(environ) == cores
 
 
-def test_a_forked_child_takes_the_cores_and_threads_its_environment_names(monkeypatch):
-    """In a real fork: the child's cores and torch threads are those the environment names, the parent's unchanged."""
-    allowed = sorted(os.sched_getaffinity(0))
-    monkeypatch.setenv("GOMP_CPU_AFFINITY", str(allowed[-1]))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads_before = torch.get_num_threads()
+def in_a_fork(child) -> str:
+    """What `child()` returns (a string), run in a forked child of this process."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child reports and leaves at once, whatever happens
         try:
-            patches.bind_threads_from_environment()
-            os.write(write, json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads()]).encode())
+            os.write(write, child().encode())
         finally:
             os._exit(0)
     os.close(write)
     with os.fdopen(read) as reader:
         reported = reader.read()
     os.waitpid(pid, 0)
-    assert json.loads(reported) == [[allowed[-1]], 1]
+    return reported
+
+
+def test_a_forked_child_takes_the_cores_and_threads_its_environment_names(monkeypatch):
+    """In a real fork: the child's cores and torch threads are those the environment names, the parent's unchanged."""
+    allowed = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", str(allowed[-1]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads_before = torch.get_num_threads()
+
+    def child() -> str:
+        patches.bind_threads_from_environment()
+        return json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads()])
+
+    assert json.loads(in_a_fork(child)) == [[allowed[-1]], 1]
     assert sorted(os.sched_getaffinity(0)) == allowed and torch.get_num_threads() == threads_before
+
+
+def test_a_forked_child_keeps_no_tcp_listener_of_its_parent():
+    """A killed API server's forked engine core held its port: a server restarted there could not bind it."""
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        bound = stack.enter_context(socket.socket())  # vLLM binds its port first, and listens once the engine is up
+        bound.bind(("127.0.0.1", 0))
+        connected_pair = [stack.enter_context(s) for s in socket.socketpair()]
+        unix = stack.enter_context(socket.socket(socket.AF_UNIX))
+        unix.bind(os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "sock"))
+        unix.listen()
+        descriptors = {"tcp listener": listener.fileno(), "tcp bound": bound.fileno(), "unix listener": unix.fileno(),
+                       "pair": connected_pair[0].fileno()}
+
+        def child() -> str:
+            patches.close_inherited_listeners()
+            still = {}
+            for name, fd in descriptors.items():
+                try:
+                    os.fstat(fd)
+                    still[name] = True
+                except OSError:
+                    still[name] = False
+            return json.dumps(still)
+
+        assert json.loads(in_a_fork(child)) == {"tcp listener": False, "tcp bound": False, "unix listener": True,
+                                                 "pair": True}
+        os.fstat(listener.fileno())  # the parent's own is open
+        with socket.create_connection(listener.getsockname(), timeout=5):
+            pass  # and still accepts
+
+
+def test_a_forked_child_ends_when_its_parent_dies():
+    """The engine core of a killed API server lived on: a forked child gets SIGTERM when its parent dies."""
+    read, write = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # forks the child, reports its pid, then dies
+        try:
+            patches.remember_forking_parent()
+            child = os.fork()
+            if child == 0:
+                try:
+                    patches.end_with_parent()
+                    time.sleep(60)
+                finally:
+                    os._exit(0)
+            os.write(write, str(child).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as reader:
+        child = int(reader.read())
+    os.waitpid(middle, 0)
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the child outlived its parent by 10 s"
+        time.sleep(0.05)
