@@ -2,7 +2,7 @@
 
 Runs `rl` with the tests' command line (tests/integration/launched.py's `rl_command`: reverse-text, batch 32, 2
 trainer ranks, `--steps` steps, a TP=2 server by default as test_run.py) and prints, in seconds from the launch:
-when each process logged its first line (its imports done), the server's health, the orchestrator's first batch,
+when each process logged its first line (its imports done), the server listening, the orchestrator's first batch,
 the trainer's first and last step, and the launcher's exit. Log stamps are whole seconds; the launcher's lines and
 its exit are timed as they arrive.
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STAMP = re.compile(r"(?:^|\s)(\d\d):(\d\d):(\d\d)(?:[,.]\d+)?\s")
 PHASES = [  # (phase, log, the first line that ends it; None: the log's first stamped line)
     ("inference imported", "inference.log", None),
-    ("inference healthy", "inference.log", re.compile(r"Application startup complete")),
+    ("inference serving", "inference.log", re.compile(r"Starting vLLM server on")),
     ("trainer imported", "trainer.log", None),
     ("orchestrator imported", "orchestrator.log", None),
     ("orchestrator step 0", "orchestrator.log", re.compile(r"orchestrator INFO step 0 \|")),
@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="the tiny model's directory")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tp", type=int, default=2, help="the server's tensor-parallel size")
+    parser.add_argument("--keep", type=Path, help="run in this directory and keep it (default: a temporary one)")
     return parser.parse_args()
 
 
@@ -63,7 +64,7 @@ def main() -> None:
     from tests.integration.launched import rl_command
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
+        out = args.keep or Path(tmp) / "run"
         cmd = rl_command(Path(args.model), out, args.steps, "--inference.tensor-parallel-size", str(args.tp))
         launched, start = datetime.datetime.now(), time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+FIXTURE_ENVIRONMENTS = ROOT / "tests" / "fixtures" / "environments"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,6 +24,13 @@ def tiny_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("models") / "tiny"
     subprocess.run([sys.executable, "-m", "rl.tiny_model", "--out", str(out)], check=True, capture_output=True)
     return out
+
+
+@pytest.fixture
+def taskset_only_installed(monkeypatch):
+    """The fixture environments (tests/fixtures/environments) importable by the processes a test starts, as an
+    installed package would be."""
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURE_ENVIRONMENTS))
 
 
 def have(program: str) -> bool:

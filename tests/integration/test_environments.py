@@ -1,6 +1,7 @@
 """Environments a user brings, for real: a Taskset-only package (tests/fixtures/environments, put on PYTHONPATH
-as an installed package would be) trained through `rl` mixed with reverse-text, and the `eval` command on
-the tiny model, starting its own vLLM server or using a running one (plain vLLM: test_eval_plain_vllm.py)."""
+as an installed package would be) and the `eval` command on the tiny model, starting its own vLLM server or using a
+running one (plain vLLM: test_eval_plain_vllm.py). Its training through `rl`, mixed with reverse-text, is
+test_run.py's run."""
 
 import json
 import subprocess
@@ -9,56 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from rl.protocol import RunPaths, read_metrics
 from tests.conftest import ROOT
-from tests.integration.launched import Launched, free_port, rl_command
+from tests.integration.launched import free_port
 
 pytestmark = pytest.mark.integration
-FIXTURES = ROOT / "tests" / "fixtures" / "environments"
-
-
-@pytest.fixture
-def taskset_only_installed(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
-
-
-MIXED = """
-[[env]]
-id = "taskset-only"
-ratio = 3.0
-[[env]]
-id = "reverse-text"
-args = { num_examples = 200 }
-ratio = 1.0
-
-[eval]
-interval = 3
-num_examples = 2
-rollouts_per_example = 2
-sampling = { temperature = 1.0, max_tokens = 8 }
-[[eval.env]]
-id = "taskset-only"
-"""
-
-
-def test_a_taskset_only_environment_trains_mixed_with_reverse_text(tiny_model, tmp_path, taskset_only_installed):
-    mixed = tmp_path / "mixed.toml"
-    mixed.write_text(MIXED)
-    out = tmp_path / "run"
-    run = Launched(rl_command(tiny_model, out, 3, "--orchestrator", "@", str(mixed)))
-    assert run.wait(timeout=900) == 0, run.output[-5000:]
-    log = (out / "logs" / "orchestrator.log").read_text()
-    assert "environment 'taskset-only': 64 tasks; seat 'agent': harness 'in-process-chat' (rl's default" in log
-    records = [m for m in read_metrics(RunPaths(out)) if m["process"] == "orchestrator"]
-    assert [m["step"] for m in records] == [0, 1, 2]
-    for m in records:
-        # 32 rollouts a step in groups of 8: 3 groups of taskset-only for 1 of reverse-text
-        assert (m["rollouts/taskset-only"], m["rollouts/reverse-text"]) == (24, 8), m
-        assert 0.0 <= m["metric/taskset-only/exact"] <= 1.0 and m["metric/taskset-only/reply_chars"] > 0
-        assert "reward/taskset-only/similarity" in m and "metric/reverse-text/exact_match" in m
-    assert {"eval/pass@1/taskset-only", "eval/pass@2/taskset-only", "eval/avg@2"} <= set(records[-1])
-    trained = [m["step"] for m in read_metrics(RunPaths(out)) if m["process"] == "trainer"]
-    assert trained == [0, 1, 2]
 
 
 def eval_command(model: Path, out: Path, *extra: str) -> list[str]:

@@ -1,5 +1,8 @@
-"""The whole loop for real: vLLM server (tensor-parallel: two workers), orchestrator with a verifiers environment,
-torchrun trainer. Each process killed mid-run, `--resume` and `--resume-step` after it, are in test_faults.py."""
+"""The whole loop for real: vLLM server (tensor-parallel: two workers), orchestrator with verifiers environments,
+torchrun trainer. The environments are a user's own Taskset-only package (tests/fixtures/environments, put on
+PYTHONPATH as an installed package would be) mixed with reverse-text, with a periodic eval. Each process killed
+mid-run, `--resume` and `--resume-step` after it, are in test_faults.py; the `eval` command in
+test_environments.py."""
 
 import pytest
 import torch
@@ -10,15 +13,37 @@ from rl.protocol import RunPaths, read_metrics, stable_steps
 from tests.integration.launched import Launched, rl_command
 
 pytestmark = pytest.mark.integration
+MIXED = """
+[[env]]
+id = "taskset-only"
+ratio = 3.0
+[[env]]
+id = "reverse-text"
+args = { num_examples = 200 }
+ratio = 1.0
+
+[eval]
+interval = 3
+num_examples = 2
+rollouts_per_example = 2
+sampling = { temperature = 1.0, max_tokens = 8 }
+[[eval.env]]
+id = "taskset-only"
+"""
 
 
-def test_five_steps_end_to_end(tiny_model, tmp_path):
+def test_five_steps_end_to_end_of_a_taskset_only_environment_mixed_with_reverse_text(tiny_model, tmp_path,
+                                                                                     taskset_only_installed):
+    mixed = tmp_path / "mixed.toml"
+    mixed.write_text(MIXED)
     out = tmp_path / "run"
-    run = Launched(rl_command(tiny_model, out, 5, "--inference.tensor-parallel-size", "2"))
+    run = Launched(rl_command(tiny_model, out, 5, "--inference.tensor-parallel-size", "2",
+                              "--orchestrator", "@", str(mixed)))
     code = run.wait(timeout=900)
     assert code == 0, run.output[-5000:]
     paths = RunPaths(out)
     metrics = read_metrics(paths)
+    check_environments_mixed(out, [m for m in metrics if m["process"] == "orchestrator"])
     for process in ("trainer", "orchestrator"):
         steps = [m["step"] for m in metrics if m["process"] == process]
         assert steps == [0, 1, 2, 3, 4], f"{process} logged steps {steps}"
@@ -48,3 +73,20 @@ def test_five_steps_end_to_end(tiny_model, tmp_path):
     assert torch.equal(files["lm_head.weight"], files["model.embed_tokens.weight"])  # written explicitly
     assert (out / "configs" / "trainer.toml").is_file()
     assert "step 4 trainer" in run.output  # the launcher's one line per step
+
+
+def check_environments_mixed(out, records: list[dict]) -> None:
+    """The user's Taskset-only environment loaded with rl's default harness, each step's rollouts split by the
+    environments' ratios, each environment's rewards and metrics logged, and the eval's after its interval and at
+    the end."""
+    log = (out / "logs" / "orchestrator.log").read_text()
+    assert "environment 'taskset-only': 64 tasks; seat 'agent': harness 'in-process-chat' (rl's default" in log
+    assert [m["step"] for m in records] == [0, 1, 2, 3, 4]
+    for m in records:
+        # 32 rollouts a step in groups of 8: 3 groups of taskset-only for 1 of reverse-text
+        assert (m["rollouts/taskset-only"], m["rollouts/reverse-text"]) == (24, 8), m
+        assert 0.0 <= m["metric/taskset-only/exact"] <= 1.0 and m["metric/taskset-only/reply_chars"] > 0
+        assert "reward/taskset-only/similarity" in m and "metric/reverse-text/exact_match" in m
+    evaluated = [m["step"] for m in records if "eval/avg@2" in m]
+    assert evaluated == [2, 4], evaluated  # every 3 batches, and after the last
+    assert {"eval/pass@1/taskset-only", "eval/pass@2/taskset-only", "eval/avg@2"} <= set(records[-1])
