@@ -260,6 +260,14 @@ def _set_path(target: dict, dotted: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--{dotted}: {key} is a value, not a table")
         target = node
+    current = target.get(keys[-1])
+    if isinstance(current, dict):  # `--section.field ...` given before: the section is a table already
+        if isinstance(value, dict):
+            value = deep_merge(current, value)
+        elif value == "true":  # `--section` alone only turns on what the fields turned on
+            return
+        else:
+            raise ConfigError(f"--{dotted} {value} conflicts with the --{dotted}.* settings given before it")
     target[keys[-1]] = value
 
 

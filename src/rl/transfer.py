@@ -38,9 +38,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +52,7 @@ import torch.distributed as dist
 import xxhash
 
 from rl.atomic import atomic_write_text
+from rl.manifest import CorruptFileError, read_regular
 
 logger = logging.getLogger(__name__)
 
@@ -165,23 +168,64 @@ def write_offer(output_dir: Path, offer: Offer) -> None:
     atomic_write_text(offer_path(output_dir, offer.step), json.dumps(asdict(offer)))
 
 
-def read_offer(output_dir: Path, step: int) -> Offer | None:
+MAX_OFFER_BYTES = 4096  # an offer is ~100 bytes
+HOST_PATTERN = r"[A-Za-z0-9._:\[\]-]{1,255}"  # a host name, IPv4 or IPv6 address, as a server takes it to connect to
+
+
+def read_offer(output_dir: Path, step: int, host: str | None = None) -> Offer | None:
+    """The trainer's offer of `step`, None if there is none. It is read only as the trainer writes it: a regular file
+    (not a link, a FIFO or a device: nothing can stall the reader), of a few bytes, whose fields have their types and
+    ranges, name the step of the file's name and (if given) the trainer's `host`; anything else is a TransferError
+    naming the file and the problem."""
     path = offer_path(output_dir, step)
     try:
-        return Offer(**json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
-    except (ValueError, TypeError) as e:
+        raw = read_regular(path.parent, path.name, MAX_OFFER_BYTES)
+    except CorruptFileError as e:
+        if not os.path.lexists(path):
+            return None  # none, or taken away (a resumed trainer clears the old ones)
         raise TransferError(f"{path} is not an offer the trainer wrote: {e}") from None
+    try:
+        fields = json.loads(raw)
+    except ValueError as e:
+        raise TransferError(f"{path} is not an offer the trainer wrote: {e}") from None
+    problem = offer_problem(fields, step)
+    if problem is None and host is not None and fields["host"] != host:
+        problem = f"it names host {fields['host']!r}, but the trainer's store is at transfer.host {host!r}"
+    if problem:
+        raise TransferError(f"{path} is not an offer the trainer wrote: {problem}")
+    return Offer(**fields)
+
+
+def offer_problem(fields, step: int) -> str | None:
+    """What is wrong with an offer's fields, read from the file of `step`; None if nothing."""
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not isinstance(fields, dict) or set(fields) != {f.name for f in dataclasses.fields(Offer)}:
+        return f"its fields are not {[f.name for f in dataclasses.fields(Offer)]}"
+    if not whole(fields["step"]) or fields["step"] != step:
+        return f"it offers step {fields['step']!r} in the file of step {step}"
+    if not whole(fields["port"]) or not 1 <= fields["port"] <= 65535:
+        return f"port {fields['port']!r} is not a port from 1 to 65535"
+    if not whole(fields["tensor_bytes"]) or fields["tensor_bytes"] < 0:
+        return f"tensor_bytes {fields['tensor_bytes']!r} is not a size"
+    if not isinstance(fields["host"], str) or not re.fullmatch(HOST_PATTERN, fields["host"]):
+        return f"host {fields['host']!r} is not a host name or address"
+    return None
+
+
+def step_of(path: Path, prefix: str) -> int | None:
+    """The step in a transfer file's name (`offer_12.json` with prefix `offer_`: 12); None for any other name. ASCII
+    digits only: `str.isdigit` also takes '²', which `int` refuses."""
+    suffix = path.stem.removeprefix(prefix)
+    if path.suffix != ".json" or suffix == path.stem or not (suffix.isascii() and suffix.isdigit()):
+        return None
+    return int(suffix)
 
 
 def offered_steps(output_dir: Path) -> list[int]:
-    steps = []
-    for path in transfer_dir(output_dir).glob("offer_*.json"):
-        suffix = path.stem.removeprefix("offer_")
-        if suffix.isdigit():
-            steps.append(int(suffix))
-    return sorted(steps)
+    steps = (step_of(path, "offer_") for path in transfer_dir(output_dir).glob("offer_*.json"))
+    return sorted(step for step in steps if step is not None)
 
 
 def write_take(output_dir: Path, step: int, receivers: int) -> None:
@@ -203,8 +247,8 @@ def wait_for_take(output_dir: Path, step: int, timeout_s: float) -> int:
 def clear_transfers(output_dir: Path, from_step: int = 0) -> None:
     """Remove the offers and takes of steps >= `from_step` (a resumed run offers them again, on another store)."""
     for path in transfer_dir(output_dir).glob("*.json"):
-        suffix = path.stem.partition("_")[2]
-        if suffix.isdigit() and int(suffix) >= from_step:
+        step = step_of(path, "offer_") if path.name.startswith("offer_") else step_of(path, "take_")
+        if step is not None and step >= from_step:
             path.unlink(missing_ok=True)
 
 

@@ -255,6 +255,8 @@ BAD_BODIES = [
     ("deep-nesting", b'{"path": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", "nested deeper than"),
     ("long-component", b'{"step": 1, "path": "' + b"a" * 300 + b'"}', "component over 255 bytes"),
     ("many-digits", b'{"step": ' + b"7" * 5000 + b', "path": "step_1"}', "an integer of 5000 digits"),
+    ("bool-timeout", b'{"step": 1, "transfer": {"host": "127.0.0.1", "port": 1, "rank": 1, "world_size": 2, '
+                     b'"timeout_s": true}}', "timeout_s"),  # not 1 s
 ]
 
 

@@ -62,6 +62,15 @@ def test_flags_and_lists():
     assert cli == {"dry_run": "true", "enforce_eager": "false", "x": {"y": [1, 2]}}
 
 
+def test_a_section_flag_after_its_fields_keeps_them_in_either_order():
+    """`--slurm.partition gpu --slurm` dropped the partition: the bare flag replaced the section's table."""
+    for argv in (["--slurm.partition", "gpu", "--slurm"], ["--slurm", "--slurm.partition", "gpu"]):
+        assert parse_argv(argv)[1] == {"slurm": {"partition": "gpu"}}, argv
+    assert parse_argv(["--x.a=1", '--x={"b": 2}'])[1] == {"x": {"a": "1", "b": 2}}
+    with pytest.raises(ConfigError, match="--slurm false conflicts with the --slurm.\\* settings given before it"):
+        parse_argv(["--slurm.partition", "gpu", "--no-slurm"])
+
+
 def test_secrets_are_masked_for_printing_and_dropped_from_files_shared_with_hosts():
     dump = {"inference": {"admin_token": "s3cret", "api_key": "k3y", "port": 8000},
             "servers": [{"admin_token": "s3cret"}], "admin_token": None,

@@ -37,7 +37,7 @@ def orchestrator(tmp_path, pool: FakePool, collective: bool = False) -> Orchestr
     o = Orchestrator.__new__(Orchestrator)  # no environments: only the server bookkeeping is exercised
     o.config, o.logger, o.pool, o.paths = config, logging.getLogger("test"), pool, RunPaths(tmp_path)
     o.policy_step, o.last_offer, o.served_steps, o.usable, o.instances = 0, 0, [0, 0], [0, 1], [None, None]
-    o.stale = set()
+    o.stale, o.offers_beyond = set(), set()
     return o
 
 

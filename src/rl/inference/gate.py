@@ -17,12 +17,14 @@ from typing import Annotated
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator, model_validator,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl import patches
 from rl.inference.policy import AdminSettings, PolicyWeights
-from rl.transfer import GroupSpec
+from rl.transfer import HOST_PATTERN, GroupSpec
 
 ADMIN_PATHS = {"/update_weights", "/policy_step"}
 GENERATE_PATH = "/inference/v1/generate"
@@ -53,11 +55,11 @@ class TransferRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host: Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._:\[\]-]+$")]
+    host: Annotated[str, Field(pattern=f"^{HOST_PATTERN}$")]
     port: Annotated[StrictInt, Field(ge=1, le=65535)]
     rank: Annotated[StrictInt, Field(ge=1, le=65536, description="this server's rank; the trainer is rank 0")]
     world_size: Annotated[StrictInt, Field(ge=2, le=65537)]
-    timeout_s: Annotated[float, Field(gt=0, le=3600)]
+    timeout_s: Annotated[StrictFloat, Field(gt=0, le=3600)]  # strict: `true` is not 1 s
 
     @model_validator(mode="after")
     def _rank_in_group(self) -> "TransferRequest":

@@ -26,7 +26,7 @@ from rl.orchestrator.sampler import TaskSampler
 from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
 from rl.protocol import RunPaths, Sample, stable_steps, wait_for_stable, write_batch
-from rl.transfer import offered_steps, read_offer, write_take
+from rl.transfer import TransferError, offered_steps, read_offer, write_take
 
 DOWN = "down"  # a server's instance while it does not answer
 REMAKE_ROUNDS = 3  # a batch's groups made again after servers changed under them
@@ -75,6 +75,7 @@ class Orchestrator:
         self.policy_step = 0
         self.served_steps = [0] * len(config.client.base_urls)  # per server, over the wire (they may differ)
         self.last_offer = 0  # the last step offered over the wire that was taken (or tried)
+        self.offers_beyond: set[int] = set()  # offers of steps the trainer cannot have made yet, logged once each
         self.usable = list(range(len(config.client.base_urls)))  # servers given requests: up to date and up
         # per server, the process it last answered from (`DOWN`: it did not answer): a new one means it restarted
         self.instances: list[str | None] = [None] * len(config.client.base_urls)
@@ -225,7 +226,7 @@ class Orchestrator:
         served = None
         deadline = time.monotonic() + self.config.weights_timeout_s
         while True:
-            pending = [k for k in offered_steps(self.config.output_dir) if k > self.last_offer]
+            pending = [k for k in self.offered_up_to(newest) if k > self.last_offer]
             if pending:
                 await self.check_servers()
                 await self.wait_for_a_server()
@@ -247,10 +248,27 @@ class Orchestrator:
                                    f"{required} (needed by {needed_by})")
             await asyncio.sleep(0.02)
 
+    def offered_up_to(self, newest: int) -> list[int]:
+        """The steps offered, up to `newest`: the trainer waits on each offer until it is taken, so it cannot have
+        offered a later one; a file that says so is not the trainer's, and taking it would skip every real offer
+        before its step."""
+        offered = offered_steps(self.config.output_dir)
+        for step in sorted(set(k for k in offered if k > newest) - self.offers_beyond):
+            self.logger.warning(f"offer of policy {step} not taken: the trainer cannot have offered a policy after "
+                                f"{newest} yet")
+            self.offers_beyond.add(step)
+        return [k for k in offered if k <= newest]
+
     async def take(self, step: int) -> list[dict] | None:
         """Take the trainer's offer of `step`: every server receives it at once; one that refuses or fails keeps the
-        weights it verified last (the next offer brings it up to date)."""
-        offer = read_offer(self.config.output_dir, step)
+        weights it verified last (the next offer brings it up to date). An offer that is not as the trainer writes
+        them is not taken (read off the event loop: it may be anything)."""
+        try:
+            offer = await asyncio.to_thread(read_offer, self.config.output_dir, step, self.config.transfer.host)
+        except TransferError as e:
+            self.logger.warning(f"offer of policy {step} not taken: {e}")
+            self.last_offer = step
+            return None
         if offer is None:
             raise InferenceError(f"the trainer's offer of policy {step} disappeared before it was taken")
         self.last_offer = step
