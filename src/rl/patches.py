@@ -593,16 +593,13 @@ def vllm_cpu_fork() -> None:
     This keeps the platform's other settings and puts fork back after them; forked processes inherit the patched
     class, so the engine core forks its workers too.
 
-    A forked process must not keep what it inherited and a spawned one never had, and must not outlive its parent
-    (`forked_vllm_child`): the API server's port, the parent's cores and threads.
-
-    A forked worker must get the cores and threads vLLM chose for it. vLLM's CPU executor binds each worker
-    through the environment only: it preloads torch's OpenMP (LD_PRELOAD) and sets GOMP_CPU_AFFINITY (or OMP_PLACES)
-    and OMP_NUM_THREADS around the worker's start, which the loader and OpenMP read when a process starts. A forked
-    worker would keep its parent's OpenMP: a thread per core of the host, bound to none, spinning against the engine
-    core and the API server (~35% fewer tokens/s on a 2-core host). So each forked child applies those settings itself
-    (`bind_threads_from_environment`). Apply this before vLLM parses its arguments, and only where the user set no
-    start method."""
+    A forked process must not keep what a spawned one never had, nor outlive its parent (`forked_vllm_child`). Above
+    all it must get the cores and threads vLLM chose for it: vLLM's CPU executor binds each worker through the
+    environment only (it preloads torch's OpenMP with LD_PRELOAD and sets GOMP_CPU_AFFINITY or OMP_PLACES, and
+    OMP_NUM_THREADS, around the worker's start), which the loader and OpenMP read when a process starts. A forked
+    worker would keep its parent's OpenMP, a thread per core of the host bound to none, spinning against the engine
+    core and the API server: fewer tokens/s (benchmarks/RESULTS.md). Apply this before vLLM parses its arguments, and
+    only where the user set no start method."""
     from vllm.platforms import cpu
 
     platform = cpu.CpuPlatform
@@ -708,9 +705,9 @@ def omp_cores(environ) -> set[int] | None:
 def bind_threads_from_environment() -> None:
     """In a forked child, what the loader and OpenMP do with the environment as a process starts: the cores of
     `omp_cores`, the thread count from OMP_NUM_THREADS. Threads made later inherit the forking thread's cores."""
-    cores = omp_cores(os.environ)
+    cores = (omp_cores(os.environ) or set()) & os.sched_getaffinity(0)  # as OpenMP, ignore cores not allowed here
     if cores:
         os.sched_setaffinity(0, cores)
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+    if threads.isascii() and threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))

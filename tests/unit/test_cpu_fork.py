@@ -97,6 +97,9 @@ def test_a_forked_child_takes_the_cores_and_threads_its_environment_names(monkey
 
     assert json.loads(in_a_fork(child)) == [[allowed[-1]], 1]
     assert sorted(os.sched_getaffinity(0)) == allowed and torch.get_num_threads() == threads_before
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", f"{allowed[-1]} {max(allowed) + 1000}")  # a core not here is ignored
+    monkeypatch.setenv("OMP_NUM_THREADS", "²")  # nor a count int() cannot read
+    assert json.loads(in_a_fork(child)) == [[allowed[-1]], threads_before]
 
 
 def test_a_forked_child_keeps_no_tcp_listener_of_its_parent():
