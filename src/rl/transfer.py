@@ -35,6 +35,7 @@ registry in the manner of vLLM's weight-transfer engine factory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -42,7 +43,6 @@ import re
 import struct
 import threading
 import time
-import dataclasses
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -214,18 +214,12 @@ def offer_problem(fields, step: int) -> str | None:
     return None
 
 
-def step_of(path: Path, prefix: str) -> int | None:
-    """The step in a transfer file's name (`offer_12.json` with prefix `offer_`: 12); None for any other name. ASCII
-    digits only: `str.isdigit` also takes '²', which `int` refuses."""
-    suffix = path.stem.removeprefix(prefix)
-    if path.suffix != ".json" or suffix == path.stem or not (suffix.isascii() and suffix.isdigit()):
-        return None
-    return int(suffix)
+TRANSFER_FILE = re.compile(r"(offer|take)_([0-9]+)\.json")  # ASCII digits: str.isdigit takes '²', which int refuses
 
 
 def offered_steps(output_dir: Path) -> list[int]:
-    steps = (step_of(path, "offer_") for path in transfer_dir(output_dir).glob("offer_*.json"))
-    return sorted(step for step in steps if step is not None)
+    matches = (TRANSFER_FILE.fullmatch(path.name) for path in transfer_dir(output_dir).glob("offer_*.json"))
+    return sorted(int(match[2]) for match in matches if match)
 
 
 def write_take(output_dir: Path, step: int, receivers: int) -> None:
@@ -247,8 +241,8 @@ def wait_for_take(output_dir: Path, step: int, timeout_s: float) -> int:
 def clear_transfers(output_dir: Path, from_step: int = 0) -> None:
     """Remove the offers and takes of steps >= `from_step` (a resumed run offers them again, on another store)."""
     for path in transfer_dir(output_dir).glob("*.json"):
-        step = step_of(path, "offer_") if path.name.startswith("offer_") else step_of(path, "take_")
-        if step is not None and step >= from_step:
+        match = TRANSFER_FILE.fullmatch(path.name)
+        if match and int(match[2]) >= from_step:
             path.unlink(missing_ok=True)
 
 

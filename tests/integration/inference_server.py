@@ -10,7 +10,7 @@ import httpx
 
 from rl import health
 from tests.conftest import ROOT
-from tests.integration.launched import STARTED, free_port
+from tests.integration.launched import STARTED, free_port, stop_process
 
 
 def model_and_weights_dir(tmp_path_factory, name: str) -> Path:
@@ -76,14 +76,7 @@ class Server:
 
     def stop(self) -> None:
         self.http.close()
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 def wait_serving(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:

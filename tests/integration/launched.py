@@ -2,7 +2,6 @@
 
 import random
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -44,6 +43,18 @@ def rl_command(model: Path, out: Path, max_steps: int, *extra: str) -> list[str]
     ]
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM (rl and rl's server then stop their children), SIGKILL if it still runs `grace_s` later."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 STARTED: weakref.WeakSet = weakref.WeakSet()
 """Every `Launched` run and test `Server` started and not yet collected: what a test left running when it failed or
 timed out is stopped after it (tests/conftest.py), so that it does not slow every later test."""
@@ -59,14 +70,7 @@ class Launched:
         STARTED.add(self)
 
     def stop(self) -> None:
-        """SIGTERM (rl then stops its children), SIGKILL if it is still running 30 s later."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def _read(self):
         for line in self.proc.stdout:
@@ -76,8 +80,7 @@ class Launched:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
+            stop_process(self.proc)
             raise AssertionError("rl did not finish in time:\n" + "".join(self.lines[-60:]))
 
     @property

@@ -16,7 +16,7 @@ import torch
 from vllm.platforms import cpu
 
 from rl import patches
-from rl.inference import server
+from rl.inference import forked, server
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_after_the_platforms_own_check_vllm_forks(platform_check):
     cpu.CpuPlatform().check_and_update_config("config")
     assert seen == ["config"]  # the platform's other settings are still made, once
     assert os.environ[patches.START_METHOD_ENV] == "fork"
-    assert hooks == [{"before": patches.remember_forking_parent, "after_in_child": patches.forked_vllm_child}]
+    assert hooks == [{"before": forked.remember_forking_parent, "after_in_child": forked.child}]
 
 
 def test_a_start_method_the_user_set_is_kept(platform_check, monkeypatch):
@@ -65,7 +65,7 @@ def test_a_start_method_the_user_set_is_kept(platform_check, monkeypatch):
     ({"GOMP_CPU_AFFINITY": "0 x"}, None),
 ])
 def test_the_cores_openmp_would_bind_to(environ, cores):
-    assert patches.omp_cores(environ) == cores
+    assert forked.omp_cores(environ) == cores
 
 
 def in_a_fork(child) -> str:
@@ -92,7 +92,7 @@ def test_a_forked_child_takes_the_cores_and_threads_its_environment_names(monkey
     threads_before = torch.get_num_threads()
 
     def child() -> str:
-        patches.bind_threads_from_environment()
+        forked.bind_threads_from_environment()
         return json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads()])
 
     assert json.loads(in_a_fork(child)) == [[allowed[-1]], 1]
@@ -116,7 +116,7 @@ def test_a_forked_child_keeps_no_tcp_listener_of_its_parent():
                        "pair": connected_pair[0].fileno()}
 
         def child() -> str:
-            patches.close_inherited_listeners()
+            forked.close_inherited_listeners()
             still = {}
             for name, fd in descriptors.items():
                 try:
@@ -139,11 +139,11 @@ def test_a_forked_child_ends_when_its_parent_dies():
     middle = os.fork()
     if middle == 0:  # forks the child, reports its pid, then dies
         try:
-            patches.remember_forking_parent()
+            forked.remember_forking_parent()
             child = os.fork()
             if child == 0:
                 try:
-                    patches.end_with_parent()
+                    forked.end_with_parent()
                     time.sleep(60)
                 finally:
                     os._exit(0)
