@@ -8,7 +8,7 @@ inference server and, several times in turn:
 - lower bound: `safetensors.save_file` of the same tensors alone, plus the server's reload time alone
   (`reload_s`, measured inside the server around vLLM's in-place reload).
 
-- over the wire (`transfer.transport = "gloo"`, rl/transfer.py): the trainer's `CollectiveSender.send` (offer, take,
+- over the wire (`transfer.transport = "gloo"`, rl/weights/): the trainer's `CollectiveSender.send` (offer, take,
   the step's gloo group, every tensor broadcast into the server's memfd, the checksum) with the orchestrator's
   `POST /update_weights {"step", "transfer"}` (receive, check, reload, verify), timed from the offer to the answer;
 - its bound: a bare gloo broadcast of the same bytes, in one piece, to another (warm) process receiving into a
@@ -58,7 +58,8 @@ from rl.adapter import (  # noqa: E402
 from rl.config import TransferConfig  # noqa: E402
 from rl.protocol import RunPaths  # noqa: E402
 from rl.trainer.transfer import CollectiveSender  # noqa: E402
-from rl.transfer import read_offer, tensor_bytes, write_take  # noqa: E402
+from rl.weights.offers import read_offer, write_take  # noqa: E402
+from rl.weights.digest import tensor_bytes
 from rl.tiny_model import build_tiny_model  # noqa: E402
 from rl.trainer.weights import (  # noqa: E402
     DEFAULT_SHARD_BYTES, StepShards, hf_side_files, publish_step, single_process_shards,

@@ -107,7 +107,7 @@ class CkptConfig(Section):
 
 
 class TransferConfig(Section):
-    """How each step's weights reach inference (rl/transfer.py); `rl` fills trainer, orchestrator and inference
+    """How each step's weights reach inference (rl/weights/); `rl` fills trainer, orchestrator and inference
     from one `--transfer.*` so the three agree."""
 
     transport: Annotated[

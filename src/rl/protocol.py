@@ -107,6 +107,16 @@ class RunPaths:
     def weights(self, step: int) -> Path:
         return self.weights_root / f"step_{step}"
 
+    @property
+    def transfer(self) -> Path:
+        return self.root / "transfer"  # offers and takes of steps that go over the wire (rl/weights/offers.py)
+
+    def offer(self, step: int) -> Path:
+        return self.transfer / f"offer_{step}.json"
+
+    def take(self, step: int) -> Path:
+        return self.transfer / f"take_{step}.json"
+
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints_root / f"step_{step}"
 

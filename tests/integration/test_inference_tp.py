@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from rl.config import TransferConfig
 from rl.trainer.transfer import CollectiveSender
-from rl.transfer import TensorDigest, offered_steps, read_offer, write_take
-
+from rl.weights.digest import TensorDigest
+from rl.weights.offers import offered_steps, read_offer, write_take
 from rl.inference.fingerprint import checkpoint_fingerprint
 from tests.integration.inference_server import Server, model_and_weights_dir
 from tests.integration.test_inference import PROMPTS, TOLERANCE, perturbed_step

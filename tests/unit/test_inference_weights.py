@@ -116,7 +116,7 @@ def test_the_server_takes_the_steps_checksum_as_it_stages_it_and_workers_do_not_
     """`weights_checksum` is taken once per server, from the bytes it checked (outside the hold on generation), and is
     the same function as the trainer's digest and a model directory's tally, however the step is split in files."""
     from rl.inference.fingerprint import FileTally, checkpoint_fingerprint
-    from rl.transfer import TensorDigest
+    from rl.weights.digest import TensorDigest
 
     shards = [{"a.weight": torch.randn(8, 4), "a.bias": torch.randn(8)},
               {"b.weight": torch.randn(3, 5).bfloat16(), "c.steps": torch.arange(7)}]

@@ -12,17 +12,17 @@ import pytest
 from pydantic import ValidationError
 
 from rl.inference.gate import TransferRequest
-from rl.transfer import (
-    Offer, TransferError, clear_transfers, offer_path, offered_steps, read_offer, transfer_dir, write_offer,
-)
+from rl.protocol import RunPaths
+from rl.weights import TransferError
+from rl.weights.offers import Offer, clear_transfers, offered_steps, read_offer, write_offer
 from tests.unit.test_orchestrator_servers import FakePool, orchestrator
 
 GOOD = {"step": 3, "host": "127.0.0.1", "port": 29500, "tensor_bytes": 1024}
 
 
 def write(tmp_path, step: int, fields) -> None:
-    offer_path(tmp_path, step).parent.mkdir(parents=True, exist_ok=True)
-    offer_path(tmp_path, step).write_text(json.dumps(fields))
+    RunPaths(tmp_path).offer(step).parent.mkdir(parents=True, exist_ok=True)
+    RunPaths(tmp_path).offer(step).write_text(json.dumps(fields))
 
 
 def test_an_offer_as_the_trainer_writes_it_is_read(tmp_path):
@@ -56,11 +56,11 @@ def test_an_offer_naming_another_host_than_the_trainers_is_refused(tmp_path):
 
 
 def test_an_offer_that_is_a_fifo_a_link_or_too_long_is_refused_without_blocking(tmp_path):
-    transfer_dir(tmp_path).mkdir()
-    os.mkfifo(offer_path(tmp_path, 1))  # nobody writes: a blocking read would wait forever
+    RunPaths(tmp_path).transfer.mkdir()
+    os.mkfifo(RunPaths(tmp_path).offer(1))  # nobody writes: a blocking read would wait forever
     outside = tmp_path / "outside.json"
     outside.write_text(json.dumps(GOOD | {"step": 2}))
-    offer_path(tmp_path, 2).symlink_to(outside)
+    RunPaths(tmp_path).offer(2).symlink_to(outside)
     write(tmp_path, 3, GOOD | {"host": "a" * 5000})
     refused = []
 
@@ -77,13 +77,13 @@ def test_an_offer_that_is_a_fifo_a_link_or_too_long_is_refused_without_blocking(
 
 
 def test_only_ascii_digits_name_a_step(tmp_path):
-    transfer_dir(tmp_path).mkdir()
+    RunPaths(tmp_path).transfer.mkdir()
     for name in ("offer_².json", "offer_1.5.json", "offer_x.json", "offer_.json", "offer_7.json", "take_².json",
                  "take_7.json", "offer_8.txt"):
-        (transfer_dir(tmp_path) / name).write_text("{}")
+        (RunPaths(tmp_path).transfer / name).write_text("{}")
     assert offered_steps(tmp_path) == [7]  # '²'.isdigit() is True, and int('²') fails
     clear_transfers(tmp_path, 0)
-    assert sorted(p.name for p in transfer_dir(tmp_path).iterdir()) == [
+    assert sorted(p.name for p in RunPaths(tmp_path).transfer.iterdir()) == [
         "offer_.json", "offer_1.5.json", "offer_8.txt", "offer_x.json", "offer_².json", "take_².json"]
 
 
@@ -118,8 +118,8 @@ def test_an_offer_beyond_what_the_trainer_can_have_offered_is_not_taken_and_late
 
 def test_an_offer_not_as_the_trainer_writes_them_is_skipped_with_a_warning_and_the_next_is_taken(tmp_path, caplog):
     o, pool = wire_orchestrator(tmp_path)
-    transfer_dir(tmp_path).mkdir()
-    os.mkfifo(offer_path(tmp_path, 1))
+    RunPaths(tmp_path).transfer.mkdir()
+    os.mkfifo(RunPaths(tmp_path).offer(1))
     write_offer(tmp_path, Offer(2, "127.0.0.1", 1234, 10))
     with caplog.at_level(logging.WARNING):
         asyncio.run(asyncio.wait_for(o.take_offers(2, 2, "batch 2"), 10))

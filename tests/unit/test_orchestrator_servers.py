@@ -133,7 +133,7 @@ def test_over_the_wire_a_server_restarted_after_its_offer_catches_up_from_the_ch
 
 
 def test_over_the_wire_a_server_gone_mid_transfer_gets_no_requests_and_the_run_goes_on(tmp_path):
-    from rl.transfer import Offer, write_offer
+    from rl.weights.offers import Offer, write_offer
 
     class WirePool(FakePool):
         async def receive_weights(self, step, host, port, timeout_s, servers):

@@ -1,4 +1,4 @@
-"""Weights over the wire (rl/transfer.py): the trainer's sender and the servers' receivers over a real gloo group in
+"""Weights over the wire (rl/weights/): the trainer's sender and the servers' receivers over a real gloo group in
 one process (threads), with the orchestrator's part (the take) played by the test."""
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from rl.inference.staging import WIRE_FILE, receive_weights
 from rl.manifest import CorruptFileError
 from rl.safetensors_io import tensors_of
 from rl.trainer.transfer import CollectiveSender
-from rl.transfer import GroupKeeper, GroupSpec, TransferError, offered_steps, read_offer, write_take
+from rl.weights.group import GroupKeeper
+from rl.weights.offers import GroupSpec, offered_steps, read_offer, write_take
+from rl.weights import TransferError
 from rl.trainer.weights import TIED_HEAD
 
 
@@ -187,7 +189,7 @@ def test_a_kept_group_serves_one_step_at_a_time(tmp_path, sender):
 
 
 def test_small_tensors_share_broadcasts_and_a_big_one_goes_alone():
-    from rl.transfer import bucket_plan
+    from rl.weights.header import bucket_plan
 
     assert bucket_plan([10, 100, 10, 10, 50, 0], 64) == [(0, 1), (1, 2), (2, 4), (4, 6)]
     assert bucket_plan([10, 20], 64) == [(0, 2)]
@@ -225,7 +227,7 @@ def test_each_bucket_goes_on_its_way_while_the_next_is_gathered_and_buckets_are_
     next starts), and packs small tensors into the same two buffers from bucket to bucket and step to step; a server
     receives the next bucket into its place while it hashes the one that arrived."""
     import rl.trainer.transfer
-    from rl.transfer import InFlight
+    from rl.weights.group import InFlight
 
     monkeypatch.setattr(rl.trainer.transfer, "BUCKET_BYTES", 300)  # the embedding, then weight and bias, then head
     events = []
@@ -316,7 +318,8 @@ def test_a_server_asked_for_another_step_refuses_what_the_trainer_sends(tmp_path
 
 
 def receive_weights_as(spec: GroupSpec, group_step: int, asked_step: int):
-    from rl.transfer import GroupKeeper, connect_store, receive_header
+    from rl.weights.group import GroupKeeper, connect_store
+    from rl.weights.header import receive_header
 
     keeper = GroupKeeper()
     group = keeper.join(connect_store(spec.host, spec.port, spec.timeout_s), group_step, spec.rank, spec.world_size,
@@ -381,7 +384,8 @@ def test_nccl_is_refused_where_there_is_no_gpu_naming_gloo():
 NCCL_RECEIVER = """
 import sys, torch
 from rl.inference.staging import receive_weights
-from rl.transfer import GroupKeeper, GroupSpec
+from rl.weights.group import GroupKeeper
+from rl.weights.offers import GroupSpec
 torch.cuda.set_device(1)
 host, port = sys.argv[1], int(sys.argv[2])
 keeper, served = GroupKeeper(), None
@@ -402,7 +406,7 @@ keeper.drop()
 @pytest.mark.parametrize("transport", ["nccl", "sparse_nccl"])
 def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_with_the_trainers_checksum(tmp_path,
                                                                                                       transport):
-    """The GPU path of rl.transfer: the trainer's sender broadcasts from cuda:0 over NCCL, a receiver process on
+    """The GPU path of rl.weights: the trainer's sender broadcasts from cuda:0 over NCCL, a receiver process on
     cuda:1 (as a server's first worker) gets it into its GPU and stages it; both hash the same bytes. The NCCL group
     formed for the first step carries the second; with sparse_nccl the second goes as its changes."""
     import subprocess
@@ -528,7 +532,7 @@ def test_a_step_goes_whole_to_all_when_one_server_does_not_serve_the_step_sent_l
 def test_sparse_changes_altered_on_the_way_are_refused(tmp_path, sparse_sender, monkeypatch):
     """A changed element altered (the test hook flips a byte once applied), or an index outside its tensor: the
     server that got it refuses the step after receiving it whole; the other serves it."""
-    import rl.transfer
+    import rl.trainer.transfer
 
     model = TinyLM()
     _, first = run_step(tmp_path, sparse_sender, model, step=1, receivers=2)
@@ -540,7 +544,7 @@ def test_sparse_changes_altered_on_the_way_are_refused(tmp_path, sparse_sender, 
     assert second[2].checksum == stats["weights_checksum"]
     expect_served(model, second[2])
 
-    encode = rl.transfer.encode_changes
+    encode = rl.trainer.transfer.encode_changes
 
     def beyond_the_tensor(now, before, itemsize):
         count, data = encode(now, before, itemsize)
@@ -563,7 +567,8 @@ def test_sparse_changes_altered_on_the_way_are_refused(tmp_path, sparse_sender, 
 
 
 def test_changes_are_encoded_bit_for_bit_and_go_whole_where_that_is_smaller():
-    from rl.transfer import WHOLE, apply_changes, encode_changes, tensor_bytes
+    from rl.weights.sparse import WHOLE, apply_changes, encode_changes
+    from rl.weights.digest import tensor_bytes
 
     before = torch.randn(1000).to(torch.bfloat16)
     now = before.clone()
@@ -615,10 +620,11 @@ def test_on_one_gpu_a_sparse_nccl_sender_compares_on_the_gpu_and_hashes_through_
     """What one GPU can show of sparse_nccl's sender (the broadcast needs a second GPU): each step's changes are
     found on the GPU, equal to the host's encoding of the same bytes, and its bytes are kept in a pinned host copy;
     a GPU tensor hashes as its host bytes do, also when it passes the host in several chunks."""
-    import rl.transfer
-    from rl.transfer import WHOLE, TensorDigest, encode_changes, tensor_bytes
+    import rl.weights.digest
+    from rl.weights.sparse import WHOLE, encode_changes
+    from rl.weights.digest import TensorDigest, tensor_bytes
 
-    monkeypatch.setattr(rl.transfer, "HOST_CHUNK_BYTES", 1000)  # every tensor below passes in several chunks
+    monkeypatch.setattr(rl.weights.digest, "HOST_CHUNK_BYTES", 1000)  # every tensor below passes in several chunks
     world = SimpleNamespace(is_main=True, rank=0, world_size=1, on_gpu=True, device=torch.device("cuda", 0),
                             all_reduce=lambda values, op="sum": values)
     sender = CollectiveSender(TransferConfig(transport="sparse_nccl"), tmp_path, world, torch.bfloat16, first_step=0)

@@ -42,8 +42,7 @@ import torch
 
 from rl.inference.reading import checkpoint_tensors
 from rl.inference.sharding import Shard, input_shard, output_parts, vocab_rows
-from rl.transfer import TensorDigest
-
+from rl.weights.digest import TensorDigest
 PROBE_COLUMNS = 4
 ROW_CHUNK = 8192  # rows of a matrix cast to float32 at a time, to bound the memory of a fingerprint
 # Largest dense-probe error, relative to max_i sum_j |W_ij x_j|, that still counts as rounding.
@@ -118,7 +117,7 @@ def shape_mismatches(served: dict[str, tuple], files: dict[str, tuple]) -> list[
 
 class FileTally:
     """The fingerprint of every tensor of a checkpoint, cast to the served dtype, and `weights_checksum`
-    (`rl.transfer.TensorDigest`: of every tensor's name, dtype, shape and bytes); both taken as the tensors pass on
+    (`TensorDigest`: of every tensor's name, dtype, shape and bytes); both taken as the tensors pass on
     their way to the reload, so the files are read once. Once the served fingerprint matches, the checksum names
     what is served; it covers every element (the fingerprint samples a few columns exactly).
 

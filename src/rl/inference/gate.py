@@ -24,8 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl import patches
 from rl.inference.policy import AdminSettings, PolicyWeights
-from rl.transfer import HOST_PATTERN, GroupSpec
-
+from rl.weights.offers import HOST_PATTERN, GroupSpec
 ADMIN_PATHS = {"/update_weights", "/policy_step"}
 GENERATE_PATH = "/inference/v1/generate"
 # Routes by allow-list: a route not named here is refused (403), whatever vLLM serves now or adds later (its
@@ -51,7 +50,7 @@ MAX_STEP = 2**63 - 1  # policy versions travel as int64
 
 
 class TransferRequest(BaseModel):
-    """This server's place in the trainer's group for one step (rl/transfer.py)."""
+    """This server's place in the trainer's group for one step (rl/weights/)."""
 
     model_config = ConfigDict(extra="forbid")
 

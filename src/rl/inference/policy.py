@@ -27,8 +27,9 @@ from rl.inference.staging import (
     PrivateCopies, Received, StagedStep, receive_weights, release, stage_weights, take_over,
 )
 from rl.manifest import STABLE, CorruptFileError, Entry, OpenDir, check_listed, read_manifest, read_marker
-from rl.transfer import GroupKeeper, GroupSpec, TransferError
-
+from rl.weights.group import GroupKeeper
+from rl.weights.offers import GroupSpec
+from rl.weights import TransferError
 logger = logging.getLogger(__name__)
 
 ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
@@ -128,7 +129,7 @@ class PolicyWeights:
             directory.close()
 
     async def receive(self, step: int, spec: GroupSpec) -> dict:
-        """Take step `step` over the wire (rl/transfer.py): received and checked against the trainer's checksum while
+        """Take step `step` over the wire (rl/weights/): received and checked against the trainer's checksum while
         generation goes on, then loaded and verified as a step read from files: full weights from the received
         bytes (kept for a rollback while served), an adapter from a private copy of them. A step that arrives altered
         is refused before anything is loaded."""
@@ -182,7 +183,7 @@ class PolicyWeights:
                 await release(base)
 
     def _sparse_base(self) -> StagedStep | None:
-        """What a sparse step may change (rl/transfer.py): the full weights served, when they came over the wire
+        """What a sparse step may change (rl/weights/): the full weights served, when they came over the wire
         and verified, through descriptors of their own (a step served meanwhile releases the server's)."""
         staged = self.wire_staged
         if not self.settings.sparse or staged is None or self.broken or staged.checksum != self.checksum:

@@ -32,11 +32,12 @@ from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.inference import hooks
 from rl.manifest import CorruptFileError, Entry, OpenDir, copy_listed, read_listed
 from rl.safetensors_io import read_file_header, tensors_of
-from rl.transfer import (
-    DIGEST_BYTES, WHOLE, GroupKeeper, GroupSpec, Header, InFlight, StepGroup, TensorDigest, TransferError,
-    announce_base, apply_changes, broadcast, bucket_name, bucket_plan, connect_store, encoded_bytes, receive_header,
-    safetensors_layout, start_broadcast,
-)
+from rl.weights.digest import DIGEST_BYTES, TensorDigest
+from rl.weights.sparse import WHOLE, announce_base, apply_changes, encoded_bytes
+from rl.weights.group import GroupKeeper, InFlight, StepGroup, broadcast, connect_store, start_broadcast
+from rl.weights.offers import GroupSpec
+from rl.weights.header import Header, bucket_name, bucket_plan, receive_header, safetensors_layout
+from rl.weights import TransferError
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -52,7 +53,7 @@ def weight_files(manifest: dict[str, Entry]) -> list[str]:
 @dataclass
 class StagedStep:
     """A step's weight files, each in a sealed memfd of this process, and the `weights_checksum` of their tensors
-    (`rl.transfer.TensorDigest`), taken as they were checked; `rpc()` is what a worker needs to map them."""
+    (`rl.weights.digest.TensorDigest`), taken as they were checked; `rpc()` is what a worker needs to map them."""
 
     files: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (memfd, bytes)
     checksum: str | None = None
@@ -140,13 +141,13 @@ class Received:
 
 def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, backend: str = "gloo",
                     keeper: GroupKeeper | None = None, base: dict | None = None) -> Received:
-    """Receive step `step` from the trainer's group (rl/transfer.py) into one sealed memfd laid out as a safetensors
+    """Receive step `step` from the trainer's group (rl/weights/) into one sealed memfd laid out as a safetensors
     file, checked against the trainer's checksum: CorruptFileError if its bytes hash to anything else (nothing is kept
     then); TransferError if the transfer fails or times out. `keeper`: the receiver's group, kept for the next step
     (unset: a group for this step alone). `backend` "nccl": each tensor arrives in this process's current GPU, and is
     copied from there into the memfd. `corrupt` (tests only): the tensor whose first received byte is flipped, as a
     fault on the way would. `base` (sparse transports): the full weights this server serves, as `StagedStep.rpc()`
-    names them, which the trainer may send changes against (rl/transfer.py)."""
+    names them, which the trainer may send changes against (rl/weights/)."""
     kept, keeper = keeper is not None, keeper or GroupKeeper()
     store = connect_store(spec.host, spec.port, spec.timeout_s)
     announce_base(store, step, spec.rank, base["checksum"] if base else None)

@@ -24,8 +24,9 @@ from rl.inference.reading import (
 )
 from rl.inference.staging import receive_weights
 from rl.manifest import CorruptFileError, Entry
-from rl.transfer import GroupKeeper, GroupSpec, TransferError
-
+from rl.weights.group import GroupKeeper
+from rl.weights.offers import GroupSpec
+from rl.weights import TransferError
 logger = logging.getLogger(__name__)
 
 
@@ -140,7 +141,7 @@ class WeightSyncExtension:
         model_config = self.vllm_config.model_config
         return model_config.dtype, bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
 
-    # ---- a step over NCCL (rl/transfer.py): the first worker receives it for its server ----
+    # ---- a step over NCCL (rl/weights/): the first worker receives it for its server ----
 
     def rl_receive_weights(self, spec: dict, step: int, backend: str, corrupt: str | None = None,
                            base: dict | None = None) -> dict | None:

@@ -53,7 +53,7 @@ def discard_after(paths: RunPaths, step: int) -> list[str]:
     for tmp in paths.partial_step_dirs():
         shutil.rmtree(tmp, ignore_errors=True)
         removed.append(f"{tmp.parent.name}/{tmp.name}")
-    from rl.transfer import clear_transfers, offered_steps  # here: it imports torch, which the launcher needs not
+    from rl.weights.offers import clear_transfers, offered_steps  # here: it imports torch, which the launcher needs not
 
     if offers := [s for s in offered_steps(paths.root) if s > step]:  # they name the dead trainer's store
         clear_transfers(paths.root, step + 1)

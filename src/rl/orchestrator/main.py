@@ -26,8 +26,8 @@ from rl.orchestrator.sampler import TaskSampler
 from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
 from rl.protocol import RunPaths, Sample, stable_steps, wait_for_stable, write_batch
-from rl.transfer import TransferError, offered_steps, read_offer, write_take
-
+from rl.weights import TransferError
+from rl.weights.offers import offered_steps, read_offer, write_take
 DOWN = "down"  # a server's instance while it does not answer
 REMAKE_ROUNDS = 3  # a batch's groups made again after servers changed under them
 LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "dropped", "tokens_per_s", "gen_s", "wait_s")

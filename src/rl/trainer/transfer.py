@@ -1,4 +1,4 @@
-"""The trainer's side of the collective transport (rl/transfer.py says how a step travels).
+"""The trainer's side of the collective transport (rl/weights/ says how a step travels).
 
 Every rank takes part in each tensor's gather (FSDP's all-gather, tensor by tensor, as the files path gathers them);
 rank 0 alone holds the run's store and the group with the servers (kept from step to step while every member holds
@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 
 from rl.config import TransferConfig
-from rl.transfer import (
-    BUCKET_BYTES, WHOLE, GroupKeeper, InFlight, Offer, TensorDigest, TransferError, broadcast, bucket_name,
-    bucket_plan, clear_transfers, common_base, encode_changes, pack_digest, send_header, start_broadcast, start_store,
-    tensor_bytes, wait_for_take, write_offer,
-)
+from rl.weights.header import BUCKET_BYTES, bucket_name, bucket_plan, pack_digest, send_header
+from rl.weights.sparse import WHOLE, common_base, encode_changes
+from rl.weights.group import GroupKeeper, InFlight, broadcast, start_broadcast, start_store
+from rl.weights.offers import Offer, clear_transfers, wait_for_take, write_offer
+from rl.weights.digest import TensorDigest, tensor_bytes
+from rl.weights import TransferError
 from rl.adapter import adapter_checksum
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_weight
 from rl.trainer.weights import published_sources, weight_of

@@ -1,0 +1,41 @@
+"""Weights in motion: the collective transport shared by the trainer (which sends) and the inference servers
+(which receive), beside the filesystem transport (weights/step_k/, rl/trainer/weights.py).
+
+The package: `digest` (the checksum), `offers` (the files through which trainer and orchestrator agree on a step),
+`group` (the store, the step's group, broadcasts with deadlines), `header` (what a step announces, bucket plan and
+layout), `sparse` (the codec of a step sent as its changes).
+
+With `weight_transport = "gloo"` a step's weights travel trainer -> every server with no file in between:
+
+1. the trainer, after its optimizer step, offers the step: `transfer/offer_<k>.json` names the step and where its
+   TCP store listens (rank 0 keeps one store for the whole run);
+2. the orchestrator takes the offer (rl/orchestrator/main.py): it writes `transfer/take_<k>.json` with the number of
+   receivers (one per server it asks) and posts each server `/update_weights {"step": k, "transfer": {...}}` naming
+   the store and the server's rank in the step's group;
+3. trainer rank 0 and the servers join the step's gloo group: the one they formed at an earlier step if every member
+   still holds it at the same rank, else one formed for this step by all (`GroupKeeper`; its keys are under
+   `step_<k>/` in the store, so a server restarted since the last step makes everyone form anew). Rank 0 broadcasts
+   the step's header (every tensor's name, dtype and shape), the tensors' bytes in that order (small ones together, in
+   buckets of up to `BUCKET_BYTES`: `bucket_plan`), then `weights_checksum`
+   (`TensorDigest`: the same xxh3-128 of names, dtypes, shapes and bytes that the files' tally takes);
+4. each server receives into a sealed memfd laid out as one safetensors file (`rl.inference.staging`), refuses the
+   step if the bytes it got do not hash to the trainer's checksum, and only then loads it with the same verified
+   reload, rollback and tensor-parallel sharding as a step read from files.
+
+With `weight_transport = "nccl"` (GPU hosts) the same protocol runs over NCCL between GPUs: the trainer broadcasts
+each gathered tensor from its rank 0's GPU, and on each server its first worker (`rl_receive_weights` in
+rl/inference/worker.py, the one process of a server that holds a GPU of its own and an NCCL library) receives it into
+GPU memory and copies it into the memfd, which the server then takes over as if it had received it itself: from
+there on, the checks, the reload on every tensor-parallel worker, the verification and the rollback are the ones of
+gloo and of files. Both sides hash the bytes on the host (the same checksum as files), so `weights_checksum` means
+the same whatever the transport.
+
+Every wait has a deadline: the trainer's wait for the take (`offer_timeout_s`), the group's forming and every
+broadcast (`timeout_s`; NCCL's wait blocks with that deadline, and a group that failed is aborted, so no kernel of it
+is left waiting on a GPU). A group is kept only while every member of the step holds it, and dropped by whoever's
+transfer failed, so no stale member can hang a later step.
+"""
+
+
+class TransferError(RuntimeError):
+    """A collective transfer failed or timed out; the message names the step and what it waited for."""

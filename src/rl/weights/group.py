@@ -1,0 +1,228 @@
+"""A step's transfer group: the trainer's store, the group its rank 0 and the servers form (kept from step to step
+while every member holds it), and broadcasts with deadlines."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rl.weights import TransferError
+
+logger = logging.getLogger(__name__)
+
+NCCL_CLEANUP_ONLY = "2"  # TORCH_NCCL_ASYNC_ERROR_HANDLING: a failed collective aborts its group, not the process
+
+
+@dataclass
+class StepGroup:
+    """A transfer group: trainer rank 0 and the servers' receivers, with where its tensors live (the CPU for gloo, each
+    member's current GPU for NCCL), how long any broadcast may take, and its `name` (the trainer's run token and the
+    step that formed it)."""
+
+    process_group: dist.ProcessGroup
+    device: torch.device
+    timeout: timedelta
+    name: str
+
+    @property
+    def nccl(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def world_size(self) -> int:
+        return self.process_group.size()
+
+    def report(self, rank: int | None = None) -> str:
+        """What a member holding this group reports at a step's start (`rank`: as the member of that rank would)."""
+        rank = self.process_group.rank() if rank is None else rank
+        return f"{self.name} {rank}/{self.world_size} {'nccl' if self.nccl else 'gloo'}"
+
+
+NOTHING_HELD = "-"
+
+
+RUN_TOKEN_KEY = "run_token"
+
+
+class GroupKeeper:
+    """The transfer group one sender or receiver keeps from step to step. Forming a group is a rendezvous of every
+    member through the store (~30 ms for three gloo members on this 2-core host, against 0.4 ms for a broadcast on
+    a kept one; NCCL also sets up a communicator and its GPU buffers), so a group is kept while it serves.
+
+    It is kept only while every member of the step holds it at the same rank: at each step's start every member
+    reports what it holds (`step_<k>/holds/<rank>` in the store) and reads every other's, so all reach the same
+    verdict: all keep the group, or all drop what they hold and form the step's own. A server that restarted, a
+    member whose last transfer failed, a trainer that resumed (a new run token) or another set of receivers thus makes
+    everyone form anew, and no stale member can hang a step. Every wait has the step's deadline."""
+
+    def __init__(self) -> None:
+        self.group: StepGroup | None = None
+        self.formed = 0  # groups formed, kept ones not counted (tests and logs read it)
+        self.busy = threading.Lock()  # one step at a time: another's broadcasts would interleave with its own
+
+    def join(self, store: dist.Store, step: int, rank: int, world_size: int, timeout_s: float,
+             backend: str = "gloo") -> StepGroup:
+        """Step `step`'s group: the kept one where every member holds it, else a new one; TransferError if the members
+        did not all report, or the group did not form, within `timeout_s`, or if another step's transfer is still
+        using this keeper. Every join is followed by `done`."""
+        if not self.busy.acquire(blocking=False):
+            raise TransferError(f"step {step} cannot be transferred while another step's transfer is in progress")
+        try:
+            return self._join(store, step, rank, world_size, timeout_s, backend)
+        except BaseException:
+            self.busy.release()
+            raise
+
+    def _join(self, store: dist.Store, step: int, rank: int, world_size: int, timeout_s: float,
+              backend: str) -> StepGroup:
+        held = self.group.report() if self.group is not None else NOTHING_HELD
+        try:
+            reports = exchange_reports(store, step, rank, world_size, held, timeout_s)
+        except TransferError:
+            self.drop()
+            raise
+        group = self.group
+        if group is not None and group.world_size == world_size and group.nccl == (backend == "nccl") \
+                and all(r == group.report(i) for i, r in enumerate(reports)):
+            return group
+        self.drop()
+        name = f"{run_token(store, timeout_s)}:{step}"
+        self.group = open_group(store, step, rank, world_size, timeout_s, backend, name)
+        self.formed += 1
+        logger.info("formed the transfer group of step %d (rank %d of %d, %s)", step, rank, world_size, backend)
+        return self.group
+
+    def done(self, failed: bool, keep: bool = True) -> None:
+        """After a step: a group whose transfer failed is dropped; one that served is kept unless `keep` is False."""
+        try:
+            if failed or not keep:
+                self.drop()
+        finally:
+            self.busy.release()
+
+    def drop(self) -> None:
+        group, self.group = self.group, None
+        release_group(group)
+
+
+def exchange_reports(store: dist.Store, step: int, rank: int, world_size: int, held: str,
+                     timeout_s: float) -> list[str]:
+    """Every member's report of what it holds, by rank, once all have written theirs."""
+    keys = [f"step_{step}/holds/{r}" for r in range(world_size)]
+    try:
+        store.set(keys[rank], held)
+        store.wait(keys, timedelta(seconds=timeout_s))
+        return [value.decode() for value in store.multi_get(keys)]
+    except Exception as e:  # the wait timed out, or the store went away
+        raise TransferError(f"the members of step {step}'s transfer did not all report within {timeout_s:.0f} s "
+                            f"(rank {rank} of {world_size}): {e}") from None
+
+
+def start_store(port: int, timeout_s: float) -> dist.TCPStore:
+    """The trainer's transfer store (rank 0, one for the run), holding a token of this run: groups it forms are
+    named by it, so that no server mistakes a group of an earlier run (before a resume) for a current one."""
+    store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    store.set(RUN_TOKEN_KEY, os.urandom(8).hex())
+    return store
+
+
+def run_token(store: dist.Store, timeout_s: float) -> str:
+    try:
+        store.wait([RUN_TOKEN_KEY], timedelta(seconds=timeout_s))
+        return store.get(RUN_TOKEN_KEY).decode()
+    except Exception as e:
+        raise TransferError(f"the trainer's transfer store holds no run token: {e}") from None
+
+
+def open_group(store: dist.Store, step: int, rank: int, world_size: int, timeout_s: float, backend: str,
+               name: str) -> StepGroup:
+    """The step's own group over `store` (gloo, or NCCL between GPUs: each member on its current CUDA device), whose
+    members all joined within `timeout_s`."""
+    prefixed, timeout = dist.PrefixStore(f"step_{step}/group", store), timedelta(seconds=timeout_s)
+    try:
+        if backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+            return StepGroup(_nccl_group(prefixed, step, rank, world_size, timeout), device, timeout, name)
+        return StepGroup(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), torch.device("cpu"), timeout, name)
+    except Exception as e:  # the store's wait timed out, or the store went away
+        raise TransferError(f"the transfer group of step {step} did not form within {timeout_s:.0f} s "
+                            f"(rank {rank} of {world_size}): {e}") from None
+
+
+def _nccl_group(store: dist.Store, step: int, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+    """An NCCL group whose failure (a member died, a deadline passed) aborts the group and raises, leaving the process
+    (a vLLM worker, the trainer) running: NCCL's default tears the process down. The setting is read as the group is
+    made."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    before = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_CLEANUP_ONLY
+    try:
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        else:
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = before
+
+
+def release_group(group: StepGroup | None) -> None:
+    """Release a group: an NCCL one holds a communicator and GPU buffers until aborted (abort, not shutdown: a member
+    may be gone, and no collective is pending, as every broadcast was waited on); gloo's go with the object."""
+    if group is None or not group.nccl:
+        return
+    try:
+        group.process_group.abort()
+    except Exception as e:  # noqa: BLE001 - releasing a group that already failed must not hide why it failed
+        logger.warning("releasing a transfer group failed (its GPU buffers may stay allocated): %r", e)
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise TransferError(f"cannot reach the trainer's transfer store at {host}:{port} within {timeout_s:.0f} s: "
+                            f"{e}") from None
+
+
+@dataclass
+class InFlight:
+    """A broadcast started and not yet waited on; it holds its tensor, which must not be touched until `wait`."""
+
+    work: dist.Work
+    tensor: torch.Tensor
+    group: StepGroup
+    what: str
+
+    def wait(self) -> None:
+        """Until the broadcast is done; TransferError at the group's deadline, or if it failed. NCCL's wait would only
+        order the GPU's streams; with a deadline it blocks this thread until the broadcast is done, or raises at the
+        deadline (gloo's own timeout bounds it the same way)."""
+        try:
+            self.work.wait(self.group.timeout)
+        except Exception as e:
+            raise TransferError(f"the broadcast of {self.what} failed: {e}") from None
+
+
+def start_broadcast(group: StepGroup, tensor: torch.Tensor, what: str) -> InFlight:
+    """Start broadcasting `tensor` from rank 0 (in place on the others), so that the next one can be made ready
+    meanwhile; TransferError names what was being sent."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    try:
+        return InFlight(group.process_group.broadcast([tensor], options), tensor, group, what)
+    except Exception as e:
+        raise TransferError(f"the broadcast of {what} failed: {e}") from None
+
+
+def broadcast(group: StepGroup, tensor: torch.Tensor, what: str) -> None:
+    """Broadcast `tensor` from rank 0 (in place on the others); TransferError names what was being sent."""
+    start_broadcast(group, tensor, what).wait()
+
