@@ -123,8 +123,16 @@ class TransferConfig(Section):
     ] = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535, description="the store's port on the trainer (0: any free port)")] = 0
     timeout_s: Annotated[
-        float, Field(gt=0, description="deadline for a step's group to form and for each tensor's broadcast")
+        float, Field(gt=0, description="deadline for a whole step over the wire: reaching the store, the group "
+                                       "forming, every byte and the checksum (raise it where a step's bytes take "
+                                       "longer over the link)")
     ] = 60.0
+    secret: Annotated[
+        str | None, Field(min_length=16, description="the run's secret: every step over the wire is sealed with a key "
+                                                     "derived from it, and servers load only sealed steps; rl makes "
+                                                     "one per run (for processes started by hand, set the same "
+                                                     "one in each one's environment)")
+    ] = None
     offer_timeout_s: Annotated[
         float, Field(gt=0, description="longest the trainer waits for the orchestrator to take an offered step")
     ] = 1800.0
@@ -137,6 +145,17 @@ class TransferConfig(Section):
     def backend(self) -> str:
         """The collective's backend: nccl or gloo."""
         return transport_backend(self.transport)
+
+    def key(self) -> bytes:
+        """The key that seals each step over the wire (rl/weights/digest.py); ConfigError without a secret."""
+        from rl.weights.digest import transfer_key
+
+        if self.secret is None:
+            raise ConfigError(f"transfer.transport = {self.transport!r} seals every step with transfer.secret, which "
+                              "is not set: rl makes one per run; for a trainer and servers started by hand, give "
+                              "each the same one in its environment (RL_TRAINER__TRANSFER__SECRET, "
+                              "RL_INFERENCE__TRANSFER__SECRET; e.g. $(openssl rand -hex 32))")
+        return transfer_key(self.secret)
 
     @property
     def sparse(self) -> bool:
@@ -423,7 +442,7 @@ def run_cli(cls: type[C], argv: list[str] | None = None) -> C:
         sys.exit(2)
 
 
-SECRET_FIELDS = ("admin_token", "api_key")
+SECRET_FIELDS = ("admin_token", "api_key", "secret")
 SECRET_MASK = "<hidden>"
 
 

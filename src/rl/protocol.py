@@ -117,6 +117,9 @@ class RunPaths:
     def take(self, step: int) -> Path:
         return self.transfer / f"take_{step}.json"
 
+    def sent(self, step: int) -> Path:
+        return self.transfer / f"sent_{step}.json"
+
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints_root / f"step_{step}"
 

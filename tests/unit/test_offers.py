@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from rl.inference.gate import TransferRequest
 from rl.protocol import RunPaths
 from rl.weights import TransferError
-from rl.weights.offers import Offer, clear_transfers, offered_steps, read_offer, write_offer
+from rl.weights.offers import Offer, clear_transfers, offered_steps, read_offer, write_offer, write_sent
 from tests.unit.test_orchestrator_servers import FakePool, orchestrator
 
 GOOD = {"step": 3, "host": "127.0.0.1", "port": 29500, "tensor_bytes": 1024}
@@ -89,6 +89,7 @@ def test_only_ascii_digits_name_a_step(tmp_path):
 
 class WirePool(FakePool):
     async def receive_weights(self, step, host, port, timeout_s, servers):
+        write_sent(self.output_dir, step, "c")  # the trainer's side of the transfer: it sent checksum c
         self.received.append(step)
         for i in servers:
             self.replies[i] = {"step": step, "instance": self.replies[i]["instance"]}
@@ -97,7 +98,7 @@ class WirePool(FakePool):
 
 def wire_orchestrator(tmp_path):
     pool = WirePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
-    pool.received = []
+    pool.received, pool.output_dir = [], tmp_path
     o = orchestrator(tmp_path, pool, collective=True)
     asyncio.run(o.check_servers())
     return o, pool

@@ -133,10 +133,11 @@ def test_over_the_wire_a_server_restarted_after_its_offer_catches_up_from_the_ch
 
 
 def test_over_the_wire_a_server_gone_mid_transfer_gets_no_requests_and_the_run_goes_on(tmp_path):
-    from rl.weights.offers import Offer, write_offer
+    from rl.weights.offers import Offer, write_offer, write_sent
 
     class WirePool(FakePool):
         async def receive_weights(self, step, host, port, timeout_s, servers):
+            write_sent(tmp_path, step, "c")  # the trainer's side: it sent checksum c
             self.replies[1] = "http://b:8000 did not answer /policy_step: ConnectError()"  # stopped mid-transfer
             self.replies[0] = {"step": step, "instance": "a1"}
             return [{"step": step, "weights_checksum": "c"}, "http://b:8000 did not answer /update_weights: ReadError"]
@@ -164,3 +165,28 @@ def test_a_server_that_does_not_answer_an_offer_is_a_failed_receiver_not_the_end
 
     (reply,) = asyncio.run(offer())
     assert "did not answer /update_weights for step 1 (over the wire): ConnectError" in reply
+
+
+def test_over_the_wire_a_server_that_serves_a_checksum_the_trainer_did_not_send_is_refused_and_named(tmp_path, caplog):
+    """Whatever a server says it loaded, the orchestrator holds it to the checksum the trainer sent: a server that
+    reports another (or reports a step the trainer sent none of) gets no requests, as if its transfer had failed,
+    and the log names it; the next step brings it up to date."""
+    from rl.weights.offers import Offer, write_offer, write_sent
+
+    class WirePool(FakePool):
+        async def receive_weights(self, step, host, port, timeout_s, servers):
+            if step == 1:
+                write_sent(tmp_path, step, "trainers")
+            return [{"step": step, "weights_checksum": "trainers"}, {"step": step, "weights_checksum": "forged"}]
+
+    pool = WirePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
+    o = orchestrator(tmp_path, pool, collective=True)
+    o.config.transfer.timeout_s = 0.5
+    asyncio.run(o.check_servers())
+    write_offer(tmp_path, Offer(1, "127.0.0.1", 1234, 10))
+    with caplog.at_level(logging.ERROR):
+        assert asyncio.run(o.take(1)) == [{"step": 1, "weights_checksum": "trainers"}]
+    assert o.served_steps == [1, 0]
+    assert "server 1 serves weights the trainer did not send as policy 1" in caplog.text and "forged" in caplog.text
+    write_offer(tmp_path, Offer(2, "127.0.0.1", 1234, 10))  # the trainer's transfer of step 2 failed: it sent none
+    assert asyncio.run(o.take(2)) is None and o.served_steps == [1, 0]

@@ -131,7 +131,7 @@ def test_a_tp_size_that_does_not_divide_the_inference_share_of_a_shared_host_is_
 def test_weights_over_the_wire_reach_the_placed_trainers_first_host_unless_transfer_host_is_set():
     from rl.launcher.config import resolve
 
-    wire = ("--transfer.transport", "gloo", "--inference.admin-token", "t")
+    wire = ("--transfer.transport", "gloo", "--inference.admin-token", "t", "--transfer.secret", "s" * 32)
     config = run(*wire)
     hosts = plan(config, topology(4, inference_hosts=2, trainer_hosts=2))
     assert {h.trainer_addr for h in hosts} == {"h2"}  # rank 0 of the trainer holds the transfer store
@@ -148,7 +148,8 @@ def test_weights_over_the_wire_across_hosts_started_by_hand_need_transfer_host()
     from rl.launcher.devices import DevicePlan
     from rl.launcher.placement import given_host
 
-    by_hand = ("--roles", '["trainer"]', "--inference.admin-token", "t", "--transfer.transport", "gloo")
+    by_hand = ("--roles", '["trainer"]', "--inference.admin-token", "t", "--transfer.transport", "gloo",
+               "--transfer.secret", "s" * 32)
     config = run(*by_hand)
     with pytest.raises(ConfigError, match="need --transfer.host"):
         resolve(config, given_host(config, DevicePlan(1, [], [])))

@@ -18,10 +18,14 @@ from rl.inference.staging import WIRE_FILE, receive_weights
 from rl.manifest import CorruptFileError
 from rl.safetensors_io import tensors_of
 from rl.trainer.transfer import CollectiveSender
-from rl.weights.group import GroupKeeper
+from rl.weights.group import Deadline, GroupKeeper
 from rl.weights.offers import GroupSpec, offered_steps, read_offer, write_take
 from rl.weights import TransferError
 from rl.trainer.weights import TIED_HEAD
+from rl.weights.digest import transfer_key
+
+SECRET = "a secret of this test run"  # the run's transfer.secret; its key seals every step
+KEY = transfer_key(SECRET)
 
 
 class TinyLM(torch.nn.Module):
@@ -69,7 +73,7 @@ def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=1
         spec = GroupSpec(offer.host, offer.port, rank, receivers + 1, timeout_s)
         try:
             base = (bases or {}).get(rank)
-            results[rank] = receive_weights(spec, step, corrupt if rank == 1 else None,
+            results[rank] = receive_weights(spec, step, KEY, corrupt if rank == 1 else None,
                                             keeper=(keepers or {}).get(rank), base=base and base.staged.rpc())
         except Exception as e:  # noqa: BLE001 - the test inspects it
             results[rank] = e
@@ -84,7 +88,7 @@ def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=1
 
 
 def one_rank_sender(tmp_path, transport: str):
-    config = TransferConfig(transport=transport, timeout_s=5, offer_timeout_s=10)
+    config = TransferConfig(transport=transport, secret=SECRET, timeout_s=5, offer_timeout_s=10)
     sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
     yield sender
     sender.close()
@@ -161,7 +165,7 @@ def test_a_group_kept_by_a_trainer_that_resumed_is_never_taken_for_the_new_train
     the servers still hold. Here server 1 holds the old trainer's group formed at step 1, at rank 1 of 2, and the
     resumed trainer formed its own group at step 1 too (with another server, at the same ranks): by step and ranks
     alone the two would pass for one, and server 1 would wait on a trainer that is gone."""
-    config = TransferConfig(transport="gloo", timeout_s=5, offer_timeout_s=10)
+    config = TransferConfig(transport="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=10)
     old_group, new_group = {1: GroupKeeper()}, {1: GroupKeeper()}
 
     def step_through(sender, step, keepers):
@@ -185,7 +189,7 @@ def test_a_kept_group_serves_one_step_at_a_time(tmp_path, sender):
     keeper = GroupKeeper()
     keeper.busy.acquire()  # a receive of another step is still running
     with pytest.raises(TransferError, match="cannot be transferred while another step's transfer is in progress"):
-        keeper.join(None, 3, 1, 2, 1.0)
+        keeper.join(None, 3, 1, 2, Deadline(1.0, 3))
 
 
 def test_small_tensors_share_broadcasts_and_a_big_one_goes_alone():
@@ -292,7 +296,7 @@ def test_a_server_that_never_joins_fails_the_step_within_the_deadline_and_the_ne
     write_take(tmp_path, 2, 2)
     start = time.monotonic()
     with pytest.raises(TransferError, match="did not all report within 2 s"):
-        receive_weights(GroupSpec(offer.host, offer.port, 1, 3, 2.0), 2)
+        receive_weights(GroupSpec(offer.host, offer.port, 1, 3, 2.0), 2, KEY)
     thread.join(30)
     assert not thread.is_alive()
     assert results2["weights_sent"] is False and "weights_checksum" not in results2
@@ -318,20 +322,20 @@ def test_a_server_asked_for_another_step_refuses_what_the_trainer_sends(tmp_path
 
 
 def receive_weights_as(spec: GroupSpec, group_step: int, asked_step: int):
-    from rl.weights.group import GroupKeeper, connect_store
+    from rl.weights.group import Deadline, GroupKeeper, connect_store
     from rl.weights.header import receive_header
 
     keeper = GroupKeeper()
-    group = keeper.join(connect_store(spec.host, spec.port, spec.timeout_s), group_step, spec.rank, spec.world_size,
-                        spec.timeout_s)
+    deadline = Deadline(spec.timeout_s, asked_step)
+    group = keeper.join(connect_store(spec.host, spec.port, deadline), group_step, spec.rank, spec.world_size, deadline)
     try:
-        receive_header(group, asked_step)
+        receive_header(group, asked_step, KEY)
     finally:
         keeper.done(failed=True)
 
 
 def test_the_trainer_gives_up_on_an_offer_nobody_takes(tmp_path):
-    config = TransferConfig(transport="gloo", timeout_s=5, offer_timeout_s=0.5)
+    config = TransferConfig(transport="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=0.5)
     sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
     with pytest.raises(TransferError, match="waited 0 s for the orchestrator to take the weights of step 1"):
         sender.send(1, TinyLM())
@@ -343,8 +347,8 @@ def test_an_adapter_arrives_with_its_config_and_is_written_as_a_checked_private_
     from rl.manifest import read_listed
 
     config = b'{"peft_type": "LORA", "r": 2}'
-    sender = CollectiveSender(TransferConfig(transport="gloo", timeout_s=5, offer_timeout_s=10), tmp_path,
-                              single_rank_world(), torch.float32, first_step=0, adapter_config=config)
+    wire = TransferConfig(transport="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=10)
+    sender = CollectiveSender(wire, tmp_path, single_rank_world(), torch.float32, first_step=0, adapter_config=config)
     adapter = {"base_model.model.q_proj.lora_A.weight": torch.randn(2, 8),
                "base_model.model.q_proj.lora_B.weight": torch.zeros(8, 2)}
 
@@ -377,21 +381,22 @@ def test_nccl_is_refused_where_there_is_no_gpu_naming_gloo():
                                           "'sparse_gloo'"):
         TransferConfig(transport="sparse_nccl").check_device("cpu", "trainer")
     with pytest.raises(TransferError, match="needs the trainer on CUDA GPUs"):
-        CollectiveSender(TransferConfig(transport="nccl"), Path("unused"),
+        CollectiveSender(TransferConfig(transport="nccl", secret=SECRET), Path("unused"),
                          SimpleNamespace(is_main=True, on_gpu=False, device=torch.device("cpu")), torch.float32, 0)
 
 
 NCCL_RECEIVER = """
 import sys, torch
 from rl.inference.staging import receive_weights
+from rl.weights.digest import transfer_key
 from rl.weights.group import GroupKeeper
 from rl.weights.offers import GroupSpec
 torch.cuda.set_device(1)
-host, port = sys.argv[1], int(sys.argv[2])
+host, port, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 keeper, served = GroupKeeper(), None
 for step in (1, 2):  # the step received last is what this receiver serves (the base of a sparse step)
-    received = receive_weights(GroupSpec(host, port, 1, 2, 60.0), step, backend="nccl", keeper=keeper,
-                               base=served and served.staged.rpc())
+    received = receive_weights(GroupSpec(host, port, 1, 2, 60.0), step, transfer_key(secret), backend="nccl",
+                               keeper=keeper, base=served and served.staged.rpc())
     print("checksum", step, received.checksum, flush=True)
     if served is not None:
         served.staged.close()
@@ -415,8 +420,8 @@ def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_wit
     world = SimpleNamespace(is_main=True, rank=0, world_size=1, on_gpu=True, device=torch.device("cuda", 0),
                             all_reduce=lambda values, op="sum": values)
     torch.cuda.set_device(0)
-    sender = CollectiveSender(TransferConfig(transport=transport, timeout_s=60, offer_timeout_s=60), tmp_path, world,
-                              torch.bfloat16, first_step=0)
+    wire = TransferConfig(transport=transport, secret=SECRET, timeout_s=60, offer_timeout_s=60)
+    sender = CollectiveSender(wire, tmp_path, world, torch.bfloat16, first_step=0)
     model = TinyLM().cuda()
     stats: dict = {}
 
@@ -438,7 +443,7 @@ def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_wit
             offer = read_offer(tmp_path, step)
             write_take(tmp_path, step, 1)
             if receiver is None:
-                receiver = subprocess.Popen([sys.executable, "-c", NCCL_RECEIVER, offer.host, str(offer.port)],
+                receiver = subprocess.Popen([sys.executable, "-c", NCCL_RECEIVER, offer.host, str(offer.port), SECRET],
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = receiver.communicate(timeout=300)
         thread.join(120)
@@ -606,8 +611,8 @@ def test_a_sparse_sender_refuses_a_host_copy_the_host_cannot_hold(sparse_sender,
     with pytest.raises(TransferError, match=r"keeps a host copy of the served weights on trainer rank 0 \(0.0 GiB\), "
                                             r"but this host has 0.0 GiB available: use 'gloo'"):
         sparse_sender.check_host_memory(model, available=served)
-    whole = CollectiveSender(TransferConfig(transport="gloo"), tmp_path / "whole", single_rank_world(), torch.float32,
-                             first_step=0)
+    whole = CollectiveSender(TransferConfig(transport="gloo", secret=SECRET), tmp_path / "whole", single_rank_world(),
+                             torch.float32, first_step=0)
     try:
         whole.check_host_memory(model, available=1)  # a whole step keeps no copy
     finally:
@@ -627,7 +632,8 @@ def test_on_one_gpu_a_sparse_nccl_sender_compares_on_the_gpu_and_hashes_through_
     monkeypatch.setattr(rl.weights.digest, "HOST_CHUNK_BYTES", 1000)  # every tensor below passes in several chunks
     world = SimpleNamespace(is_main=True, rank=0, world_size=1, on_gpu=True, device=torch.device("cuda", 0),
                             all_reduce=lambda values, op="sum": values)
-    sender = CollectiveSender(TransferConfig(transport="sparse_nccl"), tmp_path, world, torch.bfloat16, first_step=0)
+    sender = CollectiveSender(TransferConfig(transport="sparse_nccl", secret=SECRET), tmp_path, world, torch.bfloat16,
+                              first_step=0)
     try:
         weights = {"a": torch.randn(3001, device="cuda").bfloat16(), "b": torch.randn(64, 65, device="cuda").bfloat16()}
         sender._keep_host_copy(list(weights), [2 * w.numel() for w in weights.values()])

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import secrets
+import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass
@@ -27,9 +28,10 @@ from rl.inference.staging import (
     PrivateCopies, Received, StagedStep, receive_weights, release, stage_weights, take_over,
 )
 from rl.manifest import STABLE, CorruptFileError, Entry, OpenDir, check_listed, read_manifest, read_marker
+from rl.inference.layout import ServedLayout
+from rl.weights import StepRefused, TransferError
 from rl.weights.group import GroupKeeper
 from rl.weights.offers import GroupSpec
-from rl.weights import TransferError
 logger = logging.getLogger(__name__)
 
 ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
@@ -37,6 +39,7 @@ ADAPTER_ID = 1  # vLLM's lora_int_id of the one adapter a LoRA server serves, re
 PROBE_TIMEOUT_S = 60  # the one-token generation that proves the served state clean after a failed load
 PROBE_TOKENS = [0, 1, 2]  # any ids of the vocabulary
 RECEIVE_POLL_S = 0.02  # how often the server asks its first worker whether a step it receives has arrived
+WORKER_ANSWER_S = 30  # beyond a step's deadline, how long its first worker may take to say how its receive went
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class AdminSettings:
     api_keys: tuple[str, ...] = ()  # vLLM's --api-key / VLLM_API_KEY: required on every generation route
     lora_name: str | None = None  # the served adapter's name (None: LoRA off, full-weight steps only)
     transport: str = "filesystem"  # inference.transfer.transport: the collective ones take steps over the wire too
+    transfer_key: bytes | None = None  # what steps over the wire are sealed with (inference.transfer.secret's key)
 
     @property
     def over_the_wire(self) -> bool:
@@ -86,6 +90,7 @@ class PolicyWeights:
         self.broken: str | None = None
         self.lock = asyncio.Lock()
         self.transfer_group = GroupKeeper()  # this process's group with the trainer, where it receives over gloo
+        self.layout: ServedLayout | None = None  # what a step over the wire must be (asked of the first worker once)
         # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
         # while the weights change, so only requests already in flight need vLLM to pause.
         self.in_flight = 0
@@ -136,9 +141,14 @@ class PolicyWeights:
         if not self.settings.over_the_wire:
             raise HTTPException(400, "this server takes weights from files only (inference.transfer.transport is "
                                      "filesystem): send a `path`")
+        if not self._may_serve_next(step):  # refused before the trainer's store is even reached
+            raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
         corrupt, start = hooks.take("corrupt_receive"), time.perf_counter()
         try:
             received = await self._receive(spec, step, corrupt)
+        except StepRefused as e:
+            logger.warning("step %d refused over the wire, %s: %s", step, self._still_serving(), e)
+            raise HTTPException(e.status, f"step {step} refused, {self._still_serving()}: {e}") from None
         except CorruptFileError as e:
             logger.warning("step %d refused over the wire, %s: %s", step, self._still_serving(), e)
             raise HTTPException(422, f"step {step} refused, {self._still_serving()}: {e}") from None
@@ -147,15 +157,11 @@ class PolicyWeights:
             raise HTTPException(504, f"step {step} did not arrive, {self._still_serving()}: {e}") from None
         try:
             staged, manifest = received.staged, None
-            if (received.adapter_config is None) != (self.settings.lora_name is None):
-                kind = "full weights" if received.adapter_config is None else "a LoRA adapter"
-                raise HTTPException(400, f"step {step} arrived as {kind}, which this server does not serve")
             if received.adapter_config is not None:
                 staged, manifest = await asyncio.to_thread(self.copies.write_adapter, received, step)
             async with self.lock:
                 await self._verify_base()
-                over_base = step == 0 and self.manifest is None and manifest is not None  # step 0's adapter
-                if step <= self.step and not over_base and not self.broken:
+                if not self._may_serve_next(step):  # another step was served meanwhile
                     raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
                 marker = f"wire:{received.checksum}".encode()
                 received_s = round(time.perf_counter() - start, 3)  # the transfer, the wait for the lock included
@@ -167,17 +173,29 @@ class PolicyWeights:
             if isinstance(staged, str) and staged != self.adapter_copy:
                 self.copies.remove(staged)
 
+    def _may_serve_next(self, step: int) -> bool:
+        """Whether a step over the wire may replace the served one: a newer step, or any once the served weights
+        are broken; on a LoRA server, step 0's adapter over the base model served as step 0 since start-up."""
+        over_base = step == 0 and self.manifest is None and self.settings.lora_name is not None
+        return step > self.step or over_base or self.broken is not None
+
+    async def _served_layout(self) -> ServedLayout:
+        if self.layout is None:
+            served = await self._first_worker("rl_served_layout")
+            self.layout = ServedLayout.from_rpc(served | {"adapters": self.settings.lora_name is not None})
+        return self.layout
+
     async def _receive(self, spec: GroupSpec, step: int, corrupt: str | None) -> Received:
         """The step received and checked against the trainer's checksum: over gloo by this process; over NCCL by the
         first worker (the process with a GPU, `rl_receive_weights`) while generation goes on, its sealed memfd then
         taken over by this process, so that from here both are the same. The test hook `receive_in_worker` takes
         the worker's path over gloo: how a CPU host proves it."""
-        base = self._sparse_base()
+        base, layout = self._sparse_base(), await self._served_layout()
         try:
             if self.settings.backend == "gloo" and hooks.take("receive_in_worker") is None:
-                return await asyncio.to_thread(receive_weights, spec, step, corrupt, "gloo", self.transfer_group,
-                                               base and base.rpc())
-            return await self._receive_in_worker(spec, step, corrupt, base)
+                return await in_daemon_thread(receive_weights, spec, step, self.settings.transfer_key, corrupt, "gloo",
+                                              self.transfer_group, base and base.rpc(), layout)
+            return await self._receive_in_worker(spec, step, corrupt, base, layout)
         finally:
             if base is not None:
                 await release(base)
@@ -190,17 +208,19 @@ class PolicyWeights:
             return None
         return staged.dup()
 
-    async def _receive_in_worker(self, spec: GroupSpec, step: int, corrupt: str | None,
-                                 base: StagedStep | None = None) -> Received:
-        await self._first_worker("rl_receive_weights", asdict(spec), step, self.settings.backend, corrupt,
-                                 base and base.rpc())
-        limit_s = max(600.0, 10 * spec.timeout_s)  # each broadcast has its own deadline too
+    async def _receive_in_worker(self, spec: GroupSpec, step: int, corrupt: str | None, base: StagedStep | None,
+                                 layout: ServedLayout) -> Received:
+        await self._first_worker("rl_receive_weights", asdict(spec), step, self.settings.backend,
+                                 self.settings.transfer_key, layout.rpc(), corrupt, base and base.rpc())
+        limit_s = spec.timeout_s + WORKER_ANSWER_S  # the worker's receive keeps the step's deadline itself
         deadline = time.monotonic() + limit_s
         try:
             while (report := await self._first_worker("rl_received")).get("pending"):
                 if time.monotonic() > deadline:
                     raise TransferError(f"the first worker was still receiving step {step} after {limit_s:.0f} s")
                 await asyncio.sleep(RECEIVE_POLL_S)
+            if report.get("kind") == "refused":
+                raise StepRefused(report["error"], report["status"])
             if "error" in report:
                 raise (CorruptFileError if report["kind"] == "corrupt" else TransferError)(report["error"])
             logger.info("step %d received over %s by the first worker (pid %d): %d bytes", step,
@@ -515,6 +535,33 @@ class PolicyWeights:
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         await self.engine.update_weight_version("0")
         return {"ok": True, "mismatched": [], "differing": []}
+
+
+async def in_daemon_thread(function, *args):
+    """`function(*args)` in a daemon thread of its own, awaited: unlike asyncio.to_thread's pool, which the interpreter
+    joins at exit, nothing it waits on (a silent peer) can keep a stopping server alive past its grace period."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def run() -> None:
+        try:
+            outcome = function(*args)
+        except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, done, None, error)
+        else:
+            loop.call_soon_threadsafe(_settle, done, outcome, None)
+
+    threading.Thread(target=run, name=f"{function.__name__}", daemon=True).start()
+    return await done
+
+
+def _settle(future: asyncio.Future, outcome, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(outcome)
 
 
 def is_adapter_step(manifest: dict[str, Entry] | None) -> bool:

@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from zlib_ng import zlib_ng
@@ -32,12 +33,15 @@ from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.inference import hooks
 from rl.manifest import CorruptFileError, Entry, OpenDir, copy_listed, read_listed
 from rl.safetensors_io import read_file_header, tensors_of
-from rl.weights.digest import DIGEST_BYTES, TensorDigest
-from rl.weights.sparse import WHOLE, announce_base, apply_changes, encoded_bytes
-from rl.weights.group import GroupKeeper, InFlight, StepGroup, broadcast, connect_store, start_broadcast
+from rl.weights import StepRefused, TransferError
+from rl.weights.digest import DIGEST_BYTES, SEAL_BYTES, TensorDigest
+from rl.weights.group import Deadline, GroupKeeper, InFlight, StepGroup, broadcast, connect_store, start_broadcast
+from rl.weights.header import Header, bucket_name, bucket_plan, checksum_seal, receive_header, safetensors_layout
 from rl.weights.offers import GroupSpec
-from rl.weights.header import Header, bucket_name, bucket_plan, receive_header, safetensors_layout
-from rl.weights import TransferError
+from rl.weights.sparse import WHOLE, announce_base, apply_changes, encoded_bytes
+
+if TYPE_CHECKING:
+    from rl.inference.layout import ServedLayout
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -139,22 +143,29 @@ class Received:
         return self.staged.checksum
 
 
-def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, backend: str = "gloo",
-                    keeper: GroupKeeper | None = None, base: dict | None = None) -> Received:
+def receive_weights(spec: GroupSpec, step: int, key: bytes, corrupt: str | None = None, backend: str = "gloo",
+                    keeper: GroupKeeper | None = None, base: dict | None = None,
+                    layout: ServedLayout | None = None) -> Received:
     """Receive step `step` from the trainer's group (rl/weights/) into one sealed memfd laid out as a safetensors
-    file, checked against the trainer's checksum: CorruptFileError if its bytes hash to anything else (nothing is kept
-    then); TransferError if the transfer fails or times out. `keeper`: the receiver's group, kept for the next step
-    (unset: a group for this step alone). `backend` "nccl": each tensor arrives in this process's current GPU, and is
-    copied from there into the memfd. `corrupt` (tests only): the tensor whose first received byte is flipped, as a
-    fault on the way would. `base` (sparse transports): the full weights this server serves, as `StagedStep.rpc()`
-    names them, which the trainer may send changes against (rl/weights/)."""
+    file, within one deadline (`spec.timeout_s`) for all of it. Refused (StepRefused) before anything is allocated
+    for it: a header not sealed with the run's `key`, malformed, or not of the served `layout`; after its bytes
+    arrived: a checksum not sealed with the key. CorruptFileError if the bytes hash to anything but the trainer's
+    checksum (nothing is kept then); TransferError if the transfer fails or runs out of time. `keeper`: the
+    receiver's group, kept for the next step (unset: a group for this step alone); a refused step drops it.
+    `backend` "nccl": each tensor arrives in this process's current GPU, and is copied from there into the memfd.
+    `corrupt` (tests only): the tensor whose first received byte is flipped, as a fault on the way would. `base`
+    (sparse transports): the full weights this server serves, as `StagedStep.rpc()` names them, which the trainer
+    may send changes against (rl/weights/sparse.py)."""
+    deadline = Deadline(spec.timeout_s, step)
     kept, keeper = keeper is not None, keeper or GroupKeeper()
-    store = connect_store(spec.host, spec.port, spec.timeout_s)
+    store = connect_store(spec.host, spec.port, deadline)
     announce_base(store, step, spec.rank, base["checksum"] if base else None)
-    group = keeper.join(store, step, spec.rank, spec.world_size, spec.timeout_s, backend)
+    group = keeper.join(store, step, spec.rank, spec.world_size, deadline, backend)
     fd, failed = None, True
     try:
-        header = receive_header(group, step)
+        header = receive_header(group, step, key)
+        if layout is not None and (problem := layout.problem(header)):
+            raise StepRefused(f"step {step} {problem}")
         hooks.hold_in_thread("during_receive")
         head, spans = safetensors_layout(header.tensors)
         size = spans[-1][1] if spans else len(head)
@@ -167,15 +178,17 @@ def receive_weights(spec: GroupSpec, step: int, corrupt: str | None = None, back
             else:  # changes against the weights this server serves
                 with _map_base(base, header.base, head, size, step) as served:
                     digest, altered = _receive_changes(group, data, served, header, spans, step, corrupt)
-        sent = torch.empty(DIGEST_BYTES, dtype=torch.uint8, device=group.device)
+        sent = torch.empty(DIGEST_BYTES + SEAL_BYTES, dtype=torch.uint8, device=group.device)
         broadcast(group, sent, f"step {step}'s checksum")
-        failed = False
         sent = bytes(sent.cpu().numpy())
-        if altered is not None:
-            raise CorruptFileError(altered)
-        if sent != digest.digest():
-            raise CorruptFileError(f"step {step} arrived altered: its bytes hash to {digest.hexdigest()}, the trainer "
-                                   f"sent {sent.hex()}")
+        if altered is not None or sent[:DIGEST_BYTES] != digest.digest():
+            failed = False  # the group served: what arrived was altered on the way
+            raise CorruptFileError(altered or f"step {step} arrived altered: its bytes hash to {digest.hexdigest()}, "
+                                              f"the trainer sent {sent[:DIGEST_BYTES].hex()}")
+        if sent != checksum_seal(key, header.seal, digest.digest()):
+            raise StepRefused(f"step {step}'s checksum is not sealed with this run's transfer secret: the sender is "
+                              "not this run's trainer", status=403)
+        failed = False
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # the mapping is closed: from here the bytes are fixed
     except BaseException:
         if fd is not None:

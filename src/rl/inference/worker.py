@@ -22,11 +22,12 @@ from rl.inference.fingerprint import FileTally, Fingerprint, compare, served_fin
 from rl.inference.reading import (
     MappedStep, ReadCount, checkpoint_shapes, checkpoint_tensors, read_adapter, with_tied_head, with_tied_shape,
 )
+from rl.inference.layout import ServedLayout
 from rl.inference.staging import receive_weights
 from rl.manifest import CorruptFileError, Entry
+from rl.weights import StepRefused, TransferError
 from rl.weights.group import GroupKeeper
 from rl.weights.offers import GroupSpec
-from rl.weights import TransferError
 logger = logging.getLogger(__name__)
 
 
@@ -143,8 +144,16 @@ class WeightSyncExtension:
 
     # ---- a step over NCCL (rl/weights/): the first worker receives it for its server ----
 
-    def rl_receive_weights(self, spec: dict, step: int, backend: str, corrupt: str | None = None,
-                           base: dict | None = None) -> dict | None:
+    def rl_served_layout(self) -> dict | None:
+        """On the first tensor-parallel worker: the served dtype, whether the head is tied, and every served tensor's
+        whole shape by checkpoint name (what a step over the wire must match: rl.inference.layout)."""
+        if self._rl_tp_rank() != 0:
+            return None
+        dtype, tied = self._rl_dtype_tied()
+        return {"dtype": str(dtype).removeprefix("torch."), "shapes": self._rl_shapes(), "tied": tied}
+
+    def rl_receive_weights(self, spec: dict, step: int, backend: str, key: bytes, layout: dict,
+                           corrupt: str | None = None, base: dict | None = None) -> dict | None:
         """On the first tensor-parallel worker (the others answer None): start receiving step `step` in a thread of
         this worker, which joins the step's group at the server's rank with this worker's GPU and receives the step
         into a sealed memfd checked against the trainer's checksum (`rl.inference.staging.receive_weights`), while
@@ -165,10 +174,12 @@ class WeightSyncExtension:
             if device is not None:
                 torch.cuda.set_device(device)  # a new thread starts on GPU 0
             try:
-                outcome["received"] = receive_weights(GroupSpec(**spec), step, corrupt, backend,
-                                                      self._rl_transfer_group, base)
+                outcome["received"] = receive_weights(GroupSpec(**spec), step, key, corrupt, backend,
+                                                      self._rl_transfer_group, base, ServedLayout.from_rpc(layout))
             except CorruptFileError as error:
                 outcome["error"] = {"error": str(error), "kind": "corrupt"}
+            except StepRefused as error:
+                outcome["error"] = {"error": str(error), "kind": "refused", "status": error.status}
             except TransferError as error:
                 outcome["error"] = {"error": str(error), "kind": "transfer"}
             except Exception as error:  # noqa: BLE001 - reported to the server, with the traceback in this log

@@ -265,6 +265,7 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
     # Derived cross-process values.
     if t.transfer.collective:
         place_transfer_store(sections, host)
+        give_transfer_secret(t, i, o, host)
     if host.inference_bind is not None:
         _fill(host.inference_bind, i, "host", "placement (servers other hosts reach)", "inference")
     check_admin_token(i, host)
@@ -310,6 +311,18 @@ def place_transfer_store(sections: dict[str, Any], host: HostPlan) -> None:
         raise ConfigError("weights over the wire across hosts need --transfer.host: the address the servers reach "
                           "the trainer's first host at (its rank 0 holds the transfer store); 127.0.0.1 is each host "
                           "itself")
+
+
+def give_transfer_secret(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig, host: HostPlan) -> None:
+    """The secret that seals every step over the wire (rl/weights/digest.py): one per run, made here unless set, in
+    the trainer's and the servers' configs only (the orchestrator runs environments' code and needs none of it).
+    Every host of a run across hosts must hold the same one, so there it must be given."""
+    if t.transfer.secret is None and host.spans_hosts:
+        raise ConfigError("weights over the wire across hosts need the same transfer.secret on every host: export "
+                          "RL_TRANSFER__SECRET=$(openssl rand -hex 32) on each (--slurm and --k8s make one per job)")
+    secret = t.transfer.secret or secrets.token_hex(32)
+    t.transfer.secret = i.transfer.secret = secret
+    o.transfer.secret = None
 
 
 def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) -> None:

@@ -3,8 +3,8 @@
 Either way every host starts `rl` from one config file, the run's config as the user gave it (files,
 environment and flags merged; nothing derived, no secret), adding only what differs per host: its
 `--roles`, its name, its trainer node rank, where the inference servers and the rendezvous are. The hosts
-find each other through the shared run directory (`launcher/hosts.py`); the admin token and the API key reach
-each one through its environment (`HOST_SECRETS`), never through a file of the run directory.
+find each other through the shared run directory (`launcher/hosts.py`); the admin token, the API key and the
+transfer secret reach each one through its environment (`HOST_SECRETS`), never through a file of the run directory.
 
 A value reaches a render only where it cannot change the render's structure: the Kubernetes manifests are built
 as data and dumped by PyYAML; the SLURM script shell-quotes each value, keeps them out of comment lines, and
@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jinja2
 import tomli_w
@@ -34,10 +35,11 @@ TEMPLATES = Path(__file__).parent / "templates"
 PER_HOST = {"slurm", "k8s", "dry_run", "roles", "host_name", "node_rank", "node_addr", "rdzv_endpoint",
             "trainer_nodes", "placement"}
 SBATCH_TIMEOUT_S = 60
-# The secrets every host needs: (inference field, the environment variable that carries it to a host, the k8s
+# The secrets every host needs: (section.field, the environment variable that carries it to a host, the k8s
 # Secret (<name>-<suffix>) and key that hold it).
-HOST_SECRETS = (("admin_token", "RL_INFERENCE__ADMIN_TOKEN", "admin-token", "token"),
-                ("api_key", "RL_INFERENCE__API_KEY", "api-key", "key"))
+HOST_SECRETS = (("inference.admin_token", "RL_INFERENCE__ADMIN_TOKEN", "admin-token", "token"),
+                ("inference.api_key", "RL_INFERENCE__API_KEY", "api-key", "key"),
+                ("transfer.secret", "RL_TRANSFER__SECRET", "transfer-secret", "secret"))
 
 
 def as_given(config: RLConfig, output_dir: str | None) -> str:
@@ -112,6 +114,7 @@ def render_slurm(config: RLConfig, paths: RunPaths, config_file: Path, placement
         slurm=config.slurm, layout=layout, nodes=topology.size, output_dir=shlex.quote(str(paths.root)),
         config_file=shlex.quote(str(config_file)), placement_file=shlex.quote(str(placement_file)),
         python=shlex.quote(sys.executable), api_key=config.inference.api_key is not None,
+        collective=over_the_wire(config),
     )
 
 
@@ -128,8 +131,13 @@ def slurm_job(config: RLConfig, paths: RunPaths) -> Path:
 
 def host_secrets(config: RLConfig) -> dict[str, str]:
     """The secrets set for this run, by the environment variable that carries each to a host."""
-    found = {var: getattr(config.inference, field) for field, var, _, _ in HOST_SECRETS}
+    found = {var: getattr(getattr(config, section) or SimpleNamespace(), field, None)
+             for section, field, var in ((*where.split("."), var) for where, var, _, _ in HOST_SECRETS)}
     return {var: value for var, value in found.items() if value is not None}
+
+
+def over_the_wire(config: RLConfig) -> bool:
+    return any(transfer is not None and transfer.collective for transfer in (config.transfer, config.trainer.transfer))
 
 
 def submit(script: Path, config: RLConfig) -> str:
@@ -194,6 +202,8 @@ def render_k8s(config: RLConfig, paths: RunPaths, token: str | None = None) -> s
     k8s = config.k8s
     secret_values = host_secrets(config) | {"RL_INFERENCE__ADMIN_TOKEN": token or config.inference.admin_token
                                             or secrets.token_hex(16)}
+    if over_the_wire(config):  # one per run, as the admin token
+        secret_values.setdefault("RL_TRANSFER__SECRET", secrets.token_hex(32))
     pod_secrets = [(var, f"{k8s.name}-{suffix}", key) for _, var, suffix, key in HOST_SECRETS if var in secret_values]
     documents = [k8s_secret(k8s, name, key, secret_values[var]) for var, name, key in pod_secrets]
     documents.append(k8s_config_map(config))

@@ -27,7 +27,7 @@ from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
 from rl.protocol import RunPaths, Sample, stable_steps, wait_for_stable, write_batch
 from rl.weights import TransferError
-from rl.weights.offers import offered_steps, read_offer, write_take
+from rl.weights.offers import offered_steps, read_offer, read_sent, write_take
 DOWN = "down"  # a server's instance while it does not answer
 REMAKE_ROUNDS = 3  # a batch's groups made again after servers changed under them
 LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "dropped", "tokens_per_s", "gen_s", "wait_s")
@@ -275,6 +275,7 @@ class Orchestrator:
         up = self.up_servers()
         write_take(self.config.output_dir, step, len(up))
         results = await self.pool.receive_weights(step, offer.host, offer.port, self.config.transfer.timeout_s, up)
+        results = await self.held_to_the_trainers_checksum(step, up, results)
         for i, result in zip(up, results):
             if isinstance(result, str):
                 self.logger.warning(f"policy {step} did not reach server {i}: {result}")
@@ -286,6 +287,23 @@ class Orchestrator:
         self.logger.info(f"policy {step} went over the wire to {len(taken)} of {len(up)} servers (checksums "
                          f"{[r['weights_checksum'] for r in taken]}); they serve policies {self.served_steps}")
         return taken or None
+
+    async def held_to_the_trainers_checksum(self, step: int, servers: list[int], results: list[dict | str]
+                                            ) -> list[dict | str]:
+        """A server that reports step `step` with a checksum other than the one the trainer sent (or where the
+        trainer sent none) is refused as if its transfer had failed: it gets no requests until a later step brings it
+        up to date."""
+        if all(isinstance(r, str) for r in results):
+            return results
+        sent = await asyncio.to_thread(read_sent, self.config.output_dir, step, self.config.transfer.timeout_s)
+        held = []
+        for i, result in zip(servers, results):
+            if not isinstance(result, str) and result.get("weights_checksum") != sent:
+                result = (f"it reports it serves checksum {result.get('weights_checksum')}, but the trainer sent "
+                          f"{sent or 'no step'}: its policy {step} is refused")
+                self.logger.error(f"server {i} serves weights the trainer did not send as policy {step}: {result}")
+            held.append(result)
+        return held
 
     async def load_first_adapter(self) -> None:
         """With LoRA the servers start with the base model alone; requests name the adapter, so the trainer's

@@ -20,17 +20,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from rl.config import TransferConfig
-from rl.weights.header import BUCKET_BYTES, bucket_name, bucket_plan, pack_digest, send_header
-from rl.weights.sparse import WHOLE, common_base, encode_changes
-from rl.weights.group import GroupKeeper, InFlight, broadcast, start_broadcast, start_store
-from rl.weights.offers import Offer, clear_transfers, wait_for_take, write_offer
-from rl.weights.digest import TensorDigest, tensor_bytes
-from rl.weights import TransferError
 from rl.adapter import adapter_checksum
+from rl.config import TransferConfig
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_weight
 from rl.trainer.weights import published_sources, weight_of
 from rl.trainer.world import World
+from rl.weights import TransferError
+from rl.weights.digest import TensorDigest, tensor_bytes
+from rl.weights.group import Deadline, GroupKeeper, InFlight, broadcast, start_broadcast, start_store
+from rl.weights.header import BUCKET_BYTES, bucket_name, bucket_plan, checksum_seal, pack_digest, send_header
+from rl.weights.offers import Offer, clear_transfers, wait_for_take, write_offer, write_sent
+from rl.weights.sparse import WHOLE, common_base, encode_changes
 
 logger = logging.getLogger(__name__)
 HOST_COPY_SHARE = 0.8  # of the host's available memory, the most a sparse sender's copy of the weights may take
@@ -48,6 +48,7 @@ class CollectiveSender:
         self.groups = GroupKeeper()  # rank 0's group with the servers, kept from step to step while it serves
         self.staging: list[torch.Tensor] | None = None  # rank 0's two bucket buffers (`_packed`)
         self.nccl = config.backend == "nccl"
+        self.key = config.key()  # seals every step: servers load nothing else
         if self.nccl and not world.on_gpu:
             raise TransferError(f"transfer.transport = {config.transport!r} needs the trainer on CUDA GPUs; this one "
                                 f"runs on {world.device.type}: use {config.transport.replace('nccl', 'gloo')!r}")
@@ -61,7 +62,7 @@ class CollectiveSender:
         self.base: str | None = None
         if world.is_main:
             clear_transfers(output_dir, first_step)  # a resumed run's old offers name a store that is gone
-            self.store = start_store(config.port, config.timeout_s)
+            self.store = start_store(config.host, config.port, config.timeout_s)
             logger.info(f"weights go over the wire ({config.transport}): transfer store on "
                         f"{config.host}:{self.store.port}")
 
@@ -96,18 +97,19 @@ class CollectiveSender:
             write_offer(self.output_dir, Offer(step, self.config.host, self.store.port, sum(sizes)))
         receivers = wait_for_take(self.output_dir, step, self.config.offer_timeout_s)  # every rank: all agree
         waited = time.perf_counter() - start
-        group, failure, base = None, None, None
+        group, failure, base, header_seal = None, None, None, b""
+        deadline = Deadline(self.config.timeout_s, step)  # one for the whole step, from the take on
         if self.sparse and self.world.is_main:
             self._keep_host_copy([name for name, _ in tensors], sizes)
         if self.world.is_main and receivers == 0:
             failure = "no server was up to take it"
         elif self.world.is_main:
             try:
-                group = self.groups.join(self.store, step, 0, receivers + 1, self.config.timeout_s,
-                                         self.config.backend)
+                group = self.groups.join(self.store, step, 0, receivers + 1, deadline, self.config.backend)
                 if self.sparse:  # changes only if every server serves the step sent last
-                    base = common_base(self.store, step, receivers, self.base, self.config.timeout_s)
-                send_header(group, step, meta, config, BUCKET_BYTES, base)  # the receivers read as the header says
+                    base = common_base(self.store, step, receivers, self.base, deadline)
+                # the receivers read as the header says
+                header_seal = send_header(group, step, meta, config, BUCKET_BYTES, self.key, base)
             except TransferError as e:
                 failure = str(e)
         digest, in_flight, sent_bytes = TensorDigest(), [], 0
@@ -145,7 +147,8 @@ class CollectiveSender:
         del in_flight
         if group is not None and failure is None:
             try:
-                broadcast(group, pack_digest(digest.digest(), group.device), f"step {step}'s checksum")
+                sealed = checksum_seal(self.key, header_seal, digest.digest())
+                broadcast(group, pack_digest(sealed, group.device), f"step {step}'s checksum")
             except TransferError as e:
                 failure = str(e)
         if group is not None:
@@ -162,6 +165,8 @@ class CollectiveSender:
         if self.world.is_main:
             if failure is None:
                 stats["weights_checksum"] = digest.hexdigest()
+                # what the orchestrator holds each server's report to: an adapter is reported by its own checksum
+                write_sent(self.output_dir, step, stats.get("adapter_checksum", digest.hexdigest()))
             else:
                 logger.error(f"the weights of step {step} did not reach inference ({failure}); the servers keep "
                              "the weights they verified last, and the next step is offered as usual")

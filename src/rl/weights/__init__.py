@@ -39,3 +39,12 @@ transfer failed, so no stale member can hang a later step.
 
 class TransferError(RuntimeError):
     """A collective transfer failed or timed out; the message names the step and what it waited for."""
+
+
+class StepRefused(TransferError):
+    """A step this server will not take, for what its header or checksum says (unsealed, malformed, not of the
+    served model, not newer); `status` is the HTTP status the refusal answers with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status

@@ -3,6 +3,9 @@ that proves a step came from this run's trainer (`seal`)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import torch
 import xxhash
 
@@ -65,3 +68,29 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 view (what travels)."""
     return tensor.contiguous().view(-1).view(torch.uint8)
 
+
+
+# What proves a step came from this run's trainer: a keyed BLAKE2b (a MAC) with a key derived from the run's secret
+# (`transfer.secret`, which rl makes per run and writes only to the 0600 configs of the trainer and the servers). The
+# trainer seals the step's header, then the step's checksum together with that header's seal; a server checks the
+# first before it allocates anything for the step and the second before it loads a byte of it. A network peer that
+# reaches the store or a group's sockets holds no key: what it sends is refused.
+SEAL_BYTES = 32
+
+
+def transfer_key(secret: str) -> bytes:
+    """The key the seals are made with, derived from the run's secret (the secret itself never travels)."""
+    return hashlib.blake2b(secret.encode(), digest_size=SEAL_BYTES, person=b"rl.weights.key").digest()
+
+
+def seal(key: bytes, what: str, data: bytes) -> bytes:
+    """The MAC of `data`, bound to what it is (`header`: which names its step; `checksum`: bound to its header's
+    seal), so no seal of one step or part passes for another's."""
+    mac = hashlib.blake2b(key=key, digest_size=SEAL_BYTES, person=b"rl.weights.seal")
+    mac.update(f"{what}\0".encode())
+    mac.update(data)
+    return mac.digest()
+
+
+def seal_matches(key: bytes, what: str, data: bytes, claimed: bytes) -> bool:
+    return hmac.compare_digest(seal(key, what, data), claimed)

@@ -3,9 +3,12 @@ while every member holds it), and broadcasts with deadlines."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,6 +18,26 @@ import torch.distributed as dist
 from rl.weights import TransferError
 
 logger = logging.getLogger(__name__)
+
+
+class Deadline:
+    """One deadline for a whole step over the wire (`transfer.timeout_s`): reaching the store, the group forming,
+    every broadcast and the checksum all take what is left of it, so no peer, however slowly it answers or sends,
+    holds a step longer."""
+
+    def __init__(self, seconds: float, step: int):
+        self.seconds, self.step, self.end = seconds, step, time.monotonic() + seconds
+
+    def left(self, what: str) -> float:
+        """Seconds left; TransferError naming `what` the step was about to wait for once none are."""
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TransferError(f"step {self.step} ran out of its {self.seconds:g} s (transfer.timeout_s) before "
+                                f"{what}")
+        return left
+
+    def delta(self, what: str) -> timedelta:
+        return timedelta(seconds=self.left(what))
 
 NCCL_CLEANUP_ONLY = "2"  # TORCH_NCCL_ASYNC_ERROR_HANDLING: a failed collective aborts its group, not the process
 
@@ -27,8 +50,8 @@ class StepGroup:
 
     process_group: dist.ProcessGroup
     device: torch.device
-    timeout: timedelta
     name: str
+    deadline: Deadline  # the deadline of the step it serves now (a group serves one step at a time)
 
     @property
     def nccl(self) -> bool:
@@ -66,34 +89,35 @@ class GroupKeeper:
         self.formed = 0  # groups formed, kept ones not counted (tests and logs read it)
         self.busy = threading.Lock()  # one step at a time: another's broadcasts would interleave with its own
 
-    def join(self, store: dist.Store, step: int, rank: int, world_size: int, timeout_s: float,
+    def join(self, store: dist.Store, step: int, rank: int, world_size: int, deadline: Deadline,
              backend: str = "gloo") -> StepGroup:
         """Step `step`'s group: the kept one where every member holds it, else a new one; TransferError if the members
-        did not all report, or the group did not form, within `timeout_s`, or if another step's transfer is still
+        did not all report, or the group did not form, by the step's `deadline`, or if another step's transfer is still
         using this keeper. Every join is followed by `done`."""
         if not self.busy.acquire(blocking=False):
             raise TransferError(f"step {step} cannot be transferred while another step's transfer is in progress")
         try:
-            return self._join(store, step, rank, world_size, timeout_s, backend)
+            return self._join(store, step, rank, world_size, deadline, backend)
         except BaseException:
             self.busy.release()
             raise
 
-    def _join(self, store: dist.Store, step: int, rank: int, world_size: int, timeout_s: float,
+    def _join(self, store: dist.Store, step: int, rank: int, world_size: int, deadline: Deadline,
               backend: str) -> StepGroup:
         held = self.group.report() if self.group is not None else NOTHING_HELD
         try:
-            reports = exchange_reports(store, step, rank, world_size, held, timeout_s)
+            reports = exchange_reports(store, step, rank, world_size, held, deadline)
         except TransferError:
             self.drop()
             raise
         group = self.group
         if group is not None and group.world_size == world_size and group.nccl == (backend == "nccl") \
                 and all(r == group.report(i) for i, r in enumerate(reports)):
+            group.deadline = deadline
             return group
         self.drop()
-        name = f"{run_token(store, timeout_s)}:{step}"
-        self.group = open_group(store, step, rank, world_size, timeout_s, backend, name)
+        name = f"{run_token(store, deadline)}:{step}"
+        self.group = open_group(store, step, rank, world_size, deadline, backend, name)
         self.formed += 1
         logger.info("formed the transfer group of step %d (rank %d of %d, %s)", step, rank, world_size, backend)
         return self.group
@@ -112,47 +136,81 @@ class GroupKeeper:
 
 
 def exchange_reports(store: dist.Store, step: int, rank: int, world_size: int, held: str,
-                     timeout_s: float) -> list[str]:
+                     deadline: Deadline) -> list[str]:
     """Every member's report of what it holds, by rank, once all have written theirs."""
     keys = [f"step_{step}/holds/{r}" for r in range(world_size)]
     try:
         store.set(keys[rank], held)
-        store.wait(keys, timedelta(seconds=timeout_s))
+        store.wait(keys, deadline.delta(f"the members of step {step}'s transfer reported"))
         return [value.decode() for value in store.multi_get(keys)]
+    except TransferError:
+        raise
     except Exception as e:  # the wait timed out, or the store went away
-        raise TransferError(f"the members of step {step}'s transfer did not all report within {timeout_s:.0f} s "
+        raise TransferError(f"the members of step {step}'s transfer did not all report within {deadline.seconds:g} s "
                             f"(rank {rank} of {world_size}): {e}") from None
 
 
-def start_store(port: int, timeout_s: float) -> dist.TCPStore:
-    """The trainer's transfer store (rank 0, one for the run), holding a token of this run: groups it forms are
-    named by it, so that no server mistakes a group of an earlier run (before a resume) for a current one."""
-    store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+def start_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The trainer's transfer store (rank 0, one for the run), listening on `host` only (transfer.host, where the
+    servers reach it), holding a token of this run: groups it forms are named by it, so that no server mistakes a
+    group of an earlier run (before a resume) for a current one."""
+    listener = _listen(host, port)
+    try:
+        store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.fileno())
+    finally:
+        listener.detach()  # the store owns the descriptor now
     store.set(RUN_TOKEN_KEY, os.urandom(8).hex())
     return store
 
 
-def run_token(store: dist.Store, timeout_s: float) -> str:
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on `host`'s address; on every address where `host` is not one of this machine's (a name
+    that only others resolve to it, as a Kubernetes Service's), with a warning."""
+    for family, _, _, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(address[:2])
+        except OSError as e:
+            listener.close()
+            if e.errno != errno.EADDRNOTAVAIL:
+                raise TransferError(f"the transfer store cannot listen on {host}:{port}: {e}") from None
+            continue
+        listener.listen(128)
+        return listener
+    logger.warning("transfer.host %r is no address of this machine: the transfer store listens on every address "
+                   "(what it serves is sealed with the run's secret all the same)", host)
+    listener = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True) \
+        if socket.has_dualstack_ipv6() else socket.create_server(("0.0.0.0", port))
+    return listener
+
+
+def run_token(store: dist.Store, deadline: Deadline) -> str:
     try:
-        store.wait([RUN_TOKEN_KEY], timedelta(seconds=timeout_s))
+        store.wait([RUN_TOKEN_KEY], deadline.delta("the store gave its run token"))
         return store.get(RUN_TOKEN_KEY).decode()
+    except TransferError:
+        raise
     except Exception as e:
         raise TransferError(f"the trainer's transfer store holds no run token: {e}") from None
 
 
-def open_group(store: dist.Store, step: int, rank: int, world_size: int, timeout_s: float, backend: str,
+def open_group(store: dist.Store, step: int, rank: int, world_size: int, deadline: Deadline, backend: str,
                name: str) -> StepGroup:
     """The step's own group over `store` (gloo, or NCCL between GPUs: each member on its current CUDA device), whose
-    members all joined within `timeout_s`."""
-    prefixed, timeout = dist.PrefixStore(f"step_{step}/group", store), timedelta(seconds=timeout_s)
+    members all joined by the step's deadline. Its own timeout for any one collective is the whole of
+    `transfer.timeout_s` (it is kept for later steps); each wait on it takes its step's deadline."""
+    prefixed = dist.PrefixStore(f"step_{step}/group", store)
+    timeout = deadline.delta(f"the transfer group of step {step} formed")
     try:
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-            return StepGroup(_nccl_group(prefixed, step, rank, world_size, timeout), device, timeout, name)
-        return StepGroup(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), torch.device("cpu"), timeout, name)
+            return StepGroup(_nccl_group(prefixed, step, rank, world_size, timeout), device, name, deadline)
+        return StepGroup(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), torch.device("cpu"), name,
+                         deadline)
     except Exception as e:  # the store's wait timed out, or the store went away
-        raise TransferError(f"the transfer group of step {step} did not form within {timeout_s:.0f} s "
+        raise TransferError(f"the transfer group of step {step} did not form within {deadline.seconds:g} s "
                             f"(rank {rank} of {world_size}): {e}") from None
 
 
@@ -184,12 +242,27 @@ def release_group(group: StepGroup | None) -> None:
         logger.warning("releasing a transfer group failed (its GPU buffers may stay allocated): %r", e)
 
 
-def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
-    try:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    except Exception as e:
-        raise TransferError(f"cannot reach the trainer's transfer store at {host}:{port} within {timeout_s:.0f} s: "
-                            f"{e}") from None
+def connect_store(host: str, port: int, deadline: Deadline) -> dist.Store:
+    """A client of the trainer's store, by the step's deadline. The store client's handshake has no deadline of its
+    own (a peer that accepts and never answers holds it for good), so it runs in a daemon thread of its own, left
+    behind if it does not finish in time; the client's later waits are bounded by what is left of the deadline."""
+    outcome: dict = {}
+
+    def connect() -> None:
+        try:
+            outcome["store"] = dist.TCPStore(host, port, is_master=False, timeout=deadline.delta("reaching the store"))
+        except Exception as e:  # noqa: BLE001 - reported below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=connect, name=f"connect to {host}:{port}", daemon=True)
+    thread.start()
+    thread.join(deadline.left(f"reaching the trainer's transfer store at {host}:{port}"))
+    if "store" in outcome:
+        outcome["store"].set_timeout(deadline.delta("the store answered"))
+        return outcome["store"]
+    why = outcome.get("error", "it accepted the connection but never answered")
+    raise TransferError(f"cannot reach the trainer's transfer store at {host}:{port} within {deadline.seconds:g} s: "
+                        f"{why}")
 
 
 @dataclass
@@ -202,11 +275,11 @@ class InFlight:
     what: str
 
     def wait(self) -> None:
-        """Until the broadcast is done; TransferError at the group's deadline, or if it failed. NCCL's wait would only
+        """Until the broadcast is done; TransferError at the step's deadline, or if it failed. NCCL's wait would only
         order the GPU's streams; with a deadline it blocks this thread until the broadcast is done, or raises at the
         deadline (gloo's own timeout bounds it the same way)."""
         try:
-            self.work.wait(self.group.timeout)
+            self.work.wait(self.group.deadline.delta(self.what))
         except Exception as e:
             raise TransferError(f"the broadcast of {self.what} failed: {e}") from None
 

@@ -89,7 +89,8 @@ def offer_problem(fields, step: int) -> str | None:
     return None
 
 
-TRANSFER_FILE = re.compile(r"(offer|take)_([0-9]+)\.json")  # ASCII digits: str.isdigit takes '²', which int refuses
+# ASCII digits: str.isdigit takes '²', which int refuses
+TRANSFER_FILE = re.compile(r"(offer|take|sent)_([0-9]+)\.json")
 
 
 def offered_steps(output_dir: Path) -> list[int]:
@@ -114,9 +115,31 @@ def wait_for_take(output_dir: Path, step: int, timeout_s: float) -> int:
 
 
 def clear_transfers(output_dir: Path, from_step: int = 0) -> None:
-    """Remove the offers and takes of steps >= `from_step` (a resumed run offers them again, on another store)."""
+    """Remove the offers, takes and sent checksums of steps >= `from_step` (a resumed run offers them again, on
+    another store)."""
     for path in RunPaths(Path(output_dir)).transfer.glob("*.json"):
         match = TRANSFER_FILE.fullmatch(path.name)
         if match and int(match[2]) >= from_step:
             path.unlink(missing_ok=True)
 
+
+
+def write_sent(output_dir: Path, step: int, checksum: str) -> None:
+    """Trainer rank 0, once a step went out whole and sealed: the checksum every server must report it serves."""
+    atomic_write_text(RunPaths(Path(output_dir)).sent(step), json.dumps({"step": step, "weights_checksum": checksum}))
+
+
+def read_sent(output_dir: Path, step: int, timeout_s: float) -> str | None:
+    """The checksum the trainer sent as step `step`'s, waited for up to `timeout_s` (the trainer writes it as soon as
+    its last broadcast is done); None if it did not (its transfer failed) or the file is not the trainer's."""
+    paths, deadline = RunPaths(Path(output_dir)), time.monotonic() + timeout_s
+    while not os.path.lexists(paths.sent(step)):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
+    try:
+        fields = json.loads(read_regular(paths.transfer, paths.sent(step).name, MAX_OFFER_BYTES))
+    except (CorruptFileError, ValueError):
+        return None
+    checksum = fields.get("weights_checksum") if isinstance(fields, dict) and fields.get("step") == step else None
+    return checksum if isinstance(checksum, str) else None

@@ -11,12 +11,11 @@ proves the whole step, not only the changes.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
 from rl.weights import TransferError
+from rl.weights.group import Deadline
 
 
 NO_BASE = "-"
@@ -31,18 +30,20 @@ def announce_base(store: dist.Store, step: int, rank: int, base: str | None) -> 
     store.set(f"step_{step}/base/{rank}", base or NO_BASE)
 
 
-def common_base(store: dist.Store, step: int, receivers: int, base: str | None, timeout_s: float) -> str | None:
+def common_base(store: dist.Store, step: int, receivers: int, base: str | None, deadline: Deadline) -> str | None:
     """`base` (the step the trainer sent last) if every receiver of step `step` announced it, else None: the step
     then goes whole."""
     if base is None:
         return None
     keys = [f"step_{step}/base/{rank}" for rank in range(1, receivers + 1)]
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
+        store.wait(keys, deadline.delta(f"the receivers of step {step} said what they serve"))
         served = [value.decode() for value in store.multi_get(keys)]
+    except TransferError:
+        raise
     except Exception as e:  # the wait timed out, or the store went away
         raise TransferError(f"the receivers of step {step} did not all say what they serve within "
-                            f"{timeout_s:.0f} s: {e}") from None
+                            f"{deadline.seconds:g} s: {e}") from None
     return base if all(one == base for one in served) else None
 
 
