@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -58,13 +59,15 @@ from rl.adapter import (  # noqa: E402
 from rl.config import TransferConfig  # noqa: E402
 from rl.protocol import RunPaths  # noqa: E402
 from rl.trainer.transfer import CollectiveSender  # noqa: E402
+from rl.weights.digest import tensor_bytes  # noqa: E402
 from rl.weights.offers import read_offer, write_take  # noqa: E402
-from rl.weights.digest import tensor_bytes
 from rl.tiny_model import build_tiny_model  # noqa: E402
 from rl.trainer.weights import (  # noqa: E402
     DEFAULT_SHARD_BYTES, StepShards, hf_side_files, publish_step, single_process_shards,
 )
 from tests.integration.inference_server import Server  # noqa: E402
+
+SECRET = secrets.token_hex(32)  # the run's transfer.secret, given to the server and the senders alike
 
 MODELS = {
     "tiny": dict(hidden_size=128, layers=4, heads=4, kv_heads=2),
@@ -101,10 +104,11 @@ def measure_sync(root: Path, name: str, repeats: int, changed: float) -> dict:
     side_files = hf_side_files(config, tokenizer)
     base = load_file(str(model_dir / "model.safetensors"))
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}.log", timeout_s=900,
-                    toml='[transfer]\ntransport = "sparse_gloo"\n')  # takes steps every way
-    sender = CollectiveSender(TransferConfig(transport="gloo"), paths.root, ONE_RANK, torch.float32, first_step=1)
-    sparse_sender = CollectiveSender(TransferConfig(transport="sparse_gloo"), paths.root, ONE_RANK, torch.float32,
-                                     first_step=1)
+                    toml=f'[transfer]\ntransport = "sparse_gloo"\nsecret = "{SECRET}"\n')  # takes steps every way
+    sender = CollectiveSender(TransferConfig(transport="gloo", secret=SECRET), paths.root, ONE_RANK, torch.float32,
+                              first_step=1)
+    sparse_sender = CollectiveSender(TransferConfig(transport="sparse_gloo", secret=SECRET), paths.root, ONE_RANK,
+                                     torch.float32, first_step=1)
     bare = BareReceiver(sum(t.numel() * t.element_size() for t in perturbed(base, 0).values()), repeats)
     totals, bounds, parts, wire, wire_bounds, sparse, sparse_bytes = [], [], [], [], [], [], []
     bound_file = root / f"bound_{name}.safetensors"
@@ -246,9 +250,9 @@ def measure_adapter_sync(root: Path, name: str, repeats: int, rank: int = 16) ->
     paths.weights_root.mkdir(parents=True)
     config = adapter_config_bytes(str(model_dir), rank, 2.0 * rank, 0.0, DEFAULT_TARGETS)
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}_lora.log", timeout_s=900,
-                    toml=f"[lora]\nmax_rank = {rank}\n[transfer]\ntransport = \"gloo\"\n")
-    sender = CollectiveSender(TransferConfig(transport="gloo"), paths.root, ONE_RANK, torch.float32, first_step=0,
-                              adapter_config=config)
+                    toml=f"[lora]\nmax_rank = {rank}\n[transfer]\ntransport = \"gloo\"\nsecret = \"{SECRET}\"\n")
+    sender = CollectiveSender(TransferConfig(transport="gloo", secret=SECRET), paths.root, ONE_RANK, torch.float32,
+                              first_step=0, adapter_config=config)
     totals, reloads, sizes, wire = [], [], [], []
     try:
         for step in range(0, 2 * repeats, 2):  # files take the even steps, the wire the odd ones after them

@@ -132,6 +132,7 @@ def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_ver
     from rl.config import TransferConfig
     from rl.trainer.transfer import CollectiveSender
     from tests.integration.test_inference_tp import send_over_the_wire
+    from tests.unit.test_transfer import SECRET
 
     model_dir = build_tiny_model(tmp_path / "model")
     paths = RunPaths(tmp_path / "run")
@@ -140,14 +141,15 @@ def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_ver
     hooks.mkdir()
     tp = 2 if torch.cuda.device_count() >= 3 else 1
     server = Server(model_dir, paths.weights_root, tmp_path / "inference.log",
-                    toml=f'tensor_parallel_size = {tp}\ngpu_memory_utilization = 0.4\n[transfer]\ntransport = "nccl"\n',
+                    toml=f'tensor_parallel_size = {tp}\ngpu_memory_utilization = 0.4\n[transfer]\ntransport = "nccl"\n'
+                         f'secret = "{SECRET}"\n',
                     env={"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(1, tp + 1)),
                          "RL_TEST_HOOK_DIR": str(hooks)})
     world = type("World", (), {"is_main": True, "rank": 0, "world_size": 1, "on_gpu": True,
                                "device": torch.device("cuda", 0), "all_reduce": lambda self, v, op="sum": v})()
     torch.cuda.set_device(0)
-    sender = CollectiveSender(TransferConfig(transport="nccl", timeout_s=60, offer_timeout_s=120), tmp_path / "wire",
-                              world, torch.bfloat16, first_step=0)
+    wire = TransferConfig(transport="nccl", secret=SECRET, timeout_s=60, offer_timeout_s=120)
+    sender = CollectiveSender(wire, tmp_path / "wire", world, torch.bfloat16, first_step=0)
     try:
         base = load_file(str(model_dir / "model.safetensors"))
         g = torch.Generator().manual_seed(1)

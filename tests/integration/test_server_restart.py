@@ -19,7 +19,8 @@ from tests.integration.launched import Launched, rl_command
 
 pytestmark = pytest.mark.integration
 MAX_STEPS = 8
-WIRE = 'dtype = "bfloat16"\n[transfer]\ntransport = "sparse_gloo"\n'
+SECRET = "the secret of this test's run"  # the server runs apart from rl, so both are given it
+WIRE = f'dtype = "bfloat16"\n[transfer]\ntransport = "sparse_gloo"\nsecret = "{SECRET}"\n'
 
 
 def wait_for_step(run: Launched, paths: RunPaths, step: int, timeout_s: float = 600) -> None:
@@ -38,7 +39,8 @@ def test_a_server_restarted_mid_run_rejoins_at_the_next_offer(tiny_model, tmp_pa
                     env={HOOK_DIR_ENV: str(hooks)})
     roles = ["--roles", '["orchestrator", "trainer"]', "--orchestrator.client.base-urls", f'["{server.url}"]',
              "--inference.admin-token", server.token, "--transfer.transport", "sparse_gloo",
-             "--transfer.host", "127.0.0.1", "--inference.dtype", "bfloat16", "--trainer.optim.lr", "1e-6"]
+             "--transfer.host", "127.0.0.1", "--transfer.secret", SECRET, "--inference.dtype", "bfloat16",
+             "--trainer.optim.lr", "1e-6"]
     run = Launched(rl_command(tiny_model, out, MAX_STEPS, *roles))
     try:
         wait_for_step(run, paths, 2)

@@ -36,6 +36,11 @@ class Deadline:
                                 f"{what}")
         return left
 
+    @property
+    def expired(self) -> bool:
+        """Whether the deadline has passed (within the millisecond a timed wait is rounded down to)."""
+        return time.monotonic() >= self.end - 0.01
+
     def delta(self, what: str) -> timedelta:
         return timedelta(seconds=self.left(what))
 
@@ -278,9 +283,15 @@ class InFlight:
         """Until the broadcast is done; TransferError at the step's deadline, or if it failed. NCCL's wait would only
         order the GPU's streams; with a deadline it blocks this thread until the broadcast is done, or raises at the
         deadline (gloo's own timeout bounds it the same way)."""
+        deadline = self.group.deadline
         try:
-            self.work.wait(self.group.deadline.delta(self.what))
+            self.work.wait(deadline.delta(f"the broadcast of {self.what}"))
+        except TransferError:
+            raise
         except Exception as e:
+            if deadline.expired:
+                raise TransferError(f"step {deadline.step} ran out of its {deadline.seconds:g} s (transfer.timeout_s) "
+                                    f"during the broadcast of {self.what}") from None
             raise TransferError(f"the broadcast of {self.what} failed: {e}") from None
 
 
