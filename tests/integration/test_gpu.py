@@ -128,7 +128,7 @@ def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_ver
     """`transfer.transport = nccl` end to end on GPUs: the trainer's sender (this process, cuda:0) broadcasts a bf16
     step over NCCL into the first worker of a server (TP=2 on GPUs 1 and 2 where there are 3, else TP=1 on GPU 1),
     which stages it; every worker loads and verifies it with the trainer's checksum; a step altered on the way is
-    refused before anything loads."""
+    refused before anything loads, and so is one from a sender without the run's secret."""
     from rl.config import TransferConfig
     from rl.trainer.transfer import CollectiveSender
     from tests.integration.test_inference_tp import send_over_the_wire
@@ -167,6 +167,16 @@ def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_ver
         assert server.admin("GET", "/policy_step").json()["step"] == 2
         assert server.generate([1, 91, 89, 75, 88, 5], max_tokens=8, temperature=0.0) != before
         assert "received over nccl by the first worker" in (tmp_path / "inference.log").read_text()
+        # an outsider in rank 0's place, without the run's secret: its header is refused by the first worker
+        outsider = CollectiveSender(wire.model_copy(update={"secret": "an outsider's guess"}), tmp_path / "outsider",
+                                    world, torch.bfloat16, first_step=0)
+        try:
+            answer, _ = send_over_the_wire(server, outsider, tmp_path / "outsider", 3,
+                                           [(name, torch.zeros_like(t)) for name, t in tensors])
+        finally:
+            outsider.close()
+        assert answer.status_code == 403 and "not sealed with this run's transfer secret" in answer.text, answer.text
+        assert server.admin("GET", "/policy_step").json()["step"] == 2
     finally:
         sender.close()
         server.stop()

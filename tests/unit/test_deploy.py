@@ -435,3 +435,28 @@ def test_the_slurm_job_takes_the_api_key_from_its_environment_and_no_file(tmp_pa
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     assert submit(tmp_path / "run" / "slurm" / "rl.sbatch", config) == "42"
     assert (tmp_path / "key").read_text() == "k3y-given\n"
+
+
+def test_weights_over_the_wire_reach_every_pod_and_node_with_one_secret_and_no_file_holds_it(tmp_path, monkeypatch):
+    documents = rendered_k8s(tmp_path, "--transfer.transport", "gloo")
+    secrets = {d["metadata"]["name"]: d["stringData"] for d in documents if d["kind"] == "Secret"}
+    secret = secrets["rl-transfer-secret"]["secret"]
+    assert re.fullmatch(r"[0-9a-f]{64}", secret)
+    assert secret not in str(next(d for d in documents if d["kind"] == "ConfigMap"))
+    for job in (d for d in documents if d["kind"] == "Job"):
+        assert {"name": "RL_TRANSFER__SECRET", "valueFrom": {"secretKeyRef": {"name": "rl-transfer-secret",
+                                                                              "key": "secret"}}} \
+            in job["spec"]["template"]["spec"]["containers"][0]["env"]
+
+    config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm",
+                                             "--transfer.transport", "gloo"])
+    script = slurm_job(config, RunPaths(config.output_dir))
+    seen = tmp_path / "seen"  # each node's step records the secret in its environment
+    stubs = ('scontrol() { printf "%s\\n" n1 n2; }\n'
+             f'srun() {{ echo "$RL_TRANSFER__SECRET" >> {shlex.quote(str(seen))}; }}\n')
+    ran = subprocess.run(["bash", "-c", stubs + f"source {shlex.quote(str(script))}"], text=True, capture_output=True,
+                         env={"SLURM_JOB_NODELIST": "stubbed", "PATH": "/usr/bin:/bin"})
+    assert ran.returncode == 0, ran.stderr
+    given = seen.read_text().split()
+    assert len(given) == 2 and len(set(given)) == 1 and re.fullmatch(r"[0-9a-f]{64}", given[0])
+    assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file() and given[0] in p.read_text()]

@@ -157,3 +157,22 @@ def test_weights_over_the_wire_across_hosts_started_by_hand_need_transfer_host()
     assert resolve(config, given_host(config, DevicePlan(1, [], []))).inference.transfer.host == "trainer-a"
     alone = run("--transfer.transport", "gloo")
     assert resolve(alone, given_host(alone, DevicePlan(1, [], [[]]))).trainer.transfer.host == "127.0.0.1"
+
+
+def test_weights_over_the_wire_get_a_secret_per_run_that_only_trainer_and_servers_hold():
+    from rl.launcher.config import resolve
+    from rl.launcher.devices import DevicePlan
+    from rl.launcher.placement import given_host
+
+    def resolved(*argv):
+        config = run("--transfer.transport", "gloo", *argv)
+        return resolve(config, given_host(config, DevicePlan(1, [], [[]])))
+
+    first, second = resolved(), resolved()
+    assert len(first.trainer.transfer.secret) == 64 and first.trainer.transfer.secret == first.inference.transfer.secret
+    assert first.orchestrator.transfer.secret is None  # it runs environments' code and sends nothing
+    assert second.trainer.transfer.secret != first.trainer.transfer.secret
+    assert resolved("--transfer.secret", "s" * 32).inference.transfer.secret == "s" * 32
+    hosts = plan(run("--transfer.transport", "gloo", "--inference.admin-token", "t"), topology(2, inference_hosts=1))
+    with pytest.raises(ConfigError, match="need the same transfer.secret on every host"):
+        resolve(run("--transfer.transport", "gloo", "--inference.admin-token", "t"), hosts[0])
