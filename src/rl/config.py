@@ -142,6 +142,11 @@ class TransferConfig(Section):
         return self.transport != "filesystem"
 
     @property
+    def way(self) -> str:
+        """The registered transport its steps travel by (rl/weights/): filesystem, gloo or nccl."""
+        return self.backend if self.collective else "filesystem"
+
+    @property
     def backend(self) -> str:
         """The collective's backend: nccl or gloo."""
         return transport_backend(self.transport)

@@ -1,7 +1,7 @@
 """What a network peer without the run's secret must not get past on the wire (rl/weights/): a sender that is not
 this run's trainer, a header that does not describe the served model, a store or a sender that stalls. Real gloo
 groups in threads of this process, as in test_transfer.py; the server's own answers are in
-tests/integration/test_wire_trust.py."""
+tests/integration/test_server_wire_trust.py."""
 
 from __future__ import annotations
 

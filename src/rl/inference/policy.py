@@ -13,33 +13,26 @@ import logging
 import math
 import os
 import secrets
-import threading
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import HTTPException
 
 from rl.adapter import ADAPTER_CONFIG
-from rl.config import transport_backend, transport_sparse
 from rl.inference import hooks
-from rl.inference.staging import (
-    PrivateCopies, Received, StagedStep, receive_weights, release, stage_weights, take_over,
-)
+from rl.inference.staging import PrivateCopies, Received, StagedStep, release, stage_weights
 from rl.manifest import STABLE, CorruptFileError, Entry, OpenDir, check_listed, read_manifest, read_marker
-from rl.inference.layout import ServedLayout
-from rl.weights import StepRefused, TransferError
-from rl.weights.group import GroupKeeper
+from rl.weights import StepRefused, TransferError, transport
 from rl.weights.offers import GroupSpec
+
 logger = logging.getLogger(__name__)
 
 ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
 ADAPTER_ID = 1  # vLLM's lora_int_id of the one adapter a LoRA server serves, replaced in place at every step
 PROBE_TIMEOUT_S = 60  # the one-token generation that proves the served state clean after a failed load
 PROBE_TOKENS = [0, 1, 2]  # any ids of the vocabulary
-RECEIVE_POLL_S = 0.02  # how often the server asks its first worker whether a step it receives has arrived
-WORKER_ANSWER_S = 30  # beyond a step's deadline, how long its first worker may take to say how its receive went
 
 
 @dataclass(frozen=True)
@@ -51,20 +44,9 @@ class AdminSettings:
     admin_token: str | None
     api_keys: tuple[str, ...] = ()  # vLLM's --api-key / VLLM_API_KEY: required on every generation route
     lora_name: str | None = None  # the served adapter's name (None: LoRA off, full-weight steps only)
-    transport: str = "filesystem"  # inference.transfer.transport: the collective ones take steps over the wire too
+    way: str = "filesystem"  # inference.transfer's registered transport (rl/weights/): gloo and nccl take steps
+    sparse: bool = False  # over the wire too; `sparse`: a step may come as its changes against the served one
     transfer_key: bytes | None = None  # what steps over the wire are sealed with (inference.transfer.secret's key)
-
-    @property
-    def over_the_wire(self) -> bool:
-        return self.transport != "filesystem"
-
-    @property
-    def backend(self) -> str:
-        return transport_backend(self.transport)
-
-    @property
-    def sparse(self) -> bool:
-        return transport_sparse(self.transport)
 
 
 class PolicyWeights:
@@ -89,8 +71,8 @@ class PolicyWeights:
         weakref.finalize(self, lambda s=self: s.wire_staged and s.wire_staged.close())
         self.broken: str | None = None
         self.lock = asyncio.Lock()
-        self.transfer_group = GroupKeeper()  # this process's group with the trainer, where it receives over gloo
-        self.layout: ServedLayout | None = None  # what a step over the wire must be (asked of the first worker once)
+        receiver = transport(settings.way).load_receiver()  # None: steps come as files only
+        self.receiver = receiver and receiver(engine, settings.transfer_key, settings.lora_name is not None)
         # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
         # while the weights change, so only requests already in flight need vLLM to pause.
         self.in_flight = 0
@@ -138,7 +120,7 @@ class PolicyWeights:
         generation goes on, then loaded and verified as a step read from files: full weights from the received
         bytes (kept for a rollback while served), an adapter from a private copy of them. A step that arrives altered
         is refused before anything is loaded."""
-        if not self.settings.over_the_wire:
+        if self.receiver is None:
             raise HTTPException(400, "this server takes weights from files only (inference.transfer.transport is "
                                      "filesystem): send a `path`")
         if not self._may_serve_next(step):  # refused before the trainer's store is even reached
@@ -179,23 +161,12 @@ class PolicyWeights:
         over_base = step == 0 and self.manifest is None and self.settings.lora_name is not None
         return step > self.step or over_base or self.broken is not None
 
-    async def _served_layout(self) -> ServedLayout:
-        if self.layout is None:
-            served = await self._first_worker("rl_served_layout")
-            self.layout = ServedLayout.from_rpc(served | {"adapters": self.settings.lora_name is not None})
-        return self.layout
-
     async def _receive(self, spec: GroupSpec, step: int, corrupt: str | None) -> Received:
-        """The step received and checked against the trainer's checksum: over gloo by this process; over NCCL by the
-        first worker (the process with a GPU, `rl_receive_weights`) while generation goes on, its sealed memfd then
-        taken over by this process, so that from here both are the same. The test hook `receive_in_worker` takes
-        the worker's path over gloo: how a CPU host proves it."""
-        base, layout = self._sparse_base(), await self._served_layout()
+        """The step received by this server's receiver (rl/inference/wire.py) and checked against the trainer's
+        sealed checksum."""
+        base = self._sparse_base()
         try:
-            if self.settings.backend == "gloo" and hooks.take("receive_in_worker") is None:
-                return await in_daemon_thread(receive_weights, spec, step, self.settings.transfer_key, corrupt, "gloo",
-                                              self.transfer_group, base and base.rpc(), layout)
-            return await self._receive_in_worker(spec, step, corrupt, base, layout)
+            return await self.receiver.receive(spec, step, corrupt, base)
         finally:
             if base is not None:
                 await release(base)
@@ -207,31 +178,6 @@ class PolicyWeights:
         if not self.settings.sparse or staged is None or self.broken or staged.checksum != self.checksum:
             return None
         return staged.dup()
-
-    async def _receive_in_worker(self, spec: GroupSpec, step: int, corrupt: str | None, base: StagedStep | None,
-                                 layout: ServedLayout) -> Received:
-        await self._first_worker("rl_receive_weights", asdict(spec), step, self.settings.backend,
-                                 self.settings.transfer_key, layout.rpc(), corrupt, base and base.rpc())
-        limit_s = spec.timeout_s + WORKER_ANSWER_S  # the worker's receive keeps the step's deadline itself
-        deadline = time.monotonic() + limit_s
-        try:
-            while (report := await self._first_worker("rl_received")).get("pending"):
-                if time.monotonic() > deadline:
-                    raise TransferError(f"the first worker was still receiving step {step} after {limit_s:.0f} s")
-                await asyncio.sleep(RECEIVE_POLL_S)
-            if report.get("kind") == "refused":
-                raise StepRefused(report["error"], report["status"])
-            if "error" in report:
-                raise (CorruptFileError if report["kind"] == "corrupt" else TransferError)(report["error"])
-            logger.info("step %d received over %s by the first worker (pid %d): %d bytes", step,
-                        self.settings.backend, report["pid"], report["size"])
-            return await asyncio.to_thread(take_over, report)
-        finally:
-            await self.engine.collective_rpc("rl_release_received")
-
-    async def _first_worker(self, method: str, *args) -> dict:
-        """`method`'s answer from the first tensor-parallel worker (the others answer None)."""
-        return next(r for r in await self.engine.collective_rpc(method, args=args) if r is not None)
 
     async def _update(self, step: int, target: str, directory: OpenDir) -> dict:
         try:  # files truncated or changed since the trainer published them are never loaded
@@ -535,33 +481,6 @@ class PolicyWeights:
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         await self.engine.update_weight_version("0")
         return {"ok": True, "mismatched": [], "differing": []}
-
-
-async def in_daemon_thread(function, *args):
-    """`function(*args)` in a daemon thread of its own, awaited: unlike asyncio.to_thread's pool, which the interpreter
-    joins at exit, nothing it waits on (a silent peer) can keep a stopping server alive past its grace period."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def run() -> None:
-        try:
-            outcome = function(*args)
-        except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, done, None, error)
-        else:
-            loop.call_soon_threadsafe(_settle, done, outcome, None)
-
-    threading.Thread(target=run, name=f"{function.__name__}", daemon=True).start()
-    return await done
-
-
-def _settle(future: asyncio.Future, outcome, error: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(outcome)
 
 
 def is_adapter_step(manifest: dict[str, Entry] | None) -> bool:

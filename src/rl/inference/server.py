@@ -123,7 +123,7 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
     args.rl_admin = AdminSettings(  # what the gate and the policy it serves read
         base_model=model_dir, weights_dir=str(config.weights_dir) if config.weights_dir else None,
         admin_token=config.admin_token, api_keys=api_keys(args), lora_name=config.lora.name if config.lora else None,
-        transport=config.transfer.transport,
+        way=config.transfer.way, sparse=config.transfer.sparse,
         transfer_key=config.transfer.key() if config.transfer.collective else None,
     )
     if forks:

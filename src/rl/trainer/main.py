@@ -23,9 +23,9 @@ from rl.trainer.model import load_policy, load_reference
 from rl.trainer.lora import lora_layers
 from rl.trainer.optim import build_optimizer, build_scheduler, trained_parameters
 from rl.trainer.step import train_step
-from rl.trainer.transfer import CollectiveSender
 from rl.trainer.weights import WeightPublisher
 from rl.trainer.world import World, init_world
+from rl.weights import transport
 
 LINE_KEYS = (
     "loss", "reward", "entropy", "clip_frac", "mismatch_kl", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s",
@@ -124,18 +124,15 @@ def main() -> None:
         MetricsLogger("trainer", paths, config.wandb, config.model_dump(mode="json"), logger) if world.is_main else None
     )
     publisher = WeightPublisher.for_config(config, paths, policy, tokenizer, world)
-    sender = (CollectiveSender(config.transfer, config.output_dir, world, publisher.dtype, first_step,
-                               publisher.adapter_config) if config.transfer.collective else None)
-    if sender is not None:
-        sender.check_host_memory(policy)  # sparse: before any step is trained
+    sender = transport(config.transfer.way).load_sender().create(config, publisher, world, first_step)
+    sender.check(policy)  # before any step is trained
     logger.info(
         f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}); "
         f"steps {first_step}..{config.max_steps - 1}" + (f"; {describe_lora(policy)}" if config.lora else "")
         + (f"; MFU against the {peak_part} peak, {device_peak / 1e12:.0f} TFLOP/s bf16 dense" if peak_part else "")
     )
     if publisher.adapter and first_step == 0:  # inference loads the adapter of step 0 (B = 0) before any rollout
-        checksum = sender.send(0, policy).get("adapter_checksum") if sender else publisher.publish(0, policy)
-        if checksum:
+        if checksum := sender.publish(0, policy).get("adapter_checksum"):
             logger.info(f"published the step-0 adapter (checksum {checksum})")
     for step in range(first_step, config.max_steps):
         wait_start = time.perf_counter()
@@ -144,12 +141,7 @@ def main() -> None:
         stats = train_step(policy, reference, optimizer, scheduler, samples, config, world, filler_token_id(tokenizer))
         stats |= batch_stats(samples, step, world, model_flops)
         train_s = time.perf_counter() - start
-        if sender is not None:  # over the wire; files only where a resume needs them
-            stats |= sender.send(step + 1, policy)
-            if config.ckpt.due(step + 1, config.max_steps):
-                publisher.publish(step + 1, policy)
-        elif checksum := publisher.publish(step + 1, policy):
-            stats["adapter_checksum"] = checksum  # of weights/step_{step + 1}, as inference reports it served
+        stats |= sender.publish(step + 1, policy)
         stats |= timing_stats(stats, start - wait_start, train_s, time.perf_counter() - start, world, device_peak)
         world.reset_peak_memory()  # peak_mem_gib is each step's own (on GPUs)
         if metrics:  # before the checkpoint: a resume from step + 1 never logs this step again
@@ -159,6 +151,7 @@ def main() -> None:
             checkpointer.save(step + 1, policy, optimizer, scheduler)
         if world.is_main:
             prune_run_files(paths, step, config)
+    sender.close()
     publisher.close()
     if metrics:
         metrics.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,9 +24,10 @@ import torch.distributed as dist
 from rl.adapter import adapter_checksum
 from rl.config import TransferConfig
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_weight
-from rl.trainer.weights import published_sources, weight_of
+from rl.trainer.config import TrainerConfig
+from rl.trainer.weights import WeightPublisher, published_sources, weight_of
 from rl.trainer.world import World
-from rl.weights import TransferError
+from rl.weights import Sender, TransferError
 from rl.weights.digest import TensorDigest, tensor_bytes
 from rl.weights.group import Deadline, GroupKeeper, InFlight, broadcast, start_broadcast, start_store
 from rl.weights.header import BUCKET_BYTES, bucket_name, bucket_plan, checksum_seal, pack_digest, send_header
@@ -36,9 +38,10 @@ logger = logging.getLogger(__name__)
 HOST_COPY_SHARE = 0.8  # of the host's available memory, the most a sparse sender's copy of the weights may take
 
 
-class CollectiveSender:
-    """Sends each step's weights to the servers the orchestrator asked to take them. Collective: every rank calls
-    `send` for every step."""
+class CollectiveSender(Sender):
+    """The gloo and NCCL transports' sender: each step's weights to the servers the orchestrator asked to take them,
+    and as files only where a checkpoint needs them (a resume serves them). Collective: every rank calls `send` for
+    every step."""
 
     def __init__(self, config: TransferConfig, output_dir, world: World, dtype: torch.dtype, first_step: int,
                  adapter_config: bytes | None = None):
@@ -60,11 +63,29 @@ class CollectiveSender:
         self.sent: dict[str, torch.Tensor] = {}  # views of one host buffer (`_keep_host_copy`)
         self.pinned: torch.Tensor | None = None  # that buffer, where it is registered with CUDA
         self.base: str | None = None
+        self.files: WeightPublisher | None = None  # where checkpoint steps go as files too (`create`)
+        self.files_due: Callable[[int], bool] = lambda step: False
         if world.is_main:
             clear_transfers(output_dir, first_step)  # a resumed run's old offers name a store that is gone
             self.store = start_store(config.host, config.port, config.timeout_s)
             logger.info(f"weights go over the wire ({config.transport}): transfer store on "
                         f"{config.host}:{self.store.port}")
+
+    @classmethod
+    def create(cls, config: TrainerConfig, publisher: WeightPublisher, world: World, first_step: int
+               ) -> CollectiveSender:
+        sender = cls(config.transfer, config.output_dir, world, publisher.dtype, first_step, publisher.adapter_config)
+        sender.files, sender.files_due = publisher, lambda step: config.ckpt.due(step, config.max_steps)
+        return sender
+
+    def check(self, model: torch.nn.Module) -> None:
+        self.check_host_memory(model)
+
+    def publish(self, step: int, model: torch.nn.Module) -> dict:
+        stats = self.send(step, model)
+        if self.files is not None and self.files_due(step):
+            self.files.publish(step, model)
+        return stats
 
     def check_host_memory(self, model: torch.nn.Module, available: int | None = None) -> None:
         """Sparse: refuse, before training, a host copy of the served weights (kept by rank 0) that this host's

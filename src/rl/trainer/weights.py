@@ -37,6 +37,7 @@ from rl.safetensors_io import write_file
 from rl.trainer.config import TrainerConfig
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, lora_layers, merged_weight
 from rl.trainer.world import World
+from rl.weights import Sender
 
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 DEFAULT_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default shard size
@@ -305,3 +306,18 @@ class WeightPublisher:
         finally:
             if self._writer is not None:
                 self._writer.shutdown()
+
+
+class FilesSender(Sender):
+    """The filesystem transport's sender: every step's weights as files in weights/step_k/, which servers read."""
+
+    def __init__(self, publisher: WeightPublisher):
+        self.publisher = publisher
+
+    @classmethod
+    def create(cls, config: TrainerConfig, publisher: WeightPublisher, world: World, first_step: int) -> FilesSender:
+        return cls(publisher)
+
+    def publish(self, step: int, model: torch.nn.Module) -> dict:
+        checksum = self.publisher.publish(step, model)
+        return {"adapter_checksum": checksum} if checksum else {}  # of weights/step_k, as inference reports it

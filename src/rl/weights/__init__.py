@@ -5,7 +5,11 @@ The package: `digest` (the checksum), `offers` (the files through which trainer 
 `group` (the store, the step's group, broadcasts with deadlines), `header` (what a step announces, bucket plan and
 layout), `sparse` (the codec of a step sent as its changes).
 
-With `weight_transport = "gloo"` a step's weights travel trainer -> every server with no file in between:
+Each way weights travel is one registered transport (`register_transport`, in the manner of vLLM's weight-transfer
+engine factory): the trainer's sender (`Sender`: one `publish` per step) and a server's receiver, imported only when
+a config names them. Nothing else asks which transport a run uses.
+
+With `transfer.transport = "gloo"` a step's weights travel trainer -> every server with no file in between:
 
 1. the trainer, after its optimizer step, offers the step: `transfer/offer_<k>.json` names the step and where its
    TCP store listens (rank 0 keeps one store for the whole run);
@@ -30,11 +34,18 @@ there on, the checks, the reload on every tensor-parallel worker, the verificati
 gloo and of files. Both sides hash the bytes on the host (the same checksum as files), so `weights_checksum` means
 the same whatever the transport.
 
-Every wait has a deadline: the trainer's wait for the take (`offer_timeout_s`), the group's forming and every
-broadcast (`timeout_s`; NCCL's wait blocks with that deadline, and a group that failed is aborted, so no kernel of it
-is left waiting on a GPU). A group is kept only while every member of the step holds it, and dropped by whoever's
-transfer failed, so no stale member can hang a later step.
+Every wait has a deadline: the trainer's wait for the take (`offer_timeout_s`), and one for the whole step on both
+ends (`timeout_s`: the store, the group's forming, every broadcast; NCCL's wait blocks with that deadline, and a group
+that failed is aborted, so no kernel of it is left waiting on a GPU). A group is kept only while every member of the
+step holds it, and dropped by whoever's transfer failed, so no stale member can hang a later step. Every step is
+sealed with the run's secret (`digest.seal`), and a server checks its header before it allocates anything for it.
 """
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 
 class TransferError(RuntimeError):
@@ -48,3 +59,63 @@ class StepRefused(TransferError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+class Sender(ABC):
+    """The trainer's end of a transport; collective: every rank calls each method, in the same order."""
+
+    @classmethod
+    @abstractmethod
+    def create(cls, config, publisher, world, first_step: int) -> Sender:
+        """The sender of a trainer's run (`config`: its TrainerConfig; `publisher`: its writer of step files)."""
+
+    def check(self, model) -> None:
+        """Refuse, before any step is trained, what this transport cannot do for `model` (nothing, by default)."""
+
+    @abstractmethod
+    def publish(self, step: int, model) -> dict:
+        """Make step `step`'s weights reach inference; the step's metrics (rank 0's; `adapter_checksum` where an
+        adapter went, as inference will report it)."""
+
+    def close(self) -> None:
+        """Release what the sender holds (stores, groups, buffers)."""
+
+
+@dataclass(frozen=True)
+class Transport:
+    """Where a transport's ends live, as "module:Class": imported when a config names the transport."""
+
+    sender: str
+    receiver: str | None  # None: servers load its steps as files (`/update_weights {"path"}`)
+
+    def load_sender(self) -> type[Sender]:
+        return _load(self.sender)
+
+    def load_receiver(self) -> type | None:
+        return None if self.receiver is None else _load(self.receiver)
+
+
+def _load(where: str) -> type:
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+TRANSPORTS: dict[str, Transport] = {}
+
+
+def register_transport(name: str, sender: str, receiver: str | None) -> None:
+    if name in TRANSPORTS:
+        raise ValueError(f"transport {name!r} is registered already")
+    TRANSPORTS[name] = Transport(sender, receiver)
+
+
+def transport(name: str) -> Transport:
+    try:
+        return TRANSPORTS[name]
+    except KeyError:
+        raise ValueError(f"no transport {name!r} is registered (there are {sorted(TRANSPORTS)})") from None
+
+
+register_transport("filesystem", "rl.trainer.weights:FilesSender", None)
+register_transport("gloo", "rl.trainer.transfer:CollectiveSender", "rl.inference.wire:ApiProcessReceiver")
+register_transport("nccl", "rl.trainer.transfer:CollectiveSender", "rl.inference.wire:FirstWorkerReceiver")

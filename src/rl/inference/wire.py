@@ -1,0 +1,123 @@
+"""A server's end of the collective transports (rl/weights/): receivers, one per registered transport, which take a
+step over the wire into a sealed memfd checked against the trainer's sealed checksum, the same for both from there
+on. `PolicyWeights` holds the one its config names and loads what it returns."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import asdict
+
+from rl.inference import hooks
+from rl.inference.layout import ServedLayout
+from rl.inference.staging import Received, StagedStep, receive_weights, take_over
+from rl.manifest import CorruptFileError
+from rl.weights import StepRefused, TransferError
+from rl.weights.group import GroupKeeper
+from rl.weights.offers import GroupSpec
+
+logger = logging.getLogger(__name__)
+
+RECEIVE_POLL_S = 0.02  # how often the server asks its first worker whether a step it receives has arrived
+WORKER_ANSWER_S = 30  # beyond a step's deadline, how long its first worker may take to say how its receive went
+
+
+class Receiver:
+    """Receives steps for one server. `engine`: vLLM's engine client (its workers answer `collective_rpc`); `key`:
+    the run's transfer key; `adapters`: whether the server serves LoRA adapters (what a step must be)."""
+
+    backend = "gloo"
+
+    def __init__(self, engine, key: bytes, adapters: bool):
+        self.engine, self.key, self.adapters = engine, key, adapters
+        self.layout: ServedLayout | None = None  # what a step must be, asked of the first worker once
+
+    async def receive(self, spec: GroupSpec, step: int, corrupt: str | None, base: StagedStep | None) -> Received:
+        """Step `step`, received and checked; `base`: the full weights served, which a sparse step may change."""
+        raise NotImplementedError
+
+    async def served_layout(self) -> ServedLayout:
+        if self.layout is None:
+            served = await self.first_worker("rl_served_layout")
+            self.layout = ServedLayout.from_rpc(served | {"adapters": self.adapters})
+        return self.layout
+
+    async def first_worker(self, method: str, *args) -> dict:
+        """`method`'s answer from the first tensor-parallel worker (the others answer None)."""
+        return next(r for r in await self.engine.collective_rpc(method, args=args) if r is not None)
+
+
+class FirstWorkerReceiver(Receiver):
+    """NCCL: the first worker (the process of a server that holds a GPU and an NCCL library, `rl_receive_weights`)
+    receives the step while generation goes on; its sealed memfd is then taken over by this process."""
+
+    backend = "nccl"
+
+    async def receive(self, spec: GroupSpec, step: int, corrupt: str | None, base: StagedStep | None) -> Received:
+        layout = await self.served_layout()
+        await self.first_worker("rl_receive_weights", asdict(spec), step, self.backend, self.key, layout.rpc(),
+                                corrupt, base and base.rpc())
+        limit_s = spec.timeout_s + WORKER_ANSWER_S  # the worker's receive keeps the step's deadline itself
+        deadline = time.monotonic() + limit_s
+        try:
+            while (report := await self.first_worker("rl_received")).get("pending"):
+                if time.monotonic() > deadline:
+                    raise TransferError(f"the first worker was still receiving step {step} after {limit_s:.0f} s")
+                await asyncio.sleep(RECEIVE_POLL_S)
+            if report.get("kind") == "refused":
+                raise StepRefused(report["error"], report["status"])
+            if "error" in report:
+                raise (CorruptFileError if report["kind"] == "corrupt" else TransferError)(report["error"])
+            logger.info("step %d received over %s by the first worker (pid %d): %d bytes", step, self.backend,
+                        report["pid"], report["size"])
+            return await asyncio.to_thread(take_over, report)
+        finally:
+            await self.engine.collective_rpc("rl_release_received")
+
+
+class ApiProcessReceiver(Receiver):
+    """gloo: this process (the server's API process) receives the step while generation goes on, in a group it keeps
+    from step to step. The test hook `receive_in_worker` takes NCCL's path over gloo instead: how a CPU host proves
+    it."""
+
+    def __init__(self, engine, key: bytes, adapters: bool):
+        super().__init__(engine, key, adapters)
+        self.group = GroupKeeper()  # this process's group with the trainer
+
+    async def receive(self, spec: GroupSpec, step: int, corrupt: str | None, base: StagedStep | None) -> Received:
+        if hooks.take("receive_in_worker") is not None:
+            in_worker = FirstWorkerReceiver(self.engine, self.key, self.adapters)
+            in_worker.backend, in_worker.layout = "gloo", self.layout
+            return await in_worker.receive(spec, step, corrupt, base)
+        layout = await self.served_layout()
+        return await in_daemon_thread(receive_weights, spec, step, self.key, corrupt, "gloo", self.group,
+                                      base and base.rpc(), layout)
+
+
+async def in_daemon_thread(function, *args):
+    """`function(*args)` in a daemon thread of its own, awaited: unlike asyncio.to_thread's pool, which the interpreter
+    joins at exit, nothing it waits on (a silent peer) can keep a stopping server alive past its grace period."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def run() -> None:
+        try:
+            outcome = function(*args)
+        except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, done, None, error)
+        else:
+            loop.call_soon_threadsafe(_settle, done, outcome, None)
+
+    threading.Thread(target=run, name=function.__name__, daemon=True).start()
+    return await done
+
+
+def _settle(future: asyncio.Future, outcome, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(outcome)
