@@ -100,7 +100,7 @@ def wire_orchestrator(tmp_path):
     pool = WirePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
     pool.received, pool.output_dir = [], tmp_path
     o = orchestrator(tmp_path, pool, collective=True)
-    asyncio.run(o.check_servers())
+    asyncio.run(o.servers.check())
     return o, pool
 
 
@@ -109,10 +109,10 @@ def test_an_offer_beyond_what_the_trainer_can_have_offered_is_not_taken_and_late
     write_offer(tmp_path, Offer(10**12, "127.0.0.1", 1234, 10))
     write_offer(tmp_path, Offer(1, "127.0.0.1", 1234, 10))
     with caplog.at_level(logging.WARNING):
-        asyncio.run(o.take_offers(1, 1, "batch 1"))
+        asyncio.run(o.sync.take_offers(1, 1, "batch 1"))
         write_offer(tmp_path, Offer(2, "127.0.0.1", 1234, 10))
-        asyncio.run(o.take_offers(2, 2, "batch 2"))
-    assert pool.received == [1, 2] and o.served_steps == [2, 2]
+        asyncio.run(o.sync.take_offers(2, 2, "batch 2"))
+    assert pool.received == [1, 2] and o.servers.served_steps == [2, 2]
     warned = [r.message for r in caplog.records if "not taken" in r.message]
     assert warned == [f"offer of policy {10**12} not taken: the trainer cannot have offered a policy after 1 yet"]
 
@@ -123,7 +123,7 @@ def test_an_offer_not_as_the_trainer_writes_them_is_skipped_with_a_warning_and_t
     os.mkfifo(RunPaths(tmp_path).offer(1))
     write_offer(tmp_path, Offer(2, "127.0.0.1", 1234, 10))
     with caplog.at_level(logging.WARNING):
-        asyncio.run(asyncio.wait_for(o.take_offers(2, 2, "batch 2"), 10))
+        asyncio.run(asyncio.wait_for(o.sync.take_offers(2, 2, "batch 2"), 10))
     assert pool.received == [2]
     assert any("offer of policy 1 not taken" in r.message and "not a regular file" in r.message
                for r in caplog.records)

@@ -1,4 +1,4 @@
-"""The orchestrator's view of its servers between batches (`Orchestrator.check_servers`, `ensure_policy`): a server
+"""The orchestrator's view of its servers between batches (`ServerBoard.check`, `PolicySync.ensure`): a server
 that restarted (another instance: it serves its start-up weights) or stopped answering gets no requests until it
 answers and is brought up to date, and groups it generated meanwhile are dropped. A fake pool stands in for the
 servers' admin routes; the weights are real files."""
@@ -9,7 +9,9 @@ import logging
 import pytest
 
 from rl.orchestrator.config import OrchestratorConfig
-from rl.orchestrator.main import DOWN, Orchestrator
+from rl.orchestrator.main import Orchestrator
+from rl.orchestrator.policy_sync import policy_sync
+from rl.orchestrator.servers import DOWN, ServerBoard
 from rl.orchestrator.rollouts import GroupOutcome
 from rl.protocol import RunPaths, mark_stable
 
@@ -36,8 +38,8 @@ def orchestrator(tmp_path, pool: FakePool, collective: bool = False) -> Orchestr
                                 transfer={"transport": "gloo" if collective else "filesystem"})
     o = Orchestrator.__new__(Orchestrator)  # no environments: only the server bookkeeping is exercised
     o.config, o.logger, o.pool, o.paths = config, logging.getLogger("test"), pool, RunPaths(tmp_path)
-    o.policy_step, o.last_offer, o.served_steps, o.usable, o.instances = 0, 0, [0, 0], [0, 1], [None, None]
-    o.stale, o.offers_beyond = set(), set()
+    o.servers = ServerBoard(pool, config.client, o.logger)
+    o.sync = policy_sync(config, pool, o.servers, o.logger)
     return o
 
 
@@ -50,24 +52,24 @@ def publish(tmp_path, step: int) -> None:
 def test_a_restarted_server_gets_the_newest_policy_before_any_request(tmp_path):
     pool = FakePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
     o = orchestrator(tmp_path, pool)
-    assert asyncio.run(o.check_servers()) == set()
-    assert asyncio.run(o.ensure_policy(1)) is None and o.usable == [0, 1] and pool.updates == []
+    assert asyncio.run(o.servers.check()) == set()
+    assert asyncio.run(o.sync.ensure(1)) is None and o.servers.usable == [0, 1] and pool.updates == []
 
     publish(tmp_path, 3)
-    asyncio.run(o.ensure_policy(4))  # async_level 1: policy 3 is loaded on both
-    assert pool.updates == [(3, [0, 1])] and o.served_steps == [3, 3]
+    asyncio.run(o.sync.ensure(4))  # async_level 1: policy 3 is loaded on both
+    assert pool.updates == [(3, [0, 1])] and o.servers.served_steps == [3, 3]
     pool.replies[1] = {"step": 0, "instance": "b2"}  # server b restarted: it serves its start-up weights
-    assert asyncio.run(o.check_servers()) == {1}
-    assert o.served_steps == [3, 0]
-    asyncio.run(o.ensure_policy(4))
-    assert pool.updates[-1] == (3, [0, 1]) and o.usable == [0, 1] and o.served_steps == [3, 3]
+    assert asyncio.run(o.servers.check()) == {1}
+    assert o.servers.served_steps == [3, 0]
+    asyncio.run(o.sync.ensure(4))
+    assert pool.updates[-1] == (3, [0, 1]) and o.servers.usable == [0, 1] and o.servers.served_steps == [3, 3]
 
 
 
 def test_groups_made_on_a_server_that_changed_meanwhile_are_made_again_on_servers_up_to_date(tmp_path):
     pool = FakePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
     o = orchestrator(tmp_path, pool)
-    asyncio.run(o.check_servers())
+    asyncio.run(o.servers.check())
     remade = []
 
     async def run_one_group(env, task_index, server, step, g):
@@ -82,7 +84,7 @@ def test_groups_made_on_a_server_that_changed_meanwhile_are_made_again_on_server
     assert [outcome.results for outcome in outcomes] == [["kept"], ["remade"]]
 
     pool.replies[0] = {"step": 0, "instance": "a2"}  # every round finds a change: after the last, dropped
-    o.check_servers = lambda: asyncio.sleep(0, {0})
+    o.servers.check = lambda: asyncio.sleep(0, {0})
     outcomes = asyncio.run(o.remake_groups_of_changed_servers(outcomes, 1))
     assert [(outcome.results, outcome.error) for outcome in outcomes] == [(None, "ServerChanged")] * 2
 
@@ -90,17 +92,17 @@ def test_groups_made_on_a_server_that_changed_meanwhile_are_made_again_on_server
 def test_a_server_that_stops_answering_gets_no_requests_until_it_is_back(tmp_path):
     pool = FakePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
     o = orchestrator(tmp_path, pool)
-    asyncio.run(o.check_servers())
+    asyncio.run(o.servers.check())
     pool.replies[0] = "http://a:8000 did not answer /policy_step: ConnectError()"
-    assert asyncio.run(o.check_servers()) == {0}
-    assert asyncio.run(o.check_servers()) == set()  # named once, when it went
-    asyncio.run(o.ensure_policy(1))
-    assert o.instances[0] == DOWN and o.usable == [1] and pool.updates == []
+    assert asyncio.run(o.servers.check()) == {0}
+    assert asyncio.run(o.servers.check()) == set()  # named once, when it went
+    asyncio.run(o.sync.ensure(1))
+    assert o.servers.instances[0] == DOWN and o.servers.usable == [1] and pool.updates == []
     publish(tmp_path, 0)
     pool.replies[0] = {"step": 0, "instance": "a2"}  # back, restarted: it serves the base model, as the others
-    assert asyncio.run(o.check_servers()) == {0}
-    asyncio.run(o.ensure_policy(1))
-    assert o.usable == [0, 1]
+    assert asyncio.run(o.servers.check()) == {0}
+    asyncio.run(o.sync.ensure(1))
+    assert o.servers.usable == [0, 1]
 
 
 def test_no_server_answering_ends_the_wait_at_its_deadline_naming_the_servers(tmp_path):
@@ -109,9 +111,9 @@ def test_no_server_answering_ends_the_wait_at_its_deadline_naming_the_servers(tm
     pool = FakePool("a down", "b down")
     o = orchestrator(tmp_path, pool)
     o.config.client.startup_timeout_s = 0.5
-    asyncio.run(o.check_servers())
+    asyncio.run(o.servers.check())
     with pytest.raises(InferenceError, match=r"no inference server answered for 0 s \(\['http://a:8000'"):
-        asyncio.run(o.ensure_policy(1))
+        asyncio.run(o.sync.ensure(1))
 
 
 def test_over_the_wire_a_server_restarted_after_its_offer_catches_up_from_the_checkpoints_files(tmp_path):
@@ -119,17 +121,17 @@ def test_over_the_wire_a_server_restarted_after_its_offer_catches_up_from_the_ch
 
     pool = FakePool({"step": 5, "instance": "a1"}, {"step": 0, "instance": "b2"})
     o = orchestrator(tmp_path, pool, collective=True)
-    o.instances, o.served_steps, o.last_offer = ["a1", "b1"], [5, 5], 5
+    o.servers.instances, o.servers.served_steps, o.sync.last_offer = ["a1", "b1"], [5, 5], 5
     o.config.async_level = 0  # batch 5 needs policy 5, the last the trainer can offer before it
-    assert asyncio.run(o.check_servers()) == {1}
-    assert asyncio.run(o.ensure_policy(5)) is None and o.usable == [0]  # the other still serves policy 5
+    assert asyncio.run(o.servers.check()) == {1}
+    assert asyncio.run(o.sync.ensure(5)) is None and o.servers.usable == [0]  # the other still serves policy 5
     pool.replies[0] = {"step": 0, "instance": "a2"}
-    asyncio.run(o.check_servers())
+    asyncio.run(o.servers.check())
     with pytest.raises(InferenceError, match="no checkpoint's files hold it"):
-        asyncio.run(o.ensure_policy(5))  # no offer of policy 5 is left, and no files of it
+        asyncio.run(o.sync.ensure(5))  # no offer of policy 5 is left, and no files of it
     publish(tmp_path, 5)
-    asyncio.run(o.ensure_policy(5))
-    assert pool.updates == [(5, [0, 1])] and o.usable == [0, 1] and o.policy_step == 5
+    asyncio.run(o.sync.ensure(5))
+    assert pool.updates == [(5, [0, 1])] and o.servers.usable == [0, 1] and o.servers.policy_step == 5
 
 
 def test_over_the_wire_a_server_gone_mid_transfer_gets_no_requests_and_the_run_goes_on(tmp_path):
@@ -144,12 +146,12 @@ def test_over_the_wire_a_server_gone_mid_transfer_gets_no_requests_and_the_run_g
 
     pool = WirePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
     o = orchestrator(tmp_path, pool, collective=True)
-    asyncio.run(o.check_servers())
+    asyncio.run(o.servers.check())
     write_offer(tmp_path, Offer(1, "127.0.0.1", 1234, 10))
-    assert asyncio.run(o.take(1)) == [{"step": 1, "weights_checksum": "c"}]
-    assert o.served_steps == [1, -1] and o.instances[1] == DOWN and 1 in o.stale
-    asyncio.run(o.ensure_policy(1))
-    assert o.usable == [0]
+    assert asyncio.run(o.sync.take(1)) == [{"step": 1, "weights_checksum": "c"}]
+    assert o.servers.served_steps == [1, -1] and o.servers.instances[1] == DOWN and 1 in o.servers.stale
+    asyncio.run(o.sync.ensure(1))
+    assert o.servers.usable == [0]
 
 
 def test_a_server_that_does_not_answer_an_offer_is_a_failed_receiver_not_the_end_of_the_run():
@@ -182,11 +184,11 @@ def test_over_the_wire_a_server_that_serves_a_checksum_the_trainer_did_not_send_
     pool = WirePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
     o = orchestrator(tmp_path, pool, collective=True)
     o.config.transfer.timeout_s = 0.5
-    asyncio.run(o.check_servers())
+    asyncio.run(o.servers.check())
     write_offer(tmp_path, Offer(1, "127.0.0.1", 1234, 10))
     with caplog.at_level(logging.ERROR):
-        assert asyncio.run(o.take(1)) == [{"step": 1, "weights_checksum": "trainers"}]
-    assert o.served_steps == [1, 0]
+        assert asyncio.run(o.sync.take(1)) == [{"step": 1, "weights_checksum": "trainers"}]
+    assert o.servers.served_steps == [1, 0]
     assert "server 1 serves weights the trainer did not send as policy 1" in caplog.text and "forged" in caplog.text
     write_offer(tmp_path, Offer(2, "127.0.0.1", 1234, 10))  # the trainer's transfer of step 2 failed: it sent none
-    assert asyncio.run(o.take(2)) is None and o.served_steps == [1, 0]
+    assert asyncio.run(o.sync.take(2)) is None and o.servers.served_steps == [1, 0]

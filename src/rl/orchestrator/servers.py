@@ -1,0 +1,65 @@
+"""The inference servers as the orchestrator sees them: which answer, which policy each serves, and which get
+generation requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rl.config import url_without_password
+from rl.orchestrator.config import ClientConfig
+from rl.orchestrator.inference_pool import InferenceError, InferencePool
+
+DOWN = "down"  # a server's instance while it does not answer
+
+
+class ServerBoard:
+    """One owner of the servers' state: `served_steps` (per server; -1: not answering), `usable` (the servers given
+    requests: up to date and up), `policy_step` (the oldest policy the usable ones serve), `instances` (the process
+    each last answered from: a new one means it restarted) and `stale` (restarted or gone down since they were last
+    brought up to date)."""
+
+    def __init__(self, pool: InferencePool, client: ClientConfig, logger):
+        self.pool, self.client, self.logger = pool, client, logger
+        servers = len(client.base_urls)
+        self.policy_step = 0
+        self.served_steps = [0] * servers
+        self.usable = list(range(servers))
+        self.instances: list[str | None] = [None] * servers
+        self.stale: set[int] = set()
+
+    def up(self) -> list[int]:
+        return [i for i, instance in enumerate(self.instances) if instance != DOWN]
+
+    async def check(self) -> set[int]:
+        """Ask every server what it serves; return those that restarted since the last answer (another instance: it
+        serves what it loaded at start, not the run's policy) or stopped answering. Either gets no requests until
+        it answers and is brought up to date (the policy sync's `ensure`)."""
+        changed = set()
+        for i, reply in enumerate(await self.pool.current()):
+            if isinstance(reply, str):
+                if self.instances[i] != DOWN:
+                    self.logger.warning(f"server {i} gets no requests until it answers again: {reply}")
+                    changed.add(i)
+                self.instances[i], self.served_steps[i] = DOWN, -1
+                self.stale.add(i)
+                continue
+            if self.instances[i] is not None and reply["instance"] != self.instances[i]:
+                was = "answers again" if self.instances[i] == DOWN else "restarted"
+                self.logger.warning(f"server {i} {was}: it serves policy {reply['step']} and gets no requests until "
+                                    "it is brought up to date")
+                changed.add(i)
+                self.served_steps[i] = reply["step"]
+                self.stale.add(i)
+            self.instances[i] = reply["instance"]
+        return changed
+
+    async def wait_for_one(self) -> None:
+        """While no server answers, wait for one, at most client.startup_timeout_s (at once if one answers)."""
+        deadline = time.monotonic() + self.client.startup_timeout_s
+        while all(instance == DOWN for instance in self.instances):
+            if time.monotonic() > deadline:
+                raise InferenceError(f"no inference server answered for {self.client.startup_timeout_s:.0f} s "
+                                     f"({[url_without_password(u) for u in self.client.base_urls]})")
+            await asyncio.sleep(1.0)
+            await self.check()
