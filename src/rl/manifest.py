@@ -66,7 +66,7 @@ def is_temp(path: Path) -> bool:
 
 def file_crc32(path: Path) -> int:
     """CRC-32 of a file, the value `zlib.crc32` gives, computed by zlib-ng (SIMD: several times zlib's speed)
-    over the mapped file (docs/architecture.md, Measurements)."""
+    over the mapped file (benchmarks/RESULTS.md)."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return 0  # an empty file cannot be mapped

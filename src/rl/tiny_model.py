@@ -119,7 +119,7 @@ def build_tiny_model(
     config = build_config(tokenizer, hidden_size, layers, heads, kv_heads)
     # Draw the weights for the vocabulary without the tool tokens, then append rows for those: every other
     # weight is what the same seed gave before the tool tokens existed, so the quickstart's measured SFT and
-    # RL behaviour (docs/architecture.md, Measurements) still holds.
+    # RL behaviour (benchmarks/RESULTS.md) still holds.
     config.vocab_size -= len(TOOL_TOKENS)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)

@@ -45,3 +45,10 @@ def test_a_bad_interval_is_refused_by_name(monkeypatch, vllm_yield, value):
     with pytest.raises(ValueError, match=patches.POLL_ENV):
         patches.vllm_shm_polling()
     assert shm_broadcast.sched_yield is vllm_yield
+
+
+def test_a_vllm_without_the_polled_function_is_refused_as_every_patch_target_is(monkeypatch, vllm_yield):
+    monkeypatch.setenv(patches.POLL_ENV, "0.05")
+    monkeypatch.delattr(shm_broadcast, "sched_yield")
+    with pytest.raises(patches.PatchTargetMissing, match="shm_broadcast.sched_yield is gone in vllm"):
+        patches.vllm_shm_polling()

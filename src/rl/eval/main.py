@@ -38,7 +38,7 @@ from rl.checks import check_model
 from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
 from rl.orchestrator.environment import EnvLoadError, Environment, load_environments, serving
 from rl.orchestrator.eval import EvalGroups, eval_stats, group_scores, run_eval_groups
-from rl.orchestrator.rollouts import ChatClient, InferenceClient, RolloutResult, openai_api_root
+from rl.orchestrator.rollouts import ChatClient, InferenceClient, RolloutResult, apply_patches, openai_api_root
 from rl.renderer import chat_renderer, load_tokenizer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.stats import mean, means, tool_stats
@@ -218,6 +218,7 @@ def nothing_finished(config: EvalCommandConfig, url: str, served: str, evaluated
 
 
 def main(argv: list[str] | None = None) -> None:
+    apply_patches()
     config = run_cli(EvalCommandConfig, argv)
     logger = setup_logging("eval", quiet=PER_REQUEST_LOGGERS)
     try:

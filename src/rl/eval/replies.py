@@ -4,10 +4,10 @@ to read it.
 verifiers' eval client reads each chat completion whole (httpx), then parses it and records it on the trace, with
 the event loop busy throughout: a 100 MiB reply took minutes and GBs of memory, and the rollout's deadline fired only
 after. So the bounds sit where the bytes arrive: for a `BoundedChatConfig`, verifiers builds its httpx client here
-(`build_client`, installed by rl/patches.py's `bound_eval_client` when this module is imported), which refuses a reply
-whose bytes pass `max_reply_bytes` or that is not read whole `deadline_s` after its request went out, as it streams,
-and closes the connection: the rest is never read. Replies are asked for uncompressed (`Accept-Encoding: identity`)
-and a compressed one is refused, so the bytes counted are the bytes held.
+(`build_client`, installed by rl/patches/'s `bound_eval_client`, which the process's main() applies), which
+refuses a reply whose bytes pass `max_reply_bytes` or that is not read whole `deadline_s` after its request went
+out, as it streams, and closes the connection: the rest is never read. Replies are asked for uncompressed
+(`Accept-Encoding: identity`) and a compressed one is refused, so the bytes counted are the bytes held.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import httpx
 import verifiers.v1 as vf
 from verifiers.v1.clients.base import build_async_httpx
 
-from rl.patches import bound_eval_client
 
 MAX_REPLY_BYTES = 8 << 20
 DEADLINE = "rl.reply_deadline"
@@ -112,5 +111,3 @@ class BoundedStream(httpx.AsyncByteStream):
     async def aclose(self) -> None:
         await self.stream.aclose()
 
-
-bound_eval_client(build_client)

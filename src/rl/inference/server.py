@@ -2,7 +2,7 @@
 through vLLM's public hooks only (`vllm_argv`): the worker extension that reloads and verifies the served weights
 in place (`rl.inference.worker`), the ASGI gate in front of vLLM's app (`rl.inference.gate`), and the policy state
 the gate serves (`AdminSettings`, carried to the gate on vLLM's args namespace). On CPU hosts it also sets
-`RL_VLLM_SHM_POLL_S`, which our vLLM plugin (`rl/patches.py`) reads in each vLLM process: vLLM's inter-process
+`RL_VLLM_SHM_POLL_S`, which our vLLM plugin (`rl/patches/`) reads in each vLLM process: vLLM's inter-process
 queues then sleep between polls instead of spinning. The entrypoint is `python -m rl.inference.main @ infer.toml`.
 """
 

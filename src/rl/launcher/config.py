@@ -140,7 +140,7 @@ class RLConfig(Settings):
     trainer_gpu_ids: Annotated[list[int] | None, Field(description="explicit trainer GPU ids")] = None
     inference_gpu_ids: Annotated[list[int] | None, Field(description="explicit inference GPU ids")] = None
     # One process by default: it uses every core, where several gloo ranks of one thread each train much
-    # slower (docs/architecture.md, Measurements).
+    # slower (benchmarks/RESULTS.md).
     trainer_processes: Annotated[
         int, Field(ge=1, description="CPU hosts only: trainer processes (gloo); GPU hosts use one per GPU")
     ] = 1

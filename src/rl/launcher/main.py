@@ -93,7 +93,7 @@ def plan_resume(config: RLConfig, paths: RunPaths) -> None:
 def cpu_trainer_env(plan: DevicePlan) -> dict[str, str]:
     """On a CPU host the trainer shares its cores with vLLM: its OpenMP workers sleep between parallel
     regions instead of spinning on cores vLLM's generation needs (small models' steps are faster; big ones
-    leave little time to spin: docs/architecture.md, Measurements). A policy the user exported wins."""
+    leave little time to spin: benchmarks/RESULTS.md). A policy the user exported wins."""
     if plan.trainer_gpus or "OMP_WAIT_POLICY" in os.environ:
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}

@@ -223,5 +223,5 @@ class OrchestratorConfig(Settings):
     @property
     def rollouts_in_flight(self) -> int:
         """`max_concurrent`, else the batch size: a batch's rollouts all at once, as vLLM batches them (with 64 of
-        the quickstart's 128, generation took two rounds of decode steps: docs/architecture.md, Measurements)."""
+        the quickstart's 128, generation took two rounds of decode steps: benchmarks/RESULTS.md)."""
         return self.max_concurrent or self.batch_size

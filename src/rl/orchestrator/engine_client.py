@@ -4,7 +4,7 @@ verifiers' `TrainClient` renders the prompt and parses the engine's reply itself
 holds an OpenAI SDK client, of which `renderers.client.generate` uses only `base_url`, `post` (an
 absolute URL, `cast_to=httpx.Response`) and `get("/models")`. The SDK's request path (options models,
 header building, httpx over anyio, a connection-pool scan per request) cost more orchestrator CPU per turn
-than the whole raw client of benchmarks/orchestrator_throughput.py (docs/architecture.md, Measurements); on
+than the whole raw client of benchmarks/orchestrator_throughput.py (benchmarks/RESULTS.md); on
 a host where vLLM needs every core that CPU is generation lost. `EngineClient` offers the same three members
 over one aiohttp session and raises the SDK's error types, so verifiers maps failures to the same
 statuses (4xx not retried; connection 503; timeout 504). verifiers' own retries are off (MAX_RETRIES 0),
@@ -13,7 +13,7 @@ so none are lost.
 A group's rollouts send identical generate requests for their first turn (the same prompt, the same sampling
 settings). `EngineClient` sends those as one request with `n` samples and hands each rollout its own choice
 (`RequestGrouper`), as TRL and verl sample a group: the server then parses, schedules and prefills the prompt once
-per group, not once per rollout (docs/architecture.md, Measurements). A rollout's first generate request waits for
+per group, not once per rollout (benchmarks/RESULTS.md). A rollout's first generate request waits for
 identical ones at most `group_gap_s` after the last one joined, and a full group (`group_size`) goes at once; its
 later requests do not wait. Seeded requests are never grouped: n samples of one seeded request are not the n
 seeds' samples.

@@ -41,8 +41,8 @@ LOCAL_RUNTIME = "subprocess"
 INTERCEPTION = {"type": "elastic", "multiplex": 8}
 """verifiers' interception servers, one per 8 concurrent rollouts (its default: 32). Chosen when the
 training client used the OpenAI SDK over httpx, which scans every pooled connection on each request, so
-small pools were faster; with `EngineClient` (aiohttp) 8 and 32 measure alike (docs/architecture.md,
-Measurements). `overrides.interception` chooses otherwise."""
+small pools were faster; with `EngineClient` (aiohttp) 8 and 32 measure alike (benchmarks/RESULTS.md).
+`overrides.interception` chooses otherwise."""
 
 
 class EnvLoadError(ValueError):

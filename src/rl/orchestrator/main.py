@@ -21,7 +21,8 @@ from rl.orchestrator.eval import eval_due, evaluate, to_sampling
 from rl.orchestrator.inference_pool import InferencePool
 from rl.orchestrator.policy_sync import policy_sync
 from rl.orchestrator.rollouts import (
-    GroupOutcome, InferenceClient, RolloutResult, TokenSegment, run_group_retried, tune_gc_for_serving,
+    GroupOutcome, InferenceClient, RolloutResult, TokenSegment, apply_patches, run_group_retried,
+    tune_gc_for_serving,
 )
 from rl.orchestrator.sampler import TaskSampler
 from rl.orchestrator.servers import ServerBoard
@@ -278,6 +279,7 @@ def to_sample(
 
 
 def main() -> None:
+    apply_patches()
     config = run_cli(OrchestratorConfig)
     logger = setup_logging("orchestrator", quiet=PER_REQUEST_LOGGERS)
     try:

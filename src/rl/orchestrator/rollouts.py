@@ -24,19 +24,24 @@ import verifiers.v1 as vf
 from in_process_chat.tools import tool_messages
 
 from rl.inference.config import API_KEY_VAR
-from rl.eval.replies import MAX_REPLY_BYTES, BoundedChatConfig
+from rl.eval.replies import MAX_REPLY_BYTES, BoundedChatConfig, build_client
 from rl.orchestrator.config import GROUP_GAP_S
 from rl.orchestrator.engine_client import EngineClient, GroupedTrainClientConfig
 from rl.orchestrator.environment import Environment
-from rl.patches import apply_orchestrator_patches
+from rl.patches import apply_orchestrator_patches, bound_eval_client
 
-apply_orchestrator_patches(EngineClient)  # verifiers' per-turn costs: see rl/patches.py
+
+def apply_patches() -> None:
+    """What rl changes in verifiers, renderers and pydantic (rl/patches/) in a process that runs environments:
+    applied first by the main() of the orchestrator and of `eval`."""
+    apply_orchestrator_patches(EngineClient)
+    bound_eval_client(build_client)
 
 
 YOUNG_GC_THRESHOLD = 10_000
 """Net container allocations between young-generation collections (CPython's default: 700). A rollout
 allocates thousands of short-lived objects: at 700 the young collections took a tenth of the orchestrator's
-CPU, at 10,000 next to none (docs/architecture.md, Measurements). Garbage in cycles waits one collection
+CPU, at 10,000 next to none (benchmarks/RESULTS.md). Garbage in cycles waits one collection
 longer: a few MB at most."""
 
 
@@ -259,7 +264,7 @@ def sampling_config(client: InferenceClient | ChatClient, sampling: Sampling, se
 def tokens_only(client: InferenceClient | ChatClient, sampling: Sampling) -> bool:
     """Whether vLLM may skip detokenizing: the training client sends and reads token ids, and its renderer parses
     the completion from them, so vLLM's text and its logprobs' token strings go unread; making them cost the API
-    server's CPU on every token (docs/architecture.md, Measurements). Stop strings are matched on text."""
+    server's CPU on every token (benchmarks/RESULTS.md). Stop strings are matched on text."""
     return isinstance(client, InferenceClient) and "stop" not in sampling.extra
 
 

