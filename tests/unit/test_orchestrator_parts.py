@@ -406,7 +406,7 @@ def test_engine_replies_are_decoded_by_msgspec_and_by_json_where_they_are_not_st
 def test_a_route_called_in_process_answers_as_http_would_and_never_outlives_its_caller():
     from aiohttp import web
 
-    from rl.patches import local_route
+    from rl.patches.environments import local_route
 
     async def scenario() -> None:
         started, cancelled = asyncio.Event(), asyncio.Event()

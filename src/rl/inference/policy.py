@@ -22,6 +22,8 @@ from fastapi import HTTPException
 
 from rl.adapter import ADAPTER_CONFIG
 from rl.inference import hooks
+from rl.inference.adapter_slot import AdapterSlot
+from rl.inference.reports import merge_reports, timings, why
 from rl.inference.staging import PrivateCopies, Received, StagedStep, release, stage_weights
 from rl.manifest import STABLE, CorruptFileError, Entry, OpenDir, check_listed, read_manifest, read_marker
 from rl.weights import StepRefused, TransferError, transport
@@ -30,7 +32,6 @@ from rl.weights.offers import GroupSpec
 logger = logging.getLogger(__name__)
 
 ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
-ADAPTER_ID = 1  # vLLM's lora_int_id of the one adapter a LoRA server serves, replaced in place at every step
 PROBE_TIMEOUT_S = 60  # the one-token generation that proves the served state clean after a failed load
 PROBE_TOKENS = [0, 1, 2]  # any ids of the vocabulary
 
@@ -60,6 +61,7 @@ class PolicyWeights:
 
     def __init__(self, engine, settings: AdminSettings, models=None):
         self.engine, self.settings, self.models = engine, settings, models
+        self.slot = AdapterSlot(engine, settings.lora_name, models) if settings.lora_name else None
         self.step, self.path, self.checksum = 0, str(Path(settings.base_model).resolve()), None
         self.instance = secrets.token_hex(8)  # this server process's: one restarted answers with another
         self.marker: bytes | None = None  # the STABLE marker of the served step directory, as loaded
@@ -264,7 +266,7 @@ class PolicyWeights:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
-        lora = self._lora_request(self.adapter_copy, load_inplace=False) if self.adapter else None
+        lora = self.slot.request(self.adapter_copy, load_inplace=False) if self.adapter else None
         finite = True
         async for output in self.engine.generate({"prompt_token_ids": PROBE_TOKENS}, params,
                                                  f"rl-probe-{time.monotonic_ns()}", lora_request=lora):
@@ -307,7 +309,7 @@ class PolicyWeights:
                       staged: StagedStep | str) -> dict:
         """Load and verify the staged step while generation is held; needs the lock."""
         adapter = not isinstance(staged, StagedStep)
-        report = await (self._load_adapter(staged, step, manifest) if adapter else self._load(staged, step))
+        report = await (self.slot.load(staged, step, manifest) if adapter else self._load(staged, step))
         if not report["ok"]:
             raise await self._refuse(step, target, report)
         if adapter:
@@ -317,7 +319,7 @@ class PolicyWeights:
         self.step, self.path, self.checksum, self.broken = step, target, report["checksum"], None
         self.marker, self.manifest = marker, manifest
         served = {"step": step, "weights_checksum": self.checksum} | ({"adapter": self.adapter} if self.adapter else {})
-        return served | _timings(report)
+        return served | timings(report)
 
     async def _keep_for_rollback(self, wire_staged: StagedStep | None) -> None:
         """A step that came over the wire exists nowhere else: keep its bytes until another step is served."""
@@ -354,9 +356,9 @@ class PolicyWeights:
         """Verify the weights loaded at start-up once, giving step 0 its checksum. Needs the lock."""
         if self.checksum is not None:
             return
-        report = _merge(await self.engine.collective_rpc("rl_check_served", args=(self.path,)))
+        report = merge_reports(await self.engine.collective_rpc("rl_check_served", args=(self.path,)))
         if not report["ok"]:
-            raise HTTPException(500, f"the base model's served weights do not match {self.path}: {_why(report)}")
+            raise HTTPException(500, f"the base model's served weights do not match {self.path}: {why(report)}")
         self.checksum = report["checksum"]
         await self.engine.update_weight_version("0")
 
@@ -371,7 +373,7 @@ class PolicyWeights:
         args = (None, self.settings.base_model) if staged is None else (staged.rpc(), None)
         faults = hooks.reload_faults()
         reset = asyncio.create_task(self.engine.reset_prefix_cache(reset_running_requests=True))
-        report = _merge(await self.engine.collective_rpc("rl_load_weights", args=(*args, faults)))
+        report = merge_reports(await self.engine.collective_rpc("rl_load_weights", args=(*args, faults)))
         await reset
         if staged is not None:
             report["bytes_read"] = staged.bytes
@@ -386,14 +388,14 @@ class PolicyWeights:
             if corrupt := report.get("corrupt"):
                 return HTTPException(422, f"step {step} refused, {self._still_serving()}: {corrupt}")
             return HTTPException(400, f"step {step} at {target} does not fit the served model, "
-                                      f"{self._still_serving()}: {_why(report)}")
-        failure = f"step {step} at {target} failed after reload: {_why(report)}"
+                                      f"{self._still_serving()}: {why(report)}")
+        failure = f"step {step} at {target} failed after reload: {why(report)}"
         rollback = await self._restore()
         if rollback["ok"]:
             served = (f" (adapter {self.adapter!r})" if self.adapter
                       else " (the base model)" if self.settings.lora_name else "")
             return HTTPException(500, f"{failure}; rolled back to step {self.step}{served}, which verifies")
-        self.broken = (f"{failure}; rollback to step {self.step} failed too: {_why(rollback)}; "
+        self.broken = (f"{failure}; rollback to step {self.step} failed too: {why(rollback)}; "
                        "generation is refused until a checkpoint loads and verifies")
         return HTTPException(500, self.broken)
 
@@ -404,9 +406,9 @@ class PolicyWeights:
         if self.wire_staged is not None:
             return await self._load(self.wire_staged, self.step)
         if is_adapter_step(self.manifest):
-            return await self._load_adapter(self.adapter_copy, self.step, self.manifest)
+            return await self.slot.load(self.adapter_copy, self.step, self.manifest)
         if self.settings.lora_name is not None:  # no adapter was served yet: the base model, step 0
-            return await self._remove_adapter()
+            return await self.slot.remove()
         if self.manifest is None:
             return await self._load(None, self.step)
         try:
@@ -419,69 +421,6 @@ class PolicyWeights:
             return await self._load(staged, self.step)
         finally:
             await release(staged)
-
-    async def _load_adapter(self, path: str, step: int, manifest: dict[str, Entry]) -> dict:
-        """Serve the adapter at `path`, the server's private copy of a step (rl.inference.staging), in place of the
-        served adapter, under the one adapter name. Needs generation held (see `_load`).
-
-        a. each worker reads the copy's files once, checked against `manifest`, and refuses an adapter that does not
-           fit the served LoRA layers (nothing is loaded then);
-        b. vLLM's `add_lora` loads the copy itself, in place (`load_inplace`), into the adapter's slot on every
-           worker (each its tensor-parallel part);
-        c. each worker reads that slot back and compares it with the tensors it checked in a (vLLM's read is a
-           second read of the copy: the comparison proves it got the same bytes).
-        Once verified, requests find the adapter in vLLM's model registry, and vLLM labels what it samples with
-        `step`. The report's checksum is `rl.adapter.adapter_checksum` of the files' tensors.
-        """
-        files = {name: [e.bytes, e.crc32] for name, e in manifest.items()}
-        report = _merge(await self.engine.collective_rpc("rl_read_adapter", args=(path, files)))
-        if not report["ok"]:
-            return report
-        reset = asyncio.create_task(self.engine.reset_prefix_cache(reset_running_requests=True))
-        try:
-            start = time.perf_counter()
-            try:
-                await self.engine.add_lora(self._lora_request(path, load_inplace=True))
-            except Exception as error:  # vLLM refused or failed to load it: the slot may hold anything now
-                return report | {"ok": False, "reloaded": True, "mismatched": [f"vLLM's add_lora failed: {error}"]}
-            reload_s = time.perf_counter() - start
-            verified = _merge(await self.engine.collective_rpc("rl_verify_adapter", args=(ADAPTER_ID,)))
-        finally:
-            await reset
-        report = report | verified | {"reloaded": True, "reload_s": round(reload_s, 3)}
-        if report["ok"]:
-            self._register_adapter(path)
-            await self.engine.update_weight_version(str(step))
-        return report
-
-    def _lora_request(self, path: str, load_inplace: bool):
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(lora_name=self.settings.lora_name, lora_int_id=ADAPTER_ID, lora_path=path,
-                           load_inplace=load_inplace)
-
-    def _register_adapter(self, path: str) -> None:
-        """Let requests select the served adapter by name. The registry's request rides on every later generation
-        request, so it must not ask for an in-place load: vLLM would reload the adapter from disk at every step."""
-        if self.models is None:
-            raise RuntimeError("this server has no OpenAI model registry to serve its adapter from")
-        self.models.lora_requests[self.settings.lora_name] = self._lora_request(path, load_inplace=False)
-
-    async def _remove_adapter(self) -> dict:
-        """Serve the base model as step 0 again, after an adapter that failed to load when none was served before."""
-        if self.models is not None:
-            self.models.lora_requests.pop(self.settings.lora_name, None)
-        try:
-            await self.engine.remove_lora(ADAPTER_ID)
-            still_loaded = ADAPTER_ID in await self.engine.list_loras()
-        except Exception as error:
-            return {"ok": False, "mismatched": [f"removing the adapter failed: {error}"], "differing": []}
-        if still_loaded:
-            return {"ok": False, "mismatched": ["vLLM still lists the adapter after removing it"], "differing": []}
-        await self.engine.reset_prefix_cache(reset_running_requests=True)
-        await self.engine.update_weight_version("0")
-        return {"ok": True, "mismatched": [], "differing": []}
-
 
 def is_adapter_step(manifest: dict[str, Entry] | None) -> bool:
     """Whether a step's files are a LoRA adapter (rl.adapter's layout) rather than full weights."""
@@ -498,32 +437,3 @@ def published_step(directory: OpenDir | Path) -> tuple[bytes, dict[str, Entry]]:
         if not name.endswith(".safetensors"):
             check_listed(directory, name, entry)
     return marker, manifest
-
-
-def _merge(reports: list[dict]) -> dict:
-    """One report from every worker's (one per tensor-parallel rank): ok only if all are and all verified the same
-    files' checksum; the problems of every worker, each named by its rank where there are several."""
-    first = dict(reports[0])
-    first["ok"] = all(r["ok"] for r in reports)
-    first["reloaded"] = any(r.get("reloaded", False) for r in reports)
-    if len(reports) > 1:
-        for key in ("mismatched", "differing"):
-            first[key] = [f"worker {r.get('tp_rank', i)}: {p}" for i, r in enumerate(reports) for p in r.get(key, [])]
-        if first["ok"] and len({r.get("checksum") for r in reports}) != 1:
-            first["ok"] = False
-            first["differing"] = ["the workers verified different files: checksums " +
-                                  ", ".join(str(r.get("checksum")) for r in reports)]
-        first["corrupt"] = next((r["corrupt"] for r in reports if r.get("corrupt")), None)
-        if all("device_bytes" in r for r in reports):  # what the worker that copied the most copied
-            first["device_bytes"] = max(r["device_bytes"] for r in reports)
-    return first
-
-
-def _why(report: dict) -> str:
-    problems = report.get("mismatched", []) + report.get("differing", [])
-    return "; ".join(problems[:5]) or "no reason reported"
-
-
-def _timings(report: dict) -> dict:
-    keys = ("files_s", "reload_s", "verify_s", "bytes_read", "device_bytes")
-    return {k: report[k] for k in keys if k in report}
