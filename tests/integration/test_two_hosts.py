@@ -139,3 +139,37 @@ def test_killing_one_host_ends_the_run_within_30s_naming_it(tiny_model, tmp_path
     print(f"host a ended {time.monotonic() - killed_at:.1f}s after host b was killed:\n{a.output[-1500:]}")
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert not leftover, f"processes still running: {leftover}"
+
+
+@needs_namespaces
+def test_weights_over_the_wire_cross_from_the_trainers_host_to_a_server_on_another(tiny_model, tmp_path, two_hosts):
+    """Host `a` runs the trainer and the orchestrator, host `b` the server: every step goes over gloo from a's
+    transfer store (bound to a's address only) to b, sealed with the secret both hosts were given, and b serves the
+    trainer's checksum of each."""
+    out, configs, port = tmp_path / "run", ROOT / "configs" / "reverse_text", free_port()
+    common = [
+        sys.executable, "-m", "rl.launcher.main",
+        "--trainer", "@", str(configs / "train.toml"), "--orchestrator", "@", str(configs / "orch.toml"),
+        "--inference", "@", str(configs / "infer.toml"),
+        "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "4", "--seq-len", "128",
+        "--orchestrator.batch-size", "32", "--inference.admin-token", TOKEN, "--inference.port", str(port),
+        "--transfer.transport", "gloo", "--transfer.host", two_hosts.address("a"), "--host-timeout-s", "10",
+    ]
+    secret = ["env", "RL_TRANSFER__SECRET=" + "5" * 64]  # as a job gives every host the same one
+    a = Launched(two_hosts.command("a", secret + common + [
+        "--roles", '["orchestrator", "trainer"]', "--host-name", "a", "--node-addr", two_hosts.address("a"),
+        "--orchestrator.client.base-urls", f'["http://{two_hosts.address("b")}:{port}"]']))
+    b = Launched(two_hosts.command("b", secret + common + [
+        "--roles", '["inference"]', "--host-name", "b", "--node-addr", two_hosts.address("b"),
+        "--inference.host", two_hosts.address("b")]))
+    try:
+        assert a.wait(timeout=900) == 0, a.output[-5000:] + "\n--- b ---\n" + b.output[-3000:]
+    finally:
+        b.stop()
+    metrics = read_metrics(RunPaths(out))
+    trainer = {m["step"]: m for m in metrics if m["process"] == "trainer"}
+    assert all(trainer[step]["weights_sent"] for step in range(4)), trainer
+    served = [c for m in metrics if m["process"] == "orchestrator" for c in m.get("served_checksums", [])]
+    assert served and set(served) <= {m["weights_checksum"] for m in trainer.values()}, (served, trainer)
+    assert "weights go over the wire (gloo): transfer store on " + two_hosts.address("a") in \
+        (out / "logs" / "a" / "trainer.log").read_text()
