@@ -659,3 +659,23 @@ def test_on_one_gpu_a_sparse_nccl_sender_compares_on_the_gpu_and_hashes_through_
     finally:
         sender.close()
     assert sender.pinned is None and sender.sent == {}
+
+
+def test_a_collective_sender_writes_a_steps_files_at_checkpoint_steps_only_and_never_step_0s(tmp_path):
+    """Over the wire files are written only where a resume needs them: the steps a checkpoint is taken after, not the
+    step-0 adapter offered at start-up."""
+    from rl.config import CkptConfig
+
+    written = []
+    publisher = SimpleNamespace(dtype=torch.float32, adapter_config=None,
+                                publish=lambda step, model: written.append(step))
+    config = SimpleNamespace(transfer=TransferConfig(transport="gloo", secret=SECRET), output_dir=tmp_path, max_steps=5,
+                             ckpt=CkptConfig(interval=2))
+    sender = CollectiveSender.create(config, publisher, single_rank_world(), first_step=0)
+    sender.send = lambda step, model: {"weights_sent": True}
+    try:
+        for step in range(6):
+            assert sender.publish(step, None) == {"weights_sent": True}
+    finally:
+        sender.close()
+    assert written == [2, 4, 5]

@@ -75,7 +75,8 @@ class CollectiveSender(Sender):
     def create(cls, config: TrainerConfig, publisher: WeightPublisher, world: World, first_step: int
                ) -> CollectiveSender:
         sender = cls(config.transfer, config.output_dir, world, publisher.dtype, first_step, publisher.adapter_config)
-        sender.files, sender.files_due = publisher, lambda step: config.ckpt.due(step, config.max_steps)
+        # a checkpoint's step goes as files too (a resume serves them); step 0 (the first adapter) never does
+        sender.files, sender.files_due = publisher, lambda step: step > 0 and config.ckpt.due(step, config.max_steps)
         return sender
 
     def check(self, model: torch.nn.Module) -> None:
