@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl.adapter import (  # noqa: E402
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, DEFAULT_TARGETS, adapter_checksum, adapter_config_bytes, tensor_name,
 )
-from rl.config import TransferConfig  # noqa: E402
+from rl.weights.config import TransferConfig  # noqa: E402
 from rl.protocol import RunPaths  # noqa: E402
 from rl.trainer.transfer import CollectiveSender  # noqa: E402
 from rl.weights.digest import tensor_bytes  # noqa: E402

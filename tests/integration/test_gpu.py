@@ -129,7 +129,7 @@ def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_ver
     step over NCCL into the first worker of a server (TP=2 on GPUs 1 and 2 where there are 3, else TP=1 on GPU 1),
     which stages it; every worker loads and verifies it with the trainer's checksum; a step altered on the way is
     refused before anything loads, and so is one from a sender without the run's secret."""
-    from rl.config import TransferConfig
+    from rl.weights.config import TransferConfig
     from rl.trainer.transfer import CollectiveSender
     from tests.integration.test_inference_tp import send_over_the_wire
     from tests.unit.test_transfer import SECRET

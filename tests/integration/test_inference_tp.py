@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl.config import TransferConfig
+from rl.weights.config import TransferConfig
 from rl.trainer.transfer import CollectiveSender
 from rl.weights.digest import TensorDigest
 from rl.weights.offers import offered_steps, read_offer, write_take

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl.config import TransferConfig
+from rl.weights.config import TransferConfig
 from rl.trainer.transfer import CollectiveSender
 from tests.integration.inference_server import Server
 from tests.integration.test_inference_tp import send_over_the_wire

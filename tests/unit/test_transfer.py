@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl.config import TransferConfig
+from rl.weights.config import TransferConfig
 from rl.inference.staging import WIRE_FILE, receive_weights
 from rl.manifest import CorruptFileError
 from rl.safetensors_io import tensors_of

@@ -16,7 +16,7 @@ import torch
 
 import rl.inference.staging
 import rl.trainer.transfer
-from rl.config import TransferConfig
+from rl.weights.config import TransferConfig
 from rl.inference.layout import ServedLayout
 from rl.inference.staging import receive_weights
 from rl.trainer.transfer import CollectiveSender

@@ -10,7 +10,8 @@ from pydantic import AfterValidator, Field
 from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import VLLM_MAX_RANKS
-from rl.config import ConfigError, ModelConfig, Section, Settings, TransferConfig
+from rl.config import ConfigError, ModelConfig, Section, Settings
+from rl.weights.config import TransferConfig
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 """Bind addresses only this host reaches: a server bound to one is private to the host. (Clients are judged

@@ -12,10 +12,12 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, PrivateAttr
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import CkptConfig, ConfigError, Section, Settings, TransferConfig, WandbConfig, optional_section
+from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig, optional_section
+from rl.weights.config import TransferConfig
 from rl.adapter import next_vllm_rank
 from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference_device
+from rl.launcher.wire import give_transfer_secret, place_transfer_store
 from rl.launcher.placement import HostPlan, PlacementConfig, given_base_urls
 from rl.orchestrator.config import OrchestratorConfig
 from rl.trainer.config import TrainerConfig, vllm_auto_dtype
@@ -297,32 +299,6 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
     config._device_choices = resolve_devices(t, i, host.devices.device)
     o.transfer.transport = t.transfer.transport  # as trainer and inference resolved it (the orchestrator has no device)
     return config
-
-
-def place_transfer_store(sections: dict[str, Any], host: HostPlan) -> None:
-    """Where the servers reach the trainer's transfer store (rank 0 offers it): a placed run's first trainer host
-    unless transfer.host is set; a run across hosts started by hand must name it, as 127.0.0.1 is this host."""
-    if any("host" in section.transfer.model_fields_set for section in sections.values()):
-        return
-    if host.trainer_addr is not None:
-        for section in sections.values():
-            section.transfer.host = host.trainer_addr
-    elif host.spans_hosts:
-        raise ConfigError("weights over the wire across hosts need --transfer.host: the address the servers reach "
-                          "the trainer's first host at (its rank 0 holds the transfer store); 127.0.0.1 is each host "
-                          "itself")
-
-
-def give_transfer_secret(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig, host: HostPlan) -> None:
-    """The secret that seals every step over the wire (rl/weights/digest.py): one per run, made here unless set, in
-    the trainer's and the servers' configs only (the orchestrator runs environments' code and needs none of it).
-    Every host of a run across hosts must hold the same one, so there it must be given."""
-    if t.transfer.secret is None and host.spans_hosts:
-        raise ConfigError("weights over the wire across hosts need the same transfer.secret on every host: export "
-                          "RL_TRANSFER__SECRET=$(openssl rand -hex 32) on each (--slurm and --k8s make one per job)")
-    secret = t.transfer.secret or secrets.token_hex(32)
-    t.transfer.secret = i.transfer.secret = secret
-    o.transfer.secret = None
 
 
 def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) -> None:

@@ -8,9 +8,8 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import (
-    ChatModelConfig, CkptConfig, EnvConfig, Section, Settings, TransferConfig, WandbConfig, check_env_labels,
-)
+from rl.config import ChatModelConfig, CkptConfig, EnvConfig, Section, Settings, WandbConfig, check_env_labels
+from rl.weights.config import TransferConfig
 
 GROUP_GAP_S = 0.003
 """How long a generate request waits for an identical one after the last joined (rl/orchestrator/engine_client.py).

@@ -10,9 +10,8 @@ from pydantic import BeforeValidator, Field
 from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import DEFAULT_TARGETS, VLLM_MAX_RANKS
-from rl.config import (
-    CkptConfig, ConfigError, ModelConfig, Section, Settings, TransferConfig, WandbConfig, optional_section,
-)
+from rl.config import CkptConfig, ConfigError, ModelConfig, Section, Settings, WandbConfig, optional_section
+from rl.weights.config import TransferConfig
 
 
 class OptimConfig(Section):

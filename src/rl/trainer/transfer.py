@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rl.adapter import adapter_checksum
-from rl.config import TransferConfig
+from rl.weights.config import TransferConfig
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_weight
 from rl.trainer.config import TrainerConfig
 from rl.trainer.weights import WeightPublisher, published_sources, weight_of
