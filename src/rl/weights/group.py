@@ -204,8 +204,8 @@ def run_token(store: dist.Store, deadline: Deadline) -> str:
 def open_group(store: dist.Store, step: int, rank: int, world_size: int, deadline: Deadline, backend: str,
                name: str) -> StepGroup:
     """The step's own group over `store` (gloo, or NCCL between GPUs: each member on its current CUDA device), whose
-    members all joined by the step's deadline. Its own timeout for any one collective is the whole of
-    `transfer.timeout_s` (it is kept for later steps); each wait on it takes its step's deadline."""
+    members all joined by the step's deadline. Its own timeout for any one collective is what was left of that
+    deadline when it formed; each wait on it, in this step or a later one that keeps it, takes that step's deadline."""
     prefixed = dist.PrefixStore(f"step_{step}/group", store)
     timeout = deadline.delta(f"the transfer group of step {step} formed")
     try:
