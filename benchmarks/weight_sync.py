@@ -8,12 +8,12 @@ inference server and, several times in turn:
 - lower bound: `safetensors.save_file` of the same tensors alone, plus the server's reload time alone
   (`reload_s`, measured inside the server around vLLM's in-place reload).
 
-- over the wire (`transfer.transport = "gloo"`, rl/weights/): the trainer's `CollectiveSender.send` (offer, take,
+- over the wire (`transfer.backend = "gloo"`, rl/weights/): the trainer's `CollectiveSender.send` (offer, take,
   the step's gloo group, every tensor broadcast into the server's memfd, the checksum) with the orchestrator's
   `POST /update_weights {"step", "transfer"}` (receive, check, reload, verify), timed from the offer to the answer;
 - its bound: a bare gloo broadcast of the same bytes, in one piece, to another (warm) process receiving into a
   fresh memfd as a server does, plus the server's reload time alone;
-- sparse over the wire (`sparse_gloo`): a step that changes `--changed` of the elements (2%: what peers report a
+- sparse over the wire (`transfer.sparse` over gloo): a step that changes `--changed` of the elements (2%: what peers report a
   bf16 step changes) sent as its changes against the step the server serves, timed as above.
 
 It prints the medians and their ratios (targets: publish-to-served <= 1.5x its bound for files; over the wire
@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl.adapter import (  # noqa: E402
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, DEFAULT_TARGETS, adapter_checksum, adapter_config_bytes, tensor_name,
 )
-from rl.weights.config import TransferConfig  # noqa: E402
+from rl.weights.config import CollectiveTransfer  # noqa: E402
 from rl.protocol import RunPaths  # noqa: E402
 from rl.trainer.transfer import CollectiveSender  # noqa: E402
 from rl.weights.digest import tensor_bytes  # noqa: E402
@@ -104,10 +104,10 @@ def measure_sync(root: Path, name: str, repeats: int, changed: float) -> dict:
     side_files = hf_side_files(config, tokenizer)
     base = load_file(str(model_dir / "model.safetensors"))
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}.log", timeout_s=900,
-                    toml=f'[transfer]\ntransport = "sparse_gloo"\nsecret = "{SECRET}"\n')  # takes steps every way
-    sender = CollectiveSender(TransferConfig(transport="gloo", secret=SECRET), paths.root, ONE_RANK, torch.float32,
+                    toml=f'[transfer]\nbackend = "gloo"\nsparse = true\nsecret = "{SECRET}"\n')  # takes steps every way
+    sender = CollectiveSender(CollectiveTransfer(backend="gloo", secret=SECRET), paths.root, ONE_RANK, torch.float32,
                               first_step=1)
-    sparse_sender = CollectiveSender(TransferConfig(transport="sparse_gloo", secret=SECRET), paths.root, ONE_RANK,
+    sparse_sender = CollectiveSender(CollectiveTransfer(backend="gloo", sparse=True, secret=SECRET), paths.root, ONE_RANK,
                                      torch.float32, first_step=1)
     bare = BareReceiver(sum(t.numel() * t.element_size() for t in perturbed(base, 0).values()), repeats)
     totals, bounds, parts, wire, wire_bounds, sparse, sparse_bytes = [], [], [], [], [], [], []
@@ -250,8 +250,8 @@ def measure_adapter_sync(root: Path, name: str, repeats: int, rank: int = 16) ->
     paths.weights_root.mkdir(parents=True)
     config = adapter_config_bytes(str(model_dir), rank, 2.0 * rank, 0.0, DEFAULT_TARGETS)
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}_lora.log", timeout_s=900,
-                    toml=f"[lora]\nmax_rank = {rank}\n[transfer]\ntransport = \"gloo\"\nsecret = \"{SECRET}\"\n")
-    sender = CollectiveSender(TransferConfig(transport="gloo", secret=SECRET), paths.root, ONE_RANK, torch.float32,
+                    toml=f"[lora]\nmax_rank = {rank}\n[transfer]\nbackend = \"gloo\"\nsecret = \"{SECRET}\"\n")
+    sender = CollectiveSender(CollectiveTransfer(backend="gloo", secret=SECRET), paths.root, ONE_RANK, torch.float32,
                               first_step=0, adapter_config=config)
     totals, reloads, sizes, wire = [], [], [], []
     try:

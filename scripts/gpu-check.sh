@@ -47,14 +47,14 @@ part rl-run-nccl uv run rl \
   --orchestrator @ configs/reverse_text/orch.toml \
   --inference @ configs/reverse_text/infer.toml \
   --model.name "$model" --trainer.optim.lr 1e-6 --max-steps 5 --seq-len 512 \
-  --trainer-gpus 1 --inference-gpus 1 --transfer.transport nccl --output-dir "$out/run-nccl"
-# and with only the changed elements sent (sparse_nccl): which steps went as changes, and their share of the bytes
+  --trainer-gpus 1 --inference-gpus 1 --transfer.backend nccl --output-dir "$out/run-nccl"
+# and with only the changed elements sent (transfer.sparse over NCCL): which steps went as changes, and their share of the bytes
 part rl-run-sparse-nccl uv run rl \
   --trainer @ configs/reverse_text/train.toml \
   --orchestrator @ configs/reverse_text/orch.toml \
   --inference @ configs/reverse_text/infer.toml \
   --model.name "$model" --trainer.optim.lr 1e-6 --max-steps 5 --seq-len 512 \
-  --trainer-gpus 1 --inference-gpus 1 --transfer.transport sparse_nccl --output-dir "$out/run-sparse-nccl"
+  --trainer-gpus 1 --inference-gpus 1 --transfer.backend nccl --transfer.sparse true --output-dir "$out/run-sparse-nccl"
 part sparse-figures uv run python - "$out/run-sparse-nccl" <<'PY'
 import json, sys
 from pathlib import Path
@@ -65,7 +65,7 @@ if not path.is_file():
 trainer = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("process") == "trainer"]
 whole = max(r["transfer_bytes"] for r in trainer)  # step 0 goes whole: the server served files
 shares = [f"{r['transfer_bytes'] / whole:.1%}" if r["transfer_sparse"] else "whole" for r in trainer]
-print(f"gpu-check: sparse_nccl bytes sent per step, of the whole step's {whole / 2**20:.0f} MiB: {', '.join(shares)}")
+print(f"gpu-check: sparse NCCL bytes sent per step, of the whole step's {whole / 2**20:.0f} MiB: {', '.join(shares)}")
 if not any(r["transfer_sparse"] for r in trainer):
     sys.exit("gpu-check: no step went as its changes")
 PY

@@ -1,4 +1,4 @@
-"""Faults with weights over the wire (`--transfer.transport gloo`): the server SIGKILLed while a step arrives, then the
+"""Faults with weights over the wire (`--transfer.backend gloo`): the server SIGKILLed while a step arrives, then the
 trainer SIGKILLed while it sends one (each held there by the `during_receive` test hook, so the kill lands mid-
 transfer for certain); each time the run ends within 60 s naming the dead process and leaves nothing behind, and
 `--resume` continues from the last checkpoint: the new servers load its files, then take every later step over the
@@ -37,7 +37,7 @@ def test_a_server_then_the_trainer_killed_mid_transfer_then_resumed(tiny_model, 
     monkeypatch.setenv("RL_TEST_HOOK_DIR", str(hooks))
     out = tmp_path / "run"
     paths = RunPaths(out)
-    extra = ["--transfer.transport", "gloo", "--ckpt.interval", "2"]
+    extra = ["--transfer.backend", "gloo", "--ckpt.interval", "2"]
     resumed_from = 0
     for victim in ("inference", "trainer"):
         run = Launched(rl_command(tiny_model, out, MAX_STEPS, *extra, *(["--resume"] if resumed_from else [])))

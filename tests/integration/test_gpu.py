@@ -125,11 +125,11 @@ def test_a_tp2_cuda_server_reloads_verifies_each_shard_and_rolls_back_a_wrong_on
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: the sender on one, the server on another")
 def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_verifies_it_on_every_worker(tmp_path):
-    """`transfer.transport = nccl` end to end on GPUs: the trainer's sender (this process, cuda:0) broadcasts a bf16
+    """`transfer.backend = "nccl"` end to end on GPUs: the trainer's sender (this process, cuda:0) broadcasts a bf16
     step over NCCL into the first worker of a server (TP=2 on GPUs 1 and 2 where there are 3, else TP=1 on GPU 1),
     which stages it; every worker loads and verifies it with the trainer's checksum; a step altered on the way is
     refused before anything loads, and so is one from a sender without the run's secret."""
-    from rl.weights.config import TransferConfig
+    from rl.weights.config import CollectiveTransfer
     from rl.trainer.transfer import CollectiveSender
     from tests.integration.test_inference_tp import send_over_the_wire
     from tests.unit.test_transfer import SECRET
@@ -141,14 +141,14 @@ def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_ver
     hooks.mkdir()
     tp = 2 if torch.cuda.device_count() >= 3 else 1
     server = Server(model_dir, paths.weights_root, tmp_path / "inference.log",
-                    toml=f'tensor_parallel_size = {tp}\ngpu_memory_utilization = 0.4\n[transfer]\ntransport = "nccl"\n'
+                    toml=f'tensor_parallel_size = {tp}\ngpu_memory_utilization = 0.4\n[transfer]\nbackend = "nccl"\n'
                          f'secret = "{SECRET}"\n',
                     env={"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(1, tp + 1)),
                          "RL_TEST_HOOK_DIR": str(hooks)})
     world = type("World", (), {"is_main": True, "rank": 0, "world_size": 1, "on_gpu": True,
                                "device": torch.device("cuda", 0), "all_reduce": lambda self, v, op="sum": v})()
     torch.cuda.set_device(0)
-    wire = TransferConfig(transport="nccl", secret=SECRET, timeout_s=60, offer_timeout_s=120)
+    wire = CollectiveTransfer(backend="nccl", secret=SECRET, timeout_s=60, offer_timeout_s=120)
     sender = CollectiveSender(wire, tmp_path / "wire", world, torch.bfloat16, first_step=0)
     try:
         base = load_file(str(model_dir / "model.safetensors"))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl.weights.config import TransferConfig
+from rl.weights.config import CollectiveTransfer
 from rl.trainer.transfer import CollectiveSender
 from rl.weights.digest import TensorDigest
 from rl.weights.offers import offered_steps, read_offer, write_take
@@ -42,7 +42,7 @@ def servers(run_dir):
     started: dict[int, Server] = {}
 
     def start(tp: int):  # the TP=2 server takes steps over the wire too, whole or as changes
-        wire = f'[transfer]\ntransport = "sparse_gloo"\nsecret = "{SECRET}"\n' if tp == 2 else ""
+        wire = f'[transfer]\nbackend = "gloo"\nsparse = true\nsecret = "{SECRET}"\n' if tp == 2 else ""
         started[tp] = Server(run_dir / "model", run_dir / "weights", run_dir / f"inference-tp{tp}.log",
                              toml=f"tensor_parallel_size = {tp}\n{wire}",
                              env={"RL_TEST_HOOK_DIR": str(run_dir / "hooks")})
@@ -222,7 +222,7 @@ def test_a_step_the_first_worker_receives_loads_on_both_workers_and_one_altered_
     tp1, tp2 = servers
     step_dir = perturbed_step(run_dir, 20, seed=20)  # steps 20 to 22: no other test of this module's
     tensors = list(load_file(step_dir / "model.safetensors").items())
-    config = TransferConfig(transport="sparse_gloo", secret=SECRET, timeout_s=30, offer_timeout_s=60)
+    config = CollectiveTransfer(backend="gloo", sparse=True, secret=SECRET, timeout_s=30, offer_timeout_s=60)
     sender = CollectiveSender(config, run_dir / "wire", single_rank_world(), torch.float32, first_step=0)
     try:
         served, before = tp2.admin("GET", "/policy_step").json(), greedy(tp2)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 def test_a_lora_run_serves_the_adapters_the_trainer_sent(tiny_model, tmp_path):
     out = tmp_path / "run"
     run = Launched(rl_command(tiny_model, out, 3, "--trainer.lora.rank", "8", "--trainer.optim.lr", "5e-3",
-                              "--inference.tensor-parallel-size", "2", "--transfer.transport", "gloo"))
+                              "--inference.tensor-parallel-size", "2", "--transfer.backend", "gloo"))
     assert run.wait(timeout=900) == 0, run.output[-5000:]
     paths = RunPaths(out)
     metrics = read_metrics(paths)

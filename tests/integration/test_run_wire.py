@@ -1,4 +1,4 @@
-"""The whole loop with weights over the wire (`--transfer.transport gloo`): torchrun trainer (2 ranks), orchestrator,
+"""The whole loop with weights over the wire (`--transfer.backend gloo`): torchrun trainer (2 ranks), orchestrator,
 two vLLM servers; every step is broadcast from trainer rank 0 into both servers, no weights file written but the
 final checkpoint's. LoRA adapters over the wire, into a tensor-parallel server: test_run_lora.py; faults:
 test_faults_wire.py."""
@@ -23,7 +23,7 @@ def test_four_steps_over_the_wire_to_two_servers_one_refusing_an_altered_step(ti
     (hooks / "corrupt_receive").write_text(ALTERED)  # one server (whichever receives first) gets step 1 altered
     monkeypatch.setenv("RL_TEST_HOOK_DIR", str(hooks))
     out = tmp_path / "run"
-    run = Launched(rl_command(tiny_model, out, 4, "--inference-replicas", "2", "--transfer.transport", "gloo"))
+    run = Launched(rl_command(tiny_model, out, 4, "--inference-replicas", "2", "--transfer.backend", "gloo"))
     code = run.wait(timeout=900)
     assert code == 0, run.output[-5000:]
     paths = RunPaths(out)

@@ -2,7 +2,7 @@
 killed while a step arrives (held there by the `during_receive` test hook, so the kill lands mid-transfer for
 certain): the step fails by its deadlines and the run goes on; the orchestrator sees another instance answer, gives
 it no requests until the trainer's next offer brings it up to date, makes again the groups it lost, and the run
-reaches its end with every step once. Steps go as their changes (`sparse_gloo`) while the server serves the step
+reaches its end with every step once. Steps go as their changes (`transfer.sparse` over gloo) while the server serves the step
 sent last, and whole to the restarted server; served in bf16 at an RL learning rate (1e-6), a step changes few
 elements, as on GPUs."""
 
@@ -20,7 +20,7 @@ from tests.integration.launched import Launched, rl_command
 pytestmark = pytest.mark.integration
 MAX_STEPS = 8
 SECRET = "the secret of this test's run"  # the server runs apart from rl, so both are given it
-WIRE = f'dtype = "bfloat16"\n[transfer]\ntransport = "sparse_gloo"\nsecret = "{SECRET}"\n'
+WIRE = f'dtype = "bfloat16"\n[transfer]\nbackend = "gloo"\nsparse = true\nsecret = "{SECRET}"\n'
 
 
 def wait_for_step(run: Launched, paths: RunPaths, step: int, timeout_s: float = 600) -> None:
@@ -38,7 +38,7 @@ def test_a_server_restarted_mid_run_rejoins_at_the_next_offer(tiny_model, tmp_pa
     server = Server(tiny_model, out / "weights", tmp_path / "inference-1.log", toml=WIRE,
                     env={HOOK_DIR_ENV: str(hooks)})
     roles = ["--roles", '["orchestrator", "trainer"]', "--orchestrator.client.base-urls", f'["{server.url}"]',
-             "--inference.admin-token", server.token, "--transfer.transport", "sparse_gloo",
+             "--inference.admin-token", server.token, "--transfer.backend", "gloo", "--transfer.sparse", "true",
              "--transfer.host", "127.0.0.1", "--transfer.secret", SECRET, "--inference.dtype", "bfloat16",
              "--trainer.optim.lr", "1e-6"]
     run = Launched(rl_command(tiny_model, out, MAX_STEPS, *roles))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rl.weights.config import TransferConfig
+from rl.weights.config import CollectiveTransfer
 from rl.trainer.transfer import CollectiveSender
 from tests.integration.inference_server import Server
 from tests.integration.test_inference_tp import send_over_the_wire
@@ -20,7 +20,7 @@ from tests.unit.test_transfer import single_rank_world
 
 pytestmark = pytest.mark.integration
 SECRET = "the secret of this module's run"
-WIRE = f'[transfer]\ntransport = "gloo"\nsecret = "{SECRET}"\n'
+WIRE = f'[transfer]\nbackend = "gloo"\nsecret = "{SECRET}"\n'
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def server(tiny_model, tmp_path_factory):
 
 
 def sender(wire_dir, secret: str, timeout_s: float = 10) -> CollectiveSender:
-    config = TransferConfig(transport="gloo", secret=secret, timeout_s=timeout_s, offer_timeout_s=60)
+    config = CollectiveTransfer(backend="gloo", secret=secret, timeout_s=timeout_s, offer_timeout_s=60)
     return CollectiveSender(config, wire_dir, single_rank_world(), torch.float32, first_step=0)
 
 

@@ -153,7 +153,7 @@ def test_weights_over_the_wire_cross_from_the_trainers_host_to_a_server_on_anoth
         "--inference", "@", str(configs / "infer.toml"),
         "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "4", "--seq-len", "128",
         "--orchestrator.batch-size", "32", "--inference.admin-token", TOKEN, "--inference.port", str(port),
-        "--transfer.transport", "gloo", "--transfer.host", two_hosts.address("a"), "--host-timeout-s", "10",
+        "--transfer.backend", "gloo", "--transfer.host", two_hosts.address("a"), "--host-timeout-s", "10",
     ]
     secret = ["env", "RL_TRANSFER__SECRET=" + "5" * 64]  # as a job gives every host the same one
     a = Launched(two_hosts.command("a", secret + common + [

@@ -438,7 +438,7 @@ def test_the_slurm_job_takes_the_api_key_from_its_environment_and_no_file(tmp_pa
 
 
 def test_weights_over_the_wire_reach_every_pod_and_node_with_one_secret_and_no_file_holds_it(tmp_path, monkeypatch):
-    documents = rendered_k8s(tmp_path, "--transfer.transport", "gloo")
+    documents = rendered_k8s(tmp_path, "--transfer.backend", "gloo")
     secrets = {d["metadata"]["name"]: d["stringData"] for d in documents if d["kind"] == "Secret"}
     secret = secrets["rl-transfer-secret"]["secret"]
     assert re.fullmatch(r"[0-9a-f]{64}", secret)
@@ -449,7 +449,7 @@ def test_weights_over_the_wire_reach_every_pod_and_node_with_one_secret_and_no_f
             in job["spec"]["template"]["spec"]["containers"][0]["env"]
 
     config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm",
-                                             "--transfer.transport", "gloo"])
+                                             "--transfer.backend", "gloo"])
     script = slurm_job(config, RunPaths(config.output_dir))
     seen = tmp_path / "seen"  # each node's step records the secret in its environment
     stubs = ('scontrol() { printf "%s\\n" n1 n2; }\n'

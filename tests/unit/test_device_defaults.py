@@ -42,7 +42,7 @@ def test_trainer_cpu_defaults_stay_float32_without_checkpointing():
     assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("float32", False, "float32")
     assert config.loss.mismatch == NoMismatchCorrection()
     assert why == {"dtype": "auto: CPU", "activation_checkpointing": "auto: CPU", "loss.mismatch": "auto: CPU",
-                   "publish_dtype": "auto: CPU", "transfer.transport": "set by you"}
+                   "publish_dtype": "auto: CPU", "transfer.way": "set by you"}
 
 
 def test_trainer_cuda_defaults_are_bf16_with_checkpointing_and_publish_what_vllm_serves(tmp_path):
@@ -85,13 +85,13 @@ def test_on_a_real_cuda_host_the_trainer_masks_the_mismatch_and_computes_in_bf16
 def test_inference_defaults_by_device_and_the_users_values_win():
     cpu, cuda = InferenceConfig(), InferenceConfig()
     assert resolve_inference(cpu, "cpu") == dict.fromkeys(["dtype", "enforce_eager", "log_stats"], "auto: CPU") | {
-        "transfer.transport": "set by you"}
+        "transfer.way": "set by you"}
     assert (cpu.dtype, cpu.enforce_eager, cpu.log_stats) == ("float32", True, False)
     resolve_inference(cuda, "cuda")
     assert (cuda.dtype, cuda.enforce_eager, cuda.log_stats) == ("auto", False, True)
     mine = InferenceConfig(dtype="float32", enforce_eager=True, log_stats=True)
     assert resolve_inference(mine, "cpu") == {"dtype": "set by you", "enforce_eager": "set by you",
-                                              "log_stats": "set by you", "transfer.transport": "set by you"}
+                                              "log_stats": "set by you", "transfer.way": "set by you"}
     assert (mine.dtype, mine.enforce_eager, mine.log_stats) == ("float32", True, True)
     assert "--disable-log-stats" in vllm_argv(cpu, "/m", 0.2, []) and "--disable-log-stats" not in vllm_argv(
         cuda, "/m", 0.9, []) + vllm_argv(mine, "/m", 0.2, [])
@@ -153,23 +153,23 @@ def test_launcher_keeps_cpu_defaults_for_a_cpu_plan():
 
 def test_weights_over_nccl_need_a_gpu_plan_and_cpu_plans_are_told_to_use_gloo(tmp_path):
     model = model_dir(tmp_path, torch_dtype="bfloat16")
-    r = resolved(parse_config(RLConfig, ["--model.name", model, "--transfer.transport", "nccl"]), GPU_PLAN)
-    assert r.trainer.transfer.transport == r.inference.transfer.transport == r.orchestrator.transfer.transport == "nccl"
+    r = resolved(parse_config(RLConfig, ["--model.name", model, "--transfer.backend", "nccl"]), GPU_PLAN)
+    assert r.trainer.transfer.way == r.inference.transfer.way == r.orchestrator.transfer.way == "nccl"
     with pytest.raises(ConfigError, match="'nccl' needs CUDA GPUs, but the inference runs on cpu: use 'gloo'"):
-        resolved(parse_config(RLConfig, ["--transfer.transport", "nccl"]), cpu_plan(1, 1))
+        resolved(parse_config(RLConfig, ["--transfer.backend", "nccl"]), cpu_plan(1, 1))
 
 
-@pytest.mark.parametrize("asked, on_gpu, on_cpu", [("collective", "nccl", "gloo"),
-                                                   ("sparse", "sparse_nccl", "sparse_gloo")])
-def test_a_transport_left_to_the_device_is_nccls_on_gpus_and_gloos_on_cpus(tmp_path, asked, on_gpu, on_cpu):
+@pytest.mark.parametrize("asked, sparse", [(("--transfer.type", "collective"), False),
+                                           (("--transfer.sparse", "true"), True)])
+def test_a_backend_left_to_the_device_is_nccl_on_gpus_and_gloo_on_cpus(tmp_path, asked, sparse):
     model = model_dir(tmp_path, torch_dtype="bfloat16")
-    for plan, chosen, why in ((GPU_PLAN, on_gpu, f"{asked}: CUDA"), (cpu_plan(1, 1), on_cpu, f"{asked}: CPU")):
-        r = resolved(parse_config(RLConfig, ["--model.name", model, "--transfer.transport", asked]), plan)
-        assert {r.trainer.transfer.transport, r.inference.transfer.transport, r.orchestrator.transfer.transport} == {
-            chosen}
-        assert r.device_choices["trainer.transfer.transport"] == r.device_choices["inference.transfer.transport"] == why
-    r = resolved(parse_config(RLConfig, ["--model.name", model, "--transfer.transport", on_cpu]), cpu_plan(1, 1))
-    assert r.device_choices["trainer.transfer.transport"] == "set by you"
+    for plan, chosen, why in ((GPU_PLAN, "nccl", "auto: CUDA"), (cpu_plan(1, 1), "gloo", "auto: CPU")):
+        r = resolved(parse_config(RLConfig, ["--model.name", model, *asked]), plan)
+        sections = (r.trainer.transfer, r.inference.transfer, r.orchestrator.transfer)
+        assert {(s.type, s.way, s.sparse) for s in sections} == {("collective", chosen, sparse)}
+        assert r.device_choices["trainer.transfer.way"] == r.device_choices["inference.transfer.way"] == why
+    r = resolved(parse_config(RLConfig, ["--model.name", model, "--transfer.backend", "gloo"]), cpu_plan(1, 1))
+    assert r.device_choices["trainer.transfer.way"] == "set by you"
 
 
 def test_an_explicit_inference_dtype_sets_the_publish_dtype_and_a_conflict_names_both(tmp_path):

@@ -35,7 +35,7 @@ class FakePool:
 
 def orchestrator(tmp_path, pool: FakePool, collective: bool = False) -> Orchestrator:
     config = OrchestratorConfig(output_dir=tmp_path, client={"base_urls": ["http://a:8000", "http://b:8000"]},
-                                transfer={"transport": "gloo" if collective else "filesystem"})
+                                transfer={"type": "collective" if collective else "filesystem"})
     o = Orchestrator.__new__(Orchestrator)  # no environments: only the server bookkeeping is exercised
     o.config, o.logger, o.pool, o.paths = config, logging.getLogger("test"), pool, RunPaths(tmp_path)
     o.servers = ServerBoard(pool, config.client, o.logger)

@@ -6,6 +6,7 @@ import pytest
 from rl.config import ConfigError, parse_config
 from rl.launcher.config import RLConfig
 from rl.launcher.placement import PlacementConfig, plan
+from rl.weights.config import FilesTransfer
 
 
 def run(*argv: str) -> RLConfig:
@@ -131,7 +132,7 @@ def test_a_tp_size_that_does_not_divide_the_inference_share_of_a_shared_host_is_
 def test_weights_over_the_wire_reach_the_placed_trainers_first_host_unless_transfer_host_is_set():
     from rl.launcher.config import resolve
 
-    wire = ("--transfer.transport", "gloo", "--inference.admin-token", "t", "--transfer.secret", "s" * 32)
+    wire = ("--transfer.backend", "gloo", "--inference.admin-token", "t", "--transfer.secret", "s" * 32)
     config = run(*wire)
     hosts = plan(config, topology(4, inference_hosts=2, trainer_hosts=2))
     assert {h.trainer_addr for h in hosts} == {"h2"}  # rank 0 of the trainer holds the transfer store
@@ -140,7 +141,7 @@ def test_weights_over_the_wire_reach_the_placed_trainers_first_host_unless_trans
         assert {s.transfer.host for s in (resolved.trainer, resolved.orchestrator, resolved.inference)} == {"h2"}
     chosen = run(*wire, "--transfer.host", "10.0.0.7")
     assert resolve(chosen, hosts[0]).trainer.transfer.host == "10.0.0.7"
-    assert resolve(run("--inference.admin-token", "t"), hosts[0]).trainer.transfer.host == "127.0.0.1"  # files
+    assert resolve(run("--inference.admin-token", "t"), hosts[0]).trainer.transfer == FilesTransfer()  # no store to place
 
 
 def test_weights_over_the_wire_across_hosts_started_by_hand_need_transfer_host():
@@ -148,14 +149,14 @@ def test_weights_over_the_wire_across_hosts_started_by_hand_need_transfer_host()
     from rl.launcher.devices import DevicePlan
     from rl.launcher.placement import given_host
 
-    by_hand = ("--roles", '["trainer"]', "--inference.admin-token", "t", "--transfer.transport", "gloo",
+    by_hand = ("--roles", '["trainer"]', "--inference.admin-token", "t", "--transfer.backend", "gloo",
                "--transfer.secret", "s" * 32)
     config = run(*by_hand)
     with pytest.raises(ConfigError, match="need --transfer.host"):
         resolve(config, given_host(config, DevicePlan(1, [], [])))
     config = run(*by_hand, "--transfer.host", "trainer-a")
     assert resolve(config, given_host(config, DevicePlan(1, [], []))).inference.transfer.host == "trainer-a"
-    alone = run("--transfer.transport", "gloo")
+    alone = run("--transfer.backend", "gloo")
     assert resolve(alone, given_host(alone, DevicePlan(1, [], [[]]))).trainer.transfer.host == "127.0.0.1"
 
 
@@ -165,7 +166,7 @@ def test_weights_over_the_wire_get_a_secret_per_run_that_only_trainer_and_server
     from rl.launcher.placement import given_host
 
     def resolved(*argv):
-        config = run("--transfer.transport", "gloo", *argv)
+        config = run("--transfer.backend", "gloo", *argv)
         return resolve(config, given_host(config, DevicePlan(1, [], [[]])))
 
     first, second = resolved(), resolved()
@@ -174,6 +175,6 @@ def test_weights_over_the_wire_get_a_secret_per_run_that_only_trainer_and_server
     assert second.trainer.transfer.secret != first.trainer.transfer.secret
     given = resolved("--transfer.secret", "s" * 32)
     assert given.inference.transfer.secret == "s" * 32 and given.orchestrator.transfer.secret is None
-    hosts = plan(run("--transfer.transport", "gloo", "--inference.admin-token", "t"), topology(2, inference_hosts=1))
+    hosts = plan(run("--transfer.backend", "gloo", "--inference.admin-token", "t"), topology(2, inference_hosts=1))
     with pytest.raises(ConfigError, match="need the same transfer.secret on every host"):
-        resolve(run("--transfer.transport", "gloo", "--inference.admin-token", "t"), hosts[0])
+        resolve(run("--transfer.backend", "gloo", "--inference.admin-token", "t"), hosts[0])

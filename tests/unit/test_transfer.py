@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl.weights.config import TransferConfig
+from rl.weights.config import CollectiveTransfer
 from rl.inference.staging import WIRE_FILE, receive_weights
 from rl.manifest import CorruptFileError
 from rl.safetensors_io import tensors_of
@@ -87,8 +87,8 @@ def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=1
     return stats, results
 
 
-def one_rank_sender(tmp_path, transport: str):
-    config = TransferConfig(transport=transport, secret=SECRET, timeout_s=5, offer_timeout_s=10)
+def one_rank_sender(tmp_path, sparse: bool):
+    config = CollectiveTransfer(backend="gloo", sparse=sparse, secret=SECRET, timeout_s=5, offer_timeout_s=10)
     sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
     yield sender
     sender.close()
@@ -96,7 +96,7 @@ def one_rank_sender(tmp_path, transport: str):
 
 @pytest.fixture
 def sender(tmp_path):
-    yield from one_rank_sender(tmp_path, "gloo")
+    yield from one_rank_sender(tmp_path, sparse=False)
 
 
 def test_every_server_receives_the_step_bit_for_bit_with_the_trainers_checksum(tmp_path, sender):
@@ -165,7 +165,7 @@ def test_a_group_kept_by_a_trainer_that_resumed_is_never_taken_for_the_new_train
     the servers still hold. Here server 1 holds the old trainer's group formed at step 1, at rank 1 of 2, and the
     resumed trainer formed its own group at step 1 too (with another server, at the same ranks): by step and ranks
     alone the two would pass for one, and server 1 would wait on a trainer that is gone."""
-    config = TransferConfig(transport="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=10)
+    config = CollectiveTransfer(backend="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=10)
     old_group, new_group = {1: GroupKeeper()}, {1: GroupKeeper()}
 
     def step_through(sender, step, keepers):
@@ -335,7 +335,7 @@ def receive_weights_as(spec: GroupSpec, group_step: int, asked_step: int):
 
 
 def test_the_trainer_gives_up_on_an_offer_nobody_takes(tmp_path):
-    config = TransferConfig(transport="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=0.5)
+    config = CollectiveTransfer(backend="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=0.5)
     sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
     with pytest.raises(TransferError, match="waited 0 s for the orchestrator to take the weights of step 1"):
         sender.send(1, TinyLM())
@@ -347,7 +347,7 @@ def test_an_adapter_arrives_with_its_config_and_is_written_as_a_checked_private_
     from rl.manifest import read_listed
 
     config = b'{"peft_type": "LORA", "r": 2}'
-    wire = TransferConfig(transport="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=10)
+    wire = CollectiveTransfer(backend="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=10)
     sender = CollectiveSender(wire, tmp_path, single_rank_world(), torch.float32, first_step=0, adapter_config=config)
     adapter = {"base_model.model.q_proj.lora_A.weight": torch.randn(2, 8),
                "base_model.model.q_proj.lora_B.weight": torch.zeros(8, 2)}
@@ -375,13 +375,12 @@ def test_nccl_is_refused_where_there_is_no_gpu_naming_gloo():
     from rl.config import ConfigError
 
     with pytest.raises(ConfigError, match="'nccl' needs CUDA GPUs, but the inference runs on cpu: use 'gloo'"):
-        TransferConfig(transport="nccl").check_device("cpu", "inference")
-    TransferConfig(transport="nccl").check_device("cuda", "trainer")
-    with pytest.raises(ConfigError, match="'sparse_nccl' needs CUDA GPUs, but the trainer runs on cpu: use "
-                                          "'sparse_gloo'"):
-        TransferConfig(transport="sparse_nccl").check_device("cpu", "trainer")
+        CollectiveTransfer(backend="nccl").resolve_device("cpu", "inference")
+    assert CollectiveTransfer(backend="nccl").resolve_device("cuda", "trainer") == "set by you"
+    with pytest.raises(ConfigError, match="'nccl' needs CUDA GPUs, but the trainer runs on cpu: use 'gloo'"):
+        CollectiveTransfer(backend="nccl", sparse=True).resolve_device("cpu", "trainer")
     with pytest.raises(TransferError, match="needs the trainer on CUDA GPUs"):
-        CollectiveSender(TransferConfig(transport="nccl", secret=SECRET), Path("unused"),
+        CollectiveSender(CollectiveTransfer(backend="nccl", secret=SECRET), Path("unused"),
                          SimpleNamespace(is_main=True, on_gpu=False, device=torch.device("cpu")), torch.float32, 0)
 
 
@@ -408,19 +407,19 @@ keeper.drop()
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: NCCL will not join two ranks on one GPU")
-@pytest.mark.parametrize("transport", ["nccl", "sparse_nccl"])
+@pytest.mark.parametrize("sparse", [False, True])
 def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_with_the_trainers_checksum(tmp_path,
-                                                                                                      transport):
+                                                                                                      sparse):
     """The GPU path of rl.weights: the trainer's sender broadcasts from cuda:0 over NCCL, a receiver process on
     cuda:1 (as a server's first worker) gets it into its GPU and stages it; both hash the same bytes. The NCCL group
-    formed for the first step carries the second; with sparse_nccl the second goes as its changes."""
+    formed for the first step carries the second; sparse, the second goes as its changes."""
     import subprocess
     import sys
 
     world = SimpleNamespace(is_main=True, rank=0, world_size=1, on_gpu=True, device=torch.device("cuda", 0),
                             all_reduce=lambda values, op="sum": values)
     torch.cuda.set_device(0)
-    wire = TransferConfig(transport=transport, secret=SECRET, timeout_s=60, offer_timeout_s=60)
+    wire = CollectiveTransfer(backend="nccl", sparse=sparse, secret=SECRET, timeout_s=60, offer_timeout_s=60)
     sender = CollectiveSender(wire, tmp_path, world, torch.bfloat16, first_step=0)
     model = TinyLM().cuda()
     stats: dict = {}
@@ -457,7 +456,7 @@ def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_wit
     assert checksums == {step: stats[step]["weights_checksum"] for step in (1, 2)}
     assert checksums[1] != checksums[2]
     assert "formed 1" in out and sender.groups.formed == 1
-    assert [stats[step]["transfer_sparse"] for step in (1, 2)] == [False, transport == "sparse_nccl"]
+    assert [stats[step]["transfer_sparse"] for step in (1, 2)] == [False, sparse]
 
 
 def changed_a_little(model: TinyLM) -> None:
@@ -477,7 +476,7 @@ def expect_served(model: TinyLM, received) -> None:
 
 @pytest.fixture
 def sparse_sender(tmp_path):
-    yield from one_rank_sender(tmp_path, "sparse_gloo")
+    yield from one_rank_sender(tmp_path, sparse=True)
 
 
 def close_all(*results) -> None:
@@ -609,9 +608,10 @@ def test_a_sparse_sender_refuses_a_host_copy_the_host_cannot_hold(sparse_sender,
     served = (16 * 8 + 8 * 8 + 8 + 16 * 8) * 4  # the embedding, the projection and its bias, the tied head
     sparse_sender.check_host_memory(model, available=2 * served)
     with pytest.raises(TransferError, match=r"keeps a host copy of the served weights on trainer rank 0 \(0.0 GiB\), "
-                                            r"but this host has 0.0 GiB available: use 'gloo'"):
+                                            r"but this host has 0.0 GiB available: use "
+                                            r"transfer.sparse = false"):
         sparse_sender.check_host_memory(model, available=served)
-    whole = CollectiveSender(TransferConfig(transport="gloo", secret=SECRET), tmp_path / "whole", single_rank_world(),
+    whole = CollectiveSender(CollectiveTransfer(backend="gloo", secret=SECRET), tmp_path / "whole", single_rank_world(),
                              torch.float32, first_step=0)
     try:
         whole.check_host_memory(model, available=1)  # a whole step keeps no copy
@@ -632,7 +632,7 @@ def test_on_one_gpu_a_sparse_nccl_sender_compares_on_the_gpu_and_hashes_through_
     monkeypatch.setattr(rl.weights.digest, "HOST_CHUNK_BYTES", 1000)  # every tensor below passes in several chunks
     world = SimpleNamespace(is_main=True, rank=0, world_size=1, on_gpu=True, device=torch.device("cuda", 0),
                             all_reduce=lambda values, op="sum": values)
-    sender = CollectiveSender(TransferConfig(transport="sparse_nccl", secret=SECRET), tmp_path, world, torch.bfloat16,
+    sender = CollectiveSender(CollectiveTransfer(backend="nccl", sparse=True, secret=SECRET), tmp_path, world, torch.bfloat16,
                               first_step=0)
     try:
         weights = {"a": torch.randn(3001, device="cuda").bfloat16(), "b": torch.randn(64, 65, device="cuda").bfloat16()}
@@ -669,7 +669,7 @@ def test_a_collective_sender_writes_a_steps_files_at_checkpoint_steps_only_and_n
     written = []
     publisher = SimpleNamespace(dtype=torch.float32, adapter_config=None,
                                 publish=lambda step, model: written.append(step))
-    config = SimpleNamespace(transfer=TransferConfig(transport="gloo", secret=SECRET), output_dir=tmp_path, max_steps=5,
+    config = SimpleNamespace(transfer=CollectiveTransfer(backend="gloo", secret=SECRET), output_dir=tmp_path, max_steps=5,
                              ckpt=CkptConfig(interval=2))
     sender = CollectiveSender.create(config, publisher, single_rank_world(), first_step=0)
     sender.send = lambda step, model: {"weights_sent": True}

@@ -16,7 +16,7 @@ import torch
 
 import rl.inference.staging
 import rl.trainer.transfer
-from rl.weights.config import TransferConfig
+from rl.weights.config import CollectiveTransfer
 from rl.inference.layout import ServedLayout
 from rl.inference.staging import receive_weights
 from rl.trainer.transfer import CollectiveSender
@@ -40,7 +40,7 @@ def no_allocation(monkeypatch):
 
 
 def sender_with(tmp_path, secret: str, timeout_s: float = 5.0) -> CollectiveSender:
-    config = TransferConfig(transport="gloo", secret=secret, timeout_s=timeout_s, offer_timeout_s=10)
+    config = CollectiveTransfer(backend="gloo", secret=secret, timeout_s=timeout_s, offer_timeout_s=10)
     return CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
 
 

@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import VLLM_MAX_RANKS
 from rl.config import ConfigError, ModelConfig, Section, Settings
-from rl.weights.config import TransferConfig
+from rl.weights.config import FilesTransfer, TransferConfig
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 """Bind addresses only this host reaches: a server bound to one is private to the host. (Clients are judged
@@ -144,7 +144,7 @@ class InferenceConfig(Settings):
     transfer: Annotated[
         TransferConfig, Field(description="how weights arrive; a server takes updates over the wire only with a "
                                           "collective transport (rl fills it from --transfer.*)")
-    ] = TransferConfig()
+    ] = FilesTransfer()
     log_generation_requests: Annotated[
         bool, Field(description="a line in the server's access log for every answered generation request (one per "
                                 "rollout turn: thousands per step); refused and failed ones, and every other route, "
@@ -163,7 +163,7 @@ def resolve_device_defaults(config: InferenceConfig, device: Literal["cuda", "cp
     `rl --dry-run`."""
     on_cuda = device == "cuda"
     why = {"dtype": "set by you", "enforce_eager": "set by you", "log_stats": "set by you",
-           "transfer.transport": config.transfer.resolve_device(device, "inference")}
+           "transfer.way": config.transfer.resolve_device(device, "inference")}
     if config.dtype is None:
         config.dtype, why["dtype"] = ("auto" if on_cuda else "float32"), f"auto: {device.upper()}"
     if config.enforce_eager is None:

@@ -123,7 +123,7 @@ class PolicyWeights:
         bytes (kept for a rollback while served), an adapter from a private copy of them. A step that arrives altered
         is refused before anything is loaded."""
         if self.receiver is None:
-            raise HTTPException(400, "this server takes weights from files only (inference.transfer.transport is "
+            raise HTTPException(400, "this server takes weights from files only (inference.transfer.type is "
                                      "filesystem): send a `path`")
         if not self._may_serve_next(step):  # refused before the trainer's store is even reached
             raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")

@@ -13,7 +13,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, PrivateA
 from pydantic_settings import SettingsConfigDict
 
 from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig, optional_section
-from rl.weights.config import TransferConfig
+from rl.weights.config import CollectiveTransfer, TransferConfig
 from rl.adapter import next_vllm_rank
 from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference_device
@@ -133,7 +133,7 @@ class RLConfig(Settings):
     ckpt: Annotated[CkptConfig | None, Field(description="checkpoint settings of trainer and orchestrator")] = None
     transfer: Annotated[
         TransferConfig | None,
-        Field(description="how weights reach inference (`--transfer.transport gloo`), for all three processes"),
+        Field(description="how weights reach inference (`--transfer.backend gloo`), for all three processes"),
     ] = None
 
     # Devices
@@ -219,7 +219,13 @@ def _fill(value: Any, target: BaseModel, field: str, flag: str, where: str) -> N
     setattr(target, field, value)
 
 
-def _fill_section(shared: BaseModel, target: BaseModel, flag: str, where: str) -> None:
+def _fill_section(shared: BaseModel, parent: BaseModel, flag: str, where: str) -> None:
+    target = getattr(parent, flag)
+    if type(target) is not type(shared):  # another variant of a union (transfer.type): the shared one, if not set
+        if target.model_fields_set:
+            raise ConfigError(f"--{flag} ({type(shared).__name__}) contradicts {where} = {target!r}; set it in one place")
+        setattr(parent, flag, type(shared)())
+        target = getattr(parent, flag)
     for field in shared.model_fields_set:
         _fill(getattr(shared, field), target, field, f"{flag}.{field.replace('_', '-')}", where)
 
@@ -257,7 +263,7 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
         shared = getattr(config, flag)
         if shared is not None:
             for name in where:
-                _fill_section(shared, getattr(sections[name], flag), flag, f"{name}.{flag}")
+                _fill_section(shared, sections[name], flag, f"{name}.{flag}")
 
     _require_equal("model.name", {w: s.model.name for w, s in sections.items()})
     _require_equal("output_dir", {"trainer": t.output_dir, "orchestrator": o.output_dir})
@@ -265,7 +271,7 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
     _require_equal("transfer", {w: s.transfer.model_dump() for w, s in sections.items()})
 
     # Derived cross-process values.
-    if t.transfer.collective:
+    if isinstance(t.transfer, CollectiveTransfer):  # the fields only a collective has
         place_transfer_store(sections, host)
         give_transfer_secret(t, i, o, host)
     if host.inference_bind is not None:
@@ -297,7 +303,7 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
             f"to with async_level = {o.async_level}; set it to at least {o.async_level + 2}"
         )
     config._device_choices = resolve_devices(t, i, host.devices.device)
-    o.transfer.transport = t.transfer.transport  # as trainer and inference resolved it (the orchestrator has no device)
+    o.transfer.resolve_device(host.devices.device, "orchestrator")  # as trainer and inference resolved it
     return config
 
 

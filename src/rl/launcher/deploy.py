@@ -30,6 +30,7 @@ from rl.config import ConfigError, without_secrets
 from rl.launcher.config import CONTROL_CHARACTERS, K8sConfig, RLConfig
 from rl.launcher.placement import HostPlan, PlacementConfig, plan
 from rl.protocol import RunPaths, atomic_write_text
+from rl.weights.config import CollectiveTransfer
 
 TEMPLATES = Path(__file__).parent / "templates"
 PER_HOST = {"slurm", "k8s", "dry_run", "roles", "host_name", "node_rank", "node_addr", "rdzv_endpoint",
@@ -137,7 +138,7 @@ def host_secrets(config: RLConfig) -> dict[str, str]:
 
 
 def over_the_wire(config: RLConfig) -> bool:
-    return any(transfer is not None and transfer.collective for transfer in (config.transfer, config.trainer.transfer))
+    return any(isinstance(transfer, CollectiveTransfer) for transfer in (config.transfer, config.trainer.transfer))
 
 
 def submit(script: Path, config: RLConfig) -> str:

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rl.config import ChatModelConfig, CkptConfig, EnvConfig, Section, Settings, WandbConfig, check_env_labels
-from rl.weights.config import TransferConfig
+from rl.weights.config import FilesTransfer, TransferConfig
 
 GROUP_GAP_S = 0.003
 """How long a generate request waits for an identical one after the last joined (rl/orchestrator/engine_client.py).
@@ -192,7 +192,7 @@ class OrchestratorConfig(Settings):
         float, Field(gt=0, description="deadline for the trainer to publish the weights a step needs")
     ] = 900.0
     ckpt: CkptConfig = CkptConfig()
-    transfer: TransferConfig = TransferConfig()
+    transfer: TransferConfig = FilesTransfer()
     wandb: WandbConfig = WandbConfig()
     seed: Annotated[int, Field(description="seed of the task sampler")] = 0
     resume_step: Annotated[

@@ -214,5 +214,8 @@ class OffersSync(PolicySync):
 
 
 
+SYNCS: dict[str, type[PolicySync]] = {"filesystem": FilesSync, "collective": OffersSync}  # by transfer.type
+
+
 def policy_sync(config: OrchestratorConfig, pool: InferencePool, servers: ServerBoard, logger) -> PolicySync:
-    return (OffersSync if config.transfer.collective else FilesSync)(config, pool, servers, logger)
+    return SYNCS[config.transfer.type](config, pool, servers, logger)

@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import DEFAULT_TARGETS, VLLM_MAX_RANKS
 from rl.config import CkptConfig, ConfigError, ModelConfig, Section, Settings, WandbConfig, optional_section
-from rl.weights.config import TransferConfig
+from rl.weights.config import FilesTransfer, TransferConfig
 
 
 class OptimConfig(Section):
@@ -198,7 +198,7 @@ class TrainerConfig(Settings):
     loss: LossConfig = LossConfig()
     ckpt: CkptConfig = CkptConfig()
     wandb: WandbConfig = WandbConfig()
-    transfer: TransferConfig = TransferConfig()
+    transfer: TransferConfig = FilesTransfer()
     batch_timeout_s: Annotated[
         float, Field(gt=0, description="deadline for the orchestrator's batch of a step to appear")
     ] = 900.0
@@ -227,7 +227,7 @@ DeviceKind = Literal["cuda", "cpu"]
 VLLM_NO_FLOAT16 = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
 
 
-DEVICE_FIELDS = ("dtype", "activation_checkpointing", "loss.mismatch", "publish_dtype", "transfer.transport")
+DEVICE_FIELDS = ("dtype", "activation_checkpointing", "loss.mismatch", "publish_dtype", "transfer.way")
 
 
 def resolve_device_defaults(config: TrainerConfig, device: DeviceKind) -> dict[str, str]:
@@ -252,7 +252,7 @@ def resolve_device_defaults(config: TrainerConfig, device: DeviceKind) -> dict[s
             why["publish_dtype"] = f"auto: CUDA, what vLLM's --dtype auto serves ({served})"
         else:
             config.publish_dtype, why["publish_dtype"] = "float32", "auto: CPU"
-    why["transfer.transport"] = config.transfer.resolve_device(device, "trainer")
+    why["transfer.way"] = config.transfer.resolve_device(device, "trainer")
     return {field: why.get(field, "set by you") for field in DEVICE_FIELDS}
 
 

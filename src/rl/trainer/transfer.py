@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rl.adapter import adapter_checksum
-from rl.weights.config import TransferConfig
+from rl.weights.config import CollectiveTransfer
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_weight
 from rl.trainer.config import TrainerConfig
 from rl.trainer.weights import WeightPublisher, published_sources, weight_of
@@ -43,23 +43,23 @@ class CollectiveSender(Sender):
     and as files only where a checkpoint needs them (a resume serves them). Collective: every rank calls `send` for
     every step."""
 
-    def __init__(self, config: TransferConfig, output_dir, world: World, dtype: torch.dtype, first_step: int,
+    def __init__(self, config: CollectiveTransfer, output_dir, world: World, dtype: torch.dtype, first_step: int,
                  adapter_config: bytes | None = None):
         self.config, self.output_dir, self.world, self.dtype = config, output_dir, world, dtype
         self.adapter_config = adapter_config  # set: the trainer sends its LoRA adapter (PEFT names), not the weights
         self.store: dist.TCPStore | None = None
         self.groups = GroupKeeper()  # rank 0's group with the servers, kept from step to step while it serves
         self.staging: list[torch.Tensor] | None = None  # rank 0's two bucket buffers (`_packed`)
-        self.nccl = config.backend == "nccl"
+        self.nccl = config.way == "nccl"  # tensors go from rank 0's GPU, not its host
         self.key = config.key()  # seals every step: servers load nothing else
         if self.nccl and not world.on_gpu:
-            raise TransferError(f"transfer.transport = {config.transport!r} needs the trainer on CUDA GPUs; this one "
-                                f"runs on {world.device.type}: use {config.transport.replace('nccl', 'gloo')!r}")
+            raise TransferError(f"transfer.backend = 'nccl' needs the trainer on CUDA GPUs; this one runs on "
+                                f"{world.device.type}: use 'gloo'")
         # sparse: rank 0 keeps the bytes it sent last (one host copy of the served weights) and their checksum, the
         # base it sends changes against once every server serves it. An adapter always goes whole: it is small.
         self.sparse = config.sparse and adapter_config is None
         if config.sparse and adapter_config is not None and world.is_main:
-            logger.info(f"{config.transport}: LoRA adapters go whole every step (each step changes most of them)")
+            logger.info("transfer.sparse: LoRA adapters go whole every step (each step changes most of them)")
         self.sent: dict[str, torch.Tensor] = {}  # views of one host buffer (`_keep_host_copy`)
         self.pinned: torch.Tensor | None = None  # that buffer, where it is registered with CUDA
         self.base: str | None = None
@@ -68,7 +68,7 @@ class CollectiveSender(Sender):
         if world.is_main:
             clear_transfers(output_dir, first_step)  # a resumed run's old offers name a store that is gone
             self.store = start_store(config.host, config.port, config.timeout_s)
-            logger.info(f"weights go over the wire ({config.transport}): transfer store on "
+            logger.info(f"weights go over the wire ({config.way}{', sparse' if config.sparse else ''}): transfer store on "
                         f"{config.host}:{self.store.port}")
 
     @classmethod
@@ -99,9 +99,9 @@ class CollectiveSender(Sender):
         available = psutil.virtual_memory().available if available is None else available
         if needed > HOST_COPY_SHARE * available:
             raise TransferError(
-                f"transfer.transport = {self.config.transport!r} keeps a host copy of the served weights on trainer "
+                f"transfer.sparse = true keeps a host copy of the served weights on trainer "
                 f"rank 0 ({needed / 2**30:.1f} GiB), but this host has {available / 2**30:.1f} GiB available: use "
-                f"{self.config.backend!r}, which sends every step whole")
+                "transfer.sparse = false, which sends every step whole")
 
     def send(self, step: int, model: torch.nn.Module) -> dict:
         """Offer step `step`, wait for the orchestrator to take it, broadcast it. Returns the step's metrics:
@@ -127,7 +127,7 @@ class CollectiveSender(Sender):
             failure = "no server was up to take it"
         elif self.world.is_main:
             try:
-                group = self.groups.join(self.store, step, 0, receivers + 1, deadline, self.config.backend)
+                group = self.groups.join(self.store, step, 0, receivers + 1, deadline, self.config.way)
                 if self.sparse:  # changes only if every server serves the step sent last
                     base = common_base(self.store, step, receivers, self.base, deadline)
                 # the receivers read as the header says
@@ -225,7 +225,7 @@ class CollectiveSender(Sender):
         if self.nccl and int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), len(host), 0)) == 0:
             self.pinned = host
         elif self.nccl:
-            logger.warning(f"{self.config.transport}: the host copy of the weights could not be pinned; it is "
+            logger.warning("transfer.sparse: the host copy of the weights could not be pinned; it is "
                            "compared and hashed through pageable copies")
         self.sent = dict(zip(names, host.split(sizes)))
 

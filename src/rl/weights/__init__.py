@@ -9,7 +9,7 @@ Each way weights travel is one registered transport (`register_transport`, in th
 engine factory): the trainer's sender (`Sender`: one `publish` per step) and a server's receiver, imported only when
 a config names them. Nothing else asks which transport a run uses.
 
-With `transfer.transport = "gloo"` a step's weights travel trainer -> every server with no file in between:
+With `transfer.backend = "gloo"` a step's weights travel trainer -> every server with no file in between:
 
 1. the trainer, after its optimizer step, offers the step: `transfer/offer_<k>.json` names the step and where its
    TCP store listens (rank 0 keeps one store for the whole run);
@@ -26,7 +26,7 @@ With `transfer.transport = "gloo"` a step's weights travel trainer -> every serv
    step if the bytes it got do not hash to the trainer's checksum, and only then loads it with the same verified
    reload, rollback and tensor-parallel sharding as a step read from files.
 
-With `weight_transport = "nccl"` (GPU hosts) the same protocol runs over NCCL between GPUs: the trainer broadcasts
+With `transfer.backend = "nccl"` (GPU hosts) the same protocol runs over NCCL between GPUs: the trainer broadcasts
 each gathered tensor from its rank 0's GPU, and on each server its first worker (`rl_receive_weights` in
 rl/inference/worker.py, the one process of a server that holds a GPU of its own and an NCCL library) receives it into
 GPU memory and copies it into the memfd, which the server then takes over as if it had received it itself: from

@@ -1,4 +1,4 @@
-"""Sparse steps (`sparse_gloo`, `sparse_nccl`): only what changed since the step every server serves.
+"""Sparse steps (`transfer.sparse`, over gloo or NCCL): only what changed since the step every server serves.
 
 Each receiver announces the checksum of the full weights it serves and holds the bytes of (`announce_base`, before
 it joins); the trainer sends changes only when every receiver announced the step it sent last (`common_base`),
