@@ -27,7 +27,12 @@ takes 0.3-1.0 s from one write to the next, which swamps the difference being me
 another filesystem (both sides always write to the same one). Before each timed write the files it
 replaces are deleted (see `measure_sync`).
 
-    uv run python benchmarks/weight_sync.py [--repeats 5] [--skip-large] [--dir PATH]
+Last, over a link limited to 1 Gbit/s (`--link-rate`; tc in network namespaces, as between nodes: needs root, else
+skipped saying why), the ~100M model's bf16 steps of AdamW at lr 1e-6 (`--lr`) whole and sparse, side by side in
+alternating rounds; the last line then reads `sparse publish-to-served 100M <S>x whole over 1 Gbit/s, collective <B>x
+bound` (goals S <= 0.25, B <= 1.3).
+
+    uv run python benchmarks/weight_sync.py [--repeats 5] [--skip-large] [--dir PATH] [--only-link]
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from rl.trainer.weights import (  # noqa: E402
     DEFAULT_SHARD_BYTES, StepShards, hf_side_files, publish_step, single_process_shards,
 )
 from tests.integration.inference_server import Server  # noqa: E402
+from benchmarks.slow_link import SlowLink, why_no_link  # noqa: E402
 
 SECRET = secrets.token_hex(32)  # the run's transfer.secret, given to the server and the senders alike
 
@@ -168,10 +174,11 @@ ONE_RANK = SimpleNamespace(is_main=True, rank=0, world_size=1, all_reduce=lambda
 
 
 def send_over_the_wire(server: Server, sender: CollectiveSender, run_dir: Path, step: int,
-                       state: dict[str, torch.Tensor], stats: dict | None = None) -> tuple[float, float]:
+                       state: dict[str, torch.Tensor], stats: dict | None = None,
+                       reply: dict | None = None) -> tuple[float, float]:
     """The trainer's send of `state` (the head too, as the trainer sends it) as step `step` and the orchestrator's
     take, timed from the offer to the server's answer; and the server's reload time. The sender's stats go into
-    `stats`."""
+    `stats`, the server's answer into `reply`."""
     stats = {} if stats is None else stats
     start = time.perf_counter()
     thread = threading.Thread(target=lambda: stats.update(sender.send_tensors(step, list(state.items()))))
@@ -186,6 +193,8 @@ def send_over_the_wire(server: Server, sender: CollectiveSender, run_dir: Path, 
     expected = stats.get("adapter_checksum", stats.get("weights_checksum"))  # an adapter's, as served
     if response.status_code != 200 or response.json()["weights_checksum"] != expected:
         raise RuntimeError(f"step {step} over the wire failed: {response.status_code} {response.text} {stats}")
+    if reply is not None:
+        reply.update(response.json())
     return elapsed, response.json()["reload_s"]
 
 
@@ -193,7 +202,7 @@ RECEIVER = """
 import mmap, os, sys, torch, torch.distributed as dist
 from datetime import timedelta
 port, size, repeats = (int(a) for a in sys.argv[1:4])
-store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
+store = dist.TCPStore(sys.argv[4], port, is_master=False, timeout=timedelta(seconds=600))
 group = dist.ProcessGroupGloo(dist.PrefixStore("bare", store), 1, 2, timedelta(seconds=600))
 for _ in range(repeats):  # each time into a fresh memfd, as a server receives a step
     fd = os.memfd_create("bare")
@@ -208,13 +217,14 @@ for _ in range(repeats):  # each time into a fresh memfd, as a server receives a
 
 class BareReceiver:
     """The bound's transfer: a gloo broadcast of the step's bytes, in one piece, to another process (started once,
-    so warm) receiving into a fresh memfd each time, as a server does."""
+    so warm) receiving into a fresh memfd each time, as a server does; `prefix`: argv it runs under (the far side
+    of a `SlowLink`), reaching this process at `host`."""
 
-    def __init__(self, size: int, repeats: int):
-        self.store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+    def __init__(self, size: int, repeats: int, host: str = "127.0.0.1", prefix: list[str] | None = None):
+        self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                                 timeout=timedelta(seconds=600))
-        self.process = subprocess.Popen([sys.executable, "-c", RECEIVER, str(self.store.port), str(size),
-                                         str(repeats)])
+        self.process = subprocess.Popen([*(prefix or []), sys.executable, "-c", RECEIVER, str(self.store.port),
+                                         str(size), str(repeats), host])
         self.group = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("bare", self.store), 0, 2,
                                                         timedelta(seconds=600))
 
@@ -225,7 +235,11 @@ class BareReceiver:
         return time.perf_counter() - start
 
     def close(self) -> None:
-        self.process.wait(60)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:  # a failed measurement left it waiting for a broadcast
+            self.process.kill()
+            self.process.wait()
 
 
 def random_adapter(base: dict[str, torch.Tensor], rank: int, seed: int) -> dict[str, torch.Tensor]:
@@ -278,6 +292,115 @@ def measure_adapter_sync(root: Path, name: str, repeats: int, rank: int = 16) ->
             "bytes": sizes[0], "wire_s": statistics.median(wire)}
 
 
+class AdamSteps:
+    """Training steps as the trainer takes them at a small learning rate: AdamW on fp32 master weights (from random
+    gradients), each step served in bf16, where most elements round to what they were (the head kept tied)."""
+
+    def __init__(self, base: dict[str, torch.Tensor], lr: float, seed: int = 0):
+        self.params = {k: v.float().clone().requires_grad_() for k, v in base.items() if k != "lm_head.weight"}
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=lr, weight_decay=0.0)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> dict[str, torch.Tensor]:
+        for param in self.params.values():
+            param.grad = torch.randn(param.shape, generator=self.generator)
+        self.optimizer.step()
+        state = {k: v.detach().to(torch.bfloat16) for k, v in self.params.items()}
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+        return state
+
+
+def changed_share(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    changed = sum(int((before[k].view(torch.int16) != after[k].view(torch.int16)).sum()) for k in after)
+    return changed / sum(t.numel() for t in after.values())
+
+
+def measure_link(root: Path, name: str, repeats: int, rate: str, lr: float) -> dict:
+    """Over a link limited to `rate` (a `SlowLink`: the server in another network namespace), `name`'s bf16 steps of
+    AdamW at `lr`: publish-to-served whole and sparse (the step after one the same sender sent, so it goes as its
+    changes), and the bound of the whole step (a bare gloo broadcast of its bytes over the same link + the server's
+    reload). Rounds alternate which goes first."""
+    model_dir = root / name
+    if not model_dir.is_dir():
+        build_tiny_model(model_dir, **MODELS[name])
+    base = load_file(str(model_dir / "model.safetensors"))
+    step_bytes = sum(t.numel() * 2 for t in perturbed(base, 0).values())  # in bf16, the tied head too, as sent
+    link = SlowLink(rate)
+    os.environ["GLOO_SOCKET_IFNAME"] = link.near_dev  # this process's gloo groups: on the link's near end
+    paths = RunPaths(root / f"run_{name}_link")
+    paths.weights_root.mkdir(parents=True)
+    steps, senders, server, bare = AdamSteps(base, lr), [], None, None
+    whole_s, sparse_s, bound_s, sparse_bytes, shares = [], [], [], [], []
+    parts = {"whole": [], "sparse": []}  # where each step's time went, by the sender's and the server's own timers
+    try:
+        server = Server(model_dir, paths.weights_root, root / f"inference_{name}_link.log", timeout_s=900,
+                        host=link.far, prefix=link.prefix,
+                        toml=f'dtype = "bfloat16"\n[transfer]\nbackend = "gloo"\nsparse = true\nsecret = "{SECRET}"\n')
+        wire = CollectiveTransfer(backend="gloo", host=link.near, secret=SECRET, timeout_s=300)
+        whole = CollectiveSender(wire, paths.root, ONE_RANK, torch.bfloat16, first_step=1)
+        senders.append(whole)
+        sparse = CollectiveSender(wire.model_copy(update={"sparse": True}), paths.root, ONE_RANK, torch.bfloat16,
+                                  first_step=1)
+        senders.append(sparse)
+        bare = BareReceiver(step_bytes, repeats, link.near, link.prefix)
+        step = 1
+
+        def send_whole() -> None:
+            nonlocal step
+            state, stats, reply = steps.next(), {}, {}
+            elapsed, reload_s = send_over_the_wire(server, whole, paths.root, step, state, stats, reply)
+            parts["whole"].append(step_parts(stats, reply))
+            whole_s.append(elapsed)
+            bound_s.append(bare.broadcast_s(state) + reload_s)
+            step += 1
+
+        def send_sparse() -> None:
+            nonlocal step
+            first = steps.next()  # the server serves the other sender's step: this one goes whole
+            send_over_the_wire(server, sparse, paths.root, step, first)
+            second, stats, reply = steps.next(), {}, {}
+            sparse_s.append(send_over_the_wire(server, sparse, paths.root, step + 1, second, stats, reply)[0])
+            parts["sparse"].append(step_parts(stats, reply))
+            if not stats["transfer_sparse"]:
+                raise RuntimeError(f"step {step + 1} went whole, not as its changes: {stats}")
+            sparse_bytes.append(stats["transfer_bytes"])
+            shares.append(changed_share(first, second))
+            step += 2
+
+        for round_ in range(repeats):
+            for part in (send_sparse, send_whole) if round_ % 2 == 0 else (send_whole, send_sparse):
+                part()
+    finally:
+        for sender in senders:
+            sender.close()
+        if server is not None:
+            server.stop()
+        if bare is not None:
+            bare.close()
+        del os.environ["GLOO_SOCKET_IFNAME"]
+        link.close()
+    return {"model": name, "rate": rate, "lr": lr, "whole_s": statistics.median(whole_s),
+            "sparse_s": statistics.median(sparse_s), "bound_s": statistics.median(bound_s),
+            "sparse_ratio": statistics.median(s / w for s, w in zip(sparse_s, whole_s)),
+            "bound_ratio": statistics.median(w / b for w, b in zip(whole_s, bound_s)),
+            "step_bytes": step_bytes, "sparse_bytes": statistics.median(sparse_bytes),
+            "changed": statistics.median(shares),
+            "parts": {kind: {k: statistics.median(p[k] for p in steps_) for k in steps_[0]}
+                      for kind, steps_ in parts.items()}}
+
+
+def step_parts(stats: dict, reply: dict) -> dict:
+    """The sender's send (group, bytes, checksum) and the server's receive, reload and verification of one step."""
+    return {"send": stats["transfer_s"], "receive": reply["receive_s"], "reload": reply["reload_s"],
+            "verify": reply["verify_s"]}
+
+
+def rate_text(rate: str) -> str:
+    """tc's "1gbit" as "1 Gbit/s"."""
+    number = rate.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return f"{number} {rate[len(number):].capitalize().replace('bit', 'bit/s')}"
+
+
 async def generation_tokens_per_s(server: Server, prompts: int = 64, max_tokens: int = 64) -> float:
     body = lambda i: {  # noqa: E731
         "model": str(server.model),
@@ -302,11 +425,17 @@ def main() -> None:
     parser.add_argument("--changed", type=float, default=0.02, help="share of elements a sparse step changes")
     parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                         help="where the models, weights and bound files are written (default: /dev/shm)")
+    parser.add_argument("--link-rate", default="1gbit", help="the slow link's rate (tc syntax)")
+    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW's learning rate for the steps over the link")
+    parser.add_argument("--only-link", action="store_true", help="only the steps over the slow link")
     args = parser.parse_args()
     names = ["tiny"] if args.skip_large else ["tiny", "100M"]
     print(f"writing under {args.dir or tempfile.gettempdir()}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
+        if args.only_link:
+            print_link(root, names[-1], args)
+            return
         results = [measure_sync(root, name, args.repeats, args.changed) for name in names]
         adapters = [measure_adapter_sync(root, name, args.repeats) for name in names]
         print("\nweight publish -> served (median of %d)" % args.repeats)
@@ -348,6 +477,26 @@ def main() -> None:
               f"({last['changed']:.0%} of elements changed)")
         print(f"collective publish-to-served {last['model']} {last['wire_s'] / last['publish_to_served_s']:.2f}x "
               f"filesystem, {last['wire_s'] / last['wire_bound_s']:.2f}x bound")
+        print_link(root, names[-1], args)
+
+
+def print_link(root: Path, name: str, args: argparse.Namespace) -> None:
+    """The steps over a slow link, or why they cannot be measured here; the last line."""
+    why = why_no_link()
+    if why is not None:
+        print(f"\nsparse over a {rate_text(args.link_rate)} link: skipped, {why}")
+        return
+    r = measure_link(root, name, args.repeats, args.link_rate, args.lr)
+    rate = rate_text(r["rate"])
+    print(f"\nover a {rate} link (tc, network namespaces), {r['model']} in bf16, AdamW lr {r['lr']:g} "
+          f"(median of {args.repeats}): {r['changed']:.1%} of elements changed per step")
+    print(f"  whole step: {r['step_bytes'] / 2**20:.0f} MiB, publish-to-served {r['whole_s']:.3f}s; bound (bare gloo "
+          f"broadcast over the link + reload) {r['bound_s']:.3f}s, {r['step_bytes'] / 2**20 / r['bound_s']:.0f} MiB/s")
+    print(f"  sparse step: {r['sparse_bytes'] / 2**20:.1f} MiB sent, publish-to-served {r['sparse_s']:.3f}s")
+    for kind, timed in r["parts"].items():
+        print(f"    {kind}: " + ", ".join(f"{k} {v:.3f}s" for k, v in timed.items()))
+    print(f"sparse publish-to-served {r['model']} {r['sparse_ratio']:.2f}x whole over {rate}, collective "
+          f"{r['bound_ratio']:.2f}x bound")
 
 
 if __name__ == "__main__":

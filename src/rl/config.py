@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 import tomllib
-import typing
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, EnvSettingsSource, InitSettingsSource, SettingsConfigDict
 
 from rl.atomic import atomic_write_text
+from rl.config_help import config_help
 
 # (class, TOML layer) of the config being built; read by settings_customise_sources (a classmethod, so
 # it cannot take the files as an argument). Keyed by class so nested defaults do not pick it up.
@@ -284,61 +284,6 @@ def parse_config(cls: type[C], argv: list[str] | None = None) -> C:
     argv = sys.argv[1:] if argv is None else argv
     toml_data, cli_data = parse_argv(argv, sections=tuple(getattr(cls, "file_sections", ())))
     return build_config(cls, toml_data, cli_data)
-
-
-def config_help(cls: type[BaseModel], prefix: str = "", skip: tuple[str, ...] = ()) -> str:
-    """One line per field: --dotted.name (type, default): description; a tagged union's variants each list
-    their own fields."""
-    lines = []
-    for name, field in cls.model_fields.items():
-        if name in skip:
-            continue
-        variants = _union_sections(field.annotation) if field.discriminator else []
-        if variants:  # a tagged union: each variant's fields under its tag
-            tag = field.discriminator
-            default = getattr(field.get_default(call_default_factory=True), tag, None)
-            tags = [v.model_fields[tag].default for v in variants]
-            lines.append(f"  --{prefix}{name}.{tag}  [{default!r}]  {field.description or ''}: one of "
-                         + ", ".join(map(repr, tags)))
-            for variant, value in zip(variants, tags):
-                own = config_help(variant, f"{prefix}{name}.", skip=(tag,))
-                own = "\n".join("    " + line for line in own.splitlines())
-                lines.append(f"    with {tag} = {value!r}:" + (f"\n{own}" if own else " no other fields"))
-            continue
-        section = _section_type(field.annotation)
-        if section is not None:
-            if field.default is None:  # an optional section: `--name` alone turns it on
-                lines.append(f"  --{prefix}{name}  [off]  {field.description or ''}")
-            lines.append(config_help(section, f"{prefix}{name}."))
-            continue
-        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-        lines.append(f"  --{prefix}{name}  [{default}]  {field.description or ''}")
-        table = _table_type(field.annotation)
-        if table is not None:  # a list of tables (TOML [[name]]): each table's fields
-            lines.append(f"    each [[{name}]] table:")
-            lines += ["    " + line.replace("--", "", 1) for line in config_help(table).splitlines()]
-    return "\n".join(lines)
-
-
-def _table_type(annotation: Any) -> type[BaseModel] | None:
-    """The config class of a list of tables (`list[X]`), else None."""
-    args = typing.get_args(annotation) if typing.get_origin(annotation) is list else ()
-    return args[0] if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel) else None
-
-
-def _union_sections(annotation: Any) -> list[type[BaseModel]]:
-    """The config classes of a union of several sections (`A | B | C`), else []."""
-    models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
-    return models if len(models) > 1 else []
-
-
-def _section_type(annotation: Any) -> type[BaseModel] | None:
-    """The config class of a section field (`X` or `X | None`), else None."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    args = typing.get_args(annotation)
-    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
-    return models[0] if len(models) == 1 and type(None) in args else None
 
 
 def run_cli(cls: type[C], argv: list[str] | None = None) -> C:

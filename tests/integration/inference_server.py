@@ -29,22 +29,25 @@ class Server:
 
     def __init__(self, model: Path, weights_dir: Path, log: Path, token: str = "test-token", timeout_s: float = 300,
                  env: dict[str, str] | None = None, toml: str | None = None, max_model_len: int = 512,
-                 port: int | None = None):
+                 port: int | None = None, host: str = "127.0.0.1", prefix: list[str] | None = None):
+        """`prefix`: argv the server runs under (another network namespace: `ip netns exec ...`), where it binds to
+        `host`."""
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.token = token
         self.model = model
         self.log = log
         cmd = [
             sys.executable, "-m", "rl.inference.main", "--model.name", str(model), "--port", str(self.port),
             "--weights-dir", str(weights_dir), "--admin-token", token, "--max-model-len", str(max_model_len),
+            *(["--host", host] if host != "127.0.0.1" else []),
         ]
         if toml is not None:
             config = log.with_suffix(".toml")
             config.write_text(toml)
             cmd[3:3] = ["@", str(config)]
         self.http = httpx.Client(timeout=120)  # one connection kept open, as the orchestrator's client does
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen([*(prefix or []), *cmd], cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                                      env=os.environ | (env or {}))
         STARTED.add(self)
         self._wait_healthy(timeout_s)

@@ -240,7 +240,7 @@ def test_example_configs_pass_every_start_up_check(orch, tmp_path, capsys):
 
 
 def test_help_lists_the_fields_of_every_variant_of_a_tagged_union():
-    from rl.config import config_help
+    from rl.config_help import config_help
     from rl.orchestrator.config import OrchestratorConfig
     from rl.trainer.config import TrainerConfig
 
@@ -270,7 +270,7 @@ def leaf_fields(cls, prefix: str = "") -> list[str]:
 
 
 def test_help_names_every_field_of_every_command():
-    from rl.config import config_help
+    from rl.config_help import config_help
     from rl.eval.config import EvalCommandConfig
     from rl.trainer.sft import SFTConfig
 

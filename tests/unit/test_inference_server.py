@@ -393,12 +393,10 @@ def test_without_an_admin_token_admin_routes_answer_loopback_clients_only():
 def test_a_path_past_the_os_limit_is_a_bad_request_not_a_crash(tmp_path):
     from fastapi import HTTPException
 
-    from rl.inference.policy import AdminSettings, PolicyWeights
+    from rl.inference.step_dirs import resolve_step_dir
 
-    weights = PolicyWeights.__new__(PolicyWeights)  # _resolve needs only the settings
-    weights.settings = AdminSettings(base_model=str(tmp_path), weights_dir=str(tmp_path), admin_token=None)
     with pytest.raises(HTTPException) as refused:
-        weights._resolve("/".join(["a" * 250] * 20), 1)  # every component fits; the whole path does not
+        resolve_step_dir(str(tmp_path), "/".join(["a" * 250] * 20), 1)  # every component fits; the path does not
     assert refused.value.status_code == 400 and "cannot be resolved" in refused.value.detail
 
 

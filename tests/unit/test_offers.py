@@ -31,6 +31,32 @@ def test_an_offer_as_the_trainer_writes_it_is_read(tmp_path):
     assert read_offer(tmp_path, 4) is None
 
 
+def test_offers_renamed_into_place_while_a_reader_polls_for_them_are_never_called_corrupt(tmp_path):
+    """A poll whose open finds no file, while the trainer's rename lands before it looks again, once read a
+    just-written offer as "missing"; each offer here is polled for as it is written."""
+    RunPaths(tmp_path).offer(0).parent.mkdir(parents=True)
+    steps, errors = range(1, 301), []
+
+    def writer():
+        for step in steps:
+            write_offer(tmp_path, Offer(**GOOD | {"step": step}))
+
+    def reader():
+        try:
+            for step in steps:
+                while read_offer(tmp_path, step) is None:
+                    pass
+        except TransferError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader), threading.Thread(target=writer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+
+
 @pytest.mark.parametrize("change, named", [
     ({"port": "abc"}, "port 'abc'"),
     ({"port": 0}, "port 0"),

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl import patches
 from rl.inference.policy import AdminSettings, PolicyWeights
+from rl.inference.strict_json import parse_json
 from rl.weights.offers import HOST_PATTERN, GroupSpec
 ADMIN_PATHS = {"/update_weights", "/policy_step"}
 GENERATE_PATH = "/inference/v1/generate"
@@ -41,8 +42,6 @@ GENERATION_PATHS = {GENERATE_PATH, "/v1/chat/completions", "/v1/completions"}
 PLAIN_ROUTE = re.compile(r"(?:/(?!\.\.?(?:/|$))[A-Za-z0-9_.\-]+)+")
 MAX_JSON_DEPTH = 8  # an update request is one flat object
 # A JSON string (one left open runs to the end: every match is linear) or any character but a bracket.
-JSON_STRING_OR_NOT_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|[^\[\]{}]', re.DOTALL)
-MAX_INT_DIGITS = 100  # an int64 has 19
 NAME_MAX = 255  # bytes in one path component (Linux)
 PATH_MAX = 4096  # bytes in a path (Linux)
 MAX_ADMIN_BODY = 64 * 1024  # an update request is ~100 bytes
@@ -142,53 +141,6 @@ def update_request(body: bytes) -> UpdateWeightsRequest:
     except ValidationError as e:  # named by field and reason; the input is not echoed (it may not encode)
         problems = [f"{'.'.join(map(str, error['loc'])) or 'body'}: {error['msg']}" for error in e.errors()]
         raise HTTPException(422, "; ".join(problems)) from None
-
-
-def parse_json(body: bytes, max_depth: int) -> object:
-    """JSON in UTF-8 nested at most `max_depth` arrays/objects deep, with finite numbers and UTF-8 strings;
-    ValueError saying what is wrong otherwise. The depth is checked before parsing (json recurses per level)."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"is not UTF-8 ({e.reason} at byte {e.start})") from None
-    if json_depth(text) > max_depth:
-        raise ValueError(f"is nested deeper than {max_depth} levels")
-    try:
-        data = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_short_int)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"is not JSON: {e}") from None
-    try:  # a "\ud800" escape parses to a lone surrogate, which no file name or response can encode
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("holds a lone surrogate (an unpaired \\ud800-\\udfff escape): strings must be UTF-8") from None
-    return data
-
-
-def json_depth(text: str) -> int:
-    """How deep arrays and objects nest in JSON `text` (brackets inside strings do not count)."""
-    brackets = JSON_STRING_OR_NOT_BRACKET.sub("", text)
-    depth = deepest = 0
-    for bracket in brackets:
-        depth += 1 if bracket in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"holds {name}, which is not a JSON number")
-
-
-def _short_int(literal: str) -> int:
-    if len(literal) > MAX_INT_DIGITS:  # Python refuses to parse past 4300 digits; no field needs more than 19
-        raise ValueError(f"holds an integer of {len(literal)} digits (at most {MAX_INT_DIGITS})")
-    return int(literal)
-
-
-def _finite_float(literal: str) -> float:
-    value = float(literal)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"holds the number {literal[:32]}, which overflows a float")
-    return value
 
 
 class PlainJSONResponse(JSONResponse):

@@ -1,6 +1,6 @@
 """The served policy: which step's weights this server serves, and every change to them. `PolicyWeights` takes an
-update (a `step_<k>` directory the trainer published inside the weights dir) through resolution, the checks of its
-STABLE marker and manifest, a hold on generation, the reload on every vLLM worker (`rl.inference.worker`) and its
+update (a `step_<k>` directory the trainer published inside the weights dir) through resolution (`rl.inference.step_dirs`),
+the checks of its STABLE marker and manifest, a hold on generation, the reload on every vLLM worker (`rl.inference.worker`) and its
 verification, and rolls back, or refuses generation as broken, when a load fails. With LoRA on (InferenceConfig.lora:
 `--enable-lora --max-lora-rank R --max-loras 1`) a step is an adapter (its manifest lists `adapter_config.json`),
 which replaces the served adapter in place under the one adapter name; requests select it with
@@ -11,7 +11,6 @@ stay refused, adapters change only here. Requests reach this state through `rl.i
 import asyncio
 import logging
 import math
-import os
 import secrets
 import time
 import weakref
@@ -25,7 +24,8 @@ from rl.inference import hooks
 from rl.inference.adapter_slot import AdapterSlot
 from rl.inference.reports import merge_reports, timings, why
 from rl.inference.staging import PrivateCopies, Received, StagedStep, release, stage_weights
-from rl.manifest import STABLE, CorruptFileError, Entry, OpenDir, check_listed, read_manifest, read_marker
+from rl.inference.step_dirs import is_adapter_step, open_step_dir, published_step, resolve_step_dir
+from rl.manifest import CorruptFileError, Entry, OpenDir
 from rl.weights import StepRefused, TransferError, transport
 from rl.weights.offers import GroupSpec
 
@@ -107,9 +107,9 @@ class PolicyWeights:
         return self.broken
 
     async def update(self, step: int, path: str) -> dict:
-        target = self._resolve(path, step)
+        target = resolve_step_dir(self.settings.weights_dir, path, step)
         try:  # one handle from the check of the marker to the last read of the files: see rl.inference.staging
-            directory = await asyncio.to_thread(self._open, target)
+            directory = await asyncio.to_thread(open_step_dir, self.settings.weights_dir, target)
         except CorruptFileError as e:
             raise HTTPException(422, f"step {step} refused, {self._still_serving()}: {e}") from None
         try:
@@ -235,11 +235,6 @@ class PolicyWeights:
             return f"generation stays refused (broken since a failed load; last verified step {self.step})"
         return f"still serving step {self.step}"
 
-    def _open(self, target: str) -> OpenDir:
-        """The step directory `target` (a real path inside the weights dir), opened once, no component a link."""
-        root = Path(os.path.realpath(self.settings.weights_dir))
-        return OpenDir.beneath(root, Path(target).relative_to(root))
-
     def _stage(self, directory: OpenDir, manifest: dict[str, Entry]) -> StagedStep | str:
         """The step's files as this server read and checked them, through `directory`: full weights staged in
         memory for the workers, an adapter copied to a private directory (its path)."""
@@ -327,31 +322,6 @@ class PolicyWeights:
         if before is not None and before is not wire_staged:
             await release(before)
 
-    def _resolve(self, path: str, step: int) -> str:
-        """The real path of the step's own `step_<step>` directory, strictly inside the weights dir, with a
-        STABLE marker and no file that leads outside the weights dir."""
-        if self.settings.weights_dir is None:
-            raise HTTPException(403, "this server was started without a weights dir: updates are off")
-        try:
-            return self._resolve_in(Path(os.path.realpath(self.settings.weights_dir)), path, step)
-        except OSError as e:  # e.g. the weights dir and the path together past the OS's path limit
-            raise HTTPException(400, f"{path[:200]!a} cannot be resolved: {e.strerror}") from None
-
-    def _resolve_in(self, root: Path, path: str, step: int) -> str:
-        target = Path(os.path.realpath(root / path))
-        if target == root or not target.is_relative_to(root):
-            raise HTTPException(403, f"{path!r} resolves to {target}, outside the weights dir {root}")
-        if not target.is_dir():
-            raise HTTPException(404, f"no step directory at {target}")
-        if target.name != f"step_{step}":
-            raise HTTPException(400, f"{path!r} is {target.name}: step {step} loads only from step_{step}")
-        if not (target / STABLE).exists():
-            raise HTTPException(409, f"{target} has no {STABLE} marker yet: it may be half written")
-        for entry in target.rglob("*"):  # the reads refuse any link (422); one leading out is named as such
-            if entry.is_symlink() and not Path(os.path.realpath(entry)).is_relative_to(root):
-                raise HTTPException(403, f"{entry} links to {os.path.realpath(entry)}, outside the weights dir {root}")
-        return str(target)
-
     async def _verify_base(self) -> None:
         """Verify the weights loaded at start-up once, giving step 0 its checksum. Needs the lock."""
         if self.checksum is not None:
@@ -412,7 +382,7 @@ class PolicyWeights:
         if self.manifest is None:
             return await self._load(None, self.step)
         try:
-            with self._open(self.path) as directory:
+            with open_step_dir(self.settings.weights_dir, self.path) as directory:
                 staged = await asyncio.to_thread(stage_weights, directory, self.manifest)
         except (CorruptFileError, OSError, ValueError) as error:
             return {"ok": False, "reloaded": False, "mismatched": [f"step {self.step}'s files: {error}"],
@@ -421,19 +391,3 @@ class PolicyWeights:
             return await self._load(staged, self.step)
         finally:
             await release(staged)
-
-def is_adapter_step(manifest: dict[str, Entry] | None) -> bool:
-    """Whether a step's files are a LoRA adapter (rl.adapter's layout) rather than full weights."""
-    return manifest is not None and ADAPTER_CONFIG in manifest
-
-
-def published_step(directory: OpenDir | Path) -> tuple[bytes, dict[str, Entry]]:
-    """The step's marker bytes (what identifies its files) and manifest, both from one read of the marker: the
-    directory holds exactly its listed files, and every one but the weight files (which the worker checks as it
-    reads them, once) is checked here."""
-    marker = read_marker(directory)
-    manifest = read_manifest(directory, marker)
-    for name, entry in manifest.items():
-        if not name.endswith(".safetensors"):
-            check_listed(directory, name, entry)
-    return marker, manifest

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from rl.config import ConfigError, format_validation_error, parse_config, config_help, to_toml, write_config
+from rl.config import ConfigError, format_validation_error, parse_config, to_toml, write_config
+from rl.config_help import config_help
 from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir
 from rl.inference.config import API_KEY_VAR, cpu_server_env
 from rl.launcher.config import RLConfig, check_hosts, resolve

@@ -53,11 +53,13 @@ def read_offer(output_dir: Path, step: int, host: str | None = None) -> Offer | 
     ranges, name the step of the file's name and (if given) the trainer's `host`; anything else is a TransferError
     naming the file and the problem."""
     path = RunPaths(Path(output_dir)).offer(step)
+    if not os.path.lexists(path):  # looked for first: one renamed into place mid-read is not "missing"
+        return None
     try:
         raw = read_regular(path.parent, path.name, MAX_OFFER_BYTES)
     except CorruptFileError as e:
         if not os.path.lexists(path):
-            return None  # none, or taken away (a resumed trainer clears the old ones)
+            return None  # taken away (a resumed trainer clears the old ones)
         raise TransferError(f"{path} is not an offer the trainer wrote: {e}") from None
     try:
         fields = json.loads(raw)
