@@ -13,8 +13,8 @@ inference server and, several times in turn:
   `POST /update_weights {"step", "transfer"}` (receive, check, reload, verify), timed from the offer to the answer;
 - its bound: a bare gloo broadcast of the same bytes, in one piece, to another (warm) process receiving into a
   fresh memfd as a server does, plus the server's reload time alone;
-- sparse over the wire (`transfer.sparse` over gloo): a step that changes `--changed` of the elements (2%: what peers report a
-  bf16 step changes) sent as its changes against the step the server serves, timed as above.
+- sparse over the wire (`transfer.sparse`, gloo): a step that changes `--changed` of the elements (2%: what peers
+  report a bf16 step changes) sent as its changes against the step the server serves, timed as above.
 
 It prints the medians and their ratios (targets: publish-to-served <= 1.5x its bound for files; over the wire
 <= 0.5x files and <= 1.3x its bound at ~100M), then the same for a rank-16 LoRA adapter on every projection, on a
@@ -113,7 +113,8 @@ def measure_sync(root: Path, name: str, repeats: int, changed: float) -> dict:
                     toml=f'[transfer]\nbackend = "gloo"\nsparse = true\nsecret = "{SECRET}"\n')  # takes steps every way
     sender = CollectiveSender(CollectiveTransfer(backend="gloo", secret=SECRET), paths.root, ONE_RANK, torch.float32,
                               first_step=1)
-    sparse_sender = CollectiveSender(CollectiveTransfer(backend="gloo", sparse=True, secret=SECRET), paths.root, ONE_RANK,
+    sparse_sender = CollectiveSender(CollectiveTransfer(backend="gloo", sparse=True, secret=SECRET), paths.root,
+                                     ONE_RANK,
                                      torch.float32, first_step=1)
     bare = BareReceiver(sum(t.numel() * t.element_size() for t in perturbed(base, 0).values()), repeats)
     totals, bounds, parts, wire, wire_bounds, sparse, sparse_bytes = [], [], [], [], [], [], []

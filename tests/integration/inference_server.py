@@ -47,7 +47,8 @@ class Server:
             config.write_text(toml)
             cmd[3:3] = ["@", str(config)]
         self.http = httpx.Client(timeout=120)  # one connection kept open, as the orchestrator's client does
-        self.proc = subprocess.Popen([*(prefix or []), *cmd], cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen([*(prefix or []), *cmd], cwd=ROOT, stdout=open(log, "wb"),
+                                     stderr=subprocess.STDOUT,
                                      env=os.environ | (env or {}))
         STARTED.add(self)
         self._wait_healthy(timeout_s)

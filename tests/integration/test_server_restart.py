@@ -2,7 +2,7 @@
 killed while a step arrives (held there by the `during_receive` test hook, so the kill lands mid-transfer for
 certain): the step fails by its deadlines and the run goes on; the orchestrator sees another instance answer, gives
 it no requests until the trainer's next offer brings it up to date, makes again the groups it lost, and the run
-reaches its end with every step once. Steps go as their changes (`transfer.sparse` over gloo) while the server serves the step
+reaches its end with every step once. Steps go as their changes (`transfer.sparse`) while the server serves the step
 sent last, and whole to the restarted server; served in bf16 at an RL learning rate (1e-6), a step changes few
 elements, as on GPUs."""
 

@@ -141,7 +141,7 @@ def test_weights_over_the_wire_reach_the_placed_trainers_first_host_unless_trans
         assert {s.transfer.host for s in (resolved.trainer, resolved.orchestrator, resolved.inference)} == {"h2"}
     chosen = run(*wire, "--transfer.host", "10.0.0.7")
     assert resolve(chosen, hosts[0]).trainer.transfer.host == "10.0.0.7"
-    assert resolve(run("--inference.admin-token", "t"), hosts[0]).trainer.transfer == FilesTransfer()  # no store to place
+    assert resolve(run("--inference.admin-token", "t"), hosts[0]).trainer.transfer == FilesTransfer()  # no store
 
 
 def test_weights_over_the_wire_across_hosts_started_by_hand_need_transfer_host():

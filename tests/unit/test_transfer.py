@@ -632,7 +632,8 @@ def test_on_one_gpu_a_sparse_nccl_sender_compares_on_the_gpu_and_hashes_through_
     monkeypatch.setattr(rl.weights.digest, "HOST_CHUNK_BYTES", 1000)  # every tensor below passes in several chunks
     world = SimpleNamespace(is_main=True, rank=0, world_size=1, on_gpu=True, device=torch.device("cuda", 0),
                             all_reduce=lambda values, op="sum": values)
-    sender = CollectiveSender(CollectiveTransfer(backend="nccl", sparse=True, secret=SECRET), tmp_path, world, torch.bfloat16,
+    wire = CollectiveTransfer(backend="nccl", sparse=True, secret=SECRET)
+    sender = CollectiveSender(wire, tmp_path, world, torch.bfloat16,
                               first_step=0)
     try:
         weights = {"a": torch.randn(3001, device="cuda").bfloat16(), "b": torch.randn(64, 65, device="cuda").bfloat16()}
@@ -669,7 +670,8 @@ def test_a_collective_sender_writes_a_steps_files_at_checkpoint_steps_only_and_n
     written = []
     publisher = SimpleNamespace(dtype=torch.float32, adapter_config=None,
                                 publish=lambda step, model: written.append(step))
-    config = SimpleNamespace(transfer=CollectiveTransfer(backend="gloo", secret=SECRET), output_dir=tmp_path, max_steps=5,
+    wire = CollectiveTransfer(backend="gloo", secret=SECRET)
+    config = SimpleNamespace(transfer=wire, output_dir=tmp_path, max_steps=5,
                              ckpt=CkptConfig(interval=2))
     sender = CollectiveSender.create(config, publisher, single_rank_world(), first_step=0)
     sender.send = lambda step, model: {"weights_sent": True}

@@ -1,11 +1,12 @@
 """The served policy: which step's weights this server serves, and every change to them. `PolicyWeights` takes an
-update (a `step_<k>` directory the trainer published inside the weights dir) through resolution (`rl.inference.step_dirs`),
-the checks of its STABLE marker and manifest, a hold on generation, the reload on every vLLM worker (`rl.inference.worker`) and its
-verification, and rolls back, or refuses generation as broken, when a load fails. With LoRA on (InferenceConfig.lora:
-`--enable-lora --max-lora-rank R --max-loras 1`) a step is an adapter (its manifest lists `adapter_config.json`),
-which replaces the served adapter in place under the one adapter name; requests select it with
-`"model": <adapter name>` (the base model stays servable under its own name), and since vLLM's own adapter routes
-stay refused, adapters change only here. Requests reach this state through `rl.inference.gate`.
+update (a `step_<k>` directory the trainer published inside the weights dir) through resolution
+(`rl.inference.step_dirs`), the checks of its STABLE marker and manifest, a hold on generation, the reload on every
+vLLM worker (`rl.inference.worker`) and its verification, and rolls back, or refuses generation as broken, when a
+load fails. With LoRA on (InferenceConfig.lora: `--enable-lora --max-lora-rank R --max-loras 1`) a step is an
+adapter (its manifest lists `adapter_config.json`), which replaces the served adapter in place under the one adapter
+name; requests select it with `"model": <adapter name>` (the base model stays servable under its own name), and
+since vLLM's own adapter routes stay refused, adapters change only here. Requests reach this state through
+`rl.inference.gate`.
 """
 
 import asyncio

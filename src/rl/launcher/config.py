@@ -223,7 +223,8 @@ def _fill_section(shared: BaseModel, parent: BaseModel, flag: str, where: str) -
     target = getattr(parent, flag)
     if type(target) is not type(shared):  # another variant of a union (transfer.type): the shared one, if not set
         if target.model_fields_set:
-            raise ConfigError(f"--{flag} ({type(shared).__name__}) contradicts {where} = {target!r}; set it in one place")
+            raise ConfigError(f"--{flag} ({type(shared).__name__}) contradicts {where} = {target!r}; "
+                              "set it in one place")
         setattr(parent, flag, type(shared)())
         target = getattr(parent, flag)
     for field in shared.model_fields_set:

@@ -68,7 +68,8 @@ class CollectiveSender(Sender):
         if world.is_main:
             clear_transfers(output_dir, first_step)  # a resumed run's old offers name a store that is gone
             self.store = start_store(config.host, config.port, config.timeout_s)
-            logger.info(f"weights go over the wire ({config.way}{', sparse' if config.sparse else ''}): transfer store on "
+            how = config.way + (", sparse" if config.sparse else "")
+            logger.info(f"weights go over the wire ({how}): transfer store on "
                         f"{config.host}:{self.store.port}")
 
     @classmethod
