@@ -1,0 +1,101 @@
+"""`env-server`: one `[[env]]` served over ZMQ by verifiers' env-server pool (`verifiers.v1.serve.serve_env`).
+
+A broker binds `address` and dispatches each episode it is sent (the task's data, the model endpoint and sampling) to
+the least busy of `workers` processes. Each worker loads the environment once as rl's orchestrator does (its harness
+and runtime defaults: rl/orchestrator/environment.py), with rl's patches applied (rl/patches/), and runs its
+episodes itself: their model calls go from the worker straight to inference. The client owns the taskset and
+samples it; a worker never loads the environment's data.
+
+    uv run env-server --env.id reverse-text [--workers 2] [--address tcp://127.0.0.1:5000]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Annotated
+
+from pydantic import Field
+
+from rl.config import ConfigError, EnvConfig, Settings, run_cli
+
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_workers() -> int:
+    """A quarter of this host's cores, 1 to 8: the orchestrator, inference's API processes and the trainer share
+    the host, and an episode of a chat environment is mostly waiting on inference."""
+    return max(1, min(MAX_DEFAULT_WORKERS, (os.cpu_count() or 1) // 4))
+
+
+class EnvServerConfig(Settings):
+    env: Annotated[EnvConfig, Field(description="the environment served, as an [[env]] table of the orchestrator")]
+    workers: Annotated[
+        int, Field(ge=1, default_factory=default_workers, description="worker processes, all started at once; "
+                                                                       "default: a quarter of the host's cores, 1-8")
+    ]
+    address: Annotated[
+        str, Field(min_length=1, description="ZMQ endpoint the broker binds: ipc://<path>, or tcp://<host>:<port> "
+                                             "(port 0: any free one, logged)")
+    ] = "tcp://127.0.0.1:5000"
+    max_concurrent: Annotated[
+        int | None, Field(ge=1, description="episodes in flight per worker; unset: no bound")
+    ] = None
+
+
+def verifiers_config(spec: EnvConfig):
+    """verifiers' EnvConfig for `spec` with rl's defaults, checked here so that a wrong table fails the start with
+    rl's message rather than in every worker."""
+    import verifiers.v1 as vf
+    from pydantic import ValidationError
+
+    from rl.orchestrator.environment import (
+        EnvLoadError, import_environment_module, validation_errors, verifiers_env_config,
+    )
+
+    import_environment_module(spec.id)
+    data, seats = verifiers_env_config(spec)
+    try:
+        return vf.resolve_env_config(data), seats
+    except ValidationError as e:
+        raise EnvLoadError(f"environment {spec.label!r}:\n{validation_errors(e, spec, set(seats))}") from None
+
+
+def set_up_worker() -> None:
+    """Run by serve_env in the broker and in every worker it spawns (as its `log_setup`): rl's log format, and
+    rl's patches to verifiers, renderers and pydantic, before the worker loads the environment."""
+    from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
+    from rl.orchestrator.rollouts import apply_patches
+
+    setup_logging(f"env-server[{os.getpid()}]", quiet=PER_REQUEST_LOGGERS)
+    logging.getLogger("verifiers.v1.serve").setLevel(logging.INFO)  # the pool's and each worker's up and down
+    apply_patches()
+
+
+def serve(config: EnvServerConfig) -> None:
+    from verifiers.v1.serve import env_config_data, serve_env
+
+    from rl.orchestrator.environment import EnvLoadError
+
+    try:
+        env_config, seats = verifiers_config(config.env)
+    except EnvLoadError as e:
+        raise ConfigError(str(e)) from None
+    logger = logging.getLogger("env-server")
+    logger.info(f"environment {config.env.label!r} at {config.address}, {config.workers} workers; "
+                + "; ".join(f"seat {seat!r}: {how}" for seat, how in seats.items()))
+    serve_env(max_workers=config.workers, elastic=False, address=config.address, log_setup=set_up_worker,
+              max_concurrent=config.max_concurrent, config_data=env_config_data(env_config))
+
+
+def main() -> None:
+    config = run_cli(EnvServerConfig)
+    set_up_worker()
+    try:
+        serve(config)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
