@@ -134,6 +134,17 @@ class EnvConfig(Section):
                           "e.g. {agent = {max_turns = 4}, timeout = {episode = 60}}"),
     ] = {}
 
+    address: Annotated[
+        str | None,
+        Field(description="where its episodes run: unset, in the orchestrator's process; 'auto', in an env server "
+                          "`rl` starts beside the orchestrator (`env-server`, with `workers`); a ZMQ endpoint "
+                          "(tcp://host:port, ipc://path), an env server started elsewhere"),
+    ] = None
+    workers: Annotated[
+        int | None, Field(ge=1, description="worker processes of the env server rl starts (address = 'auto'); "
+                                            "unset: a quarter of the host's cores, 1 to 8")
+    ] = None
+
     @property
     def label(self) -> str:
         return self.name or self.id

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
 from rl.config import ConfigError, EnvConfig, Settings, run_cli
 
@@ -29,6 +31,8 @@ def default_workers() -> int:
 
 
 class EnvServerConfig(Settings):
+    model_config = SettingsConfigDict(env_prefix="RL_ENV_SERVER__")
+
     env: Annotated[EnvConfig, Field(description="the environment served, as an [[env]] table of the orchestrator")]
     workers: Annotated[
         int, Field(ge=1, default_factory=default_workers, description="worker processes, all started at once; "
@@ -81,6 +85,8 @@ def serve(config: EnvServerConfig) -> None:
         env_config, seats = verifiers_config(config.env)
     except EnvLoadError as e:
         raise ConfigError(str(e)) from None
+    if config.address.startswith("ipc://"):  # the socket's directory, as rl names one in the run directory
+        Path(config.address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger("env-server")
     logger.info(f"environment {config.env.label!r} at {config.address}, {config.workers} workers; "
                 + "; ".join(f"seat {seat!r}: {how}" for seat, how in seats.items()))

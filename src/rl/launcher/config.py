@@ -14,6 +14,8 @@ from pydantic_settings import SettingsConfigDict
 
 from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig, optional_section
 from rl.weights.config import CollectiveTransfer, TransferConfig
+from rl.env_server import EnvServerConfig
+from rl.launcher.env_servers import place_env_servers
 from rl.adapter import next_vllm_rank
 from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference_device
@@ -204,6 +206,13 @@ class RLConfig(Settings):
     def device_choices(self) -> dict[str, str]:
         return self._device_choices
 
+    # Filled by resolve(): the env servers rl starts beside the orchestrator, by process name.
+    _env_servers: dict[str, EnvServerConfig] = PrivateAttr(default_factory=dict)
+
+    @property
+    def env_servers(self) -> dict[str, EnvServerConfig]:
+        return self._env_servers
+
     @property
     def uses_gpu_flags(self) -> bool:
         flags = (self.trainer_gpus, self.inference_gpus, self.trainer_gpu_ids, self.inference_gpu_ids)
@@ -304,6 +313,7 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
             f"to with async_level = {o.async_level}; set it to at least {o.async_level + 2}"
         )
     config._device_choices = resolve_devices(t, i, host.devices.device)
+    config._env_servers = place_env_servers(o)
     o.transfer.resolve_device(host.devices.device, "orchestrator")  # as trainer and inference resolved it
     return config
 

@@ -156,6 +156,9 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
             )
             specs.append(ChildSpec(name, cmd, visible, logs / f"{name}.log", env))
     if host.runs("orchestrator"):
+        for name in config.env_servers:  # no GPU; started before the orchestrator, which waits for each to answer
+            cmd = [python, "-m", "rl.env_server", "@", str(configs / f"{name}.toml")]
+            specs.append(ChildSpec(name, cmd, [], logs / f"{name}.log"))
         cmd = [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")]
         # verifiers' clients read the servers' API key from the variable they are given the name of
         key = {API_KEY_VAR: config.inference.api_key} if config.inference.api_key else {}
@@ -273,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     configs, _ = host_dirs(host, paths)
     for name in host.roles:
         write_config(getattr(config, name), configs / f"{name}.toml")
+    if host.runs("orchestrator"):
+        for name, server in config.env_servers.items():
+            write_config(server, configs / f"{name}.toml")
     write_config(config, configs / "rl.toml")
     board = HostBoard(paths, host.name, host.roles, host.node_rank, host.trainer_nodes, config.host_timeout_s)
     supervisor = Supervisor(paths, config.log_tail_lines, config.shutdown_timeout_s)

@@ -34,6 +34,7 @@ from verifiers.v1.utils.loaders import default_harness_id, env_config_type
 from verifiers.v1.utils.prime import ensure_prime_auth
 
 from rl.config import EnvConfig
+from rl.orchestrator.env_servers import ServedEpisodes
 
 DEFAULT_HARNESS = "in-process-chat"
 LOCAL_RUNTIME = "subprocess"
@@ -45,6 +46,12 @@ small pools were faster; with `EngineClient` (aiohttp) 8 and 32 measure alike (b
 `overrides.interception` chooses otherwise."""
 
 
+AUTO_ADDRESS = "auto"  # `[[env]] address`: an env server `rl` starts
+ENV_SERVER_START_S = 300.0
+"""Longest the orchestrator waits for an environment's server to answer: its workers import the environment's
+package and load it (verifiers, a tokenizer, the environment's own dependencies) before the broker answers."""
+
+
 class EnvLoadError(ValueError):
     """An environment cannot be loaded as configured; the message names the environment and the key."""
 
@@ -53,11 +60,13 @@ class Environment:
     """A loaded verifiers environment with its tasks materialized for deterministic index access."""
 
     def __init__(
-        self, name: str, env: vf.Env, tasks: list[vf.Task], seats: dict[str, str], toolsets: list[str]
+        self, name: str, env: vf.Env, tasks: list[vf.Task], seats: dict[str, str], toolsets: list[str],
+        served: ServedEpisodes | None = None,
     ) -> None:
         self.name = name  # the label of its metrics
         self.env = env
         self.tasks = tasks
+        self.served = served  # its env server, where its episodes run; None: in this process
         self.seats = seats  # seat -> how it runs, for the log
         self.toolsets = toolsets  # the MCP tool servers its rollouts get (names), none for a chat environment
 
@@ -73,12 +82,21 @@ class Environment:
     def describe(self) -> str:
         seats = "; ".join(f"seat {seat!r}: {how}" for seat, how in self.seats.items())
         tools = f"; toolsets {', '.join(self.toolsets)}" if self.toolsets else ""
-        return f"environment {self.name!r}: {self.num_tasks} tasks; {seats}{tools}"
+        where = f"; episodes run by its env server at {self.served.address}" if self.served else ""
+        return f"environment {self.name!r}: {self.num_tasks} tasks; {seats}{tools}{where}"
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
-        """Keep verifiers' interception server up across groups (otherwise each rollout starts one), and
-        the in-process harness's HTTP session open (otherwise each model call opens one)."""
+        """Served: connected to its env server once it answers. In this process: verifiers' interception server
+        kept up across groups (otherwise each rollout starts one), and the in-process harness's HTTP session open
+        (otherwise each model call opens one)."""
+        if self.served is not None:
+            await self.served.start(ENV_SERVER_START_S)
+            try:
+                yield
+            finally:
+                await self.served.close()
+            return
         async with shared_session(), self.env.serving():
             yield
 
@@ -108,7 +126,11 @@ def load_environment(spec: EnvConfig) -> Environment:
     check_runnable(spec, env, toolsets)
     if not env.taskset.bounded:
         raise EnvLoadError(f"environment {spec.label!r} has an infinite taskset; bound it with its args")
-    return Environment(spec.label, env, list(env.taskset), seats, [toolset_name(t) for t in toolsets])
+    if spec.address == AUTO_ADDRESS:
+        raise EnvLoadError(f"environment {spec.label!r}: address = 'auto' is filled in by `rl`, which starts its "
+                           "env server; started by hand, start one (`env-server`) and give its address")
+    served = ServedEpisodes(spec.label, spec.address) if spec.address else None
+    return Environment(spec.label, env, list(env.taskset), seats, [toolset_name(t) for t in toolsets], served)
 
 
 def load_environments(specs: list[EnvConfig], where: str) -> list[Environment]:

@@ -17,7 +17,7 @@ import contextlib
 import gc
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import verifiers.v1 as vf
@@ -174,29 +174,27 @@ async def run_group(
 ) -> list[RolloutResult]:
     """Run `n` rollouts of task `task_index` concurrently (at most `semaphore` at once).
 
-    Each rollout must finish within `timeout_s` of getting its semaphore slot, else RolloutError."""
+    Each rollout must finish within `timeout_s` of getting its semaphore slot, else RolloutError. A served
+    environment's rollouts run in its env server (rl/orchestrator/env_servers.py), the others in this process."""
     task = environment.task(task_index)
-    slots = environment.env.slots(task, n)
     contexts = model_contexts(client, sampling, n)
-    episodes = await asyncio.gather(
-        *(run_slot(environment, task_index, slot, ctx, semaphore, timeout_s) for slot, ctx in zip(slots, contexts))
-    )
+    if environment.served is not None:
+        runs = [environment.served.run(task, ctx) for ctx in contexts]
+    else:
+        runs = [environment.env.run_slot(slot, ctx) for slot, ctx in zip(environment.env.slots(task, n), contexts)]
+    episodes = await asyncio.gather(*(bounded(task_index, run, semaphore, timeout_s) for run in runs))
     convert = to_chat_result if isinstance(client, ChatClient) else to_result
     return [convert(task_index, task, episode) for episode in episodes]
 
 
-async def run_slot(
-    environment: Environment,
-    task_index: int,
-    slot: Any,
-    ctx: vf.ModelContext,
-    semaphore: asyncio.Semaphore | None,
-    timeout_s: float | None,
+async def bounded(
+    task_index: int, run: Coroutine[Any, Any, vf.Episode], semaphore: asyncio.Semaphore | None, timeout_s: float | None
 ) -> vf.Episode:
-    """One rollout; the deadline starts once it holds a semaphore slot, so queueing does not count."""
+    """One rollout; the deadline starts once it holds a semaphore slot, so queueing does not count. A served one
+    cancelled at its deadline is cancelled on its server too."""
     async with semaphore or contextlib.nullcontext():
         try:
-            return await asyncio.wait_for(environment.env.run_slot(slot, ctx), timeout_s)
+            return await asyncio.wait_for(run, timeout_s)
         except TimeoutError as e:
             raise RolloutError(f"rollout of task {task_index} timed out after {timeout_s}s") from e
 
