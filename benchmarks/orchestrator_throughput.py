@@ -48,6 +48,7 @@ import psutil
 from transformers import AutoTokenizer
 
 from rl.config import EnvConfig
+from rl.orchestrator.env_servers import ServedEpisodes
 from rl.orchestrator.config import GROUP_GAP_S
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group, tune_gc_for_serving
@@ -67,6 +68,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="raw-then-orchestrator measurement pairs")
     parser.add_argument("--plain-vllm", action="store_true", help="also measure a plain vLLM server's API CPU")
+    parser.add_argument("--served", type=int, metavar="WORKERS",
+                        help="run the environment in an env server of this many workers (rl/env_server.py), as "
+                             "`[[env]] address` does; its CPU per rollout is printed beside the orchestrator's")
     parser.add_argument("--group-gap-s", type=float, default=GROUP_GAP_S,
                         help="the orchestrator's orchestrator.client.group_gap_s; above 0 the raw side sends each "
                              "group as one request with n samples too, 0 one request per rollout on both sides")
@@ -159,6 +163,31 @@ class ScoringClock:
         return timed
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and every process under it (an env server's broker and its workers)."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for process in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += sum(process.cpu_times()[:2])
+    return total
+
+
+@contextlib.contextmanager
+def env_server(env_id: str, groups: int, workers: int, root: Path):
+    """An env server of `env_id` (rl/env_server.py) at a socket under `root`: its address and pid."""
+    address = f"ipc://{root}/env.sock"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rl.env_server", "--env.id", env_id, "--env.args", f'{{"num_examples": {groups}}}',
+         "--workers", str(workers), "--address", address], cwd=ROOT, stdout=open(root / "env-server.log", "wb"),
+        stderr=subprocess.STDOUT)
+    try:
+        yield address, process.pid
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
 class CpuMeter:
     """CPU seconds of this process (every thread) and of the API server process (when known), between calls."""
 
@@ -174,8 +203,11 @@ class CpuMeter:
         return now[0] - before[0], now[1] - before[1]
 
 
-async def measure(args, base_url: str, server_pid: int | None = None, plain: tuple[str, int] | None = None) -> None:
+async def measure(args, base_url: str, server_pid: int | None = None, plain: tuple[str, int] | None = None,
+                  served: tuple[str, int] | None = None) -> None:
     env = load_environment(EnvConfig(id=args.env, args={"num_examples": args.groups}))
+    if served:  # episodes go to the env server; scoring runs there, in its workers
+        env.served = ServedEpisodes(env.name, served[0])
     scoring = ScoringClock(env)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = rendered_prompts(env, tokenizer, args.groups)
@@ -188,6 +220,7 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
         ratios = []
         cpu = {"raw": [], "orch": [], "scoring": [], "raw_server": [], "orch_server": [], "plain_server": []}
         meter, requests = CpuMeter(server_pid), args.groups * args.group_size
+        cpu["env_server"] = []
         plain_meter = CpuMeter(plain[1]) if plain else None
         if plain:
             await raw_side(args, prompts, plain[0])
@@ -202,8 +235,11 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
             cpu["raw"].append(own / requests)
             cpu["raw_server"].append(server / requests)
             before, scored = meter.read(), scoring.seconds
+            env_before = tree_cpu_s(served[1]) if served else 0.0
             orch_tokens, orch_s = await orchestrator_side(args, env, client)
             own, server = meter.since(before)
+            if served:
+                cpu["env_server"].append((tree_cpu_s(served[1]) - env_before) / requests)
             cpu["scoring"].append((scoring.seconds - scored) / requests)
             cpu["orch"].append(own / requests - cpu["scoring"][-1])
             cpu["orch_server"].append(server / requests)
@@ -223,6 +259,9 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
           f"{median['scoring']:.2f} ms besides (target <= 1 ms; raw client "
           f"{median['raw']:.2f} ms per request); vLLM API server {median['orch_server']:.2f} ms per request from the "
           f"orchestrator, {median['raw_server']:.2f} ms from the raw client")
+    if served:
+        print(f"env server ({args.served} workers) CPU per rollout, median: {median['env_server']:.2f} ms "
+              f"(scoring included); orchestrator + env server {median['orch'] + median['env_server']:.2f} ms")
     if plain:
         print(f"API server CPU per raw request, medians: rl's server {median['raw_server']:.2f} ms, plain vLLM "
               f"{median['plain_server']:.2f} ms (rl's gate and wrappers: "
@@ -243,7 +282,9 @@ def main() -> None:
         server = Server(Path(args.model), Path(tmp), Path(tmp) / "inference.log")
         stack.callback(server.stop)
         plain = stack.enter_context(plain_vllm(args.model, Path(tmp) / "plain.log")) if args.plain_vllm else None
-        asyncio.run(measure(args, server.url, server.proc.pid, plain))
+        served = (stack.enter_context(env_server(args.env, args.groups, args.served, Path(tmp))) if args.served
+                  else None)
+        asyncio.run(measure(args, server.url, server.proc.pid, plain, served))
 
 
 @contextlib.contextmanager
