@@ -11,8 +11,12 @@ samples it; a worker never loads the environment's data.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -22,6 +26,9 @@ from pydantic_settings import SettingsConfigDict
 from rl.config import ConfigError, EnvConfig, Settings, run_cli
 
 MAX_DEFAULT_WORKERS = 8
+WORKER_WATCH_S = 0.5
+WORKER_DIED = 3  # the exit code when a worker died
+logger = logging.getLogger("env-server")
 
 
 def default_workers() -> int:
@@ -77,7 +84,10 @@ def set_up_worker() -> None:
 
 
 def serve(config: EnvServerConfig) -> None:
-    from verifiers.v1.serve import env_config_data, serve_env
+    """verifiers' pool, always (one worker too: the broker then answers health checks while the worker is busy),
+    every worker started at once; the first worker to die takes the server down with it, so that `rl` restarts it
+    and the orchestrator runs the lost episodes again (verifiers' pool does not replace a dead worker)."""
+    from verifiers.v1.serve import EnvServerPool, env_config_data
 
     from rl.orchestrator.environment import EnvLoadError
 
@@ -87,11 +97,32 @@ def serve(config: EnvServerConfig) -> None:
         raise ConfigError(str(e)) from None
     if config.address.startswith("ipc://"):  # the socket's directory, as rl names one in the run directory
         Path(config.address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
-    logger = logging.getLogger("env-server")
     logger.info(f"environment {config.env.label!r} at {config.address}, {config.workers} workers; "
                 + "; ".join(f"seat {seat!r}: {how}" for seat, how in seats.items()))
-    serve_env(max_workers=config.workers, elastic=False, address=config.address, log_setup=set_up_worker,
-              max_concurrent=config.max_concurrent, config_data=env_config_data(env_config))
+    signal.signal(signal.SIGTERM, _stop)  # asyncio.run's clean-up then stops the workers
+    server_kwargs = {"config_data": env_config_data(env_config), "max_concurrent": config.max_concurrent}
+    pool = EnvServerPool(server_kwargs, config.workers, config.address, set_up_worker, elastic=False)
+    threading.Thread(target=exit_when_a_worker_dies, args=(pool,), name="worker watch", daemon=True).start()
+    try:
+        asyncio.run(pool.run())
+    except KeyboardInterrupt:
+        pass
+
+
+def _stop(*_) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def exit_when_a_worker_dies(pool) -> None:
+    while True:
+        time.sleep(WORKER_WATCH_S)
+        for worker in list(pool.workers):
+            process = worker["process"]
+            if process.exitcode is not None:
+                logger.error(f"worker {worker['index']} (pid {process.pid}) died (exit code {process.exitcode}); "
+                             "this env server stops with it, to be restarted and its episodes run again")
+                os._exit(WORKER_DIED)
 
 
 def main() -> None:

@@ -6,6 +6,9 @@ import asyncio
 import re
 import subprocess
 import sys
+import time
+
+import psutil
 
 import pytest
 import verifiers.v1 as vf
@@ -128,3 +131,28 @@ def test_a_run_whose_environments_run_in_env_servers_rl_starts(tiny_model, tmp_p
         samples = read_batch(RunPaths(out), step, 0) + read_batch(RunPaths(out), step, 1)
         prompts = [tuple(s.input_ids[:s.loss_mask.index(1)]) for s in samples]
         assert len(samples) <= 32 and all(prompts.count(p) % 8 == 0 for p in prompts), step
+
+
+def test_a_worker_killed_mid_run_restarts_its_env_server_and_the_run_goes_on(tiny_model, tmp_path):
+    """SIGKILL one of an env server's two workers while the orchestrator generates: the server stops with it, `rl`
+    restarts it, the episodes it held fail fast and their groups run again, and every step still trains."""
+    served = tmp_path / "served.toml"
+    served.write_text('[[env]]\nid = "reverse-text"\nargs = { num_examples = 200 }\naddress = "auto"\nworkers = 2\n')
+    out = tmp_path / "run"
+    run = Launched(rl_command(tiny_model, out, 6, "--orchestrator", "@", served))
+    deadline = time.monotonic() + 300
+    while "step 1 orchestrator" not in run.output and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    server = psutil.Process(run.child_pid("env-reverse-text"))
+    workers = [p for p in server.children() if "spawn_main" in " ".join(p.cmdline())]  # not its resource tracker
+    assert len(workers) == 2, run.output[-3000:]
+    workers[0].kill()
+    code = run.wait(timeout=600)
+    assert code == 0, run.output[-5000:]
+    assert re.search(r"rl: env-reverse-text .*; restarting it \(1 of at most 5 restarts\)", run.output), run.output
+    log = (out / "logs" / "env-reverse-text.log").read_text()
+    assert f"(pid {workers[0].pid}) died" in log and len(re.findall("EnvServerPool up", log)) == 2, log[-3000:]
+    orchestrator = (out / "logs" / "orchestrator.log").read_text()
+    assert "was restarted: this episode was lost with it" in orchestrator  # failed fast, its group run again
+    records = [m for m in read_metrics(RunPaths(out)) if m["process"] == "trainer"]
+    assert [m["step"] for m in records] == list(range(6))

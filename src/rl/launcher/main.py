@@ -136,6 +136,9 @@ def torchrun_args(host: HostPlan, paths: RunPaths) -> list[str]:
     return args + ([f"--local-addr={host.node_addr}"] if host.node_addr else [])
 
 
+ENV_SERVER_RESTARTS = 5  # an environment's server that dies is started again this often: the orchestrator runs its lost
+# episodes again (rl/orchestrator/env_servers.py); past that, its exit stops the run
+
 def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[ChildSpec]:
     """Plan GPU ids are indices into the launcher's visible GPUs; children get them as its CUDA_VISIBLE_DEVICES
     names them."""
@@ -158,7 +161,7 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
     if host.runs("orchestrator"):
         for name in config.env_servers:  # no GPU; started before the orchestrator, which waits for each to answer
             cmd = [python, "-m", "rl.env_server", "@", str(configs / f"{name}.toml")]
-            specs.append(ChildSpec(name, cmd, [], logs / f"{name}.log"))
+            specs.append(ChildSpec(name, cmd, [], logs / f"{name}.log", restarts=ENV_SERVER_RESTARTS))
         cmd = [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")]
         # verifiers' clients read the servers' API key from the variable they are given the name of
         key = {API_KEY_VAR: config.inference.api_key} if config.inference.api_key else {}

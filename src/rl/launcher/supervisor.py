@@ -30,6 +30,7 @@ class ChildSpec:
     log: Path
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
     secret_env: dict[str, str] = field(default_factory=dict)  # added too, and never printed (not in extra_env)
+    restarts: int = 0  # a server restarted this often when it exits during the run (then its exit fails the run)
 
     @property
     def extra_env(self) -> dict[str, str]:
@@ -64,6 +65,7 @@ class Supervisor:
         # Every descendant seen so far, per child: a process that leaves the group (torchrun starts its
         # ranks in sessions of their own) or outlives its parent is still found and stopped.
         self.descendants: dict[str, dict[int, psutil.Process]] = {}
+        self.restarted: dict[str, int] = {}
 
     def start(self, spec: ChildSpec) -> None:
         env = dict(os.environ) | spec.extra_env | spec.secret_env | {"PYTHONUNBUFFERED": "1"}
@@ -104,6 +106,12 @@ class Supervisor:
             print(f"rl: failed after {elapsed:.0f}s (exit {code}); logs in {self.paths.logs}", flush=True)
         return code
 
+    def _restart(self, name: str, code: int) -> None:
+        self.restarted[name] = self.restarted.get(name, 0) + 1
+        print(f"rl: {name} {_why_ended(code)}; restarting it ({self.restarted[name]} of at most "
+              f"{self.specs[name].restarts} restarts)", file=sys.stderr, flush=True)
+        self.start(self.specs[name])
+
     def _on_signal(self, signum, frame) -> None:
         raise Stop(signum)
 
@@ -115,7 +123,10 @@ class Supervisor:
             self._show_new_metrics()
             polled = {name: proc.poll() for name, proc in self.procs.items() if name not in done}
             ended = {name: code for name, code in polled.items() if code is not None}
-            failed = {name: code for name, code in ended.items() if code != 0 or name.startswith("inference")}
+            for name in [name for name in ended if self.restarted.get(name, 0) < self.specs[name].restarts]:
+                self._restart(name, ended.pop(name))
+            failed = {name: code for name, code in ended.items()
+                      if code != 0 or name.startswith("inference") or self.specs[name].restarts}
             if failed:
                 cause = self._report_failures(failed)
                 board.beat("failed", f"{cause} {_why_ended(failed[cause])}", force=True)
