@@ -37,17 +37,15 @@ FIXTURES = ROOT / "tests" / "fixtures" / "environments"
 WARM_ROLLOUTS = 4
 
 
-def task_data(i: int, score_ms: float) -> dict:
-    """What the orchestrator would ship for task i of cpu-score (its TaskData, dumped)."""
+def tasks_data(score_ms: float) -> list[dict]:
+    """What the orchestrator would ship for each task of cpu-score (its TaskData, dumped)."""
     sys.path.insert(0, str(FIXTURES))
     from cpu_score import CpuScoreConfig, CpuScoreTaskset
 
-    if not hasattr(task_data, "tasks"):
-        task_data.tasks = list(CpuScoreTaskset(CpuScoreConfig(num_examples=256, score_ms=score_ms)))
-    return task_data.tasks[i % len(task_data.tasks)].data.model_dump()
+    return [task.data.model_dump() for task in CpuScoreTaskset(CpuScoreConfig(num_examples=256, score_ms=score_ms))]
 
 
-async def rollouts_per_s(address: str, server: Server, rollouts: int, score_ms: float) -> float:
+async def rollouts_per_s(address: str, server: Server, rollouts: int, tasks: list[dict]) -> float:
     renderer = renderer_config("auto", str(server.model))[0]
     client_config = vf.TrainClientConfig(base_url=f"{server.url}/v1", renderer=renderer,
                                          renderer_model_name=str(server.model))
@@ -57,7 +55,7 @@ async def rollouts_per_s(address: str, server: Server, rollouts: int, score_ms: 
         await client.wait_for_server_startup(timeout=300)
 
         async def run(i: int):
-            episode = await client.run(client_config, str(server.model), sampling, task_data(i, score_ms))
+            episode = await client.run(client_config, str(server.model), sampling, tasks[i % len(tasks)])
             if not episode.ok:
                 raise RuntimeError(f"rollout {i} failed: {episode.last_error}")
 
@@ -69,7 +67,8 @@ async def rollouts_per_s(address: str, server: Server, rollouts: int, score_ms: 
         await client.close()
 
 
-def measure(root: Path, server: Server, workers: int, rollouts: int, score_ms: float, round_: int) -> float:
+def measure(root: Path, server: Server, workers: int, rollouts: int, score_ms: float, round_: int,
+            tasks: list[dict]) -> float:
     address = f"ipc://{root}/cpu-score-{round_}.sock"
     log = root / f"env-server-{round_}-{workers}.log"
     args = json.dumps({"num_examples": 256, "score_ms": score_ms})
@@ -79,7 +78,7 @@ def measure(root: Path, server: Server, workers: int, rollouts: int, score_ms: f
         cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
         env=os.environ | {"PYTHONPATH": str(FIXTURES)})
     try:
-        return asyncio.run(rollouts_per_s(address, server, rollouts, score_ms))
+        return asyncio.run(rollouts_per_s(address, server, rollouts, tasks))
     except Exception:
         print(log.read_text()[-3000:])
         raise
@@ -98,10 +97,11 @@ def main() -> None:
         build_tiny_model(root / "model")
         server = Server(root / "model", root, root / "inference.log")
         rates: dict[int, list[float]] = {1: [], 2: []}
+        tasks = tasks_data(args.score_ms)
         try:
             order = [w for r in range(args.rounds) for w in ((1, 2) if r % 2 == 0 else (2, 1))]
             for i, workers in enumerate(order):
-                rate = measure(root, server, workers, args.rollouts, args.score_ms, i)
+                rate = measure(root, server, workers, args.rollouts, args.score_ms, i, tasks)
                 rates[workers].append(rate)
                 print(f"round {i}: {workers} worker(s): {rate:.1f} rollouts/s")
         finally:

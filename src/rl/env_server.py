@@ -54,24 +54,6 @@ class EnvServerConfig(Settings):
     ] = None
 
 
-def verifiers_config(spec: EnvConfig):
-    """verifiers' EnvConfig for `spec` with rl's defaults, checked here so that a wrong table fails the start with
-    rl's message rather than in every worker."""
-    import verifiers.v1 as vf
-    from pydantic import ValidationError
-
-    from rl.orchestrator.environment import (
-        EnvLoadError, import_environment_module, validation_errors, verifiers_env_config,
-    )
-
-    import_environment_module(spec.id)
-    data, seats = verifiers_env_config(spec)
-    try:
-        return vf.resolve_env_config(data), seats
-    except ValidationError as e:
-        raise EnvLoadError(f"environment {spec.label!r}:\n{validation_errors(e, spec, set(seats))}") from None
-
-
 def set_up_worker() -> None:
     """Run by serve_env in the broker and in every worker it spawns (as its `log_setup`): rl's log format, and
     rl's patches to verifiers, renderers and pydantic, before the worker loads the environment."""
@@ -89,10 +71,10 @@ def serve(config: EnvServerConfig) -> None:
     and the orchestrator runs the lost episodes again (verifiers' pool does not replace a dead worker)."""
     from verifiers.v1.serve import EnvServerPool, env_config_data
 
-    from rl.orchestrator.environment import EnvLoadError
+    from rl.orchestrator.environment import EnvLoadError, resolved_env_config
 
-    try:
-        env_config, seats = verifiers_config(config.env)
+    try:  # checked here, so that a wrong table fails the start with rl's message rather than in every worker
+        env_config, seats = resolved_env_config(config.env)
     except EnvLoadError as e:
         raise ConfigError(str(e)) from None
     if config.address.startswith("ipc://"):  # the socket's directory, as rl names one in the run directory

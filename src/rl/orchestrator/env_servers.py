@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Coroutine
+from typing import Any
 
 import verifiers.v1 as vf
 from verifiers.v1.serve import EnvClient
@@ -39,6 +41,13 @@ def socket_identity(address: str) -> tuple[int, int] | None:
     return found.st_ino, found.st_ctime_ns
 
 
+def verifiers_client(config: vf.ClientConfig) -> vf.ClientConfig:
+    """verifiers' own training client config in place of rl's subclass (its extra fields would be refused)."""
+    if isinstance(config, vf.TrainClientConfig) and type(config) is not vf.TrainClientConfig:
+        return vf.TrainClientConfig(**config.model_dump(include=set(vf.TrainClientConfig.model_fields)))
+    return config
+
+
 class ServedEpisodes:
     """The orchestrator's connection to one environment's server at `address`."""
 
@@ -61,14 +70,17 @@ class ServedEpisodes:
         self.identity = socket_identity(self.address)
         self.watchdog = asyncio.create_task(self._watch())
 
-    async def run(self, task: vf.Task, ctx: vf.ModelContext) -> vf.Episode:
-        """One episode of `task` on the server. The training client's config goes as verifiers' own (the server
-        validates it as such): rl's grouping of a group's identical requests applies within a worker's process."""
+    def runs(self, task: vf.Task, contexts: list[vf.ModelContext]) -> list[Coroutine[Any, Any, vf.Episode]]:
+        """A group's episodes of `task` on the server, one per context. The training client's config goes as
+        verifiers' own, which the server validates it as (made once per group, as the contexts share one): rl's
+        grouping of a group's identical requests applies within a worker's process."""
+        clients = {id(ctx.client): verifiers_client(ctx.client) for ctx in contexts}
+        data = task.data.model_dump()
+        return [self.run(data, clients[id(ctx.client)], ctx) for ctx in contexts]
+
+    async def run(self, data: dict, client: vf.ClientConfig, ctx: vf.ModelContext) -> vf.Episode:
         assert self.client is not None, "start() first"
-        client = ctx.client
-        if isinstance(client, vf.TrainClientConfig) and type(client) is not vf.TrainClientConfig:
-            client = vf.TrainClientConfig(**client.model_dump(include=set(vf.TrainClientConfig.model_fields)))
-        episode = asyncio.ensure_future(self.client.run(client, ctx.model, ctx.sampling, task.data.model_dump()))
+        episode = asyncio.ensure_future(self.client.run(client, ctx.model, ctx.sampling, data))
         self.out.add(episode)
         try:
             return await episode

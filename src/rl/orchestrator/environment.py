@@ -110,12 +110,22 @@ async def serving(environments: list[Environment]) -> AsyncIterator[None]:
         yield
 
 
-def load_environment(spec: EnvConfig) -> Environment:
-    """Load `spec`'s environment; EnvLoadError names what is wrong under its `[[env]]` key."""
+def resolved_env_config(spec: EnvConfig) -> tuple[vf.EnvConfig, dict[str, str]]:
+    """verifiers' EnvConfig for `spec` with rl's defaults, validated, and how each seat runs; EnvLoadError names what
+    is wrong under its `[[env]]` key."""
     import_environment_module(spec.id)
     data, seats = verifiers_env_config(spec)
     try:
-        env = vf.load_environment(vf.resolve_env_config(data))
+        return vf.resolve_env_config(data), seats
+    except ValidationError as e:
+        raise EnvLoadError(f"environment {spec.label!r}:\n{validation_errors(e, spec, set(seats))}") from None
+
+
+def load_environment(spec: EnvConfig) -> Environment:
+    """Load `spec`'s environment; EnvLoadError names what is wrong under its `[[env]]` key."""
+    config, seats = resolved_env_config(spec)
+    try:
+        env = vf.load_environment(config)
     except ValidationError as e:
         raise EnvLoadError(f"environment {spec.label!r}:\n{validation_errors(e, spec, set(seats))}") from None
     except ModuleNotFoundError as e:  # a harness or env id that verifiers cannot import

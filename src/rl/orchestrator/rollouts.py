@@ -179,7 +179,7 @@ async def run_group(
     task = environment.task(task_index)
     contexts = model_contexts(client, sampling, n)
     if environment.served is not None:
-        runs = [environment.served.run(task, ctx) for ctx in contexts]
+        runs = environment.served.runs(task, contexts)
     else:
         runs = [environment.env.run_slot(slot, ctx) for slot, ctx in zip(environment.env.slots(task, n), contexts)]
     episodes = await asyncio.gather(*(bounded(task_index, run, semaphore, timeout_s) for run in runs))
