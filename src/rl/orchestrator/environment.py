@@ -20,7 +20,7 @@ import contextlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import verifiers.v1 as vf
@@ -110,28 +110,33 @@ async def serving(environments: list[Environment]) -> AsyncIterator[None]:
         yield
 
 
-def resolved_env_config(spec: EnvConfig) -> tuple[vf.EnvConfig, dict[str, str]]:
-    """verifiers' EnvConfig for `spec` with rl's defaults, validated, and how each seat runs; EnvLoadError names what
-    is wrong under its `[[env]]` key."""
-    import_environment_module(spec.id)
-    data, seats = verifiers_env_config(spec)
+@contextlib.contextmanager
+def named_errors(spec: EnvConfig, seats: dict[str, str]) -> Iterator[None]:
+    """verifiers' errors in resolving or loading `spec` as EnvLoadError, named under its `[[env]]` keys."""
     try:
-        return vf.resolve_env_config(data), seats
-    except ValidationError as e:
-        raise EnvLoadError(f"environment {spec.label!r}:\n{validation_errors(e, spec, set(seats))}") from None
-
-
-def load_environment(spec: EnvConfig) -> Environment:
-    """Load `spec`'s environment; EnvLoadError names what is wrong under its `[[env]]` key."""
-    config, seats = resolved_env_config(spec)
-    try:
-        env = vf.load_environment(config)
+        yield
     except ValidationError as e:
         raise EnvLoadError(f"environment {spec.label!r}:\n{validation_errors(e, spec, set(seats))}") from None
     except ModuleNotFoundError as e:  # a harness or env id that verifiers cannot import
         raise EnvLoadError(f"environment {spec.label!r}: {plugin_key(str(e), spec)}: {e}") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise EnvLoadError(f"environment {spec.label!r}: {e}") from None
+
+
+def resolved_env_config(spec: EnvConfig) -> tuple[vf.EnvConfig, dict[str, str]]:
+    """verifiers' EnvConfig for `spec` with rl's defaults, validated, and how each seat runs; EnvLoadError names what
+    is wrong under its `[[env]]` key."""
+    import_environment_module(spec.id)
+    data, seats = verifiers_env_config(spec)
+    with named_errors(spec, seats):
+        return vf.resolve_env_config(data), seats
+
+
+def load_environment(spec: EnvConfig) -> Environment:
+    """Load `spec`'s environment; EnvLoadError names what is wrong under its `[[env]]` key."""
+    config, seats = resolved_env_config(spec)
+    with named_errors(spec, seats):
+        env = vf.load_environment(config)
     toolsets = declared_toolsets(env)
     check_runnable(spec, env, toolsets)
     if not env.taskset.bounded:
