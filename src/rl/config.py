@@ -8,6 +8,7 @@ variables (``RL_<PROCESS>__<SECTION>__<FIELD>``) < command-line overrides (``--s
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tomllib
 from contextvars import ContextVar
@@ -16,7 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, InitSettingsSource, SettingsConfigDict
 
 from rl.atomic import atomic_write_text
@@ -106,6 +107,9 @@ class CkptConfig(Section):
         return step == final_step or (self.interval is not None and step % self.interval == 0)
 
 
+ENV_SERVER_SECRET_VAR = "RL_ENV_SERVER__SECRET"  # an env server's secret, read by it and by its clients
+
+
 class EnvConfig(Section):
     """One verifiers environment: its taskset (`id`, `args`) and how its seats run (`harness`, `runtime`,
     `overrides`, all validated by verifiers itself when the environment loads)."""
@@ -136,14 +140,35 @@ class EnvConfig(Section):
 
     address: Annotated[
         str | None,
-        Field(description="where its episodes run: unset, in the orchestrator's process; 'auto', in an env server "
-                          "`rl` starts beside the orchestrator (`env-server`, with `workers`); a ZMQ endpoint "
-                          "(tcp://host:port, ipc://path), an env server started elsewhere"),
+        Field(description="the env server its episodes run in: a ZMQ endpoint (tcp://host:port, ipc://path) of one "
+                          "started elsewhere (`env-server`); unset: one started for it, with `workers` (by `rl` "
+                          "beside the orchestrator; by the orchestrator or `eval` when started by hand)"),
     ] = None
     workers: Annotated[
-        int | None, Field(ge=1, description="worker processes of the env server rl starts (address = 'auto'); "
+        int | None, Field(ge=1, description="worker processes of the env server started for it (no `address`); "
                                             "unset: a quarter of the host's cores, 1 to 8")
     ] = None
+    secret: Annotated[
+        str | None, Field(min_length=16, description="the secret of the env server at a tcp:// `address` (its "
+                                                     "`secret`), which seals the connection; required beyond "
+                                                     "loopback; unset: RL_ENV_SERVER__SECRET")
+    ] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_from_environment(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("secret") is None and str(data.get("address")).startswith("tcp://"):
+            data = {**data, "secret": os.environ.get(ENV_SERVER_SECRET_VAR) or None}
+        return data
+
+    @model_validator(mode="after")
+    def _sealed_beyond_loopback(self) -> "EnvConfig":
+        from rl.env_seal import beyond_loopback
+
+        if self.address is not None and beyond_loopback(self.address) and self.secret is None:
+            raise ValueError(f"address {self.address} is an env server beyond this host, which admits only clients "
+                             f"that hold its secret: set secret (or {ENV_SERVER_SECRET_VAR})")
+        return self
 
     @property
     def label(self) -> str:

@@ -15,15 +15,17 @@ import asyncio
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rl.config import ConfigError, EnvConfig, Settings, run_cli
+from rl.env_seal import beyond_loopback, seal_server
 
 MAX_DEFAULT_WORKERS = 8
 WORKER_WATCH_S = 0.5
@@ -52,24 +54,48 @@ class EnvServerConfig(Settings):
     max_concurrent: Annotated[
         int | None, Field(ge=1, description="episodes in flight per worker; unset: no bound")
     ] = None
+    secret: Annotated[
+        str | None, Field(min_length=16, description="the run's secret: a tcp:// address is sealed with it (ZMQ "
+                                                     "CURVE), admitting only clients that hold it; required beyond "
+                                                     "loopback (RL_ENV_SERVER__SECRET)")
+    ] = None
+
+    @model_validator(mode="after")
+    def _sealed_beyond_loopback(self) -> "EnvServerConfig":
+        if beyond_loopback(self.address) and self.secret is None:
+            raise ValueError(f"address {self.address} reaches beyond this host, and a request runs an episode (code, "
+                             "for a sandboxed environment): set secret (or RL_ENV_SERVER__SECRET) to the run's secret, "
+                             "which the orchestrator's [[env]] table then needs too")
+        return self
+
+
+def started_for(spec: EnvConfig, address: str) -> EnvServerConfig:
+    """The env server started for an `[[env]]` table without an address (by `rl`, or by an orchestrator started by
+    hand): the table's environment, its workers, at `address` (local: no secret)."""
+    env = spec.model_copy(update={"address": None, "workers": None, "secret": None})
+    return EnvServerConfig(env=env, workers=spec.workers or default_workers(), address=address)
 
 
 def set_up_worker() -> None:
     """Run by serve_env in the broker and in every worker it spawns (as its `log_setup`): rl's log format, and
     rl's patches to verifiers, renderers and pydantic, before the worker loads the environment."""
+    from in_process_chat import shared_session
+
     from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
-    from rl.orchestrator.rollouts import apply_patches
+    from rl.orchestrator.rollouts import apply_patches, tune_gc_for_serving
+    from rl.patches import serve_episodes_holding
 
     setup_logging(f"env-server[{os.getpid()}]", quiet=PER_REQUEST_LOGGERS)
     logging.getLogger("verifiers.v1.serve").setLevel(logging.INFO)  # the pool's and each worker's up and down
     apply_patches()
+    serve_episodes_holding(shared_session, tune_gc_for_serving)
 
 
 def serve(config: EnvServerConfig) -> None:
     """verifiers' pool, always (one worker too: the broker then answers health checks while the worker is busy),
     every worker started at once; the first worker to die takes the server down with it, so that `rl` restarts it
     and the orchestrator runs the lost episodes again (verifiers' pool does not replace a dead worker)."""
-    from verifiers.v1.serve import EnvServerPool, env_config_data
+    from verifiers.v1.serve import env_config_data
 
     from rl.orchestrator.environment import EnvLoadError, resolved_env_config
 
@@ -83,12 +109,30 @@ def serve(config: EnvServerConfig) -> None:
                 + "; ".join(f"seat {seat!r}: {how}" for seat, how in seats.items()))
     signal.signal(signal.SIGTERM, _stop)  # asyncio.run's clean-up then stops the workers
     server_kwargs = {"config_data": env_config_data(env_config), "max_concurrent": config.max_concurrent}
-    pool = EnvServerPool(server_kwargs, config.workers, config.address, set_up_worker, elastic=False)
+    pool, authenticator = open_pool(config, server_kwargs)
     threading.Thread(target=exit_when_a_worker_dies, args=(pool,), name="worker watch", daemon=True).start()
     try:
         asyncio.run(pool.run())
     except KeyboardInterrupt:
         pass
+    finally:
+        if authenticator is not None:
+            authenticator.stop()
+
+
+def open_pool(config: EnvServerConfig, server_kwargs: dict):
+    """verifiers' pool bound at the config's address; with a secret, a tcp:// address sealed (rl/env_seal.py): the
+    pool is bound first at a private socket, which is closed once the sealed address is bound, before any peer."""
+    from verifiers.v1.serve import EnvServerPool
+
+    if config.secret is None or not config.address.startswith("tcp://"):
+        return EnvServerPool(server_kwargs, config.workers, config.address, set_up_worker, elastic=False), None
+    with tempfile.TemporaryDirectory(prefix="rl-env-server-") as private:
+        unsealed = f"ipc://{private}/unsealed.sock"
+        pool = EnvServerPool(server_kwargs, config.workers, unsealed, set_up_worker, elastic=False)
+        authenticator, pool.address = seal_server(pool.frontend, unsealed, config.address, config.secret)
+    logger.info(f"{pool.address} is sealed: only clients that hold the run's secret are admitted")
+    return pool, authenticator
 
 
 def _stop(*_) -> None:
@@ -97,6 +141,10 @@ def _stop(*_) -> None:
 
 
 def exit_when_a_worker_dies(pool) -> None:
+    """Also keeps the count of live workers in the pool's health reply, which the orchestrator logs."""
+    from rl.patches import answer_health_with
+
+    live = None
     while True:
         time.sleep(WORKER_WATCH_S)
         for worker in list(pool.workers):
@@ -105,6 +153,9 @@ def exit_when_a_worker_dies(pool) -> None:
                 logger.error(f"worker {worker['index']} (pid {process.pid}) died (exit code {process.exitcode}); "
                              "this env server stops with it, to be restarted and its episodes run again")
                 os._exit(WORKER_DIED)
+        if len(pool.workers) != live:
+            live = len(pool.workers)
+            answer_health_with({"workers": live})
 
 
 def main() -> None:

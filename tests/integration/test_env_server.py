@@ -17,7 +17,7 @@ from verifiers.v1.serve import EnvClient
 from rl.config import EnvConfig
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import to_result
-from rl.protocol import RunPaths, read_batch, read_metrics, stable_steps
+from rl.protocol import RunPaths, read_metrics
 from rl.renderer import renderer_config
 from rl.tiny_model import build_tiny_model
 from tests.conftest import ROOT
@@ -91,53 +91,11 @@ def test_a_wrong_env_table_fails_the_start_naming_the_key(tmp_path):
     assert done.returncode != 0 and "num_examples" in done.stderr, done.stderr[-2000:]
 
 
-SERVED = """
-[[env]]
-id = "taskset-only"
-ratio = 3.0
-address = "auto"
-[[env]]
-id = "reverse-text"
-args = { num_examples = 200 }
-ratio = 1.0
-address = "auto"
-workers = 2
-"""
-
-
-def test_a_run_whose_environments_run_in_env_servers_rl_starts(tiny_model, tmp_path, taskset_only_installed):
-    """Two environments, each in an env server of its own that `rl` starts (one with 2 workers), the orchestrator
-    sending them its tasks: every step's batch is drawn from both by their ratios, each group once."""
-    served = tmp_path / "served.toml"
-    served.write_text(SERVED)
-    out = tmp_path / "run"
-    run = Launched(rl_command(tiny_model, out, 3, "--orchestrator", "@", str(served)))
-    code = run.wait(timeout=600)
-    assert code == 0, run.output[-5000:]
-    logs = out / "logs"
-    for name, workers in (("env-taskset-only", 1), ("env-reverse-text", 2)):
-        log = (logs / f"{name}.log").read_text()
-        assert len(re.findall(r"INFO EnvServer up: taskset=", log)) == workers, log[-2000:]
-    orchestrator = (logs / "orchestrator.log").read_text()
-    assert "episodes run by its env server at ipc://" in orchestrator
-    records = [m for m in read_metrics(RunPaths(out)) if m["process"] == "orchestrator"]
-    assert [m["step"] for m in records] == [0, 1, 2]
-    for m in records:  # 32 rollouts a step in groups of 8: 3 groups of taskset-only for 1 of reverse-text
-        assert (m["rollouts/taskset-only"], m["rollouts/reverse-text"]) == (24, 8), m
-        assert "reward/taskset-only/similarity" in m and "metric/reverse-text/exact_match" in m
-    kept = stable_steps(RunPaths(out).rollouts_root)  # the newest trained batches
-    assert kept
-    for step in kept:  # whole groups (8 samples of one prompt), none twice: at most the step's 32
-        samples = read_batch(RunPaths(out), step, 0) + read_batch(RunPaths(out), step, 1)
-        prompts = [tuple(s.input_ids[:s.loss_mask.index(1)]) for s in samples]
-        assert len(samples) <= 32 and all(prompts.count(p) % 8 == 0 for p in prompts), step
-
-
 def test_a_worker_killed_mid_run_restarts_its_env_server_and_the_run_goes_on(tiny_model, tmp_path):
     """SIGKILL one of an env server's two workers while the orchestrator generates: the server stops with it, `rl`
     restarts it, the episodes it held fail fast and their groups run again, and every step still trains."""
     served = tmp_path / "served.toml"
-    served.write_text('[[env]]\nid = "reverse-text"\nargs = { num_examples = 200 }\naddress = "auto"\nworkers = 2\n')
+    served.write_text('[[env]]\nid = "reverse-text"\nargs = { num_examples = 200 }\nworkers = 2\n')
     out = tmp_path / "run"
     run = Launched(rl_command(tiny_model, out, 6, "--orchestrator", "@", served))
     deadline = time.monotonic() + 300

@@ -255,9 +255,9 @@ def test_eval_and_wandb_offline(server, tmp_path):
     assert all(key in content for key in expected), f"{log} ({len(content)} bytes) lacks {expected}"
 
 
-def test_a_harness_that_cannot_start_is_named_with_its_reason(server, tmp_path, monkeypatch):
+def test_a_harness_that_cannot_start_is_named_with_its_reason(server, tmp_path, monkeypatch, taskset_only_installed):
     """Every group of a step fails: the orchestrator stops naming the environment, how its seat runs, and the error."""
-    monkeypatch.syspath_prepend(str(ROOT / "tests" / "fixtures" / "environments"))
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "fixtures" / "environments"))  # and its env server's (fixture)
     env = {"id": "taskset-only", "harness": {"id": "failing-harness"}}
     config = orchestrator_config(server, tmp_path / "run", 0, max_steps=1, env=[env], rollout={"max_retries": 0})
     with pytest.raises(RuntimeError) as error:

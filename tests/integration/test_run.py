@@ -1,15 +1,18 @@
 """The whole loop for real: vLLM server (tensor-parallel: two workers), orchestrator with verifiers environments,
-torchrun trainer. The environments are a user's own Taskset-only package (tests/fixtures/environments, put on
-PYTHONPATH as an installed package would be) mixed with reverse-text, with a periodic eval. Each process killed
+each in an env server `rl` starts, torchrun trainer. The environments are a user's own Taskset-only package
+(tests/fixtures/environments, put on PYTHONPATH as an installed package would be) mixed with reverse-text (its
+server with 2 workers), with a periodic eval. Each process killed
 mid-run, `--resume` and `--resume-step` after it, are in test_faults.py; the `eval` command in
 test_environments.py."""
+
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rl.inference.fingerprint import checkpoint_fingerprint
-from rl.protocol import RunPaths, read_metrics, stable_steps
+from rl.protocol import RunPaths, read_batch, read_metrics, stable_steps
 from tests.integration.launched import Launched, rl_command
 
 pytestmark = pytest.mark.integration
@@ -21,6 +24,7 @@ ratio = 3.0
 id = "reverse-text"
 args = { num_examples = 200 }
 ratio = 1.0
+workers = 2
 
 [eval]
 interval = 3
@@ -62,6 +66,10 @@ def test_five_steps_end_to_end_of_a_taskset_only_environment_mixed_with_reverse_
     # weights/step_1 is deleted once no server can need it (keep_weights = 4 newest, no checkpoint at 1)
     assert stable_steps(paths.weights_root) == [2, 3, 4, 5]
     assert stable_steps(paths.rollouts_root) == [3, 4]  # keep_rollouts = 2 newest trained batches
+    for step in (3, 4):  # whole groups (8 samples of one prompt), none twice: at most the step's 32
+        samples = read_batch(paths, step, 0) + read_batch(paths, step, 1)
+        prompts = [tuple(s.input_ids[:s.loss_mask.index(1)]) for s in samples]
+        assert len(samples) <= 32 and all(prompts.count(p) % 8 == 0 for p in prompts), step
 
     from transformers import AutoModelForCausalLM
 
@@ -78,9 +86,13 @@ def test_five_steps_end_to_end_of_a_taskset_only_environment_mixed_with_reverse_
 def check_environments_mixed(out, records: list[dict]) -> None:
     """The user's Taskset-only environment loaded with rl's default harness, each step's rollouts split by the
     environments' ratios, each environment's rewards and metrics logged, and the eval's after its interval and at
-    the end."""
+    the end; the episodes of each run by the env server `rl` started for it, with its workers."""
     log = (out / "logs" / "orchestrator.log").read_text()
     assert "environment 'taskset-only': 64 tasks; seat 'agent': harness 'in-process-chat' (rl's default" in log
+    assert "episodes run by ipc://" in log
+    for name, workers in (("env-taskset-only", 1), ("env-reverse-text", 2), ("eval-taskset-only", 1)):
+        server_log = (out / "logs" / f"{name}.log").read_text()
+        assert len(re.findall(r"INFO EnvServer up: taskset=", server_log)) == workers, server_log[-2000:]
     assert [m["step"] for m in records] == [0, 1, 2, 3, 4]
     for m in records:
         # 32 rollouts a step in groups of 8: 3 groups of taskset-only for 1 of reverse-text

@@ -398,8 +398,8 @@ def test_the_api_key_is_masked_in_the_dry_run_and_handed_to_the_orchestrator_unp
 def test_resolved_configs_are_readable_by_their_owner_only(model, tmp_path, capsys, refuse_to_start):
     with pytest.raises(AssertionError, match="started despite"):
         launcher.main(rl_argv(model, tmp_path / "run") + ["--inference.admin-token", "s3cret-token-value"])
-    configs = list((tmp_path / "run" / "configs").glob("*.toml"))
-    assert len(configs) == 4 and any("s3cret-token-value" in p.read_text() for p in configs)
+    configs = list((tmp_path / "run" / "configs").glob("*.toml"))  # rl's, the three processes' and an env server's
+    assert len(configs) == 5 and any("s3cret-token-value" in p.read_text() for p in configs)
     assert {oct(p.stat().st_mode & 0o777) for p in configs} == {"0o600"}
 
 

@@ -186,7 +186,8 @@ def test_cpu_host_defaults_to_one_trainer_process_whose_openmp_workers_sleep(tmp
     config, host = load(["--output-dir", str(tmp_path)])
     assert host.devices.trainer_processes == 1 and config.orchestrator.trainer_world_size == 1
     envs = {spec.name: spec.env for spec in child_specs(config, host, RunPaths(tmp_path))}
-    assert envs == {"inference": {}, "orchestrator": {}, "trainer": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    assert envs == {"inference": {}, "env-reverse-text": {}, "orchestrator": {},
+                    "trainer": {"OMP_WAIT_POLICY": "PASSIVE"}}
     gpu_host = given_host(config, DevicePlan(2, [2, 3], [[0], [1]]))
     assert all("OMP_WAIT_POLICY" not in spec.env for spec in child_specs(config, gpu_host, RunPaths(tmp_path)))
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins

@@ -36,7 +36,7 @@ def test_each_host_starts_only_its_roles(tmp_path):
     host_a = commands(token + ["--roles", '["inference", "orchestrator"]', "--host-name", "a",
                                "--orchestrator.client.base-urls", '["http://a:8000", "http://c:8000"]',
                                "--trainer-nodes", "2"], tmp_path)
-    assert set(host_a) == {"inference", "orchestrator"}
+    assert set(host_a) == {"inference", "env-reverse-text", "orchestrator"}  # its env server beside it
     assert str(tmp_path / "run" / "configs" / "a" / "orchestrator.toml") in host_a["orchestrator"]
     config, _ = load(FILES + token + ["--roles", '["inference", "orchestrator"]',
                                       "--orchestrator.client.base-urls", '["http://a:8000"]',

@@ -139,9 +139,10 @@ def test_reasoning_gym_tasks_are_reproducible_and_scored_by_the_dataset():
 
 
 def test_rollouts_reach_their_interception_server_in_process_not_over_http(monkeypatch):
-    """rl's orchestrator offers in_process_chat each interception server's model route: a rollout's model calls go
-    to verifiers' handler directly (HTTP to the server is refused here), and are recorded and answered as before."""
-    from rl.orchestrator.rollouts import ChatClient, Sampling, run_group
+    """An env server's worker offers in_process_chat each interception server's model route: a rollout's model calls
+    go to verifiers' handler directly (HTTP to the server is refused here), and are recorded and answered as before.
+    The episodes run here as a worker runs them (its environment serving, the shared session held)."""
+    from rl.orchestrator.rollouts import ChatClient, Sampling, model_contexts, to_chat_result
 
     async def over_http(*args, **kwargs):
         raise AssertionError("a model call went over HTTP to the interception server")
@@ -165,8 +166,11 @@ def test_rollouts_reach_their_interception_server_in_process_not_over_http(monke
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         env = load_environment("reverse-text", {"num_examples": 2})
         client = ChatClient(f"http://127.0.0.1:{runner.addresses[0][1]}", "m")
-        async with env.serving():
-            results = await run_group(env, 1, 2, client, Sampling(temperature=1.0, max_tokens=8))
+        contexts = model_contexts(client, Sampling(temperature=1.0, max_tokens=8), 2)
+        async with in_process_chat.shared_session(), env.env.serving():
+            slots = env.env.slots(env.task(1), 2)
+            episodes = await asyncio.gather(*(env.env.run_slot(slot, ctx) for slot, ctx in zip(slots, contexts)))
+        results = [to_chat_result(1, env.task(1), episode) for episode in episodes]
         await runner.cleanup()
         assert not in_process_chat._local_routes  # withdrawn with the servers (started by the first rollouts)
         prompt = env.task(1).data.prompt

@@ -1,5 +1,5 @@
-"""The env servers `rl` starts beside the orchestrator: one per `[[env]]` (and eval `[[env]]`) whose address is
-'auto' (rl/env_server.py), each at a socket of its own, which is filled into the orchestrator's table."""
+"""The env servers `rl` starts beside the orchestrator: one per `[[env]]` (and eval `[[env]]`) without an `address`
+(rl/env_server.py), each at a socket of its own, which is filled into the orchestrator's table."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from rl.env_server import EnvServerConfig, default_workers
+from rl.env_server import EnvServerConfig, started_for
 from rl.orchestrator.config import OrchestratorConfig
-from rl.orchestrator.environment import AUTO_ADDRESS
 
 MAX_SOCKET_PATH = 100  # a Unix socket's path must fit sockaddr_un's 108 bytes
 
@@ -30,11 +29,10 @@ def place_env_servers(o: OrchestratorConfig) -> dict[str, EnvServerConfig]:
     servers = {}
     for prefix, envs in (("env", o.env), ("eval", o.eval.env)):
         for spec in envs:
-            if spec.address != AUTO_ADDRESS:
+            if spec.address is not None:
                 continue
             name = f"{prefix}-{re.sub(r'[^A-Za-z0-9._-]', '-', spec.label)}"
             address = socket_address(o.output_dir.absolute(), name)
-            served = spec.model_copy(update={"address": None, "workers": None})
-            servers[name] = EnvServerConfig(env=served, workers=spec.workers or default_workers(), address=address)
+            servers[name] = started_for(spec, address)
             spec.address = address
     return servers

@@ -3,6 +3,10 @@ taskset and samples it; each episode goes to the server as its task's data with 
 in one of the server's workers (which calls inference itself), and comes back as an episode to score into a batch.
 An episode abandoned at its deadline is cancelled on the server (verifiers' `EnvClient` sends the cancel).
 
+Every environment's episodes run in an env server: one `rl` starts (supervised, restarted when it dies), one started
+elsewhere (`[[env]] address`), or, for an orchestrator or `eval` started by hand, one this process starts as its
+child (`ChildEnvServer`): it dies with this process, and its death ends the run, naming it.
+
 A server that stops answering, or is restarted (`rl` restarts a dead one at the same socket), has lost the episodes
 it held: while any is out, a watchdog checks the server's health and, for an ipc:// socket, the socket's identity
 (a restarted server binds a new one); either change fails every episode sent before it with EnvServerError, so its
@@ -12,17 +16,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import verifiers.v1 as vf
 from verifiers.v1.serve import EnvClient
+from verifiers.v1.serve.types import HealthRequest, HealthResponse
+
+from rl.config import EnvConfig, write_config
+from rl.env_seal import seal_client
+from rl.env_server import started_for
 
 HEALTH_INTERVAL_S = 1.0  # while waiting for the server to answer first
 WATCH_INTERVAL_S = 2.0  # between the watchdog's checks while episodes are out
 HEALTH_TIMEOUT_S = 5.0  # a broker answers health itself; a single worker answers between its episodes' steps
 MISSED_HEALTH_CHECKS = 2  # in a row, before the server counts as gone
+CHILD_STOP_S = 30.0  # a child server's grace to stop its workers after SIGTERM
+PR_SET_PDEATHSIG = 1
+
+
+class ServerHealth(HealthResponse):
+    """A health reply; rl's env server adds its live workers (rl/patches: `answer_health_with`)."""
+
+    workers: int | None = None
 
 
 class EnvServerError(RuntimeError):
@@ -41,46 +66,102 @@ def socket_identity(address: str) -> tuple[int, int] | None:
     return found.st_ino, found.st_ctime_ns
 
 
-def verifiers_client(config: vf.ClientConfig) -> vf.ClientConfig:
-    """verifiers' own training client config in place of rl's subclass (its extra fields would be refused)."""
-    if isinstance(config, vf.TrainClientConfig) and type(config) is not vf.TrainClientConfig:
-        return vf.TrainClientConfig(**config.model_dump(include=set(vf.TrainClientConfig.model_fields)))
-    return config
+def die_with_parent() -> None:
+    """In a child between fork and exec: SIGTERM it when the process that started it dies, however it dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ChildEnvServer:
+    """An env server this process starts for one `[[env]]` and owns: its config and socket in a directory of its own
+    (made when it starts), its output beside this process's own."""
+
+    def __init__(self, spec: EnvConfig):
+        self.spec = spec
+        self.directory: Path | None = None
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> str:
+        """Start it; its address."""
+        self.directory = Path(tempfile.mkdtemp(prefix="rl-env-server-"))
+        config = started_for(self.spec, f"ipc://{self.directory / 'env.sock'}")
+        write_config(config, self.directory / "env-server.toml")
+        cmd = [sys.executable, "-m", "rl.env_server", "@", str(self.directory / "env-server.toml")]
+        self.process = subprocess.Popen(cmd, preexec_fn=die_with_parent)
+        return config.address
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(CHILD_STOP_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class ServedEpisodes:
-    """The orchestrator's connection to one environment's server at `address`."""
+    """The orchestrator's connection to one environment's server at `address`, or to `child`'s."""
 
-    def __init__(self, label: str, address: str):
-        self.label, self.address = label, address
+    def __init__(self, label: str, address: str | None = None, child: ChildEnvServer | None = None,
+                 secret: str | None = None):
+        assert (address is None) != (child is None), "a server's address, or a child server to start"
+        self.label, self.child, self.address = label, child, address
+        self.secret = secret  # a tcp:// server's, which seals the connection (rl/env_seal.py)
+        self.died: str | None = None  # why the child server this process started is gone
+        self.owner: asyncio.Task | None = None  # cancelled when the child dies: the run ends, naming it
         self.client: EnvClient | None = None
         self.out: set[asyncio.Future] = set()  # episodes sent and not yet answered
         self.lost: set[asyncio.Future] = set()  # of those, the ones the watchdog gave up on
         self.identity: tuple[int, int] | None = None
         self.watchdog: asyncio.Task | None = None
+        self.workers: int | None = None  # live, as its last health reply said (a server not rl's does not say)
 
     async def start(self, timeout_s: float) -> None:
-        """Connect and wait until the server answers its health check, at most `timeout_s`."""
+        """Start the child server if there is one; connect and wait until the server answers its health check, at
+        most `timeout_s` (a child that exits first fails the start at once)."""
+        if self.child is not None:
+            self.address = self.child.start()
+            self.owner = asyncio.current_task()
         self.client = EnvClient(self.address)
+        if self.secret is not None and self.address.startswith("tcp://"):
+            seal_client(self.client, self.secret)
+        healthy = asyncio.ensure_future(self.client.wait_for_server_startup(timeout=timeout_s,
+                                                                           interval=HEALTH_INTERVAL_S))
+        deadline = time.monotonic() + timeout_s  # verifiers' bounds the replies, not a send no peer takes
         try:
-            await self.client.wait_for_server_startup(timeout=timeout_s, interval=HEALTH_INTERVAL_S)
+            while not healthy.done():
+                await asyncio.wait([healthy], timeout=HEALTH_INTERVAL_S)
+                if self.child is not None and self.child.exit_code() is not None and not healthy.done():
+                    raise EnvServerError(f"the env server started for {self.label!r} exited with code "
+                                         f"{self.child.exit_code()} before it answered (its output is above)")
+                if time.monotonic() > deadline and not healthy.done():
+                    raise TimeoutError
+            healthy.result()
         except TimeoutError:
+            sealed = " (sealed with its secret: does the server hold the same one?)" if self.secret else ""
             raise EnvServerError(f"the env server of {self.label!r} at {self.address} did not answer its health "
-                                 f"check within {timeout_s:g} s") from None
+                                 f"check within {timeout_s:g} s{sealed}") from None
+        finally:
+            healthy.cancel()
         self.identity = socket_identity(self.address)
+        await self.check_health()
         self.watchdog = asyncio.create_task(self._watch())
 
     def runs(self, task: vf.Task, contexts: list[vf.ModelContext]) -> list[Coroutine[Any, Any, vf.Episode]]:
-        """A group's episodes of `task` on the server, one per context. The training client's config goes as
-        verifiers' own, which the server validates it as (made once per group, as the contexts share one): rl's
-        grouping of a group's identical requests applies within a worker's process."""
-        clients = {id(ctx.client): verifiers_client(ctx.client) for ctx in contexts}
+        """A group's episodes of `task` on the server, one per context. Each goes with rl's client config whole
+        (rl/patches: `serve_rl_client_configs`), so a worker groups the identical requests of a group's episodes it
+        runs as this process would."""
         data = task.data.model_dump()
-        return [self.run(data, clients[id(ctx.client)], ctx) for ctx in contexts]
+        return [self.run(data, ctx) for ctx in contexts]
 
-    async def run(self, data: dict, client: vf.ClientConfig, ctx: vf.ModelContext) -> vf.Episode:
+    async def run(self, data: dict, ctx: vf.ModelContext) -> vf.Episode:
         assert self.client is not None, "start() first"
-        episode = asyncio.ensure_future(self.client.run(client, ctx.model, ctx.sampling, data))
+        episode = asyncio.ensure_future(self.client.run(ctx.client, ctx.model, ctx.sampling, data))
         self.out.add(episode)
         try:
             return await episode
@@ -99,19 +180,33 @@ class ServedEpisodes:
         missed = 0
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
+            if self.child is not None and self.child.exit_code() is not None:
+                self.died = (f"the env server started for {self.label!r} exited with code {self.child.exit_code()} "
+                             "(its output is above)")
+                self._lose_everything_out()
+                self.owner.cancel()
+                return
+            answered = await self.check_health()
             if not self.out:
                 missed, self.identity = 0, socket_identity(self.address) or self.identity
                 continue
-            try:  # bounded as a whole: with no server to connect to, even the send waits
-                answered = await asyncio.wait_for(self.client.health(timeout=HEALTH_TIMEOUT_S), HEALTH_TIMEOUT_S)
-            except TimeoutError:
-                answered = False
             missed = 0 if answered else missed + 1
             identity = socket_identity(self.address)
             restarted = identity is not None and self.identity is not None and identity != self.identity
             if missed >= MISSED_HEALTH_CHECKS or restarted:
                 self._lose_everything_out()
                 missed, self.identity = 0, identity or self.identity
+
+    async def check_health(self) -> bool:
+        """Whether the server answered its health check in time; its live workers as it said (0 if it did not)."""
+        try:  # bounded as a whole: with no server to connect to, even the send waits (verifiers' own request)
+            reply = await asyncio.wait_for(
+                self.client._request(HealthRequest(), ServerHealth, timeout=HEALTH_TIMEOUT_S), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            self.workers = 0 if self.workers is not None else None
+            return False
+        self.workers = reply.workers
+        return reply.success
 
     def _lose_everything_out(self) -> None:
         for episode in list(self.out):
@@ -127,3 +222,5 @@ class ServedEpisodes:
         if self.client is not None:
             await self.client.close()
             self.client = None
+        if self.child is not None:
+            await asyncio.to_thread(self.child.stop)

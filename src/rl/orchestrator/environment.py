@@ -16,6 +16,7 @@ validates it; its errors are reported under the `[[env]]` keys that caused them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import importlib.util
@@ -24,7 +25,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import verifiers.v1 as vf
-from in_process_chat import shared_session
 from pydantic import ValidationError
 from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.interception.tunnel import CustomTunnelConfig
@@ -34,7 +34,7 @@ from verifiers.v1.utils.loaders import default_harness_id, env_config_type
 from verifiers.v1.utils.prime import ensure_prime_auth
 
 from rl.config import EnvConfig
-from rl.orchestrator.env_servers import ServedEpisodes
+from rl.orchestrator.env_servers import ChildEnvServer, EnvServerError, ServedEpisodes
 
 DEFAULT_HARNESS = "in-process-chat"
 LOCAL_RUNTIME = "subprocess"
@@ -46,7 +46,6 @@ small pools were faster; with `EngineClient` (aiohttp) 8 and 32 measure alike (b
 `overrides.interception` chooses otherwise."""
 
 
-AUTO_ADDRESS = "auto"  # `[[env]] address`: an env server `rl` starts
 ENV_SERVER_START_S = 300.0
 """Longest the orchestrator waits for an environment's server to answer: its workers import the environment's
 package and load it (verifiers, a tokenizer, the environment's own dependencies) before the broker answers."""
@@ -61,12 +60,12 @@ class Environment:
 
     def __init__(
         self, name: str, env: vf.Env, tasks: list[vf.Task], seats: dict[str, str], toolsets: list[str],
-        served: ServedEpisodes | None = None,
+        served: ServedEpisodes,
     ) -> None:
         self.name = name  # the label of its metrics
         self.env = env
         self.tasks = tasks
-        self.served = served  # its env server, where its episodes run; None: in this process
+        self.served = served  # its env server, where its episodes run
         self.seats = seats  # seat -> how it runs, for the log
         self.toolsets = toolsets  # the MCP tool servers its rollouts get (names), none for a chat environment
 
@@ -82,23 +81,22 @@ class Environment:
     def describe(self) -> str:
         seats = "; ".join(f"seat {seat!r}: {how}" for seat, how in self.seats.items())
         tools = f"; toolsets {', '.join(self.toolsets)}" if self.toolsets else ""
-        where = f"; episodes run by its env server at {self.served.address}" if self.served else ""
-        return f"environment {self.name!r}: {self.num_tasks} tasks; {seats}{tools}{where}"
+        where = self.served.address or "a server this process starts"
+        return f"environment {self.name!r}: {self.num_tasks} tasks; {seats}{tools}; episodes run by {where}"
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
-        """Served: connected to its env server once it answers. In this process: verifiers' interception server
-        kept up across groups (otherwise each rollout starts one), and the in-process harness's HTTP session open
-        (otherwise each model call opens one)."""
-        if self.served is not None:
+        """Connected to its env server once it answers (started first, where this process starts it); a child
+        server's death ends what runs inside, with EnvServerError naming it."""
+        try:
             await self.served.start(ENV_SERVER_START_S)
-            try:
-                yield
-            finally:
-                await self.served.close()
-            return
-        async with shared_session(), self.env.serving():
             yield
+        except asyncio.CancelledError:
+            if self.served.died:
+                raise EnvServerError(self.served.died) from None
+            raise
+        finally:
+            await self.served.close()
 
 
 @contextlib.asynccontextmanager
@@ -141,10 +139,10 @@ def load_environment(spec: EnvConfig) -> Environment:
     check_runnable(spec, env, toolsets)
     if not env.taskset.bounded:
         raise EnvLoadError(f"environment {spec.label!r} has an infinite taskset; bound it with its args")
-    if spec.address == AUTO_ADDRESS:
-        raise EnvLoadError(f"environment {spec.label!r}: address = 'auto' is filled in by `rl`, which starts its "
-                           "env server; started by hand, start one (`env-server`) and give its address")
-    served = ServedEpisodes(spec.label, spec.address) if spec.address else None
+    if spec.address is not None:
+        served = ServedEpisodes(spec.label, spec.address, secret=spec.secret)
+    else:
+        served = ServedEpisodes(spec.label, child=ChildEnvServer(spec))
     return Environment(spec.label, env, list(env.taskset), seats, [toolset_name(t) for t in toolsets], served)
 
 

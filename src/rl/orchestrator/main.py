@@ -107,13 +107,16 @@ class Orchestrator:
         await self.servers.check()
         served = await self.sync.ensure(step) or self.unlogged_served
         self.unlogged_served = None
-        gen_start = time.perf_counter()
+        gen_start, cpu_start = time.perf_counter(), time.process_time()
         outcomes = await self.generate(step)
         outcomes = await self.remake_groups_of_changed_servers(outcomes, step)
         gen_time = time.perf_counter() - gen_start
         batch = self.build_batch(outcomes)
         write_batch(self.paths, step, balance_by_tokens(batch.samples, self.config.trainer_world_size))
+        rollouts = sum(self.config.rollouts_per_example * (1 + o.retries) for o in outcomes)
         stats = self.step_stats(batch, outcomes) | {
+            "orchestrator/cpu_ms_per_rollout": 1000 * (time.process_time() - cpu_start) / rollouts,
+            **{f"env/{env.name}/workers": env.served.workers for env in self.envs if env.served.workers is not None},
             "policy_step": self.servers.policy_step,
             "staleness": step - min(s.policy_version for s in batch.samples),
             "gen_s": gen_time,

@@ -28,7 +28,7 @@ from rl.eval.replies import MAX_REPLY_BYTES, BoundedChatConfig, build_client
 from rl.orchestrator.config import GROUP_GAP_S
 from rl.orchestrator.engine_client import EngineClient, GroupedTrainClientConfig
 from rl.orchestrator.environment import Environment
-from rl.patches import apply_orchestrator_patches, bound_eval_client
+from rl.patches import apply_orchestrator_patches, bound_eval_client, serve_rl_client_configs
 
 
 def apply_patches() -> None:
@@ -36,6 +36,7 @@ def apply_patches() -> None:
     applied first by the main() of the orchestrator and of `eval`."""
     apply_orchestrator_patches(EngineClient)
     bound_eval_client(build_client)
+    serve_rl_client_configs((BoundedChatConfig, GroupedTrainClientConfig))
 
 
 YOUNG_GC_THRESHOLD = 10_000
@@ -174,14 +175,10 @@ async def run_group(
 ) -> list[RolloutResult]:
     """Run `n` rollouts of task `task_index` concurrently (at most `semaphore` at once).
 
-    Each rollout must finish within `timeout_s` of getting its semaphore slot, else RolloutError. A served
-    environment's rollouts run in its env server (rl/orchestrator/env_servers.py), the others in this process."""
+    Each rollout must finish within `timeout_s` of getting its semaphore slot, else RolloutError. The rollouts run
+    in the environment's env server (rl/orchestrator/env_servers.py)."""
     task = environment.task(task_index)
-    contexts = model_contexts(client, sampling, n)
-    if environment.served is not None:
-        runs = environment.served.runs(task, contexts)
-    else:
-        runs = [environment.env.run_slot(slot, ctx) for slot, ctx in zip(environment.env.slots(task, n), contexts)]
+    runs = environment.served.runs(task, model_contexts(client, sampling, n))
     episodes = await asyncio.gather(*(bounded(task_index, run, semaphore, timeout_s) for run in runs))
     convert = to_chat_result if isinstance(client, ChatClient) else to_result
     return [convert(task_index, task, episode) for episode in episodes]

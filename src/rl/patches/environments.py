@@ -10,7 +10,7 @@ import inspect
 import logging
 import types
 
-from rl.patches import PatchTargetMissing, once, patch_target
+from rl.patches import PatchTargetMissing, installed_version, once, patch_target
 from rl.patches.renderers import (
     decode_engine_replies_with_msgspec, remember_renders, remembered_on_loop,
 )
@@ -71,6 +71,69 @@ def bound_eval_client(build_client) -> None:
 
     patch_target(verifiers_eval, "build_async_httpx", "verifiers")
     verifiers_eval.build_async_httpx = build_client
+
+
+@once
+def serve_rl_client_configs(client_configs: tuple[type, ...]) -> None:
+    """verifiers' env-server request (`RunRequest`) carries its client config as verifiers' own classes: rl's
+    subclasses (`client_configs`: the training client's grouping of a group's identical requests, the eval client's
+    bounds on each reply) would be dumped without their fields by the orchestrator and refused by a worker; and the
+    episode a worker sends back records the config on each trace, which the orchestrator reads as verifiers' own
+    (`WireAgentConfig`, extra fields refused). Both fields take rl's classes first, then verifiers' own (an instance
+    keeps its class; a dict with rl's fields validates only as rl's), and the wire models are built over them again;
+    applied on both ends, where `apply_patches` runs."""
+    from typing import Optional, Union
+
+    from pydantic.fields import FieldInfo
+    from verifiers.v1 import episode, trace
+    from verifiers.v1.configs import agent
+    from verifiers.v1.configs.client import EvalClientConfig, TrainClientConfig
+    from verifiers.v1.serve import types as serve_types
+
+    client_config = Union[(*client_configs, EvalClientConfig, TrainClientConfig)]
+    for model, annotation in ((patch_target(serve_types, "RunRequest", "verifiers"), client_config),
+                              (patch_target(agent, "WireAgentConfig", "verifiers"), Optional[client_config])):
+        if "client" not in model.model_fields:
+            raise PatchTargetMissing(f"verifiers' {model.__name__} has no client field (verifiers "
+                                     f"{installed_version('verifiers')}): update rl/patches/environments.py")
+        default = model.model_fields["client"].default  # verifiers' field, its discriminator dropped with it
+        model.model_fields["client"] = FieldInfo.from_annotated_attribute(annotation, default)
+        model.model_rebuild(force=True)
+    agent_info = patch_target(trace, "AgentInfo", "verifiers")[agent.WireAgentConfig]  # pydantic's cached class
+    for wire_model in (agent_info, patch_target(trace, "WireTrace", "verifiers"),
+                       patch_target(episode, "WireEpisode", "verifiers")):
+        wire_model.model_rebuild(force=True)  # each built over the old schema of the one before
+
+
+@once
+def serve_episodes_holding(hold, settle) -> None:
+    """verifiers' env server (what each env-server worker runs) keeps its environment serving across episodes; it
+    also holds `hold` while it serves (in_process_chat's shared HTTP session: one kept-alive session for the
+    worker's model calls, not one per call) and calls `settle` once the environment is loaded (rl's GC tuning),
+    as the orchestrator did around the environments it ran; applied by each worker (rl/env_server.py)."""
+    from verifiers.v1.serve import server
+
+    env_server = patch_target(server, "EnvServer", "verifiers")
+    run = patch_target(env_server, "run", "verifiers")
+
+    @functools.wraps(run)
+    async def run_holding(self) -> None:
+        async with hold():
+            settle()
+            await run(self)
+
+    env_server.run = run_holding
+
+
+def answer_health_with(fields: dict) -> None:
+    """verifiers' env-server pool answers `health` itself, with a fixed reply (`pool._HEALTH`, read as it answers);
+    rl's env server has the reply carry `fields` too (its live workers, which the orchestrator logs per step),
+    set again by its worker watch whenever they change. verifiers' own client ignores fields it does not know."""
+    import msgpack
+    from verifiers.v1.serve import pool
+
+    patch_target(pool, "_HEALTH", "verifiers")
+    pool._HEALTH = msgpack.packb({"success": True, "error": None, **fields}, use_bin_type=True)
 
 
 WORKDIR_USES = ("run", "open_process", "run_background", "_read", "write")  # every use of a runtime's workdir
