@@ -7,11 +7,10 @@ directly; the orchestrator side goes through verifiers (harness, interception se
 scoring). Each repeat measures raw then orchestrator back to back; the figure is the median over repeats
 of orchestrator tokens/s over raw tokens/s (target >= 0.8), as the machine's speed drifts between repeats.
 Beside it: the orchestrator's CPU per rollout (this process's CPU time, every thread, over the rollouts: the
-orchestrator side runs in this process), less the environment's own scoring (the CPU time of the task's reward and
-metric functions, timed around each call: exact for functions that do not await), against the raw client's per
-request, and the vLLM API server process's
-CPU per request on each side (rl's gate and vLLM's frontend; the engine and its workers are other processes). The
-last line reads `orchestrator <R>x raw vLLM tokens/s, <C> ms CPU per rollout`.
+orchestrator's side of them runs in this process) against the raw client's per request; the env server's (its broker
+and `--workers` workers: the episodes, the model calls and the scoring run there, as in every rl run); and the vLLM API
+server process's CPU per request on each side (rl's gate and vLLM's frontend; the engine and its workers are other
+processes). The last line reads `orchestrator <R>x raw vLLM tokens/s, <C> ms CPU per rollout`.
 
 The orchestrator sends a group's identical first-turn requests as one request with n samples
 (`orchestrator.client.group_gap_s`, `--group-gap-s`); the raw side then sends each group as one such request too, so
@@ -32,8 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
-import inspect
 import logging
 import os
 import statistics
@@ -48,7 +45,6 @@ import psutil
 from transformers import AutoTokenizer
 
 from rl.config import EnvConfig
-from rl.orchestrator.env_servers import ServedEpisodes
 from rl.orchestrator.config import GROUP_GAP_S
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group, tune_gc_for_serving
@@ -68,9 +64,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="raw-then-orchestrator measurement pairs")
     parser.add_argument("--plain-vllm", action="store_true", help="also measure a plain vLLM server's API CPU")
-    parser.add_argument("--served", type=int, metavar="WORKERS",
-                        help="run the environment in an env server of this many workers (rl/env_server.py), as "
-                             "`[[env]] address` does; its CPU per rollout is printed beside the orchestrator's")
+    parser.add_argument("--workers", type=int, default=1, help="the env server's workers (`[[env]] workers`)")
     parser.add_argument("--group-gap-s", type=float, default=GROUP_GAP_S,
                         help="the orchestrator's orchestrator.client.group_gap_s; above 0 the raw side sends each "
                              "group as one request with n samples too, 0 one request per rollout on both sides")
@@ -129,40 +123,6 @@ def rendered_prompts(env, tokenizer, groups: int) -> list[list[int]]:
     return prompts
 
 
-class ScoringClock:
-    """CPU seconds spent in the environment's scoring: each reward and metric function of the task's classes timed
-    with the calling thread's CPU clock (the event loop's, for the coroutines verifiers awaits)."""
-
-    def __init__(self, environment) -> None:
-        self.seconds = 0.0
-        for klass in type(environment.task(0)).__mro__:
-            for name, fn in list(vars(klass).items()):
-                if callable(fn) and (hasattr(fn, "reward") or hasattr(fn, "metric")):
-                    setattr(klass, name, self._timed(fn))
-
-    def _timed(self, fn):
-        if inspect.iscoroutinefunction(fn):
-            @functools.wraps(fn)
-            async def timed_coroutine(*args, **kwargs):
-                start = time.thread_time()
-                try:
-                    return await fn(*args, **kwargs)
-                finally:
-                    self.seconds += time.thread_time() - start
-
-            return timed_coroutine
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            start = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.thread_time() - start
-
-        return timed
-
-
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds of a process and every process under it (an env server's broker and its workers)."""
     root = psutil.Process(pid)
@@ -171,21 +131,6 @@ def tree_cpu_s(pid: int) -> float:
         with contextlib.suppress(psutil.NoSuchProcess):
             total += sum(process.cpu_times()[:2])
     return total
-
-
-@contextlib.contextmanager
-def env_server(env_id: str, groups: int, workers: int, root: Path):
-    """An env server of `env_id` (rl/env_server.py) at a socket under `root`: its address and pid."""
-    address = f"ipc://{root}/env.sock"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rl.env_server", "--env.id", env_id, "--env.args", f'{{"num_examples": {groups}}}',
-         "--workers", str(workers), "--address", address], cwd=ROOT, stdout=open(root / "env-server.log", "wb"),
-        stderr=subprocess.STDOUT)
-    try:
-        yield address, process.pid
-    finally:
-        process.terminate()
-        process.wait(60)
 
 
 class CpuMeter:
@@ -203,24 +148,20 @@ class CpuMeter:
         return now[0] - before[0], now[1] - before[1]
 
 
-async def measure(args, base_url: str, server_pid: int | None = None, plain: tuple[str, int] | None = None,
-                  served: tuple[str, int] | None = None) -> None:
-    env = load_environment(EnvConfig(id=args.env, args={"num_examples": args.groups}))
-    if served:  # episodes go to the env server; scoring runs there, in its workers
-        env.served = ServedEpisodes(env.name, served[0])
-    scoring = ScoringClock(env)
+async def measure(args, base_url: str, server_pid: int | None = None, plain: tuple[str, int] | None = None) -> None:
+    env = load_environment(EnvConfig(id=args.env, args={"num_examples": args.groups}, workers=args.workers))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = rendered_prompts(env, tokenizer, args.groups)
     client = InferenceClient(base_url, args.model, args.model, renderer_config("auto", args.model)[0],
                              group_gap_s=args.group_gap_s)
-    async with env.serving():
+    async with env.serving():  # its env server, started as this process's child
         tune_gc_for_serving()  # as the orchestrator does once its environments serve
+        env_server = env.served.child.process.pid
         await orchestrator_side(args, env, client)  # warm-up both paths
         await raw_side(args, prompts, base_url)
         ratios = []
-        cpu = {"raw": [], "orch": [], "scoring": [], "raw_server": [], "orch_server": [], "plain_server": []}
+        cpu = {"raw": [], "orch": [], "env_server": [], "raw_server": [], "orch_server": [], "plain_server": []}
         meter, requests = CpuMeter(server_pid), args.groups * args.group_size
-        cpu["env_server"] = []
         plain_meter = CpuMeter(plain[1]) if plain else None
         if plain:
             await raw_side(args, prompts, plain[0])
@@ -234,20 +175,17 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
             own, server = meter.since(before)
             cpu["raw"].append(own / requests)
             cpu["raw_server"].append(server / requests)
-            before, scored = meter.read(), scoring.seconds
-            env_before = tree_cpu_s(served[1]) if served else 0.0
+            before, env_before = meter.read(), tree_cpu_s(env_server)
             orch_tokens, orch_s = await orchestrator_side(args, env, client)
             own, server = meter.since(before)
-            if served:
-                cpu["env_server"].append((tree_cpu_s(served[1]) - env_before) / requests)
-            cpu["scoring"].append((scoring.seconds - scored) / requests)
-            cpu["orch"].append(own / requests - cpu["scoring"][-1])
+            cpu["env_server"].append((tree_cpu_s(env_server) - env_before) / requests)
+            cpu["orch"].append(own / requests)
             cpu["orch_server"].append(server / requests)
             ratios.append((orch_tokens / orch_s) / (raw_tokens / raw_s))
             print(
                 f"raw {raw_tokens} tokens in {raw_s:.2f}s = {raw_tokens / raw_s:.0f} tokens/s; orchestrator "
                 f"{orch_tokens} in {orch_s:.2f}s = {orch_tokens / orch_s:.0f} tokens/s; ratio {ratios[-1]:.2f}; "
-                f"CPU per rollout {1e3 * cpu['orch'][-1]:.2f} ms + scoring {1e3 * cpu['scoring'][-1]:.2f} ms "
+                f"CPU per rollout {1e3 * cpu['orch'][-1]:.2f} ms + env server {1e3 * cpu['env_server'][-1]:.2f} ms "
                 f"(raw client {1e3 * cpu['raw'][-1]:.2f} ms per "
                 f"request), API server {1e3 * cpu['orch_server'][-1]:.2f} / {1e3 * cpu['raw_server'][-1]:.2f} ms per "
                 "request"
@@ -255,13 +193,11 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
     median = {k: 1e3 * statistics.median(v) for k, v in cpu.items() if v}
     print(f"orchestrator / raw vLLM tokens/s: median {statistics.median(ratios):.2f} over {len(ratios)} pairs "
           f"(range {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.8)")
-    print(f"CPU, medians: orchestrator {median['orch']:.2f} ms per rollout, the environment's scoring "
-          f"{median['scoring']:.2f} ms besides (target <= 1 ms; raw client "
+    print(f"CPU, medians: orchestrator {median['orch']:.2f} ms per rollout (target <= 1 ms; raw client "
           f"{median['raw']:.2f} ms per request); vLLM API server {median['orch_server']:.2f} ms per request from the "
           f"orchestrator, {median['raw_server']:.2f} ms from the raw client")
-    if served:
-        print(f"env server ({args.served} workers) CPU per rollout, median: {median['env_server']:.2f} ms "
-              f"(scoring included); orchestrator + env server {median['orch'] + median['env_server']:.2f} ms")
+    print(f"env server ({args.workers} workers) CPU per rollout, median: {median['env_server']:.2f} ms (the episodes "
+          f"and their scoring); orchestrator + env server {median['orch'] + median['env_server']:.2f} ms")
     if plain:
         print(f"API server CPU per raw request, medians: rl's server {median['raw_server']:.2f} ms, plain vLLM "
               f"{median['plain_server']:.2f} ms (rl's gate and wrappers: "
@@ -282,9 +218,7 @@ def main() -> None:
         server = Server(Path(args.model), Path(tmp), Path(tmp) / "inference.log")
         stack.callback(server.stop)
         plain = stack.enter_context(plain_vllm(args.model, Path(tmp) / "plain.log")) if args.plain_vllm else None
-        served = (stack.enter_context(env_server(args.env, args.groups, args.served, Path(tmp))) if args.served
-                  else None)
-        asyncio.run(measure(args, server.url, server.proc.pid, plain, served))
+        asyncio.run(measure(args, server.url, server.proc.pid, plain))
 
 
 @contextlib.contextmanager

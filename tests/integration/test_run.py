@@ -99,6 +99,8 @@ def check_environments_mixed(out, records: list[dict]) -> None:
         assert (m["rollouts/taskset-only"], m["rollouts/reverse-text"]) == (24, 8), m
         assert 0.0 <= m["metric/taskset-only/exact"] <= 1.0 and m["metric/taskset-only/reply_chars"] > 0
         assert "reward/taskset-only/similarity" in m and "metric/reverse-text/exact_match" in m
+    assert all(m["orchestrator/cpu_ms_per_rollout"] > 0 for m in records)
+    assert (records[-1]["env/taskset-only/workers"], records[-1]["env/reverse-text/workers"]) == (1, 2)  # live
     evaluated = [m["step"] for m in records if "eval/avg@2" in m]
     assert evaluated == [2, 4], evaluated  # every 3 batches, and after the last
     assert {"eval/pass@1/taskset-only", "eval/pass@2/taskset-only", "eval/avg@2"} <= set(records[-1])
