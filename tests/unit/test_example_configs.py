@@ -1,6 +1,7 @@
 """The tensor-parallel layouts of configs/ (the verifiers docs' two), as `rl --dry-run` resolves them on a faked
 host of 8 GPUs: the GPUs each process gets and the vLLM command line of each inference server."""
 
+import re
 import tomllib
 
 import pytest
@@ -49,7 +50,9 @@ def test_an_example_layout_runs_one_tp_server_beside_the_trainer(config, model, 
     assert f"CUDA_VISIBLE_DEVICES={inference_gpus} " in commands["inference"]
     assert f"CUDA_VISIBLE_DEVICES={trainer_gpus} " in commands["trainer"]
     assert f"--nproc-per-node={len(trainer_gpus.split(','))}" in commands["trainer"]
-    assert f"inference (1 server on GPUs [{inference_gpus}])" in printed_section(out, "placement")
+    placement = printed_section(out, "placement")
+    assert f"inference (1 server on GPUs [{inference_gpus}])" in placement
+    assert re.search(r"orchestrator \(to 1 servers\), env-arithmetic \(\d+ workers?\)", placement)  # beside it
 
     # The server's vLLM command line, from the inference config it is started with.
     served = InferenceConfig.model_validate(tomllib.loads(printed_section(out, "inference config")))

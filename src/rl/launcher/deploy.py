@@ -60,8 +60,8 @@ def placement_toml(topology: PlacementConfig) -> str:
     return tomli_w.dumps({"placement": topology.model_dump(mode="json", exclude_defaults=True, exclude={"index"})})
 
 
-def describe(hosts: list[HostPlan]) -> list[str]:
-    """One line per host: what it runs, on what."""
+def describe(hosts: list[HostPlan], env_servers: dict | None = None) -> list[str]:
+    """One line per host: what it runs, on what (the env servers `rl` starts go beside the orchestrator)."""
     lines = []
     for host in hosts:
         devices, parts = host.devices, []
@@ -71,6 +71,8 @@ def describe(hosts: list[HostPlan]) -> list[str]:
                          + (f" on GPUs {groups})" if groups else ")"))
         if host.runs("orchestrator"):
             parts.append(f"orchestrator (to {len(host.inference_urls)} servers)")
+            parts += [f"{name} ({server.workers} worker{'s' * (server.workers > 1)})"
+                      for name, server in (env_servers or {}).items()]
         if host.runs("trainer"):
             on = (f"{len(devices.trainer_gpus)} GPUs" if devices.trainer_gpus
                   else f"{devices.trainer_processes} processes")
@@ -110,7 +112,8 @@ def check_sbatch_path(path: Path) -> None:
 def render_slurm(config: RLConfig, paths: RunPaths, config_file: Path, placement_file: Path) -> str:
     check_sbatch_path(paths.root)
     topology = slurm_topology(config)
-    layout = describe(plan(config, topology.model_copy(update={"hosts": [f"node {i}" for i in range(topology.size)]})))
+    layout = describe(plan(config, topology.model_copy(update={"hosts": [f"node {i}" for i in range(topology.size)]})),
+                      config.env_servers)
     return _template("rl.sbatch.j2").render(
         slurm=config.slurm, layout=layout, nodes=topology.size, output_dir=shlex.quote(str(paths.root)),
         config_file=shlex.quote(str(config_file)), placement_file=shlex.quote(str(placement_file)),
@@ -214,7 +217,7 @@ def render_k8s(config: RLConfig, paths: RunPaths, token: str | None = None) -> s
                                                                    ("trainer", k8s.rdzv_port))]
     documents += [k8s_job(k8s, role, pods, gpus, command, pod_secrets)
                   for role, pods, gpus, command in k8s_roles(config, paths)]
-    layout = "".join(f"#   {line}\n" for line in describe(plan(config, k8s_topology(config))))
+    layout = "".join(f"#   {line}\n" for line in describe(plan(config, k8s_topology(config)), config.env_servers))
     return (K8S_HEADER.format(namespace=k8s.namespace) + layout
             + yaml.dump_all(documents, Dumper=ManifestDumper, sort_keys=False, width=float("inf")))
 

@@ -176,7 +176,7 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
 
 def print_dry_run(config: RLConfig, host: HostPlan, specs: list[ChildSpec]) -> None:
     print("# ---- placement ----")
-    print(*describe([host]), sep="\n")
+    print(*describe([host], config.env_servers), sep="\n")
     for name in host.roles:
         print(f"# ---- {name} config ----")
         print(to_toml(getattr(config, name), mask_secrets=True))
