@@ -88,8 +88,8 @@ class Launched:
         return "".join(self.lines)
 
     def child_pid(self, name: str) -> int:
-        """The pid of the child the launcher reported as `started <name> (pid N)`."""
-        for line in self.lines:
+        """The pid of the child the launcher last reported as `started <name> (pid N)` (a restarted one's newest)."""
+        for line in reversed(self.lines):
             if m := re.match(rf"rl: started {re.escape(name)} \(pid (\d+)\)", line):
                 return int(m.group(1))
         raise AssertionError(f"rl never reported starting {name}:\n{self.output[-3000:]}")

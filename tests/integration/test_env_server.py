@@ -91,26 +91,39 @@ def test_a_wrong_env_table_fails_the_start_naming_the_key(tmp_path):
     assert done.returncode != 0 and "num_examples" in done.stderr, done.stderr[-2000:]
 
 
-def test_a_worker_killed_mid_run_restarts_its_env_server_and_the_run_goes_on(tiny_model, tmp_path):
-    """SIGKILL one of an env server's two workers while the orchestrator generates: the server stops with it, `rl`
-    restarts it, the episodes it held fail fast and their groups run again, and every step still trains."""
+def test_a_worker_then_the_whole_env_server_killed_mid_run_restart_it_and_the_run_goes_on(tiny_model, tmp_path):
+    """SIGKILL one of an env server's two workers while the orchestrator generates, then the restarted server itself:
+    each time `rl` restarts it, the episodes it held fail fast and their groups run again, and every step trains."""
     served = tmp_path / "served.toml"
     served.write_text('[[env]]\nid = "reverse-text"\nargs = { num_examples = 200 }\nworkers = 2\n')
     out = tmp_path / "run"
-    run = Launched(rl_command(tiny_model, out, 6, "--orchestrator", "@", served))
-    deadline = time.monotonic() + 300
-    while "step 1 orchestrator" not in run.output and run.proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
+    run = Launched(rl_command(tiny_model, out, 8, "--orchestrator", "@", served))
+    wait_for_line(run, "step 1 orchestrator")
     server = psutil.Process(run.child_pid("env-reverse-text"))
     workers = [p for p in server.children() if "spawn_main" in " ".join(p.cmdline())]  # not its resource tracker
     assert len(workers) == 2, run.output[-3000:]
     workers[0].kill()
+    wait_for_line(run, "restarting it (1 of at most 5 restarts)")
+    step = len(re.findall(r"step \d+ orchestrator", run.output))
+    wait_for_line(run, f"step {step + 1} orchestrator")  # the restarted server's episodes reach a batch
+    restarted = psutil.Process(run.child_pid("env-reverse-text"))
+    its_workers = [p for p in restarted.children() if "spawn_main" in " ".join(p.cmdline())]
+    restarted.kill()
     code = run.wait(timeout=600)
     assert code == 0, run.output[-5000:]
     assert re.search(r"rl: env-reverse-text .*; restarting it \(1 of at most 5 restarts\)", run.output), run.output
+    assert re.search(r"rl: env-reverse-text was killed by SIGKILL; restarting it \(2 of at most 5", run.output)
+    assert not [p for p in its_workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # gone with it
     log = (out / "logs" / "env-reverse-text.log").read_text()
-    assert f"(pid {workers[0].pid}) died" in log and len(re.findall("EnvServerPool up", log)) == 2, log[-3000:]
+    assert f"(pid {workers[0].pid}) died" in log and len(re.findall("EnvServerPool up", log)) == 3, log[-3000:]
     orchestrator = (out / "logs" / "orchestrator.log").read_text()
     assert "was restarted: this episode was lost with it" in orchestrator  # failed fast, its group run again
     records = [m for m in read_metrics(RunPaths(out)) if m["process"] == "trainer"]
-    assert [m["step"] for m in records] == list(range(6))
+    assert [m["step"] for m in records] == list(range(8))
+
+
+def wait_for_line(run: Launched, text: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in run.output and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert text in run.output, f"no {text!r} within {timeout_s} s:\n{run.output[-3000:]}"

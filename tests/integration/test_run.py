@@ -58,9 +58,10 @@ def test_five_steps_end_to_end_of_a_taskset_only_environment_mixed_with_reverse_
     assert served == sorted(served) and served[-1] >= 3, served
     assert all(m["staleness"] <= 1 for m in metrics if m["process"] == "orchestrator")
     # every load served exactly the published files: the checksum both workers computed of what they verified
+    # (async_level 1 loads a policy only when a batch needs a newer one: 2 to 5 loads, as fast as the trainer is)
     loads = {m["policy_step"]: m["served_checksums"] for m in metrics if "served_checksums" in m}
     kept = {step: checksums for step, checksums in loads.items() if paths.weights(step).is_dir()}  # step 1: deleted
-    assert len(loads) >= 3 and len(kept) >= 2, loads
+    assert len(loads) >= 2 and len(kept) >= 1, loads
     for step, checksums in kept.items():
         assert checksums == [checkpoint_fingerprint(paths.weights(step), torch.float32, tied=True)[1]], step
     # weights/step_1 is deleted once no server can need it (keep_weights = 4 newest, no checkpoint at 1)
