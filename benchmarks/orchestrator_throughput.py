@@ -47,7 +47,7 @@ from transformers import AutoTokenizer
 from rl.config import EnvConfig
 from rl.orchestrator.config import GROUP_GAP_S
 from rl.orchestrator.environment import load_environment
-from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group, tune_gc_for_serving
+from rl.orchestrator.rollouts import InferenceClient, Sampling, apply_patches, run_group, tune_gc_for_serving
 from rl.renderer import renderer_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +207,7 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
 
 def main() -> None:
     args = parse_args()
+    apply_patches()  # as the orchestrator's main() does
     logging.getLogger("verifiers").setLevel(logging.WARNING)
     if args.base_url:
         asyncio.run(measure(args, args.base_url))
