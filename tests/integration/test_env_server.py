@@ -61,15 +61,16 @@ def test_episodes_run_in_the_pools_workers_and_come_back_as_token_samples(server
             await client.wait_for_server_startup(timeout=120)
             sampling = vf.SamplingConfig(temperature=1.0, max_tokens=12)
             tasks = [environment.task(i) for i in range(4)]
+            deltas = [[] for _ in tasks]
             episodes = await asyncio.gather(*(
-                client.run(train_client(server), str(server.model), sampling, task.data.model_dump())
-                for task in tasks))
-            return tasks, episodes
+                client.run(train_client(server), str(server.model), sampling, task.data.model_dump(), seen.append)
+                for task, seen in zip(tasks, deltas)))
+            return tasks, episodes, deltas
         finally:
             await client.close()
 
     try:
-        tasks, episodes = asyncio.run(go())
+        tasks, episodes, deltas = asyncio.run(go())
     finally:
         stop_process(process)
     log = (tmp_path / "env-server.log").read_text()
@@ -79,6 +80,9 @@ def test_episodes_run_in_the_pools_workers_and_come_back_as_token_samples(server
         segment = result.segments[0]
         assert segment.prompt_ids and 1 <= len(segment.completion_ids) <= 12
         assert all(lp <= 0.0 for lp in segment.completion_logprobs)
+        # each trace crosses the wire once, whole, when its episode ends (rl.patches.send_traces_once)
+        assert [delta["trace"] for delta in deltas[i]] == [trace.id for trace in episode.traces]
+        assert "open" in deltas[i][0] and len(deltas[i][0]["nodes"]) == len(episode.traces[0].nodes)
     assert "2 workers; seat 'agent': harness 'reverse-text'" in log, log[-2000:]
     workers = set(re.findall(r"env-server\[(\d+)\] INFO EnvServer up: taskset=reverse-text address=ipc://", log))
     assert len(workers) == 2, log[-2000:]  # each its own process, loaded before the first episode was sent
