@@ -266,3 +266,22 @@ def test_a_harness_that_cannot_start_is_named_with_its_reason(server, tmp_path, 
     assert "no rollout of the step is trainable" in message
     assert "seat 'agent': harness 'failing-harness' (as configured), runtime 'subprocess'" in message
     assert "4 of 4 groups failed, first: RolloutError" in message and "the network is unreachable" in message
+
+
+def test_fill_batch_replaces_dropped_groups_until_the_step_is_full(server, tmp_path, monkeypatch,
+                                                                   taskset_only_installed):
+    """DAPO's dynamic sampling: cpu-score's groups are all 0 (the tiny model never repeats the word) and dropped;
+    reverse-text's mostly differ in reward. Each step draws more groups, by ratio, until it has its 4 groups or
+    has drawn its bound (the bound's cut: tests/unit/test_fill.py)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "fixtures" / "environments"))
+    env = [{"id": "reverse-text", "args": ENVS["reverse-text"]}, {"id": "cpu-score", "args": {"score_ms": 0}}]
+    max_extra = 16
+    advantage = {"drop_zero_variance": True, "fill_batch": True, "max_extra_groups": max_extra}
+    config = orchestrator_config(server, tmp_path / "run", 2, max_steps=2, env=env, advantage=advantage)  # no loads
+    metrics = run_orchestrator(config, server.model)
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:
+        assert m["samples"] == 2 * (4 - m["fill/short_groups"])  # groups of 2
+        assert m["reward/cpu-score"] == 0 and m["dropped_groups/cpu-score"] == 2 + m["extra_groups/cpu-score"]
+        assert m["extra_groups/reverse-text"] + m["extra_groups/cpu-score"] == m["fill/extra_groups"] <= max_extra
+        assert m["fill/rounds"] >= 1 and m["fill/short_groups"] == 0

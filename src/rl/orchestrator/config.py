@@ -89,6 +89,17 @@ class AdvantageBase(Section):
         Literal["keep", "zero", "mask"],
         Field(description="truncated completions: keep; zero their advantage; mask them out of the loss"),
     ] = "keep"
+    fill_batch: Annotated[
+        bool,
+        Field(description="draw more groups until the step has batch_size trainable rollouts (DAPO's dynamic "
+                          "sampling): groups dropped (all rewards equal under drop_zero_variance, or failed) are "
+                          "replaced"),
+    ] = False
+    max_extra_groups: Annotated[
+        int | None,
+        Field(ge=1, description="with fill_batch, the extra groups a step may draw (default: as many as the batch "
+                                "has); once spent, the step trains on the groups it has and logs fill/short_groups"),
+    ] = None
 
 
 class GrpoAdvantage(AdvantageBase):

@@ -18,6 +18,7 @@ from rl.orchestrator.environment import Environment, EnvLoadError, load_environm
 from rl.renderer import chat_renderer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.eval import eval_due, evaluate, to_sampling
+from rl.orchestrator.fill import Filled, fill_batch
 from rl.orchestrator.inference_pool import InferencePool
 from rl.orchestrator.policy_sync import policy_sync
 from rl.orchestrator.rollouts import (
@@ -50,10 +51,15 @@ class StepBatch:
     kept: dict[str, list[RolloutResult]] = field(default_factory=dict)  # scored results by env name
     dropped: Counter = field(default_factory=Counter)  # rollouts (samples, once split) dropped, by reason
     dropped_by_env: Counter = field(default_factory=Counter)  # the same, by env name
+    dropped_groups: Counter = field(default_factory=Counter)  # groups left out whole, by env name
 
     def drop(self, reason: str, env: str, count: int) -> None:
         self.dropped[reason] += count
         self.dropped_by_env[env] += count
+
+    def drop_group(self, reason: str, env: str, count: int) -> None:
+        self.drop(reason, env, count)
+        self.dropped_groups[env] += 1
 
 
 class Orchestrator:
@@ -108,13 +114,15 @@ class Orchestrator:
         served = await self.sync.ensure(step) or self.unlogged_served
         self.unlogged_served = None
         gen_start, cpu_start = time.perf_counter(), time.process_time()
-        outcomes = await self.generate(step)
+        outcomes = await self.generate(step, self.groups_per_step)
         outcomes = await self.remake_groups_of_changed_servers(outcomes, step)
+        filled = await self.fill(outcomes, step)
+        outcomes = filled.outcomes
         gen_time = time.perf_counter() - gen_start
         batch = self.build_batch(outcomes)
         write_batch(self.paths, step, balance_by_tokens(batch.samples, self.config.trainer_world_size))
         rollouts = sum(self.config.rollouts_per_example * (1 + o.retries) for o in outcomes)
-        stats = self.step_stats(batch, outcomes) | {
+        stats = self.step_stats(batch, outcomes) | self.fill_stats(filled) | {
             "orchestrator/cpu_ms_per_rollout": 1000 * (time.process_time() - cpu_start) / rollouts,
             **{f"env/{env.name}/workers": env.served.workers for env in self.envs if env.served.workers is not None},
             "policy_step": self.servers.policy_step,
@@ -155,16 +163,48 @@ class Orchestrator:
                 outcome.message = f"server {outcome.server} restarted or stopped answering while batch {step} was made"
         return outcomes
 
-    async def generate(self, step: int) -> list[GroupOutcome]:
-        config = self.config
-        groups = config.batch_size // config.rollouts_per_example
-        counts = groups_per_env(groups, [e.ratio for e in config.env])
-        jobs = []
-        for env, sampler, count in zip(self.envs, self.samplers, counts):
-            for task_index in sampler.draw(count):
-                g = len(jobs)
-                jobs.append(self.run_one_group(env, task_index, self.server_of(g), step, g))
-        return await asyncio.gather(*jobs)
+    @property
+    def groups_per_step(self) -> int:
+        return self.config.batch_size // self.config.rollouts_per_example
+
+    async def generate(self, step: int, count: int, first: int = 0) -> list[GroupOutcome]:
+        """Run `count` groups, split between the environments by ratio; `first` numbers the first of them in the
+        step (its server and seed)."""
+        counts = groups_per_env(count, [e.ratio for e in self.config.env])
+        drawn = [(env, task) for env, sampler, n in zip(self.envs, self.samplers, counts) for task in sampler.draw(n)]
+        return await asyncio.gather(*(self.run_one_group(env, task, self.server_of(g), step, g)
+                                      for g, (env, task) in enumerate(drawn, start=first)))
+
+    async def fill(self, outcomes: list[GroupOutcome], step: int) -> Filled[GroupOutcome]:
+        """With advantage.fill_batch, more groups until the step has its groups' worth of trainable ones
+        (rl/orchestrator/fill.py); otherwise the outcomes as they are."""
+        advantage = self.config.advantage
+        if not advantage.fill_batch:
+            return Filled(outcomes)
+
+        async def run_more(count: int, outcomes: list[GroupOutcome]) -> list[GroupOutcome]:
+            extra = await self.generate(step, count, first=len(outcomes))
+            return await self.remake_groups_of_changed_servers(outcomes + extra, step)
+
+        wanted = self.groups_per_step
+        filled = await fill_batch(outcomes, wanted, advantage.max_extra_groups or wanted, self.trainable, run_more)
+        if filled.short:
+            self.logger.warning(f"batch {step}: {filled.short} of {wanted} groups short after {filled.extra_groups} "
+                                f"extra groups (advantage.max_extra_groups); the step trains on what it has")
+        return filled
+
+    def trainable(self, outcome: GroupOutcome) -> bool:
+        """Whether a group reaches the batch: it ran, and its advantages do not drop it."""
+        results = outcome.results
+        return results is not None and group_advantages(
+            self.config.advantage, [r.reward for r in results], [r.is_truncated for r in results]) is not None
+
+    def fill_stats(self, filled: Filled[GroupOutcome]) -> dict:
+        if not self.config.advantage.fill_batch:
+            return {}
+        extra = Counter(o.env.name for o in filled.outcomes[self.groups_per_step:])
+        return {"fill/extra_groups": filled.extra_groups, "fill/rounds": filled.rounds,
+                "fill/short_groups": filled.short, **{f"extra_groups/{env.name}": extra[env.name] for env in self.envs}}
 
     def server_of(self, group: int) -> int:
         """The server a batch's group runs on: the usable ones in turn."""
@@ -185,13 +225,20 @@ class Orchestrator:
         return outcome
 
     def build_batch(self, outcomes: list[GroupOutcome]) -> StepBatch:
-        batch = StepBatch([])
+        """The step's samples, group by group in draw order; with fill_batch, at most the batch's groups (a fill
+        round that overshot leaves its last trainable groups out, as `batch_full`)."""
+        batch, groups, n = StepBatch([]), 0, self.config.rollouts_per_example
         for outcome in outcomes:
             if outcome.results is None:
-                batch.drop(f"group_failed:{outcome.error}", outcome.env.name, self.config.rollouts_per_example)
+                batch.drop_group(f"group_failed:{outcome.error}", outcome.env.name, n)
+                continue
+            if self.config.advantage.fill_batch and groups == self.groups_per_step:
+                batch.drop_group("batch_full", outcome.env.name, n)
                 continue
             batch.kept.setdefault(outcome.env.name, []).extend(outcome.results)
-            batch.samples.extend(self.group_samples(outcome, batch))
+            samples = self.group_samples(outcome, batch)
+            groups += bool(samples)
+            batch.samples.extend(samples)
         if not batch.samples:
             raise RuntimeError(f"no rollout of the step is trainable ({dict(batch.dropped)}){failures(outcomes)}")
         keep = len(batch.samples) - len(batch.samples) % self.config.trainer_world_size
@@ -205,7 +252,7 @@ class Orchestrator:
             self.config.advantage, [r.reward for r in results], [r.is_truncated for r in results]
         )
         if computed is None:
-            batch.drop("zero_variance_group", env, len(results))
+            batch.drop_group("zero_variance_group", env, len(results))
             return []
         samples = []
         for result, advantage, trainable in zip(results, *computed):
@@ -222,6 +269,7 @@ class Orchestrator:
             "dropped": sum(batch.dropped.values()),
             "dropped_by_reason": {k: v for k, v in batch.dropped.items() if v},
             **{f"dropped/{name}": count for name, count in batch.dropped_by_env.items()},
+            **{f"dropped_groups/{name}": count for name, count in batch.dropped_groups.items()},
             "group_retries": sum(o.retries for o in outcomes if o.results is not None),
             "completion_tokens": sum(r.sampled_tokens for rs in batch.kept.values() for r in rs),
         }
