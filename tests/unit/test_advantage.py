@@ -1,6 +1,6 @@
 import pytest
 
-from rl.orchestrator.advantage import compute_advantages, group_advantages
+from rl.orchestrator.advantage import admitted, compute_advantages, group_advantages
 from rl.orchestrator.config import DrGrpoAdvantage, GrpoAdvantage, OrchestratorConfig, RlooAdvantage
 
 
@@ -56,3 +56,35 @@ def test_advantage_config_is_a_discriminated_union():
         OrchestratorConfig(advantage={"type": "ppo"})
     with pytest.raises(ValueError, match="truncated"):
         OrchestratorConfig(advantage={"type": "grpo", "truncated": "drop"})
+
+
+def test_the_advantage_gate_admits_a_range_of_absolute_advantages():
+    gated = GrpoAdvantage(gate=(0.5, 1.5))
+    assert [admitted(gated, a) for a in (-2.0, -1.0, -0.4, 0.0, 0.5, 1.5, 1.6)] == [
+        False, True, False, False, True, True, False]
+    assert all(admitted(GrpoAdvantage(), a) for a in (-100.0, 0.0, 3.0))
+
+
+def test_a_gate_that_is_not_a_range_is_refused():
+    with pytest.raises(ValueError, match=r"advantage.gate \[1.0, 0.5\] must be \[low, high\]"):
+        GrpoAdvantage(gate=(1.0, 0.5))
+
+
+def test_the_gate_leaves_the_rollouts_outside_it_out_of_the_batch():
+    """The orchestrator's group_samples with a gate: rewards 0, 0, 1, 1 give |A| = 1 each (admitted by [0.5, 1.5]);
+    0, 1, 1, 1 give |A| = 1.73 for the 0 (dropped) and 0.58 for the others."""
+    from rl.orchestrator.main import Orchestrator, StepBatch
+    from rl.orchestrator.rollouts import GroupOutcome, RolloutResult, TokenSegment
+
+    orchestrator = Orchestrator.__new__(Orchestrator)  # group_samples reads only the config
+    orchestrator.config = OrchestratorConfig(advantage={"gate": [0.5, 1.5]}, rollouts_per_example=4)
+
+    def group(rewards):
+        segment = TokenSegment([1, 2], [3], [1], [-0.5])
+        results = [RolloutResult(0, "t", [segment], r, {}, {}, False, 1) for r in rewards]
+        return GroupOutcome(env=type("Env", (), {"name": "e"})(), results=results)
+
+    batch = StepBatch([])
+    assert [s.reward for s in orchestrator.group_samples(group([0.0, 0.0, 1.0, 1.0]), batch)] == [0, 0, 1, 1]
+    assert [s.reward for s in orchestrator.group_samples(group([0.0, 1.0, 1.0, 1.0]), batch)] == [1, 1, 1]
+    assert batch.dropped == {"advantage_gate": 1} and batch.dropped_by_env == {"e": 1}

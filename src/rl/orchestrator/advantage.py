@@ -8,7 +8,8 @@ std(r) the population standard deviation:
     rloo:     A_i = r_i - (1/(G-1)) sum_{j != i} r_j = G/(G-1) * (r_i - mean(r))
 
 A group whose rewards are all equal gets A_i = 0 for every variant (it carries no learning signal);
-`drop_zero_variance` drops such groups from the batch instead.
+`drop_zero_variance` drops such groups from the batch instead. `gate = [low, high]` admits a rollout only when
+low <= |A_i| <= high (computed as above, over the whole group).
 
 Truncated completions (stopped by max_tokens or a turn limit) are treated by `truncated`:
     keep:  used as they are
@@ -76,3 +77,8 @@ def group_advantages(
         elif was_truncated and config.truncated == "mask":
             trainable[i] = False
     return advantages, trainable
+
+
+def admitted(config: AdvantageConfig, advantage: float) -> bool:
+    """Whether the advantage gate lets a rollout with this advantage into the batch."""
+    return config.gate is None or config.gate[0] <= abs(advantage) <= config.gate[1]

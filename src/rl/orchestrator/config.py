@@ -89,6 +89,11 @@ class AdvantageBase(Section):
         Literal["keep", "zero", "mask"],
         Field(description="truncated completions: keep; zero their advantage; mask them out of the loss"),
     ] = "keep"
+    gate: Annotated[
+        tuple[float, float] | None,
+        Field(description="[low, high]: only rollouts whose |advantage| lies within it reach the batch (an advantage "
+                          "gate; the others are dropped as advantage_gate)"),
+    ] = None
     fill_batch: Annotated[
         bool,
         Field(description="draw more groups until the step has batch_size trainable rollouts (DAPO's dynamic "
@@ -100,6 +105,13 @@ class AdvantageBase(Section):
         Field(ge=1, description="with fill_batch, the extra groups a step may draw (default: as many as the batch "
                                 "has); once spent, the step trains on the groups it has and logs fill/short_groups"),
     ] = None
+
+
+    @model_validator(mode="after")
+    def _gate_is_a_range(self):
+        if self.gate is not None and not 0 <= self.gate[0] <= self.gate[1]:
+            raise ValueError(f"advantage.gate {list(self.gate)} must be [low, high] with 0 <= low <= high")
+        return self
 
 
 class GrpoAdvantage(AdvantageBase):

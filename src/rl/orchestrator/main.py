@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from rl.config import ConfigError, run_cli, url_without_password
 from rl.metrics import PER_REQUEST_LOGGERS, MetricsLogger, setup_logging
-from rl.orchestrator.advantage import group_advantages
+from rl.orchestrator.advantage import admitted, group_advantages
 from rl.orchestrator.batch import balance_by_tokens
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.environment import Environment, EnvLoadError, load_environments, serving
@@ -256,6 +256,9 @@ class Orchestrator:
             return []
         samples = []
         for result, advantage, trainable in zip(results, *computed):
+            if not admitted(self.config.advantage, advantage):
+                batch.drop("advantage_gate", env, len(result.segments))
+                continue
             for segment in result.segments:
                 if len(segment.prompt_ids) + len(segment.completion_ids) > self.config.seq_len:
                     batch.drop("longer_than_seq_len", env, 1)
