@@ -215,15 +215,24 @@ class Sample:
     advantage: float
     reward: float
     policy_version: int
+    teacher_logprobs: list[float] | None = None  # a teacher's logprob of each token (on-policy distillation)
 
     def __post_init__(self):
         if not len(self.input_ids) == len(self.loss_mask) == len(self.logprobs):
             raise ValueError("input_ids, loss_mask and logprobs must have the same length")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.input_ids):
+            raise ValueError("teacher_logprobs must have one entry per token")
 
 
 def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
-    """Flatten samples into tensors: tokens concatenated, per-sample values in parallel arrays."""
-    return {
+    """Flatten samples into tensors: tokens concatenated, per-sample values in parallel arrays; `teacher_logprobs`
+    only where every sample has them."""
+    scored = [s.teacher_logprobs is not None for s in samples]
+    if any(scored) and not all(scored):
+        raise ValueError(f"{scored.count(False)} of {len(samples)} samples lack the teacher logprobs the others have")
+    teacher = {"teacher_logprobs": torch.tensor([lp for s in samples for lp in s.teacher_logprobs],
+                                                dtype=torch.float32)} if samples and all(scored) else {}
+    return teacher | {
         "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int64),  # [T]
         "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.bool),  # [T]
         "logprobs": torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float32),  # [T]
@@ -243,11 +252,13 @@ BATCH_FIELDS = {  # name -> (dtype, counted per token or per sample)
     "rewards": (torch.float32, "sample"),
     "policy_versions": (torch.int64, "sample"),
 }
+OPTIONAL_FIELDS = {"teacher_logprobs": (torch.float32, "token")}  # on-policy distillation: [T]
 
 
 def check_batch(tensors: dict[str, torch.Tensor]) -> None:
     """Raise ValueError naming the first field that does not fit the batch format."""
-    for name, (dtype, _) in BATCH_FIELDS.items():
+    fields = BATCH_FIELDS | {name: spec for name, spec in OPTIONAL_FIELDS.items() if name in tensors}
+    for name, (dtype, _) in fields.items():
         if name not in tensors:
             raise ValueError(f"the batch lacks {name}")
         tensor = tensors[name]
@@ -261,7 +272,7 @@ def check_batch(tensors: dict[str, torch.Tensor]) -> None:
     if any(n <= 0 for n in lengths):
         raise ValueError(f"lengths must be positive: {lengths[:10]}")
     counts = {"token": sum(lengths), "sample": len(lengths)}
-    for name, (_, per) in BATCH_FIELDS.items():
+    for name, (_, per) in fields.items():
         if tensors[name].numel() != counts[per]:
             raise ValueError(f"{name} has {tensors[name].numel()} entries for {counts[per]} {per}s")
 
@@ -270,15 +281,17 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
     check_batch(tensors)
     lengths = tensors["lengths"].tolist()
     ids, mask, lps = (tensors[k].split(lengths) for k in ("input_ids", "loss_mask", "logprobs"))
+    teacher = tensors["teacher_logprobs"].split(lengths) if "teacher_logprobs" in tensors else [None] * len(lengths)
     return [
-        Sample(i.tolist(), m.int().tolist(), lp.tolist(), a, r, v)
-        for i, m, lp, a, r, v in zip(
+        Sample(i.tolist(), m.int().tolist(), lp.tolist(), a, r, v, None if t is None else t.tolist())
+        for i, m, lp, a, r, v, t in zip(
             ids,
             mask,
             lps,
             tensors["advantages"].tolist(),
             tensors["rewards"].tolist(),
             tensors["policy_versions"].tolist(),
+            teacher,
             strict=True,
         )
     ]

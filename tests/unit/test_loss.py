@@ -92,3 +92,46 @@ def test_kl_penalty_k3_to_reference():
     loss, stats, _ = run(LossConfig(beta=0.1), weight=1 / 4, ref=ref)
     assert stats.ref_kl_sum.item() == pytest.approx(0.306853, abs=1e-6)
     assert loss == pytest.approx(0.137671, abs=1e-6)  # (0.52 + 0.1 * 0.306853) / 4
+
+
+# On-policy distillation: the teacher's logprobs log pi_T per token. With the reward advantage off (reward_weight 0)
+# and lambda = 1, A_t = log pi_T(t) - log pi_old(t), pi_old = 0.5 everywhere:
+#   s0: pi_T = 0.5 at t1 (A_t = 0), pi_T = 1.0 at t2 (A_t = log 2 = 0.693147)
+#   s1: pi_T = 0.25 at t1 (A_t = -log 2), pi_T = 0.5 at t2 (A_t = 0)
+TEACHER = [[OLD, math.log(0.5), 0.0], [OLD, math.log(0.25), math.log(0.5)]]
+
+
+def test_distillation_alone_moves_the_student_toward_the_teacher():
+    logprobs = torch.tensor(LOGPROBS, requires_grad=True)
+    old, teacher = torch.full((2, 3), OLD), torch.tensor(TEACHER)
+    config = LossConfig(distill=1.0, reward_weight=0.0)
+    loss, stats = policy_loss(logprobs, old, torch.tensor(ADV), torch.tensor(FULL_MASK), torch.full((2, 3), 0.25),
+                              config, teacher_logprobs=teacher)
+    loss.backward()
+    log2 = math.log(2)
+    # L_t = -min(r A_t, clip(r) A_t): s0 t2 r = 0.5, A = log 2 -> -0.5 log 2 (unclipped: 0.5 < 0.8);
+    # s1 t1 r = 1.5, A = -log 2 -> -min(-1.5 log 2, -1.28 log 2) = 1.5 log 2; the rest 0. Mean over 4 tokens.
+    assert loss.item() == pytest.approx((-0.5 * log2 + 1.5 * log2) / 4)
+    # reverse KL estimate log pi_old - log pi_T: 0 + (-log 2) + log 2 + 0 = 0 over the four trained tokens
+    assert stats.reverse_kl_sum.item() == pytest.approx(0.0, abs=1e-6)
+    # gradient -w r A_t on unclipped tokens: s0 t2 -0.25 * 0.5 * log 2 (push its logprob up, toward the teacher);
+    # s1 t1 +0.25 * 1.5 * log 2 (down, toward the teacher)
+    assert logprobs.grad.flatten().tolist() == pytest.approx([0, 0, -0.125 * log2, 0, 0.375 * log2, 0], abs=1e-7)
+
+
+def test_distillation_beside_the_reward_adds_to_each_tokens_advantage():
+    logprobs = torch.tensor(LOGPROBS, requires_grad=True)
+    old, teacher = torch.full((2, 3), OLD), torch.tensor(TEACHER)
+    config = LossConfig(distill=0.5)
+    loss, stats = policy_loss(logprobs, old, torch.tensor(ADV), torch.tensor(FULL_MASK), torch.full((2, 3), 0.25),
+                              config, teacher_logprobs=teacher)
+    half = 0.5 * math.log(2)
+    # A_t: s0 t1 1, s0 t2 1 + half; s1 t1 -1 - half, s1 t2 -1
+    # s0 t1 r 1.5: -min(1.5, 1.28) = -1.28; s0 t2 r 0.5: -0.5 (1 + half); s1 t1 r 1.5: 1.5 (1 + half);
+    # s1 t2 r 0.5: -min(-0.5, -0.8) = 0.8
+    expected = (-1.28 - 0.5 * (1 + half) + 1.5 * (1 + half) + 0.8) / 4
+    assert loss.item() == pytest.approx(expected)
+    # without a teacher the term is 0: the same loss as the reward alone
+    loss_plain, _ = policy_loss(logprobs.detach(), old, torch.tensor(ADV), torch.tensor(FULL_MASK),
+                                torch.full((2, 3), 0.25), config, teacher_logprobs=old)
+    assert loss_plain.item() == pytest.approx(0.13)

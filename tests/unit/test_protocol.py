@@ -41,6 +41,25 @@ def test_batch_round_trip(tmp_path):
     assert not list(paths.rollouts_root.glob(".*tmp*")), "temporary directory left behind"
 
 
+def test_teacher_logprobs_round_trip_and_are_all_or_none(tmp_path):
+    from dataclasses import replace
+
+    from rl.protocol import check_batch, encode_samples
+
+    paths = RunPaths(tmp_path)
+    scored = [replace(sample(n), teacher_logprobs=[-0.25 * i for i in range(n)]) for n in (4, 6)]
+    write_batch(paths, 0, [scored])
+    assert read_batch(paths, 0, 0) == scored
+    with pytest.raises(ValueError, match="1 of 2 samples lack the teacher logprobs the others have"):
+        encode_samples([scored[0], sample(3)])
+    tensors = encode_samples(scored)
+    tensors["teacher_logprobs"] = tensors["teacher_logprobs"][:-1]
+    with pytest.raises(ValueError, match="teacher_logprobs has 9 entries for 10 tokens"):
+        check_batch(tensors)
+    with pytest.raises(ValueError, match="teacher_logprobs must have one entry per token"):
+        Sample([1, 2], [0, 1], [0.0, -1.0], 0.0, 0.0, 0, [-1.0])
+
+
 def test_unstable_directory_is_not_a_step(tmp_path):
     paths = RunPaths(tmp_path)
     paths.weights(2).mkdir(parents=True)

@@ -106,6 +106,14 @@ class LossConfig(Section):
     beta: Annotated[
         float, Field(ge=0, description="KL penalty (k3) to the reference (base) model; 0 loads no reference")
     ] = 0.0
+    distill: Annotated[
+        float,
+        Field(ge=0, description="on-policy distillation: weight of the per-token reverse KL to the teacher "
+                                "(orchestrator.teacher), added to each token's advantage; 0: off"),
+    ] = 0.0
+    reward_weight: Annotated[
+        float, Field(ge=0, description="weight of the reward advantage; 0 with distill > 0: pure distillation")
+    ] = 1.0
 
 
 class LoraConfig(Section):

@@ -28,6 +28,7 @@ class MicroBatch:
     attention_mask: torch.Tensor | None  # [B, T] 1 for real tokens; None when packed (no padding)
     loss_mask: torch.Tensor  # [B, T] bool, predicted tokens that are trained on
     old_logprobs: torch.Tensor  # [B, T] inference logprob of token t, aligned with loss_mask
+    teacher_logprobs: torch.Tensor  # [B, T] the teacher's logprob of token t; old_logprobs where there is none
     advantages: torch.Tensor  # [B, T] advantage of each token's sample
     weights: torch.Tensor  # [B, T] loss weight w_i of each token's sample (see loss.py)
     sample_lengths: tuple[int, ...] | None = None  # packed: the row's samples in order (attention.py); else None
@@ -40,9 +41,10 @@ class MicroBatch:
 def truncate(sample: Sample, seq_len: int) -> Sample:
     if len(sample.input_ids) <= seq_len:
         return sample
+    teacher = None if sample.teacher_logprobs is None else sample.teacher_logprobs[:seq_len]
     return Sample(
         sample.input_ids[:seq_len], sample.loss_mask[:seq_len], sample.logprobs[:seq_len],
-        sample.advantage, sample.reward, sample.policy_version,
+        sample.advantage, sample.reward, sample.policy_version, teacher,
     )
 
 
@@ -61,6 +63,8 @@ def sample_tensors(sample: Sample, weight: float) -> dict[str, torch.Tensor]:
         "position_ids": torch.arange(n),
         "loss_mask": loss_mask,
         "old_logprobs": torch.tensor(sample.logprobs, dtype=torch.float32),
+        # no teacher: the sampling logprobs, so that the distillation term of loss.py is 0 for the sample
+        "teacher_logprobs": torch.tensor(sample.teacher_logprobs or sample.logprobs, dtype=torch.float32),
         "advantages": torch.full((n,), sample.advantage, dtype=torch.float32),
         "weights": torch.full((n,), weight, dtype=torch.float32),
     }

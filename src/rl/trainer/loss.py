@@ -2,12 +2,19 @@
 KL penalty to a reference model and an optional train-inference mismatch correction.
 
 For every trained token t of sample i, with advantage A_i, trainer logprob log pi_theta(t), the inference
-logprob log pi_old(t) recorded by the orchestrator, and (beta > 0) the reference logprob log pi_ref(t):
+logprob log pi_old(t) recorded by the orchestrator, (beta > 0) the reference logprob log pi_ref(t) and
+(distill > 0) the teacher's logprob log pi_T(t), scored by the orchestrator:
 
+    A_t     = w_r * A_i + lambda * (log pi_T(t) - log pi_old(t))  (w_r = reward_weight, lambda = distill)
     r_t     = exp(log pi_theta(t) - log pi_old(t))                          importance ratio
     r~_t    = min(r_t, C)             (mismatch.type = truncate, cap C)    else r~_t = r_t
-    L_t     = -min(r~_t * A_i, clip(r_t, 1 - eps_low, 1 + eps_high) * A_i)
+    L_t     = -min(r~_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
               + beta * (exp(q_t) - q_t - 1),  q_t = log pi_ref(t) - log pi_theta(t)   (k3 estimator)
+
+The distillation term is on-policy distillation's: log pi_old(t) - log pi_T(t) is a one-sample estimate of the
+reverse KL(pi || pi_T) at token t, so a token the teacher finds likelier than the student did gets a positive
+advantage; its gradient through the ratio, clipping and masks is that of every token's. A sample without teacher
+logprobs has log pi_T = log pi_old (data.py): no distillation term.
     m_t     = 0 if |log r_t| > B  (mismatch.type = mask, bound B)          else m_t = 1
     L       = sum_i sum_t m_t * w_i * L_t
 
@@ -24,6 +31,7 @@ Reported statistics are token sums; divided by N they give the step means:
     clip fraction   tokens where the clipped branch is the smaller one (its gradient is zero)
     mismatch KL     k3 of KL(pi_old || pi_theta) from samples of pi_old: r_t - 1 - log r_t
     ref KL          the k3 term above (beta > 0 only)
+    reverse KL      log pi_old(t) - log pi_T(t), the distillation signal (distill > 0 only)
     masked          tokens removed by the mismatch mask
 """
 
@@ -63,6 +71,7 @@ class LossStats:
     mismatch_kl_sum: torch.Tensor  # scalar, sum over tokens of r_t - 1 - log r_t
     ref_kl_sum: torch.Tensor  # scalar, sum over tokens of the k3 penalty (0 without reference)
     masked_tokens: torch.Tensor  # scalar, tokens dropped by the mismatch mask
+    reverse_kl_sum: torch.Tensor  # scalar, sum over tokens of log pi_old - log pi_T (0 without a teacher)
 
 
 def policy_loss(
@@ -73,7 +82,14 @@ def policy_loss(
     weights: torch.Tensor,  # [B, T] w_i of each token's sample
     config: LossConfig,
     ref_logprobs: torch.Tensor | None = None,  # [B, T] reference logprobs, when beta > 0
+    teacher_logprobs: torch.Tensor | None = None,  # [B, T] the teacher's logprobs, when distill > 0
 ) -> tuple[torch.Tensor, LossStats]:
+    reverse_kl = torch.zeros_like(old_logprobs)
+    if teacher_logprobs is not None and config.distill > 0:
+        reverse_kl = old_logprobs - teacher_logprobs  # [B, T]
+        advantages = config.reward_weight * advantages - config.distill * reverse_kl
+    elif config.reward_weight != 1:
+        advantages = config.reward_weight * advantages
     log_ratio = logprobs - old_logprobs  # [B, T]
     ratio = torch.exp(log_ratio)
     truncated = ratio.clamp(max=config.mismatch.cap) if isinstance(config.mismatch, TruncateRatio) else ratio
@@ -94,6 +110,7 @@ def policy_loss(
             mismatch_kl_sum=((ratio - 1 - log_ratio) * fmask).sum(),
             ref_kl_sum=(ref_kl * fmask).sum(),
             masked_tokens=(mask & ~keep).sum().to(per_token.dtype),
+            reverse_kl_sum=(reverse_kl * fmask).sum(),
         )
     return loss, stats
 

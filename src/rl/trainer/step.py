@@ -15,12 +15,15 @@ from rl.trainer.model import forward_logprobs
 from rl.trainer.optim import clip_gradients
 from rl.trainer.world import World
 
-SUM_KEYS = ("loss", "clipped", "mismatch_kl", "ref_kl", "masked", "entropy")  # accumulated per micro-batch
+SUM_KEYS = ("loss", "clipped", "mismatch_kl", "ref_kl", "masked", "entropy", "reverse_kl")  # per micro-batch
 
 
 def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], config: TrainerConfig, world: World,
                pad_id: int) -> dict:
     """Every rank calls this with its own samples; returns step metrics (identical on every rank)."""
+    if config.loss.distill > 0 and any(s.teacher_logprobs is None for s in samples):
+        raise ValueError(f"trainer.loss.distill = {config.loss.distill} but the batch carries no teacher logprobs: "
+                         "set orchestrator.teacher (the teacher that scores each sample)")
     samples = [truncate(s, config.seq_len) for s in samples]
     totals = step_totals(samples, world)
     weights = [sample_weight(config.loss.norm, trained_tokens(s), totals, config.seq_len) for s in samples]
@@ -40,7 +43,7 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return summarise(dict(zip(SUM_KEYS, world.all_reduce(sums.tolist()))), totals) | {
+    return summarise(dict(zip(SUM_KEYS, world.all_reduce(sums.tolist()))), totals, config.loss.distill > 0) | {
         "grad_norm": grad_norm, "lr": lr, "micro_batches": int(count),
     }
 
@@ -70,20 +73,22 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
             ref_logprobs, _ = forward_logprobs(reference, mb, config.temperature)
     logprobs, entropy = forward_logprobs(policy, mb, config.temperature)  # [B, T] each
     loss, stats = policy_loss(
-        logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.weights, config.loss, ref_logprobs
+        logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.weights, config.loss, ref_logprobs,
+        mb.teacher_logprobs,
     )
     # FSDP averages gradients over ranks; the loss is already normalised by step totals, so undo the mean.
     (loss * world.world_size).backward()
     mask = mb.loss_mask.float()
     values = [loss.detach(), stats.clipped_tokens, stats.mismatch_kl_sum, stats.ref_kl_sum, stats.masked_tokens,
-              (entropy.detach() * mask).sum()]
+              (entropy.detach() * mask).sum(), stats.reverse_kl_sum]
     return torch.stack([v.to(torch.float64) for v in values])
 
 
-def summarise(sums: dict[str, float], totals: StepTotals) -> dict:
+def summarise(sums: dict[str, float], totals: StepTotals, distill: bool = False) -> dict:
     """Step means over the trained tokens; `loss` is already the normalised objective."""
     denom = max(totals.tokens, 1)
-    return {
+    distilled = {"distill/reverse_kl": sums["reverse_kl"] / denom} if distill else {}
+    return distilled | {
         "loss": sums["loss"],
         "entropy": sums["entropy"] / denom,
         "clip_frac": sums["clipped"] / denom,
