@@ -54,6 +54,23 @@ def hub_model_missing(name: str) -> str | None:
     return None
 
 
+def check_same_tokenizer(student: str, teacher: str) -> None:
+    """On-policy distillation compares the two models token by token: the teacher must tokenize the probe texts
+    (rl/orchestrator/teacher.py, which checks a teacher served elsewhere the same way) as the student does."""
+    from transformers import AutoTokenizer
+
+    from rl.orchestrator.teacher import PROBES
+
+    check_model(teacher)
+    ours, theirs = AutoTokenizer.from_pretrained(student), AutoTokenizer.from_pretrained(teacher)
+    for probe in PROBES:
+        a, b = ours(probe)["input_ids"], theirs(probe)["input_ids"]
+        if a != b:
+            raise ConfigError(f"the teacher {teacher!r} tokenizes {probe!r} as {b[:12]}... but the student {student!r} "
+                              f"as {a[:12]}...: distillation compares the two models token by token, so the teacher "
+                              "must share the student's tokenizer")
+
+
 def check_lora_targets(config: TrainerConfig) -> None:
     """Every trainer.lora target names a linear layer of the model (on the meta device: nothing is loaded)."""
     if config.lora is None:

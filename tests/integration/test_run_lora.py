@@ -1,7 +1,8 @@
 """A LoRA run for real: `rl` with trainer.lora, the trainer sending each step's adapter over the wire (gloo; the
 files path of adapters is test_inference_lora's), the vLLM server (tensor-parallel: two workers) loading each in
-place and verifying it, the orchestrator sampling from the adapter; then `eval --adapter` on the last one (the final
-checkpoint's files), on a tensor-parallel server eval starts itself."""
+place and verifying it, the orchestrator sampling from the adapter, and a teacher (a second tiny model, served by
+`rl` as the inference server is) scoring every sample for on-policy distillation; then `eval --adapter` on the last
+one (the final checkpoint's files), on a tensor-parallel server eval starts itself."""
 
 import json
 import re
@@ -9,16 +10,20 @@ import re
 import pytest
 
 from rl.manifest import STABLE
-from rl.protocol import RunPaths, read_metrics, stable_steps
+from rl.protocol import RunPaths, read_batch, read_metrics, stable_steps
+from rl.tiny_model import build_tiny_model
 from tests.integration.launched import Launched, free_port, rl_command
 
 pytestmark = pytest.mark.integration
 
 
-def test_a_lora_run_serves_the_adapters_the_trainer_sent(tiny_model, tmp_path):
+def test_a_lora_run_serves_the_adapters_the_trainer_sent_and_distils_from_a_teacher(tiny_model, tmp_path):
     out = tmp_path / "run"
+    teacher = build_tiny_model(tmp_path / "teacher", seed=1)  # other weights, the same tokenizer
     run = Launched(rl_command(tiny_model, out, 3, "--trainer.lora.rank", "8", "--trainer.optim.lr", "5e-3",
-                              "--inference.tensor-parallel-size", "2", "--transfer.backend", "gloo"))
+                              "--inference.tensor-parallel-size", "2", "--transfer.backend", "gloo",
+                              "--teacher.model", str(teacher), "--teacher.port", str(free_port()),
+                              "--trainer.loss.distill", "1.0", "--trainer.keep-rollouts", "3"))
     assert run.wait(timeout=900) == 0, run.output[-5000:]
     paths = RunPaths(out)
     metrics = read_metrics(paths)
@@ -41,6 +46,15 @@ def test_a_lora_run_serves_the_adapters_the_trainer_sent(tiny_model, tmp_path):
     assert stable_steps(paths.weights_root) == [3]
     assert json.loads((paths.weights(3) / STABLE).read_text())["adapter_checksum"] == sent[3]
     assert "LoRA on 28 layers" in trainer_log  # 7 projections x 4 layers
+    # the teacher scored every sample's trained tokens, and the trainer's distillation term saw them
+    for step in trainer:
+        for rank in (0, 1):
+            for sample in read_batch(paths, step, rank):
+                scored = [lp for lp, m in zip(sample.teacher_logprobs, sample.loss_mask) if m]
+                assert scored and all(lp < 0 for lp in scored)
+        assert trainer[step]["distill/reverse_kl"] != 0 and orchestrator[step]["teacher_s"] > 0
+    assert f"teacher {str(teacher)!r} at http://127.0.0.1:" in log
+    assert (out / "logs" / "teacher.log").exists()
 
     # eval of the last adapter over its base model, through a server eval starts and verifies
     results = tmp_path / "eval"

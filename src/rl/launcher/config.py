@@ -21,7 +21,7 @@ from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConf
 from rl.inference.config import resolve_device_defaults as resolve_inference_device
 from rl.launcher.wire import give_transfer_secret, place_transfer_store
 from rl.launcher.placement import HostPlan, PlacementConfig, given_base_urls
-from rl.orchestrator.config import OrchestratorConfig
+from rl.orchestrator.config import OrchestratorConfig, TeacherConfig
 from rl.trainer.config import TrainerConfig, vllm_auto_dtype
 from rl.trainer.config import resolve_device_defaults as resolve_trainer_device
 
@@ -113,6 +113,19 @@ class K8sConfig(Section):
     ] = {}
 
 
+class TeacherServerConfig(Section):
+    """On-policy distillation's teacher, served by `rl` beside inference: a frozen vLLM server of `model` with
+    inference's settings, never sent weights. It fills orchestrator.teacher."""
+
+    model: Annotated[
+        str, Field(min_length=1, description="the teacher model (Hugging Face id or local directory); it must "
+                                             "tokenize as the student does")
+    ]
+    port: Annotated[
+        int | None, Field(ge=1, le=65535, description="its port (default: the one after inference's servers)")
+    ] = None
+
+
 ROLES = ("inference", "orchestrator", "trainer")
 Role = Literal["inference", "orchestrator", "trainer"]
 
@@ -136,6 +149,11 @@ class RLConfig(Settings):
     transfer: Annotated[
         TransferConfig | None,
         Field(description="how weights reach inference (`--transfer.backend gloo`), for all three processes"),
+    ] = None
+    teacher: Annotated[
+        TeacherServerConfig | None, BeforeValidator(optional_section),
+        Field(description="a teacher rl serves for on-policy distillation (`--teacher.model M`; CPU hosts; on GPUs "
+                          "serve it yourself and set orchestrator.teacher.base_url)"),
     ] = None
 
     # Devices
@@ -212,6 +230,13 @@ class RLConfig(Settings):
     @property
     def env_servers(self) -> dict[str, EnvServerConfig]:
         return self._env_servers
+
+    # Filled by resolve(): the teacher's server config, where rl serves one.
+    _teacher_server: InferenceConfig | None = PrivateAttr(default=None)
+
+    @property
+    def teacher_server(self) -> InferenceConfig | None:
+        return self._teacher_server
 
     @property
     def uses_gpu_flags(self) -> bool:
@@ -312,10 +337,43 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
             f"trainer.keep_weights = {t.keep_weights} would delete weights inference may still serve or roll back "
             f"to with async_level = {o.async_level}; set it to at least {o.async_level + 2}"
         )
+    config._teacher_server = place_teacher(config, host)
+    check_distillation(t, o)
     config._device_choices = resolve_devices(t, i, host.devices.device)
     config._env_servers = place_env_servers(o)
     o.transfer.resolve_device(host.devices.device, "orchestrator")  # as trainer and inference resolved it
     return config
+
+
+def place_teacher(config: RLConfig, host: HostPlan) -> InferenceConfig | None:
+    """The teacher rl serves on this host: inference's config for the teacher's model, at the port after the
+    inference servers', named in the orchestrator's teacher section."""
+    if config.teacher is None:
+        return None
+    i, o = config.inference, config.orchestrator
+    if o.teacher is not None:
+        raise ConfigError(f"--teacher.model has rl serve the teacher, and orchestrator.teacher.base_url = "
+                          f"{o.teacher.base_url!r} names one served elsewhere: set one")
+    if host.devices.device != "cpu" or host.spans_hosts:
+        raise ConfigError("rl serves a teacher on a single CPU host only (yet): on GPUs or several hosts, serve it "
+                          "yourself (`uv run inference --model.name M --port P`) and set orchestrator.teacher.base_url")
+    port = config.teacher.port or i.port + host.devices.replicas
+    if port in range(i.port, i.port + host.devices.replicas) or port > 65535:
+        raise ConfigError(f"teacher.port = {port} is taken by an inference server or past 65535: choose another")
+    server = i.model_copy(deep=True, update={"port": port, "lora": None})
+    server.model = server.model.model_copy(update={"name": config.teacher.model})
+    o.teacher = TeacherConfig(base_url=f"http://127.0.0.1:{port}", model=config.teacher.model)
+    return server
+
+
+def check_distillation(t: TrainerConfig, o: OrchestratorConfig) -> None:
+    """A teacher and the loss's distillation term come together."""
+    if t.loss.distill > 0 and o.teacher is None:
+        raise ConfigError(f"trainer.loss.distill = {t.loss.distill} needs a teacher: --teacher.model M (rl serves "
+                          "it) or orchestrator.teacher.base_url (one served elsewhere)")
+    if o.teacher is not None and t.loss.distill == 0:
+        raise ConfigError("a teacher scores every sample but trainer.loss.distill = 0 would ignore it: set "
+                          "trainer.loss.distill (e.g. 1.0)")
 
 
 def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) -> None:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from rl.config import ConfigError, format_validation_error, parse_config, to_toml, write_config
 from rl.config_help import config_help
-from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir
+from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir, check_same_tokenizer
 from rl.inference.config import API_KEY_VAR, cpu_server_env
 from rl.launcher.config import RLConfig, check_hosts, resolve
 from rl.launcher.devices import (
@@ -158,6 +158,10 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
                 else (None, cpu_server_env(r, tp, cores))
             )
             specs.append(ChildSpec(name, cmd, visible, logs / f"{name}.log", env))
+        if config.teacher_server is not None:  # frozen: nothing ever sends it weights
+            cmd = [python, "-m", "rl.inference.main", "@", str(configs / "teacher.toml")]
+            env = cpu_server_env(plan.replicas, tp, cores)
+            specs.append(ChildSpec("teacher", cmd, None, logs / "teacher.log", env))
     if host.runs("orchestrator"):
         for name in config.env_servers:  # no GPU; started before the orchestrator, which waits for each to answer
             cmd = [python, "-m", "rl.env_server", "@", str(configs / f"{name}.toml")]
@@ -180,6 +184,9 @@ def print_dry_run(config: RLConfig, host: HostPlan, specs: list[ChildSpec]) -> N
     for name in host.roles:
         print(f"# ---- {name} config ----")
         print(to_toml(getattr(config, name), mask_secrets=True))
+    if host.runs("inference") and config.teacher_server is not None:
+        print("# ---- teacher config ----")
+        print(to_toml(config.teacher_server, mask_secrets=True))
     print("# ---- chosen by device ----")
     for field, why in config.device_choices.items():
         section, *path = field.split(".")
@@ -249,6 +256,8 @@ def check_start(config: RLConfig, host: HostPlan, paths: RunPaths, resuming: boo
         check_model(name)
     if host.runs("orchestrator"):
         check_environments(config.orchestrator)
+    if config.teacher is not None and host.runs("orchestrator"):
+        check_same_tokenizer(config.orchestrator.model.name, config.teacher.model)
     if host.runs("trainer"):
         check_lora_targets(config.trainer)
 
@@ -279,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     configs, _ = host_dirs(host, paths)
     for name in host.roles:
         write_config(getattr(config, name), configs / f"{name}.toml")
+    if host.runs("inference") and config.teacher_server is not None:
+        write_config(config.teacher_server, configs / "teacher.toml")
     if host.runs("orchestrator"):
         for name, server in config.env_servers.items():
             write_config(server, configs / f"{name}.toml")

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import ChatModelConfig, CkptConfig, EnvConfig, Section, Settings, WandbConfig, check_env_labels
+from rl.config import (
+    ChatModelConfig, CkptConfig, EnvConfig, Section, Settings, WandbConfig, check_env_labels, optional_section,
+)
 from rl.weights.config import FilesTransfer, TransferConfig
 
 GROUP_GAP_S = 0.003
@@ -174,6 +176,21 @@ class EvalConfig(EvalSettings):
     num_examples: Annotated[int, Field(ge=1, description="tasks evaluated per environment (the first N)")] = 16
 
 
+class TeacherConfig(Section):
+    """On-policy distillation: a frozen model's server that scores every trained sample's tokens (prompt logprobs by
+    prefill); the trainer's loss.distill weighs them. `rl` fills base_url when it starts the teacher itself."""
+
+    base_url: Annotated[str, Field(min_length=1, description="the teacher's server (vLLM's OpenAI API), e.g. "
+                                                             "http://host:8001")]
+    model: Annotated[
+        str | None, Field(description="the model name it serves (default: the one model it lists)")
+    ] = None
+    batch_tokens: Annotated[
+        int, Field(ge=1, description="tokens per scoring request (several samples' prompts in one)")
+    ] = 16384
+    timeout_s: Annotated[float, Field(gt=0, description="deadline for one scoring request")] = 300.0
+
+
 class OrchestratorConfig(Settings):
     model_config = SettingsConfigDict(env_prefix="RL_ORCHESTRATOR__")
 
@@ -209,6 +226,10 @@ class OrchestratorConfig(Settings):
         GrpoAdvantage()
     )
     rollout: RolloutConfig = RolloutConfig()
+    teacher: Annotated[
+        TeacherConfig | None, BeforeValidator(optional_section),
+        Field(description="a teacher that scores every trained token (on-policy distillation; trainer.loss.distill)"),
+    ] = None
     eval: EvalConfig = EvalConfig()
     trainer_world_size: Annotated[int, Field(ge=1, description="trainer data-parallel ranks (one batch file each)")] = 1
     weights_timeout_s: Annotated[

@@ -29,6 +29,7 @@ from rl.orchestrator.sampler import TaskSampler
 from rl.orchestrator.servers import ServerBoard
 from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
+from rl.orchestrator.teacher import Teacher, TeacherError
 from rl.protocol import RunPaths, Sample, write_batch
 
 REMAKE_ROUNDS = 3  # a batch's groups made again after servers changed under them
@@ -87,6 +88,7 @@ class Orchestrator:
             self.restore(config.resume_step)
         self.metrics = MetricsLogger("orchestrator", self.paths, config.wandb, config.model_dump(mode="json"), logger)
         self.tokenizer = None
+        self.teacher = Teacher(config.teacher) if config.teacher is not None else None
 
     def restore(self, step: int) -> None:
         """Continue after batch step - 1: samplers where they were; inference catches up in run()."""
@@ -99,6 +101,10 @@ class Orchestrator:
         shown = [url_without_password(url) for url in self.config.client.base_urls]
         self.logger.info(f"waiting for inference servers {shown}")
         await self.pool.wait_healthy(self.config.client.startup_timeout_s)
+        if self.teacher is not None:
+            await self.teacher.start(self.student_tokenizer(), self.config.model.name,
+                                     self.config.client.startup_timeout_s)
+            self.logger.info(f"teacher {self.teacher.model!r} at {self.config.teacher.base_url} scores every sample")
         async with serving(self.envs + self.eval_envs):
             tune_gc_for_serving()
             self.unlogged_served = await self.sync.start(resumed=self.start_step > 0)
@@ -106,6 +112,8 @@ class Orchestrator:
                 await self.step(step)
             await self.sync.finish()
         await self.pool.close()
+        if self.teacher is not None:
+            await self.teacher.close()
         self.metrics.close()
 
     async def step(self, step: int) -> None:
@@ -120,6 +128,10 @@ class Orchestrator:
         outcomes = filled.outcomes
         gen_time = time.perf_counter() - gen_start
         batch = self.build_batch(outcomes)
+        teacher_start = time.perf_counter()
+        if self.teacher is not None:
+            batch.samples = await self.teacher.score(batch.samples)
+        teacher_time = time.perf_counter() - teacher_start
         write_batch(self.paths, step, balance_by_tokens(batch.samples, self.config.trainer_world_size))
         rollouts = sum(self.config.rollouts_per_example * (1 + o.retries) for o in outcomes)
         stats = self.step_stats(batch, outcomes) | self.fill_stats(filled) | {
@@ -129,6 +141,7 @@ class Orchestrator:
             "staleness": step - min(s.policy_version for s in batch.samples),
             "gen_s": gen_time,
             "wait_s": gen_start - wait_start,
+            **({"teacher_s": teacher_time} if self.teacher is not None else {}),
         }
         stats["tokens_per_s"] = stats["completion_tokens"] / gen_time
         if served:
@@ -291,17 +304,21 @@ class Orchestrator:
         count = self.config.num_samples_logged
         if self.metrics.run is None or not count:
             return
-        if self.tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.name)
-        decode = self.tokenizer.decode
+        decode = self.student_tokenizer().decode
         rows = [
             [step, name, decode(r.segments[-1].prompt_ids), decode(r.segments[-1].completion_ids), r.reward]
             for name, results in batch.kept.items()
             for r in results[:count]
         ]
         self.metrics.log_table("samples", ["step", "env", "prompt", "completion", "reward"], rows, step)
+
+
+    def student_tokenizer(self):
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.name)
+        return self.tokenizer
 
 
 def failures(outcomes: list[GroupOutcome]) -> str:
@@ -341,7 +358,11 @@ def main() -> None:
     except (ConfigError, EnvLoadError) as e:
         logger.error(str(e))
         sys.exit(2)
-    asyncio.run(orchestrator.run())
+    try:
+        asyncio.run(orchestrator.run())
+    except TeacherError as e:
+        logger.error(str(e))
+        sys.exit(2)
 
 
 if __name__ == "__main__":

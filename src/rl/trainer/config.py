@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import DEFAULT_TARGETS, VLLM_MAX_RANKS
@@ -114,6 +114,12 @@ class LossConfig(Section):
     reward_weight: Annotated[
         float, Field(ge=0, description="weight of the reward advantage; 0 with distill > 0: pure distillation")
     ] = 1.0
+
+    @model_validator(mode="after")
+    def _something_to_learn(self):
+        if self.reward_weight == 0 and self.distill == 0:
+            raise ValueError("loss.reward_weight = 0 and loss.distill = 0 leave every advantage 0: set one above 0")
+        return self
 
 
 class LoraConfig(Section):

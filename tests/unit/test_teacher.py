@@ -1,0 +1,109 @@
+"""The teacher of on-policy distillation (rl/orchestrator/teacher.py) against a fake vLLM server, and `rl` refusing
+a teacher that tokenizes otherwise than the student before anything starts."""
+
+import asyncio
+import json
+import re
+import shutil
+
+import httpx
+import pytest
+
+from rl.orchestrator.config import TeacherConfig
+from rl.orchestrator.teacher import PROBES, Teacher, TeacherError
+from rl.protocol import Sample
+
+
+def fake_logprob(token: int) -> float:
+    return -0.01 * token
+
+
+def fake_vllm(requests: list, drop_token: int | None = None, tokenize=lambda text: [ord(c) for c in text]):
+    """vLLM's /v1/completions as the teacher uses it: prompt logprobs of token-id prompts, token ids of text."""
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "teacher"}]})
+        body = json.loads(request.content)
+        requests.append(body)
+        if isinstance(body["prompt"], str):
+            return httpx.Response(200, json={"choices": [{"index": 0, "prompt_token_ids": tokenize(body["prompt"])}]})
+        choices = [{"index": i, "prompt_logprobs": [None] + [
+            {} if t == drop_token else {str(t): {"logprob": fake_logprob(t), "rank": 1}} for t in ids[1:]]}
+            for i, ids in enumerate(body["prompt"])]
+        return httpx.Response(200, json={"choices": choices[::-1]})  # in any order: matched by index
+
+    return httpx.MockTransport(handle)
+
+
+def teacher(transport, batch_tokens: int = 10) -> Teacher:
+    t = Teacher(TeacherConfig(base_url="http://teacher:8001", batch_tokens=batch_tokens))
+    t.http = httpx.AsyncClient(base_url="http://teacher:8001", transport=transport)
+    t.model = "teacher"
+    return t
+
+
+def sample(ids: list[int], prompt: int) -> Sample:
+    n = len(ids)
+    return Sample(ids, [0] * prompt + [1] * (n - prompt), [0.0] * prompt + [-1.0] * (n - prompt), 0.5, 1.0, 0)
+
+
+def test_every_trained_token_gets_the_teachers_logprob_in_requests_of_at_most_batch_tokens():
+    requests = []
+    samples = [sample([1, 2, 3, 4, 5, 6], 3), sample([7, 8, 9], 1), sample([10, 11, 12, 13], 2)]
+    scored = asyncio.run(teacher(fake_vllm(requests)).score(samples))
+    assert sorted(len(r["prompt"]) for r in requests) == [1, 2]  # 6 tokens, then 3 + 4 (<= 10), sent at once
+    assert all(r["prompt_logprobs"] == 0 and r["max_tokens"] == 1 for r in requests)
+    assert [s.input_ids for s in scored] == [s.input_ids for s in samples]
+    for s in scored:
+        assert s.teacher_logprobs == [fake_logprob(t) if m else 0.0 for t, m in zip(s.input_ids, s.loss_mask)]
+
+
+def test_a_reply_without_a_tokens_logprob_is_an_error_naming_it():
+    with pytest.raises(TeacherError, match="lack token 5"):
+        asyncio.run(teacher(fake_vllm([], drop_token=5)).score([sample([1, 2, 5], 1)]))
+
+
+def test_a_teacher_that_tokenizes_otherwise_is_refused_at_start():
+    class Student:
+        def __call__(self, text):
+            return {"input_ids": [ord(c) for c in text]}
+
+    asyncio.run(teacher(fake_vllm([])).start(Student(), "student", timeout_s=5))  # the same tokenizer: accepted
+    other = fake_vllm([], tokenize=lambda text: [ord(c) + 1 for c in text])
+    with pytest.raises(TeacherError, match=f"tokenizes {re.escape(repr(PROBES[0]))} as .* must share the student's"):
+        asyncio.run(teacher(other).start(Student(), "student", timeout_s=5))
+
+
+def test_rl_refuses_a_teacher_with_another_tokenizer_before_starting_anything(tiny_model, tmp_path, capsys):
+    from rl.launcher.main import main
+    from tests.integration.launched import rl_command
+
+    other = tmp_path / "teacher"
+    shutil.copytree(tiny_model, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    out = tmp_path / "run"
+    argv = rl_command(tiny_model, out, 3, "--teacher.model", str(other), "--trainer.loss.distill", "1")[3:]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert f"the teacher {str(other)!r} tokenizes" in error and "must share the student's tokenizer" in error
+    assert not (out / "logs").exists()  # nothing started
+
+
+def test_distillation_and_a_teacher_come_together(tiny_model, tmp_path, capsys):
+    from rl.launcher.main import main
+    from tests.integration.launched import rl_command
+
+    for extra, message in (
+        (["--trainer.loss.distill", "1"], "trainer.loss.distill = 1.0 needs a teacher"),
+        (["--teacher.model", str(tiny_model)], "trainer.loss.distill = 0 would ignore it"),
+    ):
+        with pytest.raises(SystemExit):
+            main(rl_command(tiny_model, tmp_path / "run", 3, *extra)[3:])
+        assert message in capsys.readouterr().err
