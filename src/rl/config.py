@@ -110,6 +110,38 @@ class CkptConfig(Section):
 ENV_SERVER_SECRET_VAR = "RL_ENV_SERVER__SECRET"  # an env server's secret, read by it and by its clients
 
 
+class EpochSampling(Section):
+    """Each epoch a seeded permutation of the tasks: every task once per epoch, exactly once on resume."""
+
+    type: Annotated[Literal["epoch"], Field(description="epoch: every task once per epoch, in a seeded order")] = (
+        "epoch")
+
+
+class DifficultySampling(Section):
+    """A curriculum: tasks in pools by their latest group's mean reward (easy, medium, hard; an unseen task is
+    medium), a pool drawn by weight, then a task of it uniformly."""
+
+    type: Annotated[Literal["difficulty"], Field(description="difficulty: pools by the latest group mean")] = (
+        "difficulty")
+    easy: Annotated[float, Field(description="a task whose latest group mean reward is at least this is easy")] = 0.8
+    hard: Annotated[float, Field(description="at most this: hard (between the two: medium)")] = 0.2
+    weights: Annotated[
+        tuple[float, float, float],
+        Field(description="[easy, medium, hard]: each pool's share of the draws (an empty pool's goes to the others)"),
+    ] = (0.1, 0.6, 0.3)
+
+    @model_validator(mode="after")
+    def _pools(self):
+        if not self.hard < self.easy:
+            raise ValueError(f"sampler.hard ({self.hard}) must be below sampler.easy ({self.easy})")
+        if min(self.weights) < 0 or sum(self.weights) <= 0:
+            raise ValueError(f"sampler.weights {list(self.weights)} must be >= 0 with a positive sum")
+        return self
+
+
+SamplerConfig = Annotated[EpochSampling | DifficultySampling, Field(discriminator="type")]
+
+
 class EnvConfig(Section):
     """One verifiers environment: its taskset (`id`, `args`) and how its seats run (`harness`, `runtime`,
     `overrides`, all validated by verifiers itself when the environment loads)."""
@@ -122,6 +154,9 @@ class EnvConfig(Section):
     ] = None
     args: Annotated[dict[str, Any], Field(description="taskset arguments (verifiers' taskset config fields)")] = {}
     ratio: Annotated[float, Field(gt=0, description="share of each batch drawn from this environment")] = 1.0
+    sampler: Annotated[
+        SamplerConfig, Field(description="how its tasks are drawn ({type = 'epoch'} or {type = 'difficulty', ...})")
+    ] = EpochSampling()
     harness: Annotated[
         dict[str, Any] | None,
         Field(description="verifiers harness of every seat, e.g. {id = 'bash'}; unset: the environment's own, "

@@ -271,10 +271,12 @@ def test_a_harness_that_cannot_start_is_named_with_its_reason(server, tmp_path, 
 def test_fill_batch_replaces_dropped_groups_until_the_step_is_full(server, tmp_path, monkeypatch,
                                                                    taskset_only_installed):
     """DAPO's dynamic sampling: cpu-score's groups are all 0 (the tiny model never repeats the word) and dropped;
-    reverse-text's mostly differ in reward. Each step draws more groups, by ratio, until it has its 4 groups or
+    reverse-text's mostly differ in reward, and are drawn by a difficulty curriculum (the tiny model's rewards are
+    low: its tasks go to the hard pool). Each step draws more groups, by ratio, until it has its 4 groups or
     has drawn its bound (the bound's cut: tests/unit/test_fill.py)."""
     monkeypatch.syspath_prepend(str(ROOT / "tests" / "fixtures" / "environments"))
-    env = [{"id": "reverse-text", "args": ENVS["reverse-text"]}, {"id": "cpu-score", "args": {"score_ms": 0}}]
+    env = [{"id": "reverse-text", "args": ENVS["reverse-text"], "sampler": {"type": "difficulty", "easy": 0.9}},
+           {"id": "cpu-score", "args": {"score_ms": 0}}]
     max_extra = 16
     advantage = {"drop_zero_variance": True, "fill_batch": True, "max_extra_groups": max_extra}
     config = orchestrator_config(server, tmp_path / "run", 2, max_steps=2, env=env, advantage=advantage)  # no loads
@@ -285,3 +287,6 @@ def test_fill_batch_replaces_dropped_groups_until_the_step_is_full(server, tmp_p
         assert m["reward/cpu-score"] == 0 and m["dropped_groups/cpu-score"] == 2 + m["extra_groups/cpu-score"]
         assert m["extra_groups/reverse-text"] + m["extra_groups/cpu-score"] == m["fill/extra_groups"] <= max_extra
         assert m["fill/rounds"] >= 1 and m["fill/short_groups"] == 0
+        # reverse-text draws from a curriculum: its 50 tasks in pools, those seen out of medium unless mid-reward
+        pools = [m[f"curriculum/reverse-text/{pool}"] for pool in ("easy", "medium", "hard")]
+        assert sum(pools) == 50 and pools[1] < 50 and not any(k.startswith("curriculum/cpu-score") for k in m)

@@ -25,7 +25,7 @@ from rl.orchestrator.rollouts import (
     GroupOutcome, InferenceClient, RolloutResult, TokenSegment, apply_patches, run_group_retried,
     tune_gc_for_serving,
 )
-from rl.orchestrator.sampler import TaskSampler
+from rl.orchestrator.sampler import DifficultyPools, make_sampler
 from rl.orchestrator.servers import ServerBoard
 from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
@@ -78,7 +78,8 @@ class Orchestrator:
         logger.info(f"model {config.model.name!r} renders with {describe_renderer(renderer)} ({why})")
         self.clients = [InferenceClient(url, served, config.model.name, renderer, group_gap_s=config.client.group_gap_s)
                         for url in config.client.base_urls]
-        self.samplers = [TaskSampler(env.num_tasks, config.seed + i) for i, env in enumerate(self.envs)]
+        self.samplers = [make_sampler(spec.sampler, env.num_tasks, config.seed + i)
+                         for i, (spec, env) in enumerate(zip(config.env, self.envs))]
         self.semaphore = asyncio.Semaphore(config.rollouts_in_flight)
         self.servers = ServerBoard(self.pool, config.client, logger)
         self.sync = policy_sync(config, self.pool, self.servers, logger)  # files or offers, chosen once
@@ -93,7 +94,7 @@ class Orchestrator:
     def restore(self, step: int) -> None:
         """Continue after batch step - 1: samplers where they were; inference catches up in run()."""
         state = load_state(self.paths, step)
-        self.samplers = restore_samplers(state, self.samplers)
+        self.samplers = restore_samplers(state, self.samplers, [spec.sampler for spec in self.config.env])
         self.start_step = step
         self.logger.info(f"resuming at step {step}: samplers {[s.state_dict() for s in self.samplers]}")
 
@@ -127,6 +128,7 @@ class Orchestrator:
         filled = await self.fill(outcomes, step)
         outcomes = filled.outcomes
         gen_time = time.perf_counter() - gen_start
+        self.observe(outcomes)
         batch = self.build_batch(outcomes)
         teacher_start = time.perf_counter()
         if self.teacher is not None:
@@ -134,7 +136,7 @@ class Orchestrator:
         teacher_time = time.perf_counter() - teacher_start
         write_batch(self.paths, step, balance_by_tokens(batch.samples, self.config.trainer_world_size))
         rollouts = sum(self.config.rollouts_per_example * (1 + o.retries) for o in outcomes)
-        stats = self.step_stats(batch, outcomes) | self.fill_stats(filled) | {
+        stats = self.step_stats(batch, outcomes) | self.fill_stats(filled) | self.curriculum_stats() | {
             "orchestrator/cpu_ms_per_rollout": 1000 * (time.process_time() - cpu_start) / rollouts,
             **{f"env/{env.name}/workers": env.served.workers for env in self.envs if env.served.workers is not None},
             "policy_step": self.servers.policy_step,
@@ -205,6 +207,17 @@ class Orchestrator:
             self.logger.warning(f"batch {step}: {filled.short} of {wanted} groups short after {filled.extra_groups} "
                                 f"extra groups (advantage.max_extra_groups); the step trains on what it has")
         return filled
+
+    def observe(self, outcomes: list[GroupOutcome]) -> None:
+        """Each group's mean reward to its environment's sampler (a curriculum pools tasks by it), in draw order."""
+        for outcome in outcomes:
+            if outcome.results is not None:
+                sampler = self.samplers[self.envs.index(outcome.env)]
+                sampler.observe(outcome.task_index, sum(r.reward for r in outcome.results) / len(outcome.results))
+
+    def curriculum_stats(self) -> dict:
+        return {f"curriculum/{env.name}/{pool}": size for env, sampler in zip(self.envs, self.samplers)
+                if isinstance(sampler, DifficultyPools) for pool, size in sampler.sizes().items()}
 
     def trainable(self, outcome: GroupOutcome) -> bool:
         """Whether a group reaches the batch: it ran, and its advantages do not drop it."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
-from rl.orchestrator.sampler import TaskSampler
+from rl.config import EpochSampling
+from rl.orchestrator.sampler import Sampler, restored_sampler
 from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable, mark_stable, verify_stable
 
 
-def save_state(paths: RunPaths, step: int, policy_step: int, samplers: list[TaskSampler], keep: int) -> None:
+def save_state(paths: RunPaths, step: int, policy_step: int, samplers: list[Sampler], keep: int) -> None:
     """Write the state a resume at `step` needs, then drop orchestrator states beyond the last `keep`."""
     state = {"step": step, "policy_step": policy_step, "samplers": [s.state_dict() for s in samplers]}
     directory = paths.checkpoint(step) / "orchestrator"
@@ -29,17 +30,19 @@ def load_state(paths: RunPaths, step: int) -> dict:
     return state
 
 
-def restore_samplers(state: dict, samplers: list[TaskSampler]) -> list[TaskSampler]:
-    """Samplers positioned as saved; the environments must have the same task counts and seeds."""
+def restore_samplers(state: dict, samplers: list[Sampler], configs: list | None = None) -> list[Sampler]:
+    """Samplers positioned as saved; the environments must have the same task counts, seeds and sampler types
+    (`configs`, each [[env]]'s sampler; default: epoch samplers)."""
     saved = state["samplers"]
     if len(saved) != len(samplers):
         raise ValueError(f"the saved state has {len(saved)} environment samplers, the config {len(samplers)}")
     restored = []
-    for i, (was, now) in enumerate(zip(saved, samplers)):
+    configs = configs or [EpochSampling()] * len(samplers)
+    for i, (was, now, config) in enumerate(zip(saved, samplers, configs)):
         if (was["num_tasks"], was["seed"]) != (now.num_tasks, now.seed):
             raise ValueError(
                 f"env {i}: saved sampler had {was['num_tasks']} tasks with seed {was['seed']}, the config gives "
                 f"{now.num_tasks} tasks with seed {now.seed}; resume with the same [[env]] args and seed"
             )
-        restored.append(TaskSampler(**was))
+        restored.append(restored_sampler(config, was))
     return restored
