@@ -3,17 +3,44 @@
 # vLLM + the CUDA torch where nvidia-smi sees one. Set RL_STACK=cpu|gpu to choose by hand.
 #   bash scripts/install.sh              lock and sync .venv
 #   bash scripts/install.sh --lock-only  only write uv.lock (tests/unit/test_install.py checks it)
+#   bash scripts/install.sh --uv-only    only make sure uv is installed
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 case "${1:-}" in
   "") lock_only=0 ;;
   --lock-only) lock_only=1 ;;
-  *) echo "install: unknown argument '$1' (expected --lock-only or nothing)" >&2; exit 2 ;;
+  --uv-only) lock_only=uv ;;
+  *) echo "install: unknown argument '$1' (expected --lock-only, --uv-only or nothing)" >&2; exit 2 ;;
 esac
 
-if ! command -v uv >/dev/null 2>&1; then
-  python3 -m pip install --quiet uv
+# Where uv goes when it is not on PATH: a virtual environment of its own. Not `pip install` into the system's
+# Python, which Debian 12+ and Ubuntu 23.04+ refuse (externally managed, PEP 668), which many images lack, and
+# whose --user install lands in ~/.local/bin, often not on PATH. scripts/quickstart.sh looks here too.
+UV_HOME="${XDG_DATA_HOME:-$HOME/.local/share}/rl/uv"
+
+ensure_uv() {
+  command -v uv >/dev/null 2>&1 && return 0
+  if [ ! -x "$UV_HOME/bin/uv" ]; then
+    if python3 -m venv "$UV_HOME" >/dev/null 2>&1 && "$UV_HOME/bin/python" -m pip install --quiet uv; then
+      :
+    elif command -v curl >/dev/null 2>&1 \
+        && curl -LsSf https://astral.sh/uv/install.sh | env UV_INSTALL_DIR="$UV_HOME/bin" UV_NO_MODIFY_PATH=1 sh; then
+      :  # no venv module (Debian without python3-venv): uv's standalone installer
+    else
+      echo "install: could not install uv (python3 -m venv and uv's installer both failed); install uv" \
+           "(https://docs.astral.sh/uv/getting-started/installation/) and run this again" >&2
+      exit 1
+    fi
+  fi
+  export PATH="$UV_HOME/bin:$PATH"
+  echo "install: uv is $UV_HOME/bin/uv; for 'uv run' in your shell: export PATH=\"$UV_HOME/bin:\$PATH\"" >&2
+}
+
+ensure_uv
+if [ "$lock_only" = uv ]; then
+  echo "install: done (uv $(uv --version | cut -d' ' -f2))"
+  exit 0
 fi
 
 stack="${RL_STACK:-}"

@@ -177,3 +177,43 @@ def test_gpu_check_runs_every_part_and_prints_the_summary_whatever_failed(tmp_pa
     assert "rl-run-sparse-nccl: ok" in summary and "sparse-figures: FAILED" in summary, summary
     assert "no sparse figures" in (out / "sparse-figures.log").read_text()
     assert "1 failed" in (out / "cuda-tests.log").read_text()
+
+
+def test_uv_is_installed_where_the_system_python_refuses_pip_as_a_non_root_user():
+    """No uv on PATH, a python3 whose pip refuses to install (an externally managed Python, PEP 668: Debian 12+,
+    Ubuntu 23.04+), and an ordinary user: install.sh puts uv in a virtual environment of its own under the user's
+    ~/.local/share and says how to put it on PATH."""
+    import tempfile
+
+    system_python = Path("/usr/bin/python3")  # one any user can run (rl's own may sit under a private home)
+    if not system_python.exists():
+        pytest.skip("needs /usr/bin/python3")
+    home = Path(tempfile.mkdtemp(prefix="rl-install-home-"))  # outside pytest's directory, which only root enters
+    try:
+        bin_dir = home / "bin"
+        bin_dir.mkdir()
+        shim = bin_dir / "python3"
+        shim.write_text(f"#!/bin/sh\nif [ \"$1\" = -m ] && [ \"$2\" = pip ]; then\n"
+                        f"  echo 'error: externally-managed-environment' >&2; exit 1\nfi\n"
+                        f"exec {system_python} \"$@\"\n")
+        shim.chmod(0o755)
+        path = f"{bin_dir}:/usr/bin:/bin"
+        assert shutil.which("uv", path=path) is None
+        as_user = []
+        if os.geteuid() == 0:  # as nobody, whose home is this one
+            for entry in (home, bin_dir, shim):
+                os.chown(entry, 65534, 65534)
+            as_user = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "VIRTUAL_ENV", "XDG_"))}
+        done = subprocess.run([*as_user, "bash", str(ROOT / "scripts" / "install.sh"), "--uv-only"],
+                              capture_output=True, text=True, env=env | {"PATH": path, "HOME": str(home)},
+                              timeout=UV_TIMEOUT_S)
+        output = done.stdout + done.stderr
+        if done.returncode != 0 and any(s in output.lower() for s in OFFLINE_SIGNS + ("no matching distribution",)):
+            pytest.skip(f"the package index is unreachable: {output[-300:]}")
+        assert done.returncode == 0, output[-2000:]
+        uv = home / ".local" / "share" / "rl" / "uv" / "bin" / "uv"
+        assert f"install: uv is {uv}; for 'uv run' in your shell: export PATH=" in output
+        assert subprocess.run([str(uv), "--version"], capture_output=True, text=True).stdout.startswith("uv ")
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

@@ -1,0 +1,130 @@
+"""On-policy distillation against RL alone, from the quickstart's SFT model: steps to halve the reward gap to a teacher.
+
+The teacher is the SFT model after a longer RL run (`--teacher-steps`, the quickstart's settings): a model of
+clearly higher reward with the student's tokenizer. Then, from the SFT model, rounds of two runs of `--steps` each,
+their order alternated: distillation (`--teacher.model <teacher> --trainer.loss.distill 1
+--trainer.loss.reward-weight 0`: the teacher's per-token signal only) and RL alone (the quickstart's run).
+
+The gap is the teacher's reward (the mean over its run's last 5 steps) minus the student's start (the mean of a
+run's first 3 steps); a run halves it at the first step where the mean of 5 consecutive steps' rewards reaches the
+start plus half the gap. Each side's figure is the median over rounds. Also printed: `distill/reverse_kl` at the
+start and end of each distillation run. The last line reads
+`distill <D> steps, rl <R> steps to halve the gap to the teacher` (">N" where a run did not within its N steps).
+
+    uv run python benchmarks/distill.py                       # ~25 min on 2 cores
+    uv run python benchmarks/distill.py --rounds 1 --steps 40 --out /tmp/distill
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rl.tiny_model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs" / "reverse_text"
+WINDOW = 5
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60, help="steps of each compared run")
+    parser.add_argument("--teacher-steps", type=int, default=120, help="RL steps that make the teacher")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="keep everything here (default: a temporary directory)")
+    parser.add_argument("--timeout", type=float, default=3600, help="deadline in seconds for each run")
+    return parser.parse_args()
+
+
+def run(command: list[str], log: Path, timeout: float) -> None:
+    print("+", " ".join(command[:6]), "...", flush=True)
+    with log.open("w") as sink:
+        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"exited {done.returncode}; see {log}")
+
+
+def sft(model: Path, out: Path, timeout: float) -> Path:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "rl.trainer.sft", "@", str(CONFIGS / "sft.toml"), "--model.name", str(model),
+               "--output-dir", str(out)]
+    run(command, out.with_suffix(".log"), timeout)
+    return out
+
+
+def rl(model: Path, out: Path, steps: int, timeout: float, *extra: str) -> list[dict]:
+    """The quickstart's RL run; returns its orchestrator and trainer records by step."""
+    command = [sys.executable, "-m", "rl.launcher.main",
+               "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
+               "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(model), "--max-steps", str(steps),
+               "--seq-len", "128", "--async-level", "1", "--output-dir", str(out), *extra]
+    run(command, out.with_suffix(".log"), timeout)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records
+
+
+def rewards(records: list[dict]) -> list[float]:
+    return [r["reward"] for r in sorted(records, key=lambda r: r["step"]) if r["process"] == "orchestrator"]
+
+
+def steps_to_halve(curve: list[float], start: float, teacher: float) -> int | None:
+    """The first step (1-based count) whose window of WINDOW steps ending there averages start + gap / 2."""
+    target = start + (teacher - start) / 2
+    for end in range(WINDOW, len(curve) + 1):
+        if statistics.fmean(curve[end - WINDOW:end]) >= target:
+            return end
+    return None
+
+
+def shown(steps: list[int | None], limit: int) -> str:
+    known = [s if s is not None else limit + 1 for s in steps]
+    median = statistics.median(known)
+    return f">{limit}" if median > limit else f"{median:g}"
+
+
+def main() -> None:
+    args = parse_args()
+    root = args.out or Path(tempfile.mkdtemp(prefix="rl-distill-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"runs in {root}", flush=True)
+    student = root / "model-sft"
+    if not (student / "config.json").exists():
+        sft(build_tiny_model(root / "model-tiny"), student, args.timeout)
+    teacher_run = root / "teacher-run"
+    if not (teacher_run / "summary.json").exists():
+        rl(student, teacher_run, args.teacher_steps, args.timeout)
+    teacher_curve = rewards([json.loads(line) for line in (teacher_run / "metrics.jsonl").read_text().splitlines()])
+    teacher_reward = statistics.fmean(teacher_curve[-WINDOW:])
+    teacher = teacher_run / "weights" / f"step_{args.teacher_steps}"
+    print(f"teacher: {teacher} (reward {teacher_reward:.3f} over its last {WINDOW} steps; "
+          f"first 3 steps {statistics.fmean(teacher_curve[:3]):.3f})", flush=True)
+
+    sides = {"distill": ["--teacher.model", str(teacher), "--trainer.loss.distill", "1",
+                         "--trainer.loss.reward-weight", "0"], "rl": []}
+    halved: dict[str, list[int | None]] = {side: [] for side in sides}
+    for round_ in range(args.rounds):
+        for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
+            records = rl(student, root / f"{side}-{round_}", args.steps, args.timeout, *sides[side])
+            curve = rewards(records)
+            start = statistics.fmean(curve[:3])
+            steps = steps_to_halve(curve, start, teacher_reward)
+            halved[side].append(steps)
+            kl = [r["distill/reverse_kl"] for r in sorted(records, key=lambda r: r["step"])
+                  if r["process"] == "trainer" and "distill/reverse_kl" in r]
+            kl_text = f"; reverse KL {statistics.fmean(kl[:3]):.3f} -> {statistics.fmean(kl[-3:]):.3f}" if kl else ""
+            print(f"round {round_ + 1} {side}: start {start:.3f}, last {WINDOW} steps "
+                  f"{statistics.fmean(curve[-WINDOW:]):.3f}, gap halved at step {steps or f'>{args.steps}'}{kl_text}",
+                  flush=True)
+    (root / "results.json").write_text(json.dumps({"teacher_reward": teacher_reward, "halved": halved}, indent=1))
+    print(f"distill {shown(halved['distill'], args.steps)} steps, rl {shown(halved['rl'], args.steps)} steps to "
+          "halve the gap to the teacher")
+
+
+if __name__ == "__main__":
+    main()
