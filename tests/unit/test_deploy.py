@@ -15,7 +15,7 @@ import yaml
 
 from rl.config import ConfigError, parse_config
 from rl.launcher.config import RLConfig
-from rl.launcher.deploy import as_given, render_k8s, slurm_job
+from rl.launcher.deploy import as_given, render_k8s, render_slurm, slurm_job
 from rl.launcher.hosts import Host, HostBoard
 from rl.launcher.main import child_specs, load
 from rl.protocol import RunPaths, atomic_write_text
@@ -342,6 +342,18 @@ def test_the_slurm_job_refuses_a_value_that_would_break_out_of_its_line(tmp_path
         config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm", *argv])
         slurm_job(config, RunPaths(config.output_dir))
     assert not list(tmp_path.rglob("rl.sbatch")) and not list(tmp_path.rglob("pwned"))
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["--slurm.gpus-per-node", "8"], ["#SBATCH --exclusive", "#SBATCH --mem=0"]),  # whole nodes: not one core each
+    (["--slurm.gpus-per-node", "8", "--slurm.exclusive", "false", "--slurm.mem", "500G"], ["#SBATCH --mem=500G"]),
+    ([], []),  # CPU nodes: as the cluster allocates
+])
+def test_a_gpu_job_takes_whole_nodes_and_their_memory_unless_told_otherwise(tmp_path, argv, wanted):
+    config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm", *argv])
+    script = render_slurm(config, RunPaths(tmp_path / "run"), tmp_path / "rl.toml", tmp_path / "placement.toml")
+    claimed = [line for line in script.splitlines() if line.startswith(("#SBATCH --exclusive", "#SBATCH --mem"))]
+    assert claimed == wanted
 
 
 def test_the_slurm_job_quotes_what_it_renders_and_keeps_values_out_of_comment_lines(tmp_path, monkeypatch):

@@ -72,6 +72,16 @@ class SlurmConfig(Section):
         int | None, Field(ge=1, description="GPUs per node (--gpus-per-node); unset on CPU nodes")
     ] = None
     cpus_per_task: Annotated[int | None, Field(ge=1, description="CPUs per node's task (--cpus-per-task)")] = None
+    exclusive: Annotated[
+        bool | None,
+        Field(description="whole nodes (--exclusive); default: on with GPUs, whose nodes run vLLM, the trainer's "
+                          "ranks and the orchestrator, which one core per task (per-core allocation) starves"),
+    ] = None
+    mem: Annotated[
+        str | None,
+        Field(pattern=r"^[0-9]+[KMGT]?$", description="memory per node (--mem); default with GPUs: 0, all of it "
+                                                      "(pinned optimizer buffers and vLLM's swap take host memory)"),
+    ] = None
     partition: Annotated[str | None, Field(pattern=SLURM_NAME, description="SLURM partition")] = None
     account: Annotated[str | None, Field(pattern=SLURM_NAME, description="SLURM account")] = None
     time: Annotated[str, Field(pattern=r"^[0-9:-]+$", description="wall-clock limit of the job")] = "24:00:00"

@@ -118,8 +118,15 @@ def render_slurm(config: RLConfig, paths: RunPaths, config_file: Path, placement
         slurm=config.slurm, layout=layout, nodes=topology.size, output_dir=shlex.quote(str(paths.root)),
         config_file=shlex.quote(str(config_file)), placement_file=shlex.quote(str(placement_file)),
         python=shlex.quote(sys.executable), api_key=config.inference.api_key is not None,
-        collective=over_the_wire(config),
+        collective=over_the_wire(config), **node_claim(config.slurm),
     )
+
+
+def node_claim(slurm) -> dict:
+    """A GPU job takes its nodes whole, all their memory too, unless the user said otherwise."""
+    gpus = slurm.gpus_per_node is not None
+    return {"exclusive": gpus if slurm.exclusive is None else slurm.exclusive,
+            "mem": slurm.mem if slurm.mem is not None else "0" if gpus else None}
 
 
 def slurm_job(config: RLConfig, paths: RunPaths) -> Path:
