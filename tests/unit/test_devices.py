@@ -91,6 +91,12 @@ def test_explicit_ids():
 def test_one_count_takes_the_rest():
     plan = split_gpus(4, inference_gpus=1)
     assert plan.inference_gpus == [[0]] and plan.trainer_gpus == [1, 2, 3]
+    plan = split_gpus(8, trainer_gpus=6)  # inference gets the other 2, none idle (it got 1 of them)
+    assert plan.inference_gpus == [[0], [1]] and plan.trainer_gpus == [2, 3, 4, 5, 6, 7]
+    plan = split_gpus(8, trainer_gpu_ids=[4, 5, 6, 7], tensor_parallel_size=2)
+    assert plan.inference_gpus == [[0, 1], [2, 3]] and plan.trainer_gpus == [4, 5, 6, 7]
+    plan = split_gpus(8)
+    assert plan.inference_gpus == [[0], [1], [2], [3]] and plan.trainer_gpus == [4, 5, 6, 7]
 
 
 @pytest.mark.parametrize(

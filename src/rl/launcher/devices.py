@@ -47,10 +47,15 @@ def split_gpus(
     inference_gpu_ids: list[int] | None = None,
     tensor_parallel_size: int = 1,
 ) -> DevicePlan:
-    """Give inference its GPUs first (consecutive from 0 unless ids are given), the trainer the next ones."""
+    """Give inference its GPUs first (consecutive from 0 unless ids are given), the trainer the next ones. One side
+    given takes what it asks for and the other side the rest; neither given: half each."""
     if inference_gpu_ids is None:
-        count = inference_gpus if inference_gpus is not None else max(available - (trainer_gpus or 0), 0) // 2
-        inference_gpu_ids = list(range(count))
+        if inference_gpus is not None:
+            inference_gpu_ids = list(range(inference_gpus))
+        elif trainer_gpu_ids is not None:
+            inference_gpu_ids = [i for i in range(available) if i not in trainer_gpu_ids]
+        else:
+            inference_gpu_ids = list(range(available - trainer_gpus if trainer_gpus is not None else available // 2))
     if trainer_gpu_ids is None:
         count = trainer_gpus if trainer_gpus is not None else available - len(inference_gpu_ids)
         start = max(inference_gpu_ids, default=-1) + 1
