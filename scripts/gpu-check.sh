@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# What only a GPU can show, in one command: the CUDA tests, the trainer alone at Qwen3-0.6B's shape, then a short
-# Qwen3-0.6B run (bf16 trainer, vLLM with CUDA graphs, one trainer GPU and one inference GPU) and a shorter one with
+# What only a GPU can show, in one command: CUDA usable (driver, CUDA, NCCL and vLLM versions), the single-GPU vLLM
+# reload test, the other CUDA tests (any that skips fails here: RL_REQUIRE_GPU), the trainer alone at Qwen3-0.6B's
+# shape, then a short Qwen3-0.6B run (bf16 trainer, vLLM with CUDA graphs, one trainer GPU and one inference GPU) and a shorter one with
 # weights over NCCL, ending with the figures that tell where the GPU path stands: trainer tokens/s and MFU, peak
 # allocated and reserved memory, and the publish-to-served reload latency.
 #
@@ -31,7 +32,33 @@ part() {
 }
 
 part install env RL_STACK=gpu bash scripts/install.sh
-part cuda-tests uv run pytest -m gpu -rs -q tests
+export PATH="$PATH:${XDG_DATA_HOME:-$HOME/.local/share}/rl/uv/bin"  # where install.sh puts uv if it had none
+export RL_REQUIRE_GPU=1             # a GPU test that skips here (no CUDA, too few GPUs) fails: tests/conftest.py
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+# CUDA usable from the installed torch, and what this node runs: a driver too old for the CUDA 13 wheels (< 580)
+# leaves torch without CUDA, and every GPU test would skip
+part cuda uv run python - <<'PY'
+import subprocess, sys
+
+import torch
+
+smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip().splitlines()
+driver = smi[0].split(",")[0] if smi else "unknown"
+if not torch.cuda.is_available():
+    sys.exit(f"gpu-check: torch {torch.__version__} (built for CUDA {torch.version.cuda}) cannot use the GPUs with "
+             f"driver {driver}: the CUDA 13 wheels need driver >= 580")
+import vllm
+
+nccl = ".".join(map(str, torch.cuda.nccl.version()))
+names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+print(f"gpu-check: driver {driver}, torch {torch.__version__} (CUDA {torch.version.cuda}), NCCL {nccl}, "
+      f"vLLM {vllm.__version__}; {torch.cuda.device_count()} GPUs: {', '.join(names)}")
+PY
+# the first thing that can fail and the cheapest to read: one bf16 step reloaded into CUDA vLLM and verified
+part vllm-reload uv run pytest -m gpu -rs -q tests/integration/test_gpu.py -k bf16_step_reloads_into_cuda_vllm
+part cuda-tests uv run pytest -m gpu -rs -q tests --deselect \
+  tests/integration/test_gpu.py::test_a_bf16_step_reloads_into_cuda_vllm_and_verifies
 # the trainer alone at Qwen3-0.6B's shape (random weights built locally): tokens/s, MFU, peak memory on one GPU
 part trainer-figures uv run python benchmarks/gpu_trainer.py --steps 6 --samples 32 --seq-len 4096
 # $model: 10 RL steps, 1 trainer GPU + 1 inference GPU, device defaults (bf16, CUDA graphs)

@@ -1,3 +1,4 @@
+import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,9 @@ def environment_process_patches():
     apply_patches()
 
 
+REQUIRE_GPU = "RL_REQUIRE_GPU"  # set by scripts/gpu-check.sh: there a GPU test that skips has shown nothing
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
@@ -24,6 +28,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under gpu-check (RL_REQUIRE_GPU=1), a GPU test that skips (no CUDA, too few GPUs, ...) fails, saying why."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and "gpu" in item.keywords and os.environ.get(REQUIRE_GPU) == "1":
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} skipped under {REQUIRE_GPU}=1 (gpu-check), a failure there: {reason}"
 
 
 @pytest.fixture(scope="session")

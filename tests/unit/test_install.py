@@ -9,6 +9,7 @@ torchaudio and torchcodec that break it. Needs uv and the package index: skipped
 import os
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -170,13 +171,29 @@ def test_gpu_check_runs_every_part_and_prints_the_summary_whatever_failed(tmp_pa
                             env=env | {"PATH": f"{stubs}:{env['PATH']}"}, timeout=120)
     summary = result.stdout[result.stdout.index("== gpu-check summary"):]
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "install: ok" in summary and "cuda-tests: FAILED (exit 1)" in summary, summary
+    assert summary.splitlines()[1:4] == ["  install: ok", "  cuda: FAILED (exit 1)", "  vllm-reload: FAILED (exit 1)"]
+    assert "cuda-tests: FAILED (exit 1)" in summary, summary
     assert "trainer-figures: ok" in summary, summary
     assert "rl-run: ok" in summary and "\n  figures: FAILED" in summary, summary  # the run wrote no metrics
     assert "no figures" in (out / "figures.log").read_text()
     assert "rl-run-sparse-nccl: ok" in summary and "sparse-figures: FAILED" in summary, summary
     assert "no sparse figures" in (out / "sparse-figures.log").read_text()
     assert "1 failed" in (out / "cuda-tests.log").read_text()
+
+
+def test_under_gpu_check_a_gpu_test_that_skips_fails():
+    """gpu-check sets RL_REQUIRE_GPU=1: a GPU test that would skip (here: no CUDA) fails the run, naming why."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the GPU test would run, not skip")
+    test = "tests/integration/test_gpu.py::test_a_bf16_step_reloads_into_cuda_vllm_and_verifies"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", test], cwd=ROOT,
+                          capture_output=True, text=True, env=os.environ | {"RL_REQUIRE_GPU": "1"}, timeout=300)
+    assert done.returncode == 1 and "skipped under RL_REQUIRE_GPU=1 (gpu-check)" in done.stdout, done.stdout[-2000:]
+    plain = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", test], cwd=ROOT,
+                           capture_output=True, text=True, env=os.environ | {"RL_REQUIRE_GPU": "0"}, timeout=300)
+    assert plain.returncode == 0 and "1 skipped" in plain.stdout, plain.stdout[-2000:]
 
 
 def test_uv_is_installed_where_the_system_python_refuses_pip_as_a_non_root_user():
