@@ -54,6 +54,10 @@ nccl = ".".join(map(str, torch.cuda.nccl.version()))
 names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
 print(f"gpu-check: driver {driver}, torch {torch.__version__} (CUDA {torch.version.cuda}), NCCL {nccl}, "
       f"vLLM {vllm.__version__}; {torch.cuda.device_count()} GPUs: {', '.join(names)}")
+if torch.cuda.device_count() > 1:  # PCIe GPUs without NVLink or P2P: NCCL's P2P transport hangs or fails there
+    peer = torch.cuda.can_device_access_peer(0, 1)
+    print(f"gpu-check: GPU 0 -> 1 peer access: {peer}"
+          + ("" if peer else "; NCCL between GPUs needs NCCL_P2P_DISABLE=1 on this node (export it for rl)"))
 PY
 # the first thing that can fail and the cheapest to read: one bf16 step reloaded into CUDA vLLM and verified
 part vllm-reload uv run pytest -m gpu -rs -q tests/integration/test_gpu.py -k bf16_step_reloads_into_cuda_vllm
