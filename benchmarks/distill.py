@@ -10,6 +10,7 @@ run's first 3 steps); a run halves it at the first step where the mean of 5 cons
 start plus half the gap. Each side's figure is the median over rounds. Also printed: `distill/reverse_kl` at the
 start and end of each distillation run. The last line reads
 `distill <D> steps, rl <R> steps to halve the gap to the teacher` (">N" where a run did not within its N steps).
+`--distill` and `--reward-weight` set the distillation side's loss; `--sides distill` runs that side alone.
 
     uv run python benchmarks/distill.py                       # ~25 min on 2 cores
     uv run python benchmarks/distill.py --rounds 1 --steps 40 --out /tmp/distill
@@ -37,6 +38,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="steps of each compared run")
     parser.add_argument("--teacher-steps", type=int, default=120, help="RL steps that make the teacher")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--distill", type=float, default=1.0, help="the distillation side's trainer.loss.distill")
+    parser.add_argument("--reward-weight", type=float, default=0.0,
+                        help="the distillation side's trainer.loss.reward_weight (0: the teacher's signal only)")
+    parser.add_argument("--sides", default="distill,rl", help="which sides run (comma-separated)")
     parser.add_argument("--out", type=Path, help="keep everything here (default: a temporary directory)")
     parser.add_argument("--timeout", type=float, default=3600, help="deadline in seconds for each run")
     return parser.parse_args()
@@ -105,12 +110,14 @@ def main() -> None:
     print(f"teacher: {teacher} (reward {teacher_reward:.3f} over its last {WINDOW} steps; "
           f"first 3 steps {statistics.fmean(teacher_curve[:3]):.3f})", flush=True)
 
-    sides = {"distill": ["--teacher.model", str(teacher), "--trainer.loss.distill", "1",
-                         "--trainer.loss.reward-weight", "0"], "rl": []}
+    distill = ["--teacher.model", str(teacher), "--trainer.loss.distill", str(args.distill),
+               "--trainer.loss.reward-weight", str(args.reward_weight)]
+    sides = {side: flags for side, flags in (("distill", distill), ("rl", [])) if side in args.sides.split(",")}
+    tag = {"distill": f"distill{args.distill:g}-rw{args.reward_weight:g}", "rl": "rl"}
     halved: dict[str, list[int | None]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
         for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
-            records = rl(student, root / f"{side}-{round_}", args.steps, args.timeout, *sides[side])
+            records = rl(student, root / f"{tag[side]}-{round_}", args.steps, args.timeout, *sides[side])
             curve = rewards(records)
             start = statistics.fmean(curve[:3])
             steps = steps_to_halve(curve, start, teacher_reward)
@@ -122,8 +129,8 @@ def main() -> None:
                   f"{statistics.fmean(curve[-WINDOW:]):.3f}, gap halved at step {steps or f'>{args.steps}'}{kl_text}",
                   flush=True)
     (root / "results.json").write_text(json.dumps({"teacher_reward": teacher_reward, "halved": halved}, indent=1))
-    print(f"distill {shown(halved['distill'], args.steps)} steps, rl {shown(halved['rl'], args.steps)} steps to "
-          "halve the gap to the teacher")
+    print(", ".join(f"{side} {shown(steps, args.steps)} steps" for side, steps in halved.items())
+          + " to halve the gap to the teacher")
 
 
 if __name__ == "__main__":
