@@ -65,6 +65,16 @@ def test_a_reply_without_a_tokens_logprob_is_an_error_naming_it():
         asyncio.run(teacher(fake_vllm([], drop_token=5)).score([sample([1, 2, 5], 1)]))
 
 
+def test_a_token_the_teacher_rules_out_counts_as_floored_and_nan_is_refused():
+    from rl.orchestrator.teacher import MIN_LOGPROB, token_logprobs
+
+    s = sample([1, 2, 3], 1)
+    ranked = [None, {"2": {"logprob": float("-inf")}}, {"3": {"logprob": -0.5}}]
+    assert token_logprobs(s, ranked) == [0.0, MIN_LOGPROB, -0.5]
+    with pytest.raises(TeacherError, match="logprob of token 3 is nan"):
+        token_logprobs(s, [None, {"2": {"logprob": -1.0}}, {"3": {"logprob": float("nan")}}])
+
+
 def test_a_teacher_that_tokenizes_otherwise_is_refused_at_start():
     class Student:
         def __call__(self, text):

@@ -124,5 +124,8 @@ def token_logprobs(sample: Sample, prompt_logprobs: list[dict | None]) -> list[f
         entry = ranked.get(str(token))
         if entry is None:
             raise TeacherError(f"the teacher's prompt logprobs lack token {token}: {list(ranked)[:5]}")
-        values.append(max(float(entry["logprob"]), MIN_LOGPROB))
+        logprob = float(entry["logprob"])
+        if not logprob <= 1e-3:  # NaN, or a probability above 1
+            raise TeacherError(f"the teacher's logprob of token {token} is {logprob}")
+        values.append(max(logprob, MIN_LOGPROB))
     return values
