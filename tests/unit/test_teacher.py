@@ -9,6 +9,7 @@ import shutil
 import httpx
 import pytest
 
+from rl.config import ConfigError
 from rl.orchestrator.config import TeacherConfig
 from rl.orchestrator.teacher import PROBES, Teacher, TeacherError
 from rl.protocol import Sample
@@ -117,3 +118,25 @@ def test_distillation_and_a_teacher_come_together(tiny_model, tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(rl_command(tiny_model, tmp_path / "run", 3, *extra)[3:])
         assert message in capsys.readouterr().err
+
+
+def test_on_a_gpu_host_the_teacher_takes_the_last_gpus_and_the_others_split_as_without_it(tmp_path, monkeypatch):
+    from rl.launcher import main as launcher
+    from rl.launcher.main import child_specs, load
+    from rl.protocol import RunPaths
+    from tests.unit.test_deploy import FILES
+
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 8)
+    argv = FILES + ["--output-dir", str(tmp_path / "run"), "--model.name", "m/m", "--inference.dtype", "bfloat16",
+                    "--teacher.model", "t/t", "--teacher.gpus", "2", "--trainer-gpus", "4", "--trainer.loss.distill",
+                    "1"]
+    config, host = load(argv)
+    assert host.devices.teacher_gpus == (6, 7)
+    assert host.devices.inference_gpus == [[0], [1]] and host.devices.trainer_gpus == [2, 3, 4, 5]
+    assert config.teacher_server.tensor_parallel_size == 2 and config.teacher_server.model.name == "t/t"
+    assert config.orchestrator.teacher.base_url == f"http://127.0.0.1:{config.inference.port + 2}"
+    specs = {spec.name: spec for spec in child_specs(config, host, RunPaths(tmp_path / "run"))}
+    assert specs["teacher"].gpus == ["6", "7"] and specs["teacher"].cmd[-1].endswith("teacher.toml")
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 2)
+    with pytest.raises(ConfigError, match="teacher.gpus = 1 of 2 visible GPUs leaves 1 for the trainer and inference"):
+        load(argv[:-6] + ["--trainer.loss.distill", "1"])  # the teacher's default: 1 GPU

@@ -134,6 +134,10 @@ class TeacherServerConfig(Section):
     port: Annotated[
         int | None, Field(ge=1, le=65535, description="its port (default: the one after inference's servers)")
     ] = None
+    gpus: Annotated[
+        int, Field(ge=1, description="GPU hosts: its GPUs, the last ones visible (its tensor-parallel size); the "
+                                     "trainer and inference split the others")
+    ] = 1
 
 
 ROLES = ("inference", "orchestrator", "trainer")
@@ -162,8 +166,8 @@ class RLConfig(Settings):
     ] = None
     teacher: Annotated[
         TeacherServerConfig | None, BeforeValidator(optional_section),
-        Field(description="a teacher rl serves for on-policy distillation (`--teacher.model M`; CPU hosts; on GPUs "
-                          "serve it yourself and set orchestrator.teacher.base_url)"),
+        Field(description="a teacher rl serves for on-policy distillation (`--teacher.model M`; one host; on "
+                          "several, serve it yourself and set orchestrator.teacher.base_url)"),
     ] = None
 
     # Devices
@@ -364,13 +368,15 @@ def place_teacher(config: RLConfig, host: HostPlan) -> InferenceConfig | None:
     if o.teacher is not None:
         raise ConfigError(f"--teacher.model has rl serve the teacher, and orchestrator.teacher.base_url = "
                           f"{o.teacher.base_url!r} names one served elsewhere: set one")
-    if host.devices.device != "cpu" or host.spans_hosts:
-        raise ConfigError("rl serves a teacher on a single CPU host only (yet): on GPUs or several hosts, serve it "
-                          "yourself (`uv run inference --model.name M --port P`) and set orchestrator.teacher.base_url")
+    if host.spans_hosts:
+        raise ConfigError("rl serves a teacher on a single host only (yet): on several hosts, serve it yourself "
+                          "(`uv run inference --model.name M --port P`) and set orchestrator.teacher.base_url")
     port = config.teacher.port or i.port + host.devices.replicas
     if port in range(i.port, i.port + host.devices.replicas) or port > 65535:
         raise ConfigError(f"teacher.port = {port} is taken by an inference server or past 65535: choose another")
     server = i.model_copy(deep=True, update={"port": port, "lora": None})
+    if host.devices.teacher_gpus:  # its own GPUs, one tensor-parallel group over them
+        server.tensor_parallel_size = len(host.devices.teacher_gpus)
     server.model = server.model.model_copy(update={"name": config.teacher.model})
     o.teacher = TeacherConfig(base_url=f"http://127.0.0.1:{port}", model=config.teacher.model)
     return server

@@ -4,7 +4,7 @@ consecutive GPUs), name them for the children, and tell a GPU host from a CPU on
 from __future__ import annotations
 
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rl.config import ConfigError
@@ -20,6 +20,7 @@ class DevicePlan:
     trainer_processes: int  # torchrun processes (one per GPU on a GPU host)
     trainer_gpus: list[int]  # GPU ids for the trainer ([] on a CPU host)
     inference_gpus: list[list[int]]  # GPU ids per inference replica, its TP group ([] each on a CPU host)
+    teacher_gpus: tuple[int, ...] = ()  # GPU ids of the teacher's server rl starts (on-policy distillation)
 
     @property
     def replicas(self) -> int:
@@ -109,6 +110,16 @@ def one_role_gpus(
         check_gpu_ids(ids, "--trainer-gpu-ids", available)
         return DevicePlan(len(ids), ids, [])
     return DevicePlan(trainer_gpus or 1, [], [])
+
+
+def with_teacher(available: int, teacher_gpus: int, split) -> DevicePlan:
+    """The last `teacher_gpus` visible GPUs for the teacher's server, `split(rest)` planning the others."""
+    rest = available - teacher_gpus
+    if rest < 2:
+        raise ConfigError(f"teacher.gpus = {teacher_gpus} of {available} visible GPUs leaves {max(rest, 0)} for the "
+                          "trainer and inference, which need one each")
+    plan = split(rest)  # the trainer's and inference's ids lie below `rest`, or are refused there
+    return replace(plan, teacher_gpus=tuple(range(rest, available)))
 
 
 def cpu_plan(trainer_processes: int, inference_replicas: int) -> DevicePlan:

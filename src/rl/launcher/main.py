@@ -21,7 +21,7 @@ from rl.inference.config import API_KEY_VAR, cpu_server_env
 from rl.launcher.config import RLConfig, check_hosts, resolve
 from rl.launcher.devices import (
     DevicePlan, check_gpu_ids, child_visible_devices, cpu_plan, cuda_unavailable, gpu_flags_without_gpus,
-    nvidia_gpus_present, one_role_gpus, split_gpus,
+    nvidia_gpus_present, one_role_gpus, split_gpus, with_teacher,
 )
 from rl.launcher.placement import HostPlan, given_host, plan
 from rl.launcher.resume import choose_checkpoint, discard_after
@@ -77,9 +77,12 @@ def plan_devices(config: RLConfig, available: int) -> DevicePlan:
             available, "trainer" in config.roles, "inference" in config.roles,
             config.trainer_gpus, config.inference_gpus, config.trainer_gpu_ids, config.inference_gpu_ids, tp,
         )
-    return split_gpus(
-        available, config.trainer_gpus, config.inference_gpus, config.trainer_gpu_ids, config.inference_gpu_ids, tp
-    )
+    def split(gpus: int) -> DevicePlan:
+        return split_gpus(
+            gpus, config.trainer_gpus, config.inference_gpus, config.trainer_gpu_ids, config.inference_gpu_ids, tp
+        )
+
+    return split(available) if config.teacher is None else with_teacher(available, config.teacher.gpus, split)
 
 
 def plan_resume(config: RLConfig, paths: RunPaths) -> None:
@@ -160,8 +163,12 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
             specs.append(ChildSpec(name, cmd, visible, logs / f"{name}.log", env))
         if config.teacher_server is not None:  # frozen: nothing ever sends it weights
             cmd = [python, "-m", "rl.inference.main", "@", str(configs / "teacher.toml")]
-            env = cpu_server_env(plan.replicas, tp, cores)
-            specs.append(ChildSpec("teacher", cmd, None, logs / "teacher.log", env))
+            gpus = list(plan.teacher_gpus)
+            visible, env = (
+                (child_visible_devices(gpus, parent_gpus), gpu_child_env("inference")) if gpus
+                else (None, cpu_server_env(plan.replicas, tp, cores))
+            )
+            specs.append(ChildSpec("teacher", cmd, visible, logs / "teacher.log", env))
     if host.runs("orchestrator"):
         for name in config.env_servers:  # no GPU; started before the orchestrator, which waits for each to answer
             cmd = [python, "-m", "rl.env_server", "@", str(configs / f"{name}.toml")]
