@@ -59,16 +59,14 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
     (rl/orchestrator/teacher.py, which checks a teacher served elsewhere the same way) as the student does."""
     from transformers import AutoTokenizer
 
-    from rl.orchestrator.teacher import PROBES
+    from rl.orchestrator.teacher import PROBES, tokenizer_mismatch
 
     check_model(teacher)
     ours, theirs = AutoTokenizer.from_pretrained(student), AutoTokenizer.from_pretrained(teacher)
     for probe in PROBES:
         a, b = ours(probe)["input_ids"], theirs(probe)["input_ids"]
         if a != b:
-            raise ConfigError(f"the teacher {teacher!r} tokenizes {probe!r} as {b[:12]}... but the student {student!r} "
-                              f"as {a[:12]}...: distillation compares the two models token by token, so the teacher "
-                              "must share the student's tokenizer")
+            raise ConfigError(tokenizer_mismatch(teacher, student, probe, b, a))
 
 
 def check_lora_targets(config: TrainerConfig) -> None:

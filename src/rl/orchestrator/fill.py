@@ -23,10 +23,16 @@ Outcome = TypeVar("Outcome")
 @dataclass
 class Filled(Generic[Outcome]):
     outcomes: list[Outcome]
-    extra_groups: int = 0  # drawn beyond the batch's own groups
-    rounds: int = 0
     short: int = 0  # trainable groups still missing when the bound was spent
-    drawn: list[int] = field(default_factory=list)  # groups drawn per round
+    drawn: list[int] = field(default_factory=list)  # extra groups drawn, per round
+
+    @property
+    def extra_groups(self) -> int:
+        return sum(self.drawn)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.drawn)
 
 
 async def fill_batch(
@@ -41,12 +47,10 @@ async def fill_batch(
     `run_more(count, outcomes)` runs `count` new groups after `outcomes` and returns every outcome (the new ones
     last; it may remake earlier ones)."""
     filled = Filled(list(outcomes))
-    while (missing := wanted - sum(map(trainable, filled.outcomes))) > 0 and filled.extra_groups < max_extra:
-        kept = sum(map(trainable, filled.outcomes)) / max(len(filled.outcomes), 1)
-        count = min(max_extra - filled.extra_groups, math.ceil(missing / max(kept, MIN_KEEP_RATE)))
+    while (missing := wanted - (kept := sum(map(trainable, filled.outcomes)))) > 0 and filled.extra_groups < max_extra:
+        share = kept / max(len(filled.outcomes), 1)
+        count = min(max_extra - filled.extra_groups, math.ceil(missing / max(share, MIN_KEEP_RATE)))
         filled.outcomes = await run_more(count, filled.outcomes)
-        filled.extra_groups += count
-        filled.rounds += 1
         filled.drawn.append(count)
-    filled.short = max(0, wanted - sum(map(trainable, filled.outcomes)))
+    filled.short = max(0, missing)
     return filled

@@ -325,7 +325,6 @@ class Orchestrator:
         ]
         self.metrics.log_table("samples", ["step", "env", "prompt", "completion", "reward"], rows, step)
 
-
     def student_tokenizer(self):
         if self.tokenizer is None:
             from transformers import AutoTokenizer

@@ -33,6 +33,12 @@ PROBES = (  # what differs first between tokenizers: words, digits, accents, CJK
 MIN_LOGPROB = -50.0  # a token the teacher rules out (-inf) counts as this unlikely: its advantage stays finite
 
 
+def tokenizer_mismatch(teacher: str, student: str, probe: str, theirs: list[int], ours: list[int]) -> str:
+    return (f"the teacher {teacher!r} tokenizes {probe!r} as {theirs[:12]}... but the student {student!r} as "
+            f"{ours[:12]}...: distillation compares the two models token by token, so the teacher must share the "
+            "student's tokenizer")
+
+
 class TeacherError(RuntimeError):
     """The teacher cannot score this run's samples: unreachable, another tokenizer, or a malformed reply."""
 
@@ -59,10 +65,7 @@ class Teacher:
                 "model": self.model, "prompt": probe, "max_tokens": 1, "return_token_ids": True})
             theirs, ours = reply["choices"][0]["prompt_token_ids"], tokenizer(probe)["input_ids"]
             if theirs != ours:
-                raise TeacherError(
-                    f"the teacher {self.model!r} tokenizes {probe!r} as {theirs[:12]}... but the student "
-                    f"{student!r} as {ours[:12]}...: distillation compares the two models token by token, so the "
-                    "teacher must share the student's tokenizer")
+                raise TeacherError(tokenizer_mismatch(self.model, student, probe, theirs, ours))
 
     async def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
