@@ -16,12 +16,13 @@ from rl.config import CkptConfig, ConfigError, Section, Settings, WandbConfig, o
 from rl.weights.config import CollectiveTransfer, TransferConfig
 from rl.env_server import EnvServerConfig
 from rl.launcher.env_servers import place_env_servers
+from rl.launcher.teacher import TeacherServerConfig, check_distillation, place_teacher
 from rl.adapter import next_vllm_rank
 from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference_device
 from rl.launcher.wire import give_transfer_secret, place_transfer_store
 from rl.launcher.placement import HostPlan, PlacementConfig, given_base_urls
-from rl.orchestrator.config import OrchestratorConfig, TeacherConfig
+from rl.orchestrator.config import OrchestratorConfig
 from rl.trainer.config import TrainerConfig, vllm_auto_dtype
 from rl.trainer.config import resolve_device_defaults as resolve_trainer_device
 
@@ -121,23 +122,6 @@ class K8sConfig(Section):
     env: Annotated[
         dict[EnvName, str], Field(description="more environment variables of every pod (names: letters, digits, _)")
     ] = {}
-
-
-class TeacherServerConfig(Section):
-    """On-policy distillation's teacher, served by `rl` beside inference: a frozen vLLM server of `model` with
-    inference's settings, never sent weights. It fills orchestrator.teacher."""
-
-    model: Annotated[
-        str, Field(min_length=1, description="the teacher model (Hugging Face id or local directory); it must "
-                                             "tokenize as the student does")
-    ]
-    port: Annotated[
-        int | None, Field(ge=1, le=65535, description="its port (default: the one after inference's servers)")
-    ] = None
-    gpus: Annotated[
-        int, Field(ge=1, description="GPU hosts: its GPUs, the last ones visible (its tensor-parallel size); the "
-                                     "trainer and inference split the others")
-    ] = 1
 
 
 ROLES = ("inference", "orchestrator", "trainer")
@@ -357,39 +341,6 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
     config._env_servers = place_env_servers(o)
     o.transfer.resolve_device(host.devices.device, "orchestrator")  # as trainer and inference resolved it
     return config
-
-
-def place_teacher(config: RLConfig, host: HostPlan) -> InferenceConfig | None:
-    """The teacher rl serves on this host: inference's config for the teacher's model, at the port after the
-    inference servers', named in the orchestrator's teacher section."""
-    if config.teacher is None:
-        return None
-    i, o = config.inference, config.orchestrator
-    if o.teacher is not None:
-        raise ConfigError(f"--teacher.model has rl serve the teacher, and orchestrator.teacher.base_url = "
-                          f"{o.teacher.base_url!r} names one served elsewhere: set one")
-    if host.spans_hosts:
-        raise ConfigError("rl serves a teacher on a single host only (yet): on several hosts, serve it yourself "
-                          "(`uv run inference --model.name M --port P`) and set orchestrator.teacher.base_url")
-    port = config.teacher.port or i.port + host.devices.replicas
-    if port in range(i.port, i.port + host.devices.replicas) or port > 65535:
-        raise ConfigError(f"teacher.port = {port} is taken by an inference server or past 65535: choose another")
-    server = i.model_copy(deep=True, update={"port": port, "lora": None})
-    if host.devices.teacher_gpus:  # its own GPUs, one tensor-parallel group over them
-        server.tensor_parallel_size = len(host.devices.teacher_gpus)
-    server.model = server.model.model_copy(update={"name": config.teacher.model})
-    o.teacher = TeacherConfig(base_url=f"http://127.0.0.1:{port}", model=config.teacher.model)
-    return server
-
-
-def check_distillation(t: TrainerConfig, o: OrchestratorConfig) -> None:
-    """A teacher and the loss's distillation term come together."""
-    if t.loss.distill > 0 and o.teacher is None:
-        raise ConfigError(f"trainer.loss.distill = {t.loss.distill} needs a teacher: --teacher.model M (rl serves "
-                          "it) or orchestrator.teacher.base_url (one served elsewhere)")
-    if o.teacher is not None and t.loss.distill == 0:
-        raise ConfigError("a teacher scores every sample but trainer.loss.distill = 0 would ignore it: set "
-                          "trainer.loss.distill (e.g. 1.0)")
 
 
 def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) -> None:
