@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from rl.config import CkptConfig, ModelConfig
+from rl.host_memory import ALIGN_BYTES, HostArena
 from rl.protocol import RunPaths
 from rl.trainer.checkpoint import Checkpointer
 from rl.trainer.config import OptimConfig, TrainerConfig
@@ -41,6 +42,11 @@ def assert_in_host_buffers(optimizer: HostStateAdamW, device: torch.device) -> N
         copy = held[id(tensor)]
         assert tensor.device.type == "cpu" and tensor.data_ptr() == copy.host.data_ptr()
         assert copy.device == device and copy.host.is_pinned() == (device.type == "cuda")
+        assert copy.host.untyped_storage().data_ptr() == optimizer.arena.buffer.untyped_storage().data_ptr()
+    # one allocation of exactly the state's bytes (each tensor aligned), not one rounded up per tensor
+    exact = sum(-(-t.numel() * t.element_size() // ALIGN_BYTES) * ALIGN_BYTES for t in state)
+    assert optimizer.arena.buffer.untyped_storage().nbytes() == exact
+    assert optimizer.arena.pinned == (device.type == "cuda")
 
 
 def train(config: TrainerConfig, world, spy=None) -> tuple[list[torch.Tensor], torch.nn.Module, torch.optim.Optimizer]:
@@ -67,7 +73,7 @@ def run_offloaded_and_plain(tiny_model, world, monkeypatch):
     in_step = []
 
     def record_where_the_step_computes(optimizer, closure=None):
-        buffers = {c.data_ptr() for c in optimizer._host_buffers.values()}
+        buffers = {c.data_ptr() for c in optimizer.arena.tensors} if optimizer.arena else set()
         in_step.append(optimizer.on_device and not any(m.data_ptr() in buffers for m in moments(optimizer)))
         return plain_step(optimizer, closure)
 
@@ -98,10 +104,34 @@ def test_offloaded_steps_equal_plain_steps_and_the_state_waits_in_host_buffers(t
     assert all(torch.equal(a, b) for a, b in zip(moments(optimizer), before, strict=True))
 
 
+def test_an_arena_is_pinned_once_at_its_exact_size_and_unpinned_when_closed(monkeypatch):
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, pointer, size, flags):
+            calls.append(("register", pointer, size))
+            return 0
+
+        def cudaHostUnregister(self, pointer):
+            calls.append(("unregister", pointer))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", FakeCudart)
+    arena = HostArena([(torch.Size([3, 5]), torch.float32), (torch.Size([7]), torch.bfloat16)], pin=True)
+    assert [t.shape for t in arena.tensors] == [(3, 5), (7,)] and arena.buffer.numel() == 64 + 64
+    assert [t.data_ptr() - arena.buffer.data_ptr() for t in arena.tensors] == [0, 64]
+    assert calls == [("register", arena.buffer.data_ptr(), 128)] and arena.pinned
+    arena.close()
+    assert calls[-1] == ("unregister", arena.buffer.data_ptr()) and not arena.pinned
+
+
 @pytest.mark.gpu
 def test_on_cuda_offloaded_state_is_pinned_host_memory_between_steps_and_steps_match(tiny_model, one_rank_world,  # noqa: F811
                                                                                      monkeypatch):
     assert one_rank_world.device.type == "cuda"
+    rounded_before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
     offloaded, plain, _, _ = run_offloaded_and_plain(tiny_model, one_rank_world, monkeypatch)
+    # registered where it was allocated, not taken from torch's caching host allocator (which rounds up)
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == rounded_before
     for a, b in zip(offloaded, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

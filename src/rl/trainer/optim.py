@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from rl.host_memory import HostArena
 from rl.trainer.config import OptimConfig
 
 
@@ -55,7 +56,8 @@ class HostStateAdamW(torch.optim.AdamW):
         super().__init__(params, **kwargs)
         self.offloaded: list[HostCopy] = []  # the tensors in host memory now
         self.on_device = False
-        self._host_buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self.arena: HostArena | None = None  # every state tensor's host buffer, in `_offload`'s order
+        self._arena_keys: list[tuple[int, str]] = []  # whose buffer each of the arena's tensors is
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -83,24 +85,26 @@ class HostStateAdamW(torch.optim.AdamW):
     def _offload(self) -> None:
         """Every state tensor but the scalar step counters (which AdamW keeps on the host) into its host buffer,
         state created or replaced (a checkpoint load) inside included."""
-        for param, state in self.state.items():
-            for key, value in state.items():
-                local = value._local_tensor if isinstance(value, DTensor) else value
-                if isinstance(local, torch.Tensor) and local.ndim > 0:
-                    host = self._host_buffer(param, key, local)
-                    host.copy_(local, non_blocking=True)
-                    self.offloaded.append(HostCopy(local, host, local.device))
-                    local.data = host
+        held = [(param, key, value._local_tensor if isinstance(value, DTensor) else value)
+                for param, state in self.state.items() for key, value in state.items()]
+        held = [(param, key, local) for param, key, local in held if isinstance(local, torch.Tensor) and local.ndim]
+        buffers = self._host_buffers([(id(param), key) for param, key, _ in held], [local for _, _, local in held])
+        for (_, _, local), host in zip(held, buffers, strict=True):
+            host.copy_(local, non_blocking=True)
+            self.offloaded.append(HostCopy(local, host, local.device))
+            local.data = host
         self.on_device = False
 
-    def _host_buffer(self, param: torch.Tensor, key: str, like: torch.Tensor) -> torch.Tensor:
-        """One buffer per state tensor for the whole run: pinning host memory is slow, so it is done once."""
-        buffer = self._host_buffers.get((id(param), key))
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            pin = like.device.type == "cuda"
-            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
-            self._host_buffers[(id(param), key)] = buffer
-        return buffer
+    def _host_buffers(self, keys: list[tuple[int, str]], like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The state's host buffers: one arena for the whole run, made again only if the state's tensors change
+        (pinning host memory is slow). With CUDA it is pinned at its exact size (rl/host_memory.py)."""
+        layout = [(t.shape, t.dtype) for t in like]
+        if self.arena is None or self._arena_keys != keys or self.arena.layout != layout:
+            if self.arena is not None:
+                self.arena.close()
+            self.arena = HostArena(layout, pin=any(t.device.type == "cuda" for t in like))
+            self._arena_keys = keys
+        return self.arena.tensors
 
 
 def state_on_device(optimizer: torch.optim.Optimizer):

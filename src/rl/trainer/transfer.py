@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rl.adapter import adapter_checksum
+from rl.host_memory import pin_exactly, unpin
 from rl.weights.config import CollectiveTransfer
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_weight
 from rl.trainer.config import TrainerConfig
@@ -223,17 +224,14 @@ class CollectiveSender(Sender):
             return
         self._drop_host_copy()
         host = torch.empty(sum(sizes), dtype=torch.uint8)
-        if self.nccl and int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), len(host), 0)) == 0:
+        if self.nccl and pin_exactly(host):
             self.pinned = host
-        elif self.nccl:
-            logger.warning("transfer.sparse: the host copy of the weights could not be pinned; it is "
-                           "compared and hashed through pageable copies")
         self.sent = dict(zip(names, host.split(sizes)))
 
     def _drop_host_copy(self) -> None:
         self.sent, self.base = {}, None
         if self.pinned is not None:
-            torch.cuda.cudart().cudaHostUnregister(self.pinned.data_ptr())
+            unpin(self.pinned)
             self.pinned = None
 
     def _changes(self, name: str, data: torch.Tensor, against_base: bool) -> tuple[int, torch.Tensor]:
