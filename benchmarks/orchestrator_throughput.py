@@ -64,7 +64,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="raw-then-orchestrator measurement pairs")
     parser.add_argument("--plain-vllm", action="store_true", help="also measure a plain vLLM server's API CPU")
-    parser.add_argument("--workers", type=int, default=1, help="the env server's workers (`[[env]] workers`)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="the env server's workers (`[[env]] workers`); 0: the episodes in this process, no server")
     parser.add_argument("--group-gap-s", type=float, default=GROUP_GAP_S,
                         help="the orchestrator's orchestrator.client.group_gap_s; above 0 the raw side sends each "
                              "group as one request with n samples too, 0 one request per rollout on both sides")
@@ -154,9 +155,9 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
     prompts = rendered_prompts(env, tokenizer, args.groups)
     client = InferenceClient(base_url, args.model, args.model, renderer_config("auto", args.model)[0],
                              group_gap_s=args.group_gap_s)
-    async with env.serving():  # its env server, started as this process's child
+    async with env.serving():  # its env server, started as this process's child (none for --workers 0)
         tune_gc_for_serving()  # as the orchestrator does once its environments serve
-        env_server = env.served.child.process.pid
+        env_server = env.served.child.process.pid if env.served else None
         await orchestrator_side(args, env, client)  # warm-up both paths
         await raw_side(args, prompts, base_url)
         ratios = []
@@ -175,10 +176,11 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
             own, server = meter.since(before)
             cpu["raw"].append(own / requests)
             cpu["raw_server"].append(server / requests)
-            before, env_before = meter.read(), tree_cpu_s(env_server)
+            before, env_before = meter.read(), tree_cpu_s(env_server) if env_server else 0.0
             orch_tokens, orch_s = await orchestrator_side(args, env, client)
             own, server = meter.since(before)
-            cpu["env_server"].append((tree_cpu_s(env_server) - env_before) / requests)
+            env_after = tree_cpu_s(env_server) if env_server else 0.0
+            cpu["env_server"].append((env_after - env_before) / requests)
             cpu["orch"].append(own / requests)
             cpu["orch_server"].append(server / requests)
             ratios.append((orch_tokens / orch_s) / (raw_tokens / raw_s))
@@ -196,7 +198,8 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
     print(f"CPU, medians: orchestrator {median['orch']:.2f} ms per rollout (target <= 1 ms; raw client "
           f"{median['raw']:.2f} ms per request); vLLM API server {median['orch_server']:.2f} ms per request from the "
           f"orchestrator, {median['raw_server']:.2f} ms from the raw client")
-    print(f"env server ({args.workers} workers) CPU per rollout, median: {median['env_server']:.2f} ms (the episodes "
+    where = f"env server ({args.workers} workers)" if args.workers else "no env server (--workers 0): in this process;"
+    print(f"{where} CPU per rollout, median: {median['env_server']:.2f} ms (the episodes "
           f"and their scoring); orchestrator + env server {median['orch'] + median['env_server']:.2f} ms")
     if plain:
         print(f"API server CPU per raw request, medians: rl's server {median['raw_server']:.2f} ms, plain vLLM "

@@ -23,6 +23,7 @@ that environment); a failure there is reported, not fatal.
     uv run python benchmarks/trl_side_by_side.py                    # tiny and 100M, TRL default generation
     uv run python benchmarks/trl_side_by_side.py --models 100M --rounds 3 --async-levels 0,1,2
     uv run python benchmarks/trl_side_by_side.py --models tiny --trl-vllm --rounds 1
+    uv run python benchmarks/trl_side_by_side.py --models tiny --rounds 2 --in-process   # and episodes in process
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +77,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800, help="deadline in seconds for each run")
     parser.add_argument("--rounds", type=int, default=3, help="runs per side, alternated with the other sides")
     parser.add_argument("--async-levels", default="1", help="rl's async_level for each rl side, comma-separated")
+    parser.add_argument("--in-process", action="store_true",
+                        help="also run each rl side with `[[env]] workers = 0` (episodes in the orchestrator's "
+                             "process, no env server), as side rl-async<k>-in-process")
     args = parser.parse_args()
     args.async_levels = [int(level) for level in args.async_levels.split(",")]
     if args.steps <= args.warmup_steps + 1:
@@ -125,7 +130,14 @@ def steady_step_s(step_ends: list[float], warmup: int) -> float:
     return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
-def run_rl(model: Path, shape: Shape, args, out: Path, async_level: int) -> dict:
+def in_process_envs() -> str:
+    """The quickstart's [[env]] list with `workers = 0`, as a command-line value."""
+    envs = tomllib.loads((ROOT / "configs/reverse_text/orch.toml").read_text())["env"]
+    return json.dumps([env | {"workers": 0} for env in envs])
+
+
+def run_rl(model: Path, shape: Shape, args, out: Path, side: str) -> dict:
+    async_level, in_process = int(side.removeprefix("rl-async").split("-")[0]), side.endswith("-in-process")
     port = free_port()
     command = [
         sys.executable, "-m", "rl.launcher.main",
@@ -138,7 +150,7 @@ def run_rl(model: Path, shape: Shape, args, out: Path, async_level: int) -> dict
         "--orchestrator.rollouts-per-example", str(shape.group_size),
         "--orchestrator.sampling.max-tokens", str(shape.max_tokens),
         "--trainer.optim.lr", str(args.lr), "--trainer.optim.warmup-steps", "0",
-    ]
+    ] + (["--orchestrator.env", in_process_envs()] if in_process else [])
     log = out.parent / f"{out.name}.log"
     with log.open("w") as sink:
         done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=args.timeout)
@@ -186,7 +198,8 @@ def compare(name: str, shape: Shape, python: Path, args, root: Path) -> dict[str
     model = build_tiny_model(root / f"model-{name}", **shape.model)
     tasks = root / "tasks.jsonl"
     write_tasks(tasks, 2000)
-    sides = [f"rl-async{level}" for level in args.async_levels]
+    sides = [f"rl-async{level}{where}" for level in args.async_levels
+             for where in ([""] + (["-in-process"] if args.in_process else []))]
     sides += ["trl-default"] + (["trl-vllm"] if args.trl_vllm else [])
     results: dict[str, list[dict]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
@@ -195,7 +208,7 @@ def compare(name: str, shape: Shape, python: Path, args, root: Path) -> dict[str
             print(f"{name} round {round_ + 1}/{args.rounds}: {side}", flush=True)
             try:
                 if side.startswith("rl-"):
-                    results[side].append(run_rl(model, shape, args, out, int(side.removeprefix("rl-async"))))
+                    results[side].append(run_rl(model, shape, args, out, side))
                 else:
                     results[side].append(run_trl(python, model, tasks, shape, args, out, vllm=side == "trl-vllm"))
             except (RuntimeError, subprocess.TimeoutExpired) as error:
@@ -215,14 +228,14 @@ def report(name: str, shape: Shape, results: dict[str, list[dict]]) -> None:
         ok = [r for r in runs if "error" not in r]
         for r in runs:
             if "error" in r:
-                print(f"  {side:13s} failed: {r['error']}")
+                print(f"  {side:20s} failed: {r['error']}")
         if ok:
-            print(f"  {side:13s} samples/s {spread([per_s(r) for r in ok])}; generation "
+            print(f"  {side:20s} samples/s {spread([per_s(r) for r in ok])}; generation "
                   f"{statistics.median(r['gen_busy_s'] for r in ok):.2f} s, completion "
                   f"{statistics.median(r['completion_len'] for r in ok):.1f} tokens")
         if side.startswith("rl-") and ok:
             pipeline = [r["step_s"] / max(r["gen_busy_s"], r["train_busy_s"]) for r in ok]
-            print(f"  {'':13s} pipeline step / max(generation, training) {spread(pipeline)} (target <= 1.1); "
+            print(f"  {'':20s} pipeline step / max(generation, training) {spread(pipeline)} (target <= 1.1); "
                   f"training {statistics.median(r['train_busy_s'] for r in ok):.2f} s")
     trl = results["trl-default"]
     best = None
@@ -234,7 +247,7 @@ def report(name: str, shape: Shape, results: dict[str, list[dict]]) -> None:
         if ratios:
             print(f"  {side} / trl-default: {spread(ratios)} over {len(ratios)} rounds")
             if best is None or statistics.median(ratios) > statistics.median(best[1]):
-                best = (side.removeprefix("rl-async"), ratios)
+                best = (side.removeprefix("rl-async").replace("-in-process", ", episodes in process"), ratios)
     if best is not None:
         level, ratios = best
         print(f"{name}: rl {statistics.median(ratios):.2f}x TRL (async {level}, median of {len(ratios)}, "

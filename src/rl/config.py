@@ -180,8 +180,10 @@ class EnvConfig(Section):
                           "beside the orchestrator; by the orchestrator or `eval` when started by hand)"),
     ] = None
     workers: Annotated[
-        int | None, Field(ge=1, description="worker processes of the env server started for it (no `address`); "
-                                            "unset: a quarter of the host's cores, 1 to 8")
+        int | None, Field(ge=0, description="worker processes of the env server started for it (no `address`); "
+                                            "unset: a quarter of the host's cores, 1 to 8; 0: no env server, the "
+                                            "episodes run in the orchestrator's own process (cheaper on a small "
+                                            "host, but an environment that crashes or blocks takes the run down)")
     ] = None
     secret: Annotated[
         str | None, Field(min_length=16, description="the secret of the env server at a tcp:// `address` (its "
@@ -204,6 +206,18 @@ class EnvConfig(Section):
             raise ValueError(f"address {self.address} is an env server beyond this host, which admits only clients "
                              f"that hold its secret: set secret (or {ENV_SERVER_SECRET_VAR})")
         return self
+
+    @model_validator(mode="after")
+    def _episodes_run_in_one_place(self) -> "EnvConfig":
+        if self.address is not None and self.workers == 0:
+            raise ValueError(f"workers = 0 runs the episodes in the orchestrator's process, and address {self.address} "
+                             "is an env server to run them in: give one or the other")
+        return self
+
+    @property
+    def in_process(self) -> bool:
+        """Its episodes run in the orchestrator's (or eval's) own process, without an env server."""
+        return self.workers == 0
 
     @property
     def label(self) -> str:

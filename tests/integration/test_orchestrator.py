@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
@@ -56,15 +57,22 @@ def client(server) -> InferenceClient:
     return InferenceClient(server.url, str(server.model), str(server.model), renderer)
 
 
+def env_servers_started() -> list[str]:
+    return [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True) if "rl.env_server" in p.cmdline()]
+
+
+@pytest.mark.parametrize("workers", [None, 0], ids=["env-server", "in-process"])
 @pytest.mark.parametrize("env_id", list(ENVS))
-def test_each_environment_returns_scored_token_samples(server, env_id):
-    env = load_environment(EnvConfig(id=env_id, args=ENVS[env_id]))
+def test_each_environment_returns_scored_token_samples(server, env_id, workers):
+    env = load_environment(EnvConfig(id=env_id, args=ENVS[env_id], workers=workers))
 
     async def go():
         async with env.serving():
-            return await run_group(env, 0, 4, client(server), Sampling(max_tokens=12), timeout_s=120)
+            started = env_servers_started()
+            return await run_group(env, 0, 4, client(server), Sampling(max_tokens=12), timeout_s=120), started
 
-    results = asyncio.run(go())
+    results, started = asyncio.run(go())
+    assert len(started) == (0 if workers == 0 else 1), started  # workers = 0: the episodes ran in this process
     assert len(results) == 4
     for r in results:
         assert 0.0 <= r.reward <= 1.2 and r.segments

@@ -50,6 +50,17 @@ def test_each_host_starts_only_its_roles(tmp_path):
     assert "--standalone" in commands([], tmp_path)["trainer"]  # one host, as before
 
 
+
+def test_an_env_run_in_the_orchestrators_process_gets_no_env_server(tmp_path):
+    in_process = '[{"id": "reverse-text", "workers": 0}, {"id": "reverse-text", "name": "served"}]'
+    children = commands(["--orchestrator.env", in_process], tmp_path)
+    assert set(children) == {"inference", "env-served", "orchestrator", "trainer"}
+    config, _ = load(FILES + ["--output-dir", str(tmp_path / "run2"), "--orchestrator.env", in_process])
+    addressed = [(e.label, e.address is not None) for e in config.orchestrator.env]
+    assert addressed == [("reverse-text", False), ("served", True)]
+    with pytest.raises(ConfigError, match=r"workers = 0 runs the episodes in the orchestrator's process, and address"):
+        load(FILES + ["--orchestrator.env", '[{"id": "reverse-text", "workers": 0, "address": "ipc:///tmp/x.sock"}]'])
+
 HOST_ERRORS = [
     (["--roles", '["orchestrator"]', "--inference.admin-token", "t"], "--orchestrator.client.base-urls"),
     (["--roles", '["trainer"]', "--trainer-nodes", "2", "--inference.admin-token", "t"], "--rdzv-endpoint"),

@@ -1,5 +1,6 @@
 """The env servers `rl` starts beside the orchestrator: one per `[[env]]` (and eval `[[env]]`) without an `address`
-(rl/env_server.py), each at a socket of its own, which is filled into the orchestrator's table."""
+(rl/env_server.py), each at a socket of its own, which is filled into the orchestrator's table; none for a table with
+`workers = 0`, whose episodes run in the orchestrator's process."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def place_env_servers(o: OrchestratorConfig) -> dict[str, EnvServerConfig]:
     servers = {}
     for prefix, envs in (("env", o.env), ("eval", o.eval.env)):
         for spec in envs:
-            if spec.address is not None:
+            if spec.address is not None or spec.in_process:
                 continue
             name = f"{prefix}-{re.sub(r'[^A-Za-z0-9._-]', '-', spec.label)}"
             address = socket_address(o.output_dir.absolute(), name)

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import verifiers.v1 as vf
+from in_process_chat import shared_session
 from pydantic import ValidationError
 from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.interception.tunnel import CustomTunnelConfig
@@ -60,12 +61,12 @@ class Environment:
 
     def __init__(
         self, name: str, env: vf.Env, tasks: list[vf.Task], seats: dict[str, str], toolsets: list[str],
-        served: ServedEpisodes,
+        served: ServedEpisodes | None,
     ) -> None:
         self.name = name  # the label of its metrics
         self.env = env
         self.tasks = tasks
-        self.served = served  # its env server, where its episodes run
+        self.served = served  # its env server, where its episodes run; None: in this process (`workers = 0`)
         self.seats = seats  # seat -> how it runs, for the log
         self.toolsets = toolsets  # the MCP tool servers its rollouts get (names), none for a chat environment
 
@@ -81,13 +82,19 @@ class Environment:
     def describe(self) -> str:
         seats = "; ".join(f"seat {seat!r}: {how}" for seat, how in self.seats.items())
         tools = f"; toolsets {', '.join(self.toolsets)}" if self.toolsets else ""
-        where = self.served.address or "a server this process starts"
+        where = "this process" if self.served is None else self.served.address or "a server this process starts"
         return f"environment {self.name!r}: {self.num_tasks} tasks; {seats}{tools}; episodes run by {where}"
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
         """Connected to its env server once it answers (started first, where this process starts it); a child
-        server's death ends what runs inside, with EnvServerError naming it."""
+        server's death ends what runs inside, with EnvServerError naming it. In this process: verifiers' interception
+        server kept up across groups (otherwise each episode starts one), and the in-process harness's HTTP session
+        open (otherwise each model call opens one), as an env server's worker keeps them."""
+        if self.served is None:
+            async with shared_session(), self.env.serving():
+                yield
+            return
         try:
             await self.served.start(ENV_SERVER_START_S)
             yield
@@ -139,7 +146,9 @@ def load_environment(spec: EnvConfig) -> Environment:
     check_runnable(spec, env, toolsets)
     if not env.taskset.bounded:
         raise EnvLoadError(f"environment {spec.label!r} has an infinite taskset; bound it with its args")
-    if spec.address is not None:
+    if spec.in_process:
+        served = None
+    elif spec.address is not None:
         served = ServedEpisodes(spec.label, spec.address, secret=spec.secret)
     else:
         served = ServedEpisodes(spec.label, child=ChildEnvServer(spec))

@@ -138,7 +138,8 @@ class Orchestrator:
         rollouts = sum(self.config.rollouts_per_example * (1 + o.retries) for o in outcomes)
         stats = self.step_stats(batch, outcomes) | self.fill_stats(filled) | self.curriculum_stats() | {
             "orchestrator/cpu_ms_per_rollout": 1000 * (time.process_time() - cpu_start) / rollouts,
-            **{f"env/{env.name}/workers": env.served.workers for env in self.envs if env.served.workers is not None},
+            **{f"env/{env.name}/workers": env.served.workers for env in self.envs
+               if env.served is not None and env.served.workers is not None},
             "policy_step": self.servers.policy_step,
             "staleness": step - min(s.policy_version for s in batch.samples),
             "gen_s": gen_time,

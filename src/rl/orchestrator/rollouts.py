@@ -176,9 +176,13 @@ async def run_group(
     """Run `n` rollouts of task `task_index` concurrently (at most `semaphore` at once).
 
     Each rollout must finish within `timeout_s` of getting its semaphore slot, else RolloutError. The rollouts run
-    in the environment's env server (rl/orchestrator/env_servers.py)."""
+    in the environment's env server (rl/orchestrator/env_servers.py), or with `workers = 0` in this process."""
     task = environment.task(task_index)
-    runs = environment.served.runs(task, model_contexts(client, sampling, n))
+    contexts = model_contexts(client, sampling, n)
+    if environment.served is None:  # `workers = 0`
+        runs = [environment.env.run_slot(slot, ctx) for slot, ctx in zip(environment.env.slots(task, n), contexts)]
+    else:
+        runs = environment.served.runs(task, contexts)
     episodes = await asyncio.gather(*(bounded(task_index, run, semaphore, timeout_s) for run in runs))
     convert = to_chat_result if isinstance(client, ChatClient) else to_result
     return [convert(task_index, task, episode) for episode in episodes]
