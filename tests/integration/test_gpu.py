@@ -1,11 +1,17 @@
 """What only a GPU can show (skipped without CUDA; `scripts/gpu-check.sh` runs them with a short Qwen3-0.6B run):
 a bf16 step published by the trainer's path reloads into a CUDA vLLM (one GPU, and a TP=2 server on two, each worker
-proving its shard) and verifies by its checksum, and the GPU split gives every child its own devices. The bf16
-training step is in test_trainer.py, chunked logprobs on CUDA in tests/unit/test_chunked_logprobs.py."""
+proving its shard) and verifies by its checksum; over NCCL, steps arrive while a generate loop runs (the group formed
+once, with generation held) and a trainer killed mid-step leaves the server serving and the next trainer's group
+forming anew; and the GPU split gives every child its own devices. The bf16 training step is in test_trainer.py,
+chunked logprobs on CUDA in tests/unit/test_chunked_logprobs.py."""
 
+import re
 import subprocess
 import sys
+import threading
+import time
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -16,6 +22,7 @@ from rl.tiny_model import build_tiny_model
 from rl.trainer.weights import DEFAULT_SHARD_BYTES, hf_side_files, publish_step, single_process_shards
 from tests.conftest import ROOT
 from tests.integration.inference_server import Server
+from tests.unit.test_transfer import SECRET
 
 pytestmark = [pytest.mark.integration, pytest.mark.gpu]
 
@@ -61,6 +68,164 @@ def transformers_logprobs(model_dir, prompt: list[int], completion: list[int]) -
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     return logits.log_softmax(-1).gather(-1, ids[0, len(prompt):, None])[:, 0].tolist()
+
+
+PROMPT = [1, 91, 89, 75, 88, 5]
+SENDER = """
+import sys
+from pathlib import Path
+
+import torch
+
+from rl.trainer.transfer import CollectiveSender
+from rl.weights.config import CollectiveTransfer
+from tests.integration.test_gpu import perturbed_bf16, sender_world
+from tests.unit.test_transfer import SECRET
+
+model_dir, wire_dir, steps = Path(sys.argv[1]), Path(sys.argv[2]), [int(s) for s in sys.argv[3:]]
+torch.cuda.set_device(0)
+wire = CollectiveTransfer(backend="nccl", secret=SECRET, timeout_s=30, offer_timeout_s=120)
+sender = CollectiveSender(wire, wire_dir, sender_world(), torch.bfloat16, first_step=0)
+for step in steps:
+    print("sent", step, sender.send_tensors(step, perturbed_bf16(model_dir, seed=step)), flush=True)
+sender.close()
+"""
+
+
+def sender_world():
+    """The trainer's world as a one-rank sender on cuda:0 sees it."""
+    return type("World", (), {"is_main": True, "rank": 0, "world_size": 1, "on_gpu": True,
+                              "device": torch.device("cuda", 0), "all_reduce": lambda self, v, op="sum": v})()
+
+
+def perturbed_bf16(model_dir, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights moved a little (by `seed`), in bf16 on cuda:0, its tied head included."""
+    g = torch.Generator().manual_seed(seed)
+    base = load_file(str(model_dir / "model.safetensors"))
+    state = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g)).bfloat16().cuda() for k, v in base.items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    return list(state.items())
+
+
+def nccl_server(tmp_path, model_dir, hooks):
+    """A TP=1 server on GPU 1 that takes steps over NCCL, with test hooks at `hooks`."""
+    paths = RunPaths(tmp_path / "run")
+    paths.weights_root.mkdir(parents=True)
+    return Server(model_dir, paths.weights_root, tmp_path / "inference.log",
+                  toml=f'gpu_memory_utilization = 0.4\n[transfer]\nbackend = "nccl"\nsecret = "{SECRET}"\n',
+                  env={"CUDA_VISIBLE_DEVICES": "1", "RL_TEST_HOOK_DIR": str(hooks)})
+
+
+def held_for_forming(log) -> list[str]:
+    """The steps whose transfer group the server formed with generation held, from its log."""
+    return re.findall(r"step (\d+): generation held [\d.]+ s while the transfer group formed", log.read_text())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: the sender on one, the server on another")
+def test_over_nccl_steps_arrive_while_a_generate_loop_runs(tmp_path):
+    """The first worker receives on a CUDA stream of its own while vLLM generates (CUDA graphs on): a loop of
+    requests runs through three steps over NCCL. Every request comes back whole, the group forms once (at step 1,
+    generation held for it), and while the later steps arrive over the kept group no request takes much longer than
+    one did before any step was sent."""
+    from rl.trainer.transfer import CollectiveSender
+    from rl.weights.config import CollectiveTransfer
+    from tests.integration.test_inference_tp import send_over_the_wire
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    server = nccl_server(tmp_path, model_dir, tmp_path / "hooks")
+    torch.cuda.set_device(0)
+    wire = CollectiveTransfer(backend="nccl", secret=SECRET, timeout_s=60, offer_timeout_s=120)
+    sender = CollectiveSender(wire, tmp_path / "wire", sender_world(), torch.bfloat16, first_step=0)
+    phase, requests, failures, running = ["before"], [], [], threading.Event()
+
+    def generate_loop() -> None:
+        body = {"model": str(server.model), "token_ids": PROMPT,
+                "sampling_params": {"max_tokens": 32, "min_tokens": 32, "temperature": 1.0}}
+        with httpx.Client(timeout=60) as client:
+            while running.is_set():
+                start, during = time.perf_counter(), phase[0]
+                try:
+                    reply = client.post(f"{server.url}/inference/v1/generate", json=body)
+                    reply.raise_for_status()
+                    requests.append((during, time.perf_counter() - start, len(reply.json()["choices"][0]["token_ids"])))
+                except Exception as error:  # noqa: BLE001 - the test reports every failure
+                    failures.append(repr(error))
+
+    running.set()
+    loop = threading.Thread(target=generate_loop, daemon=True)
+    loop.start()
+    try:
+        time.sleep(5)
+        for step in (1, 2, 3):
+            phase[0] = f"step {step}"
+            answer, sent = send_over_the_wire(server, sender, tmp_path / "wire", step, perturbed_bf16(model_dir, step))
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["weights_checksum"] == sent["weights_checksum"]
+        phase[0] = "after"
+        time.sleep(2)
+    finally:
+        running.clear()
+        loop.join(60)
+        sender.close()
+        server.stop()
+    assert not failures, failures
+    assert requests and all(tokens == 32 for _, _, tokens in requests), requests
+    assert held_for_forming(tmp_path / "inference.log") == ["1"]
+    before = sorted(seconds for during, seconds, _ in requests if during == "before")
+    kept = [seconds for during, seconds, _ in requests if during in ("step 2", "step 3")]
+    assert len(before) >= 5 and kept, requests
+    bound = max(2.0, 5 * before[len(before) // 2])
+    assert max(kept) < bound, (f"a request took {max(kept):.2f} s while a step arrived over the kept group; "
+                               f"before any step, the median was {before[len(before) // 2]:.3f} s")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: the sender on one, the server on another")
+def test_a_trainer_killed_mid_broadcast_leaves_the_server_serving_and_the_next_trainer_forms_a_new_group(tmp_path):
+    """NCCL's failure handling: a trainer (a process of its own) sends step 1, then is SIGKILLed while the server's
+    first worker waits for step 2's tensors (a test hook holds it after the header). The server answers (step 2 did
+    not arrive), still serves step 1 and generates; a new trainer's step 3 forms a new group and loads."""
+    from tests.integration.test_inference_tp import take_for, wait_for
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    server = nccl_server(tmp_path, model_dir, hooks)
+    trainers = []
+
+    def start_trainer(wire_dir, *steps):
+        trainers.append(subprocess.Popen([sys.executable, "-c", SENDER, str(model_dir), str(wire_dir),
+                                          *map(str, steps)], cwd=ROOT))
+        return trainers[-1]
+
+    try:
+        first = start_trainer(tmp_path / "wire-1", 1, 2)
+        answer = take_for(server, tmp_path / "wire-1", 1)
+        assert answer.status_code == 200, answer.text
+        step_1 = server.admin("GET", "/policy_step").json()
+        (hooks / "during_receive").write_text("")
+        reply: dict = {}
+        waiter = threading.Thread(target=lambda: reply.update(answer=take_for(server, tmp_path / "wire-1", 2)))
+        waiter.start()
+        wait_for(hooks / "during_receive.held", timeout_s=120)
+        first.kill()  # mid-step: its header went, its tensors had not
+        first.wait(30)
+        (hooks / "during_receive").unlink()
+        waiter.join(180)
+        assert not waiter.is_alive(), "the server never answered step 2"
+        assert reply["answer"].status_code == 504 and "did not arrive" in reply["answer"].text, reply["answer"].text
+        assert server.admin("GET", "/policy_step").json() == step_1
+        completion, logprobs = server.generate(PROMPT, max_tokens=8)
+        assert len(completion) == 8 and all(lp <= 0 for lp in logprobs)
+
+        start_trainer(tmp_path / "wire-2", 3)
+        answer = take_for(server, tmp_path / "wire-2", 3)
+        assert answer.status_code == 200, answer.text
+        assert server.admin("GET", "/policy_step").json()["step"] == 3
+        assert held_for_forming(tmp_path / "inference.log") == ["1", "3"]
+    finally:
+        for trainer in trainers:
+            trainer.kill()
+        server.stop()
 
 
 def test_the_gpu_split_gives_each_child_its_own_devices(tmp_path):
@@ -132,7 +297,6 @@ def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_ver
     from rl.weights.config import CollectiveTransfer
     from rl.trainer.transfer import CollectiveSender
     from tests.integration.test_inference_tp import send_over_the_wire
-    from tests.unit.test_transfer import SECRET
 
     model_dir = build_tiny_model(tmp_path / "model")
     paths = RunPaths(tmp_path / "run")
@@ -145,17 +309,12 @@ def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_ver
                          f'secret = "{SECRET}"\n',
                     env={"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(1, tp + 1)),
                          "RL_TEST_HOOK_DIR": str(hooks)})
-    world = type("World", (), {"is_main": True, "rank": 0, "world_size": 1, "on_gpu": True,
-                               "device": torch.device("cuda", 0), "all_reduce": lambda self, v, op="sum": v})()
+    world = sender_world()
     torch.cuda.set_device(0)
     wire = CollectiveTransfer(backend="nccl", secret=SECRET, timeout_s=60, offer_timeout_s=120)
     sender = CollectiveSender(wire, tmp_path / "wire", world, torch.bfloat16, first_step=0)
     try:
-        base = load_file(str(model_dir / "model.safetensors"))
-        g = torch.Generator().manual_seed(1)
-        state = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g)).bfloat16().cuda() for k, v in base.items()}
-        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-        tensors = list(state.items())
+        tensors = perturbed_bf16(model_dir, seed=1)
         before = server.generate([1, 91, 89, 75, 88, 5], max_tokens=8, temperature=0.0)
         (hooks / "corrupt_receive").write_text("model.layers.0.mlp.up_proj.weight")
         answer, sent = send_over_the_wire(server, sender, tmp_path / "wire", 1, tensors)

@@ -216,9 +216,10 @@ def test_a_weight_file_cut_short_inside_its_data_is_422_and_nothing_loads(server
 def test_a_step_the_first_worker_receives_loads_on_both_workers_and_one_altered_on_the_way_is_refused(servers,
                                                                                                      run_dir):
     """NCCL's path, proved on CPU with gloo in its place (the `receive_in_worker` hook): the server's first worker
-    receives the step while generation goes on, the server takes its sealed memfd over, and both workers load and
-    verify it; a step altered on the way is refused before anything loads. Then sparse_nccl's: the next step comes
-    as its changes, which the first worker applies to the bytes the server serves."""
+    forms its group with generation held (once: later steps keep it) and receives the step while generation goes on,
+    the server takes its sealed memfd over, and both workers load and verify it; a step altered on the way is refused
+    before anything loads. Then sparse_nccl's: the next step comes as its changes, which the first worker applies to
+    the bytes the server serves."""
     tp1, tp2 = servers
     step_dir = perturbed_step(run_dir, 20, seed=20)  # steps 20 to 22: no other test of this module's
     tensors = list(load_file(step_dir / "model.safetensors").items())
@@ -257,6 +258,9 @@ def test_a_step_the_first_worker_receives_loads_on_both_workers_and_one_altered_
             digest.update(name, tensor)
         assert answer.json()["weights_checksum"] == sent["weights_checksum"] == digest.hexdigest()
         assert len(greedy(tp2)) == len(before)  # and it serves them
+        # the worker's group formed once, at step 20, with generation held for it; 21 and 22 came over the kept one
+        log = (run_dir / "inference-tp2.log").read_text()
+        assert re.findall(r"step (\d+): generation held [\d.]+ s while the transfer group formed", log) == ["20"]
     finally:
         sender.close()
 
@@ -267,12 +271,18 @@ def send_over_the_wire(server, sender, wire_dir: Path, step: int, tensors) -> tu
     sent: dict = {}
     thread = threading.Thread(target=lambda: sent.update(sender.send_tensors(step, tensors)))
     thread.start()
+    answer = take_for(server, wire_dir, step)
+    thread.join(60)
+    assert not thread.is_alive(), "the sender hung"
+    return answer, sent
+
+
+def take_for(server, wire_dir: Path, step: int, timeout_s: float = 30) -> httpx.Response:
+    """The orchestrator's part of a step over the wire: wait for the trainer's offer of `step`, take it for `server`
+    alone, and ask the server to receive it; the server's answer."""
     wait_for(wire_dir / "transfer" / f"offer_{step}.json")
     assert step in offered_steps(wire_dir)
     offer = read_offer(wire_dir, step)
     write_take(wire_dir, step, 1)
-    spec = {"host": offer.host, "port": offer.port, "rank": 1, "world_size": 2, "timeout_s": 30}
-    answer = server.admin("POST", "/update_weights", json={"step": step, "transfer": spec})
-    thread.join(60)
-    assert not thread.is_alive(), "the sender hung"
-    return answer, sent
+    spec = {"host": offer.host, "port": offer.port, "rank": 1, "world_size": 2, "timeout_s": timeout_s}
+    return server.admin("POST", "/update_weights", json={"step": step, "transfer": spec})

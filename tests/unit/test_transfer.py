@@ -3,6 +3,7 @@ one process (threads), with the orchestrator's part (the take) played by the tes
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -50,10 +51,12 @@ def staged_tensors(staged) -> dict[str, torch.Tensor]:
         return {name: tensor.clone() for name, tensor in tensors_of(data, WIRE_FILE)}
 
 
-def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=10.0, keepers=None, bases=None):
+def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=10.0, keepers=None, bases=None,
+             formed_at=None):
     """Offer `step`, take it for `receivers` servers, receive it in threads (each in its group kept in `keepers`, by
-    rank, where given; each serving the step received in `bases`, by rank, where given); returns the sender's stats
-    and each receiver's `Received` or exception."""
+    rank, where given; each serving the step received in `bases`, by rank, where given; the steps whose group each
+    formed appended to `formed_at`, by rank, where given); returns the sender's stats and each receiver's `Received`
+    or exception."""
     results: dict[int, object] = {}
     stats = {}
 
@@ -74,7 +77,8 @@ def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=1
         try:
             base = (bases or {}).get(rank)
             results[rank] = receive_weights(spec, step, KEY, corrupt if rank == 1 else None,
-                                            keeper=(keepers or {}).get(rank), base=base and base.staged.rpc())
+                                            keeper=(keepers or {}).get(rank), base=base and base.staged.rpc(),
+                                            forming=formed_at and recording_into(formed_at[rank]))
         except Exception as e:  # noqa: BLE001 - the test inspects it
             results[rank] = e
 
@@ -85,6 +89,16 @@ def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=1
         t.join(60)
         assert not t.is_alive(), "a transfer thread hung"
     return stats, results
+
+
+def recording_into(steps: list[int]):
+    """A `forming` context (GroupKeeper.join) that records the step whose group forms inside it."""
+    @contextlib.contextmanager
+    def forming(deadline):
+        steps.append(deadline.step)
+        yield
+
+    return forming
 
 
 def one_rank_sender(tmp_path, sparse: bool):
@@ -129,10 +143,10 @@ def test_the_group_is_formed_once_and_kept_while_every_member_holds_it_and_forme
 ):
     """Forming a group costs every member a rendezvous, so it is kept from step to step; a member that restarted (a
     new keeper), another set of receivers, or a failed step makes all form a new one, and every step goes through."""
-    keepers = {1: GroupKeeper(), 2: GroupKeeper()}
+    keepers, formed_at = {1: GroupKeeper(), 2: GroupKeeper()}, {1: [], 2: []}
 
     def step_through(step, receivers=2):
-        stats, results = run_step(tmp_path, sender, TinyLM(), step, receivers, keepers=keepers)
+        stats, results = run_step(tmp_path, sender, TinyLM(), step, receivers, keepers=keepers, formed_at=formed_at)
         assert stats["weights_sent"] is True, step
         for rank in range(1, receivers + 1):
             results[rank].staged.close()
@@ -158,6 +172,7 @@ def test_the_group_is_formed_once_and_kept_while_every_member_holds_it_and_forme
     assert isinstance(results[1], CorruptFileError)  # refused by the server; the group itself served, and is kept
     step_through(9, receivers=1)
     assert sender.groups.formed == 3
+    assert formed_at == {1: [1, 4, 6], 2: [1, 4]}  # a server forms only inside `forming` (generation held there)
 
 
 def test_a_group_kept_by_a_trainer_that_resumed_is_never_taken_for_the_new_trainers(tmp_path):

@@ -10,11 +10,13 @@ since vLLM's own adapter routes stay refused, adapters change only here. Request
 """
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
 import time
 import weakref
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +77,8 @@ class PolicyWeights:
         self.broken: str | None = None
         self.lock = asyncio.Lock()
         receiver = transport(settings.way).load_receiver()  # None: steps come as files only
-        self.receiver = receiver and receiver(engine, settings.transfer_key, settings.lora_name is not None)
+        self.receiver = receiver and receiver(engine, settings.transfer_key, settings.lora_name is not None,
+                                              self.generation_held)
         # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
         # while the weights change, so only requests already in flight need vLLM to pause.
         self.in_flight = 0
@@ -270,6 +273,22 @@ class PolicyWeights:
                 for entry in completion.logprobs or []:
                     finite &= all(math.isfinite(lp.logprob) for lp in entry.values())
         return finite
+
+    @contextlib.asynccontextmanager
+    async def generation_held(self) -> AsyncIterator[None]:
+        """Nothing generates inside: new requests wait at `admitting`, those in flight are frozen (a transfer group
+        forming); taken under the lock, so that no weight switch holds and releases generation meanwhile."""
+        async with self.lock:
+            self.admitting.clear()
+            try:
+                frozen = await self._freeze_in_flight()
+                logger.info("generation held (%d requests frozen)", frozen)
+                yield
+            finally:
+                try:
+                    await self._release()
+                finally:
+                    self.admitting.set()
 
     async def _freeze_in_flight(self) -> int:
         """Freeze the requests vLLM is running, so that no token is sampled between the reload and the new

@@ -145,7 +145,7 @@ class Received:
 
 def receive_weights(spec: GroupSpec, step: int, key: bytes, corrupt: str | None = None, backend: str = "gloo",
                     keeper: GroupKeeper | None = None, base: dict | None = None,
-                    layout: ServedLayout | None = None) -> Received:
+                    layout: ServedLayout | None = None, forming=None) -> Received:
     """Receive step `step` from the trainer's group (rl/weights/) into one sealed memfd laid out as a safetensors
     file, within one deadline (`spec.timeout_s`) for all of it. Refused (StepRefused) before anything is allocated
     for it: a header not sealed with the run's `key`, malformed, or not of the served `layout`; after its bytes
@@ -155,12 +155,13 @@ def receive_weights(spec: GroupSpec, step: int, key: bytes, corrupt: str | None 
     `backend` "nccl": each tensor arrives in this process's current GPU, and is copied from there into the memfd.
     `corrupt` (tests only): the tensor whose first received byte is flipped, as a fault on the way would. `base`
     (sparse transports): the full weights this server serves, as `StagedStep.rpc()` names them, which the trainer
-    may send changes against (rl/weights/sparse.py)."""
+    may send changes against (rl/weights/sparse.py). `forming`: the context a new group forms in (`GroupKeeper.join`).
+    """
     deadline = Deadline(spec.timeout_s, step)
     kept, keeper = keeper is not None, keeper or GroupKeeper()
     store = connect_store(spec.host, spec.port, deadline)
     announce_base(store, step, spec.rank, base["checksum"] if base else None)
-    group = keeper.join(store, step, spec.rank, spec.world_size, deadline, backend)
+    group = keeper.join(store, step, spec.rank, spec.world_size, deadline, backend, forming)
     fd, failed = None, True
     try:
         header = receive_header(group, step, key)

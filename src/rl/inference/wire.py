@@ -5,6 +5,7 @@ on. `PolicyWeights` holds the one its config names and loads what it returns."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -26,12 +27,15 @@ WORKER_ANSWER_S = 30  # beyond a step's deadline, how long its first worker may 
 
 class Receiver:
     """Receives steps for one server. `engine`: vLLM's engine client (its workers answer `collective_rpc`); `key`:
-    the run's transfer key; `adapters`: whether the server serves LoRA adapters (what a step must be)."""
+    the run's transfer key; `adapters`: whether the server serves LoRA adapters (what a step must be);
+    `hold_generation`: an async context manager factory inside which the server generates nothing (new requests
+    wait, those in flight are frozen)."""
 
     backend = "gloo"
 
-    def __init__(self, engine, key: bytes, adapters: bool):
+    def __init__(self, engine, key: bytes, adapters: bool, hold_generation=None):
         self.engine, self.key, self.adapters = engine, key, adapters
+        self.hold_generation = hold_generation or _nothing_held
         self.layout: ServedLayout | None = None  # what a step must be, asked of the first worker once
 
     async def receive(self, spec: GroupSpec, step: int, corrupt: str | None, base: StagedStep | None) -> Received:
@@ -51,7 +55,8 @@ class Receiver:
 
 class FirstWorkerReceiver(Receiver):
     """NCCL: the first worker (the process of a server that holds a GPU and an NCCL library, `rl_receive_weights`)
-    receives the step while generation goes on; its sealed memfd is then taken over by this process."""
+    receives the step while generation goes on; its sealed memfd is then taken over by this process. While the
+    worker's group forms (the first step, or after a failure) this process holds generation for it."""
 
     backend = "nccl"
 
@@ -61,10 +66,15 @@ class FirstWorkerReceiver(Receiver):
                                 corrupt, base and base.rpc())
         limit_s = spec.timeout_s + WORKER_ANSWER_S  # the worker's receive keeps the step's deadline itself
         deadline = time.monotonic() + limit_s
+        held = None  # generation, while the worker's group forms
         try:
             while (report := await self.first_worker("rl_received")).get("pending"):
                 if time.monotonic() > deadline:
                     raise TransferError(f"the first worker was still receiving step {step} after {limit_s:.0f} s")
+                if report["hold"] and held is None:
+                    held = await self._hold_for_forming()
+                elif held is not None and not report["hold"]:
+                    held = await self._release_after_forming(held, step)
                 await asyncio.sleep(RECEIVE_POLL_S)
             if report.get("kind") == "refused":
                 raise StepRefused(report["error"], report["status"])
@@ -74,7 +84,22 @@ class FirstWorkerReceiver(Receiver):
                         report["pid"], report["size"])
             return await asyncio.to_thread(take_over, report)
         finally:
+            if held is not None:
+                await self._release_after_forming(held, step)
             await self.engine.collective_rpc("rl_release_received")
+
+    async def _hold_for_forming(self) -> tuple[contextlib.AsyncExitStack, float]:
+        """Generation held, and the worker told so; the hold and when it began."""
+        held = contextlib.AsyncExitStack()
+        await held.enter_async_context(self.hold_generation())
+        await self.engine.collective_rpc("rl_generation_held")
+        return held, time.perf_counter()
+
+    @staticmethod
+    async def _release_after_forming(held: tuple[contextlib.AsyncExitStack, float], step: int) -> None:
+        await held[0].aclose()
+        logger.info("step %d: generation held %.3f s while the transfer group formed", step,
+                    time.perf_counter() - held[1])
 
 
 class ApiProcessReceiver(Receiver):
@@ -82,18 +107,23 @@ class ApiProcessReceiver(Receiver):
     from step to step. The test hook `receive_in_worker` takes NCCL's path over gloo instead: how a CPU host proves
     it."""
 
-    def __init__(self, engine, key: bytes, adapters: bool):
-        super().__init__(engine, key, adapters)
+    def __init__(self, engine, key: bytes, adapters: bool, hold_generation=None):
+        super().__init__(engine, key, adapters, hold_generation)
         self.group = GroupKeeper()  # this process's group with the trainer
 
     async def receive(self, spec: GroupSpec, step: int, corrupt: str | None, base: StagedStep | None) -> Received:
         if hooks.take("receive_in_worker") is not None:
-            in_worker = FirstWorkerReceiver(self.engine, self.key, self.adapters)
+            in_worker = FirstWorkerReceiver(self.engine, self.key, self.adapters, self.hold_generation)
             in_worker.backend, in_worker.layout = "gloo", self.layout
             return await in_worker.receive(spec, step, corrupt, base)
         layout = await self.served_layout()
         return await in_daemon_thread(receive_weights, spec, step, self.key, corrupt, "gloo", self.group,
                                       base and base.rpc(), layout)
+
+
+@contextlib.asynccontextmanager
+async def _nothing_held():
+    yield
 
 
 async def in_daemon_thread(function, *args):

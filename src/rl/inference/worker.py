@@ -8,6 +8,7 @@ vLLM's LoRA slots (rl/inference/adapters.py): `rl_read_adapter` before vLLM's ow
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -26,7 +27,7 @@ from rl.inference.layout import ServedLayout
 from rl.inference.staging import receive_weights
 from rl.manifest import CorruptFileError, Entry
 from rl.weights import StepRefused, TransferError
-from rl.weights.group import GroupKeeper
+from rl.weights.group import Deadline, GroupKeeper
 from rl.weights.offers import GroupSpec
 logger = logging.getLogger(__name__)
 
@@ -157,7 +158,10 @@ class WeightSyncExtension:
         """On the first tensor-parallel worker (the others answer None): start receiving step `step` in a thread of
         this worker, which joins the step's group at the server's rank with this worker's GPU and receives the step
         into a sealed memfd checked against the trainer's checksum (`rl.inference.staging.receive_weights`), while
-        the worker goes on generating; `base` (sparse transports): the weights served, as the server staged them.
+        the worker goes on generating: on a CUDA stream of its own, so that neither its copies nor NCCL's wait for
+        them queue behind vLLM's work on the default stream. A group that must form (the first step, or after a
+        failure) forms with generation held: the thread asks for it (`rl_received` says `hold`) and waits for
+        `rl_generation_held`. `base` (sparse transports): the weights served, as the server staged them.
         `rl_received` tells how it went."""
         if self._rl_tp_rank() != 0:
             return None
@@ -169,13 +173,29 @@ class WeightSyncExtension:
         device = torch.cuda.current_device() if backend == "nccl" else None
         if getattr(self, "_rl_transfer_group", None) is None:
             self._rl_transfer_group = GroupKeeper()  # this worker's group with the trainer, kept between steps
+        self._rl_held = threading.Event()
+
+        @contextlib.contextmanager
+        def generation_held(deadline: Deadline) -> Iterator[None]:
+            outcome["hold"] = True
+            try:
+                if not self._rl_held.wait(deadline.left(f"the server held generation for step {step}'s group")):
+                    raise TransferError(f"the server did not hold generation for step {step}'s transfer group to "
+                                        f"form within the step's {deadline.seconds:g} s")
+                yield
+            finally:
+                outcome.pop("hold", None)
 
         def receive() -> None:
+            stream = None
             if device is not None:
                 torch.cuda.set_device(device)  # a new thread starts on GPU 0
+                stream = torch.cuda.Stream(device)
             try:
-                outcome["received"] = receive_weights(GroupSpec(**spec), step, key, corrupt, backend,
-                                                      self._rl_transfer_group, base, ServedLayout.from_rpc(layout))
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    outcome["received"] = receive_weights(GroupSpec(**spec), step, key, corrupt, backend,
+                                                          self._rl_transfer_group, base, ServedLayout.from_rpc(layout),
+                                                          generation_held)
             except CorruptFileError as error:
                 outcome["error"] = {"error": str(error), "kind": "corrupt"}
             except StepRefused as error:
@@ -201,7 +221,7 @@ class WeightSyncExtension:
         if thread is None:
             return {"error": "no receive was started", "kind": "transfer"}
         if thread.is_alive():
-            return {"pending": True}
+            return {"pending": True, "hold": outcome.get("hold", False)}
         self._rl_receiving = (None, {})
         if "error" in outcome:
             return outcome["error"]
@@ -210,6 +230,11 @@ class WeightSyncExtension:
         fd, size = next(iter(received.staged.files.values()))
         return {"pid": os.getpid(), "fd": fd, "size": size, "checksum": received.checksum,
                 "adapter_config": received.adapter_config}
+
+    def rl_generation_held(self) -> None:
+        """The server holds generation: the group the receive asked to form it for may form now."""
+        if self._rl_tp_rank() == 0:
+            self._rl_held.set()
 
     def rl_release_received(self) -> None:
         """Close this worker's descriptor of the last step it received (the server holds its own)."""

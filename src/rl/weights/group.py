@@ -3,12 +3,15 @@ while every member holds it), and broadcasts with deadlines."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -95,20 +98,21 @@ class GroupKeeper:
         self.busy = threading.Lock()  # one step at a time: another's broadcasts would interleave with its own
 
     def join(self, store: dist.Store, step: int, rank: int, world_size: int, deadline: Deadline,
-             backend: str = "gloo") -> StepGroup:
-        """Step `step`'s group: the kept one where every member holds it, else a new one; TransferError if the members
-        did not all report, or the group did not form, by the step's `deadline`, or if another step's transfer is still
-        using this keeper. Every join is followed by `done`."""
+             backend: str = "gloo", forming: Callable[[Deadline], ContextManager] | None = None) -> StepGroup:
+        """Step `step`'s group: the kept one where every member holds it, else a new one, formed inside `forming`
+        (a server's first worker holds generation there); TransferError if the members did not all report, or the
+        group did not form, by the step's `deadline`, or if another step's transfer is still using this keeper. Every
+        join is followed by `done`."""
         if not self.busy.acquire(blocking=False):
             raise TransferError(f"step {step} cannot be transferred while another step's transfer is in progress")
         try:
-            return self._join(store, step, rank, world_size, deadline, backend)
+            return self._join(store, step, rank, world_size, deadline, backend, forming or no_hold)
         except BaseException:
             self.busy.release()
             raise
 
     def _join(self, store: dist.Store, step: int, rank: int, world_size: int, deadline: Deadline,
-              backend: str) -> StepGroup:
+              backend: str, forming: Callable[[Deadline], ContextManager]) -> StepGroup:
         held = self.group.report() if self.group is not None else NOTHING_HELD
         try:
             reports = exchange_reports(store, step, rank, world_size, held, deadline)
@@ -122,7 +126,8 @@ class GroupKeeper:
             return group
         self.drop()
         name = f"{run_token(store, deadline)}:{step}"
-        self.group = open_group(store, step, rank, world_size, deadline, backend, name)
+        with forming(deadline):
+            self.group = open_group(store, step, rank, world_size, deadline, backend, name)
         self.formed += 1
         logger.info("formed the transfer group of step %d (rank %d of %d, %s)", step, rank, world_size, backend)
         return self.group
@@ -138,6 +143,10 @@ class GroupKeeper:
     def drop(self) -> None:
         group, self.group = self.group, None
         release_group(group)
+
+
+def no_hold(deadline: Deadline) -> ContextManager:
+    return contextlib.nullcontext()
 
 
 def exchange_reports(store: dist.Store, step: int, rank: int, world_size: int, held: str,
@@ -222,13 +231,22 @@ def open_group(store: dist.Store, step: int, rank: int, world_size: int, deadlin
 def _nccl_group(store: dist.Store, step: int, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
     """An NCCL group whose failure (a member died, a deadline passed) aborts the group and raises, leaving the process
     (a vLLM worker, the trainer) running: NCCL's default tears the process down. The setting is read as the group is
-    made."""
+    made. Its communicator is set up here, with every member (NCCL's own default is at the first collective): a
+    server forms its group with generation held, not while a step's first bytes arrive beside vLLM's work, and a
+    member that never comes fails the forming, by the deadline, rather than the header's broadcast."""
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     before = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_CLEANUP_ONLY
     try:
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        try:
+            group.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+        except BaseException:
+            with contextlib.suppress(Exception):  # what it set up so far goes; why it failed is raised
+                group.abort()
+            raise
+        return group
     finally:
         if before is None:
             os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING")
