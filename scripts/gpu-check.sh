@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What only a GPU can show, in one command: CUDA usable (driver, CUDA, NCCL and vLLM versions), the single-GPU vLLM
 # reload test, the other CUDA tests (any that skips fails here: RL_REQUIRE_GPU), the trainer alone at Qwen3-0.6B's
-# shape, then a short Qwen3-0.6B run (bf16 trainer, vLLM with CUDA graphs, one trainer GPU and one inference GPU) and a shorter one with
-# weights over NCCL, ending with the figures that tell where the GPU path stands: trainer tokens/s and MFU, peak
-# allocated and reserved memory, and the publish-to-served reload latency.
+# shape, then a short Qwen3-0.6B run (bf16 trainer, vLLM with CUDA graphs, one trainer GPU and one inference GPU) and
+# shorter ones with weights over NCCL; on a node of 8 GPUs, the whole node (the 1.5B TP=2 layout with 4 trainer
+# ranks, and a five-member NCCL group); ending with the figures that tell where the GPU path stands: trainer tokens/s
+# and MFU, peak allocated and reserved memory, and the publish-to-served reload latency.
 #
 #   bash scripts/gpu-check.sh [OUTPUT_DIR] [MODEL]      (MODEL: default Qwen/Qwen3-0.6B; needs the hub or a local dir)
 #
@@ -100,6 +101,41 @@ print(f"gpu-check: sparse NCCL bytes sent per step, of the whole step's {whole /
 if not any(r["transfer_sparse"] for r in trainer):
     sys.exit("gpu-check: no step went as its changes")
 PY
+
+# The whole node, where it has 8 GPUs: the 1.5B TP=2 layout over NCCL with 4 FSDP ranks (rank 0 interleaving its
+# all-gathers with the broadcasts) and two TP=2 servers; then four TP=1 servers, a five-member NCCL group. 3 steps
+# each, NCCL_DEBUG=WARN (above); node-figures reports each step's send and its servers' switch to it.
+gpus=$(nvidia-smi -L | wc -l)
+node_model="${NODE_MODEL:-Qwen/Qwen2.5-1.5B-Instruct}"
+if [ "$gpus" -ge 8 ]; then
+  part node-tp2 uv run rl @ configs/layout_1.5b_tp2/rl.toml --model.name "$node_model" --max-steps 3 \
+    --inference-gpus 4 --trainer-gpus 4 --transfer.backend nccl --output-dir "$out/node-tp2"
+  part node-five uv run rl @ configs/layout_1.5b_tp2/rl.toml --model.name "$node_model" --max-steps 3 \
+    --inference.tensor-parallel-size 1 --inference-gpus 4 --trainer-gpus 4 --transfer.backend nccl \
+    --output-dir "$out/node-five"
+  part node-figures uv run python - "$out/node-tp2" "$out/node-five" <<'PY'
+import json, re, sys
+from pathlib import Path
+
+for run in map(Path, sys.argv[1:]):
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        sys.exit(f"gpu-check: no figures: {path} was not written (see {run.name}.log)")
+    trainer = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("process") == "trainer"]
+    switches: dict[int, list[float]] = {}
+    for log in sorted((run / "logs").glob("inference*.log")):
+        for step, seconds in re.findall(r"update to step (\d+) from transfer:step_\d+ in ([0-9.]+) s", log.read_text()):
+            switches.setdefault(int(step), []).append(float(seconds))
+    for r in trainer:
+        served = switches.get(r["step"], [])
+        print(f"gpu-check: {run.name} step {r['step']}: sent over NCCL in {r.get('transfer_s', float('nan')):.2f} s, "
+              f"served by {len(served)} servers, switch {max(served, default=float('nan')):.2f} s at most")
+    if not trainer or not all(r.get("weights_sent") for r in trainer):
+        sys.exit(f"gpu-check: {run.name}: a step did not go over NCCL")
+PY
+else
+  statuses+=("node-tp2, node-five: SKIPPED (they need 8 GPUs; this node has $gpus)")
+fi
 
 part figures uv run python - "$out/run" <<'PY'
 import json, re, statistics, sys

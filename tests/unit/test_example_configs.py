@@ -2,6 +2,7 @@
 host of 8 GPUs: the GPUs each process gets and the vLLM command line of each inference server."""
 
 import re
+import shlex
 import tomllib
 
 import pytest
@@ -60,3 +61,29 @@ def test_an_example_layout_runs_one_tp_server_beside_the_trainer(config, model, 
     assert (vllm["--model"], vllm["--served-model-name"], vllm["--port"]) == (model, model, "8000")
     assert (vllm["--tensor-parallel-size"], vllm["--dtype"]) == (str(tp), "bfloat16")
     assert "--pipeline-parallel-size" not in vllm and "-tp" not in vllm
+
+
+def gpu_check_node_run(name: str, tmp_path) -> list[str]:
+    """The `rl` arguments of gpu-check.sh's part `name`, as the script runs them on a node of 8 GPUs."""
+    script = (ROOT / "scripts" / "gpu-check.sh").read_text().replace("\\\n", " ")
+    line = next(line.strip() for line in script.splitlines() if line.strip().startswith(f"part {name} uv run rl "))
+    argv = shlex.split(line.removeprefix(f"part {name} uv run rl "))
+    return [arg.replace("$node_model", "Qwen/Qwen2.5-1.5B-Instruct").replace("$out", str(tmp_path)) for arg in argv]
+
+
+@pytest.mark.parametrize("part, servers", [("node-tp2", ["0,1", "2,3"]), ("node-five", ["0", "1", "2", "3"])])
+def test_gpu_checks_whole_node_parts_place_every_gpu(part, servers, tmp_path, monkeypatch, capsys):
+    """On 8 GPUs: 4 trainer ranks on GPUs 4-7, and the servers on 0-3 (two of TP=2; four of TP=1: with the trainer's
+    rank 0, a five-member NCCL group)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launcher, "check_model", lambda name: None)
+    for name in GPU_ENV:
+        monkeypatch.delenv(name, raising=False)
+    launcher.main(gpu_check_node_run(part, tmp_path) + ["--dry-run"])
+    commands = printed_section(capsys.readouterr().out, "commands").splitlines()
+    inference = [line for line in commands if line.startswith("inference-")]
+    assert [re.search(r"CUDA_VISIBLE_DEVICES=(\S+)", line)[1] for line in inference] == servers
+    trainer = next(line for line in commands if line.startswith("trainer:"))
+    assert "CUDA_VISIBLE_DEVICES=4,5,6,7 " in trainer and "--nproc-per-node=4" in trainer

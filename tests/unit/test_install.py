@@ -156,12 +156,12 @@ esac
 """
 
 
-def test_gpu_check_runs_every_part_and_prints_the_summary_whatever_failed(tmp_path):
-    """One failing CUDA test once ended gpu-check.sh (set -e with pytest | tee) before the run, so a GPU host
-    reported no tokens/s, MFU or reload figures."""
+def gpu_check_with_stubs(tmp_path, gpus: int) -> tuple[subprocess.CompletedProcess, str, Path]:
+    """gpu-check.sh run with stub `uv` and `nvidia-smi` (listing `gpus` GPUs); its result, summary and output dir."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
-    (stubs / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'GPU 0: stub'\n")
+    listing = "".join(f"echo 'GPU {i}: stub'\n" for i in range(gpus))
+    (stubs / "nvidia-smi").write_text(f"#!/usr/bin/env bash\n{listing}")
     (stubs / "uv").write_text(STUB_UV)
     for stub in stubs.iterdir():
         stub.chmod(0o755)
@@ -169,7 +169,13 @@ def test_gpu_check_runs_every_part_and_prints_the_summary_whatever_failed(tmp_pa
     env = {k: v for k, v in os.environ.items() if k not in ("UV_FIND_LINKS", "VIRTUAL_ENV")}
     result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), str(out)], capture_output=True, text=True,
                             env=env | {"PATH": f"{stubs}:{env['PATH']}"}, timeout=120)
-    summary = result.stdout[result.stdout.index("== gpu-check summary"):]
+    return result, result.stdout[result.stdout.index("== gpu-check summary"):], out
+
+
+def test_gpu_check_runs_every_part_and_prints_the_summary_whatever_failed(tmp_path):
+    """One failing CUDA test once ended gpu-check.sh (set -e with pytest | tee) before the run, so a GPU host
+    reported no tokens/s, MFU or reload figures."""
+    result, summary, out = gpu_check_with_stubs(tmp_path, gpus=1)
     assert result.returncode == 1, result.stdout + result.stderr
     assert summary.splitlines()[1:4] == ["  install: ok", "  cuda: FAILED (exit 1)", "  vllm-reload: FAILED (exit 1)"]
     assert "cuda-tests: FAILED (exit 1)" in summary, summary
@@ -179,6 +185,14 @@ def test_gpu_check_runs_every_part_and_prints_the_summary_whatever_failed(tmp_pa
     assert "rl-run-sparse-nccl: ok" in summary and "sparse-figures: FAILED" in summary, summary
     assert "no sparse figures" in (out / "sparse-figures.log").read_text()
     assert "1 failed" in (out / "cuda-tests.log").read_text()
+    assert "node-tp2, node-five: SKIPPED (they need 8 GPUs; this node has 1)" in summary, summary
+
+
+def test_gpu_check_uses_the_whole_node_where_it_has_8_gpus(tmp_path):
+    result, summary, out = gpu_check_with_stubs(tmp_path, gpus=8)
+    assert "node-tp2: ok" in summary and "node-five: ok" in summary, summary  # the stub's pretend runs
+    assert "node-figures: FAILED" in summary and "no figures" in (out / "node-figures.log").read_text(), summary
+    assert "SKIPPED" not in summary, summary
 
 
 def test_under_gpu_check_a_gpu_test_that_skips_fails():
