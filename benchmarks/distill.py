@@ -10,7 +10,8 @@ run's first 3 steps); a run halves it at the first step where the mean of 5 cons
 start plus half the gap. Each side's figure is the median over rounds. Also printed: `distill/reverse_kl` at the
 start and end of each distillation run. The last line reads
 `distill <D> steps, rl <R> steps to halve the gap to the teacher` (">N" where a run did not within its N steps).
-`--distill` and `--reward-weight` set the distillation side's loss; `--sides distill` runs that side alone.
+`--distill` and `--reward-weight` set the distillation side's loss, `--distill-lr` its learning rate; `--sides
+distill` runs that side alone.
 
     uv run python benchmarks/distill.py                       # ~25 min on 2 cores
     uv run python benchmarks/distill.py --rounds 1 --steps 40 --out /tmp/distill
@@ -41,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--distill", type=float, default=1.0, help="the distillation side's trainer.loss.distill")
     parser.add_argument("--reward-weight", type=float, default=0.0,
                         help="the distillation side's trainer.loss.reward_weight (0: the teacher's signal only)")
+    parser.add_argument("--distill-lr", type=float, help="the distillation side's trainer.optim.lr (default: the "
+                                                             "quickstart's, as RL's)")
     parser.add_argument("--sides", default="distill,rl", help="which sides run (comma-separated)")
     parser.add_argument("--out", type=Path, help="keep everything here (default: a temporary directory)")
     parser.add_argument("--timeout", type=float, default=3600, help="deadline in seconds for each run")
@@ -112,8 +115,10 @@ def main() -> None:
 
     distill = ["--teacher.model", str(teacher), "--trainer.loss.distill", str(args.distill),
                "--trainer.loss.reward-weight", str(args.reward_weight)]
+    distill += ["--trainer.optim.lr", str(args.distill_lr)] if args.distill_lr else []
     sides = {side: flags for side, flags in (("distill", distill), ("rl", [])) if side in args.sides.split(",")}
-    tag = {"distill": f"distill{args.distill:g}-rw{args.reward_weight:g}", "rl": "rl"}
+    lr = f"-lr{args.distill_lr:g}" if args.distill_lr else ""
+    tag = {"distill": f"distill{args.distill:g}-rw{args.reward_weight:g}{lr}", "rl": "rl"}
     halved: dict[str, list[int | None]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
         for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:

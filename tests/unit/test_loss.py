@@ -119,6 +119,35 @@ def test_distillation_alone_moves_the_student_toward_the_teacher():
     assert logprobs.grad.flatten().tolist() == pytest.approx([0, 0, -0.125 * log2, 0, 0.375 * log2, 0], abs=1e-7)
 
 
+def test_distillation_with_a_baseline_moves_each_token_by_its_reverse_kl_against_the_steps_mean():
+    logprobs = torch.tensor(LOGPROBS, requires_grad=True)
+    old, teacher = torch.full((2, 3), OLD), torch.tensor(TEACHER)
+    config = LossConfig(distill=1.0, reward_weight=0.0)
+    loss, _ = policy_loss(logprobs, old, torch.tensor(ADV), torch.tensor(FULL_MASK), torch.full((2, 3), 0.25),
+                          config, teacher_logprobs=teacher, distill_baseline=0.5)
+    loss.backward()
+    log2 = math.log(2)
+    # A_t = 0.5 - k_t: s0 t1 0.5 (r 1.5, clipped: -1.28 * 0.5), s0 t2 0.5 + log 2 (r 0.5: -0.5 A),
+    # s1 t1 0.5 - log 2 < 0 (r 1.5: -1.5 A), s1 t2 0.5 (r 0.5: -0.5 A)
+    expected = (-0.64 - 0.5 * (0.5 + log2) + 1.5 * (log2 - 0.5) - 0.25) / 4
+    assert loss.item() == pytest.approx(expected)
+    # the clipped token has no gradient; the others -w r A_t
+    grads = [0, 0, -0.25 * 0.5 * (0.5 + log2), 0, -0.25 * 1.5 * (0.5 - log2), -0.25 * 0.5 * 0.5]
+    assert logprobs.grad.flatten().tolist() == pytest.approx(grads, abs=1e-7)
+
+
+def test_the_distillation_baseline_is_the_steps_mean_reverse_kl_over_trained_tokens_of_every_rank():
+    from rl.protocol import Sample
+    from rl.trainer.step import distill_baseline
+
+    # trained tokens: a's 2nd and 3rd (k = 0.5, 1.5), b's 3rd (k = -1.0); prompt tokens and the first count for nothing
+    a = Sample([1, 2, 3], [1, 1, 1], [-9.0, -1.0, -2.0], 0.0, 0.0, 0, [0.0, -1.5, -3.5])
+    b = Sample([1, 2, 3], [0, 0, 1], [0.0, 0.0, -2.0], 0.0, 0.0, 0, [5.0, 5.0, -1.0])
+    other_rank = [3.0, 1]  # another rank's sum and count of trained tokens
+    world = type("World", (), {"all_reduce": lambda self, values: [v + o for v, o in zip(values, other_rank)]})()
+    assert distill_baseline([a, b], world) == pytest.approx((0.5 + 1.5 - 1.0 + 3.0) / 4)
+
+
 def test_distillation_beside_the_reward_adds_to_each_tokens_advantage():
     logprobs = torch.tensor(LOGPROBS, requires_grad=True)
     old, teacher = torch.full((2, 3), OLD), torch.tensor(TEACHER)

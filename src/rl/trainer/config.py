@@ -114,6 +114,11 @@ class LossConfig(Section):
     reward_weight: Annotated[
         float, Field(ge=0, description="weight of the reward advantage; 0 with distill > 0: pure distillation")
     ] = 1.0
+    distill_baseline: Annotated[
+        bool, Field(description="subtract the step's mean reverse KL (every trained token, all ranks) from each "
+                                "token's before weighing it by distill: a baseline, so that the update moves tokens "
+                                "by how much worse than the step's average the teacher finds them")
+    ] = True
 
     @model_validator(mode="after")
     def _something_to_learn(self):

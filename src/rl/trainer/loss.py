@@ -5,16 +5,20 @@ For every trained token t of sample i, with advantage A_i, trainer logprob log p
 logprob log pi_old(t) recorded by the orchestrator, (beta > 0) the reference logprob log pi_ref(t) and
 (distill > 0) the teacher's logprob log pi_T(t), scored by the orchestrator:
 
-    A_t     = w_r * A_i + lambda * (log pi_T(t) - log pi_old(t))  (w_r = reward_weight, lambda = distill)
+    A_t     = w_r * A_i - lambda * (k_t - b)         (w_r = reward_weight, lambda = distill)
+    k_t     = log pi_old(t) - log pi_T(t)             per-token reverse KL to the teacher, b its step mean
     r_t     = exp(log pi_theta(t) - log pi_old(t))                          importance ratio
     r~_t    = min(r_t, C)             (mismatch.type = truncate, cap C)    else r~_t = r_t
     L_t     = -min(r~_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
               + beta * (exp(q_t) - q_t - 1),  q_t = log pi_ref(t) - log pi_theta(t)   (k3 estimator)
 
-The distillation term is on-policy distillation's: log pi_old(t) - log pi_T(t) is a one-sample estimate of the
+The distillation term is on-policy distillation's: k_t = log pi_old(t) - log pi_T(t) is a one-sample estimate of the
 reverse KL(pi || pi_T) at token t, so a token the teacher finds likelier than the student did gets a positive
-advantage; its gradient through the ratio, clipping and masks is that of every token's. A sample without teacher
-logprobs has log pi_T = log pi_old (data.py): no distillation term.
+advantage; its gradient through the ratio, clipping and masks is that of every token's. b is the step's mean k_t
+over every trained token of all ranks (`distill_baseline`; else 0): a baseline, as Thinking Machines' recipe centres
+its per-token KL advantages. On the student's own samples E[grad log pi] = 0, so subtracting it leaves the expected
+gradient as it is and removes the part common to every token, which otherwise dominates a clipped gradient's
+direction. A sample without teacher logprobs has log pi_T = log pi_old (data.py): no distillation term.
     m_t     = 0 if |log r_t| > B  (mismatch.type = mask, bound B)          else m_t = 1
     L       = sum_i sum_t m_t * w_i * L_t
 
@@ -83,11 +87,12 @@ def policy_loss(
     config: LossConfig,
     ref_logprobs: torch.Tensor | None = None,  # [B, T] reference logprobs, when beta > 0
     teacher_logprobs: torch.Tensor | None = None,  # [B, T] the teacher's logprobs, when distill > 0
+    distill_baseline: float = 0.0,  # b: the step's mean reverse KL, when distill > 0 and loss.distill_baseline
 ) -> tuple[torch.Tensor, LossStats]:
     reverse_kl = torch.zeros_like(old_logprobs)
     if teacher_logprobs is not None and config.distill > 0:
         reverse_kl = old_logprobs - teacher_logprobs  # [B, T]
-        advantages = config.reward_weight * advantages - config.distill * reverse_kl
+        advantages = config.reward_weight * advantages - config.distill * (reverse_kl - distill_baseline)
     elif config.reward_weight != 1:
         advantages = config.reward_weight * advantages
     log_ratio = logprobs - old_logprobs  # [B, T]

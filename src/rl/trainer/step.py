@@ -26,6 +26,7 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
                          "set orchestrator.teacher (the teacher that scores each sample)")
     samples = [truncate(s, config.seq_len) for s in samples]
     totals = step_totals(samples, world)
+    baseline = distill_baseline(samples, world) if config.loss.distill > 0 and config.loss.distill_baseline else 0.0
     weights = [sample_weight(config.loss.norm, trained_tokens(s), totals, config.seq_len) for s in samples]
     batches = build_micro_batches(samples, weights, config.row_tokens, config.micro_batch_size, config.packing, pad_id)
     count, = world.all_reduce([len(batches)], op="max")  # FSDP collectives must match across ranks
@@ -37,7 +38,7 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     for i, mb in enumerate(batches):
         if i in (0, len(batches) - 1):  # the setting changes only there; each call walks every module
             set_gradient_sync(policy, world, last=i == len(batches) - 1)
-        sums += forward_backward(policy, reference, mb, config, world)
+        sums += forward_backward(policy, reference, mb, config, world, baseline)
     lr = scheduler.get_last_lr()[0]
     grad_norm = clip_gradients(policy, config.optim.max_grad_norm)  # one host sync per step
     optimizer.step()
@@ -53,6 +54,16 @@ def step_totals(samples: list[Sample], world: World) -> StepTotals:
     return StepTotals(samples=int(n), tokens=int(tokens))
 
 
+def distill_baseline(samples: list[Sample], world: World) -> float:
+    """The step's mean reverse KL to the teacher, log pi_old - log pi_T, over every trained token of all ranks."""
+    total, count = world.all_reduce([
+        sum(old - teacher for s in samples
+            for old, teacher, trained in zip(s.logprobs[1:], s.teacher_logprobs[1:], s.loss_mask[1:]) if trained),
+        sum(trained_tokens(s) for s in samples),
+    ])
+    return total / max(count, 1)
+
+
 def set_gradient_sync(policy, world: World, last: bool) -> None:
     """Reduce gradients and reshard parameters after every micro-batch (sharded accumulation, least memory),
     except with one rank: there unsharded gradients and parameters take no more memory than sharded ones,
@@ -62,7 +73,8 @@ def set_gradient_sync(policy, world: World, last: bool) -> None:
     policy.set_reshard_after_backward(sync)
 
 
-def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, world: World) -> torch.Tensor:
+def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, world: World,
+                     baseline: float = 0.0) -> torch.Tensor:
     """Accumulate the gradient of one micro-batch; return its sums in SUM_KEYS order, [len(SUM_KEYS)] float64
     on the micro-batch's device. Nothing here reads a value back to the host: on a GPU that would wait for
     the queued kernels once per micro-batch."""
@@ -74,7 +86,7 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
     logprobs, entropy = forward_logprobs(policy, mb, config.temperature)  # [B, T] each
     loss, stats = policy_loss(
         logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.weights, config.loss, ref_logprobs,
-        mb.teacher_logprobs,
+        mb.teacher_logprobs, baseline,
     )
     # FSDP averages gradients over ranks; the loss is already normalised by step totals, so undo the mean.
     (loss * world.world_size).backward()
