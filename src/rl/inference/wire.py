@@ -74,7 +74,8 @@ class FirstWorkerReceiver(Receiver):
                 if report["hold"] and held is None:
                     held = await self._hold_for_forming()
                 elif held is not None and not report["hold"]:
-                    held = await self._release_after_forming(held, step)
+                    await self._release_after_forming(held, step)
+                    held = None
                 await asyncio.sleep(RECEIVE_POLL_S)
             if report.get("kind") == "refused":
                 raise StepRefused(report["error"], report["status"])
