@@ -2,7 +2,8 @@
 files path of adapters is test_inference_lora's), the vLLM server (tensor-parallel: two workers) loading each in
 place and verifying it, the orchestrator sampling from the adapter, and a teacher (a second tiny model, served by
 `rl` as the inference server is) scoring every sample for on-policy distillation; then `eval --adapter` on the last
-one (the final checkpoint's files), on a tensor-parallel server eval starts itself."""
+one (the final checkpoint's files), on a tensor-parallel server eval starts itself; then `--resume` for two more
+steps, the teacher scoring them too."""
 
 import json
 import re
@@ -20,10 +21,10 @@ pytestmark = pytest.mark.integration
 def test_a_lora_run_serves_the_adapters_the_trainer_sent_and_distils_from_a_teacher(tiny_model, tmp_path):
     out = tmp_path / "run"
     teacher = build_tiny_model(tmp_path / "teacher", seed=1)  # other weights, the same tokenizer
-    run = Launched(rl_command(tiny_model, out, 3, "--trainer.lora.rank", "8", "--trainer.optim.lr", "5e-3",
-                              "--inference.tensor-parallel-size", "2", "--transfer.backend", "gloo",
-                              "--teacher.model", str(teacher), "--teacher.port", str(free_port()),
-                              "--trainer.loss.distill", "1.0", "--trainer.keep-rollouts", "3"))
+    flags = ["--trainer.lora.rank", "8", "--trainer.optim.lr", "5e-3", "--inference.tensor-parallel-size", "2",
+             "--transfer.backend", "gloo", "--teacher.model", str(teacher), "--trainer.loss.distill", "1.0",
+             "--trainer.keep-rollouts", "3"]
+    run = Launched(rl_command(tiny_model, out, 3, *flags, "--teacher.port", str(free_port())))
     assert run.wait(timeout=900) == 0, run.output[-5000:]
     paths = RunPaths(out)
     metrics = read_metrics(paths)
@@ -66,3 +67,14 @@ def test_a_lora_run_serves_the_adapters_the_trainer_sent_and_distils_from_a_teac
     summary = json.loads((results / "summary.json").read_text())
     assert summary["adapter"] == str(paths.weights(3)) and summary["envs"]["reverse-text"]["rollouts"] == 4
     assert sent[3] in (results / "logs" / "inference.log").read_text() + evaluation.output
+
+    # resumed from the final checkpoint for two more steps: the teacher served again, every new sample scored
+    resumed = Launched(rl_command(tiny_model, out, 5, *flags, "--teacher.port", str(free_port()), "--resume"))
+    assert resumed.wait(timeout=900) == 0, resumed.output[-5000:]
+    assert "resuming from step 3" in resumed.output
+    trainer = {m["step"]: m for m in read_metrics(paths) if m["process"] == "trainer"}
+    assert sorted(trainer) == [0, 1, 2, 3, 4]
+    for step in (3, 4):
+        for rank in (0, 1):
+            assert all(sample.teacher_logprobs for sample in read_batch(paths, step, rank))
+        assert trainer[step]["distill/reverse_kl"] != 0 and trainer[step]["weights_sent"]
