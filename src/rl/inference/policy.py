@@ -216,23 +216,40 @@ class PolicyWeights:
     async def _held_switch(self, step: int, target: str, marker: bytes, manifest: dict[str, Entry],
                            staged: StagedStep | str) -> dict:
         """Switch to the staged step with new generation requests held; needs the lock."""
-        start, frozen, failed = time.perf_counter(), 0, True
-        self.admitting.clear()  # new generation requests wait in AdminMiddleware until the switch is done
+        start, frozen = time.perf_counter(), 0
         try:
-            frozen = await self._freeze_in_flight()
-            reply = await self._switch(step, target, marker, manifest, staged) | {"paused_requests": frozen}
-            failed = False
-            return reply
+            async with self._held(prove_clean_on_failure=True) as frozen:
+                return await self._switch(step, target, marker, manifest, staged) | {"paused_requests": frozen}
         finally:
-            try:
-                await self._release()
-                if failed and not self.broken:
-                    await self._prove_clean()
-            finally:
-                self.admitting.set()
             logger.info("update to step %d from %s in %.3f s (%d requests paused); %s step %d",
                         step, target, time.perf_counter() - start, frozen,
                         "BROKEN, generation refused; last verified" if self.broken else "serving", self.step)
+
+    @contextlib.asynccontextmanager
+    async def generation_held(self) -> AsyncIterator[None]:
+        """Nothing generates inside (a transfer group forming); taken under the lock, so that no weight switch holds
+        and releases generation meanwhile."""
+        async with self.lock, self._held() as frozen:
+            logger.info("generation held (%d requests frozen)", frozen)
+            yield
+
+    @contextlib.asynccontextmanager
+    async def _held(self, prove_clean_on_failure: bool = False) -> AsyncIterator[int]:
+        """New generation requests wait in AdminMiddleware and those in flight are frozen (their number is yielded)
+        until the block ends; a block that failed, with `prove_clean_on_failure`, has what is served proved clean
+        before requests are admitted again. Needs the lock."""
+        self.admitting.clear()
+        failed = True
+        try:
+            yield await self._freeze_in_flight()
+            failed = False
+        finally:
+            try:
+                await self._release()
+                if failed and prove_clean_on_failure and not self.broken:
+                    await self._prove_clean()
+            finally:
+                self.admitting.set()
 
     def _still_serving(self) -> str:
         if self.broken:
@@ -273,22 +290,6 @@ class PolicyWeights:
                 for entry in completion.logprobs or []:
                     finite &= all(math.isfinite(lp.logprob) for lp in entry.values())
         return finite
-
-    @contextlib.asynccontextmanager
-    async def generation_held(self) -> AsyncIterator[None]:
-        """Nothing generates inside: new requests wait at `admitting`, those in flight are frozen (a transfer group
-        forming); taken under the lock, so that no weight switch holds and releases generation meanwhile."""
-        async with self.lock:
-            self.admitting.clear()
-            try:
-                frozen = await self._freeze_in_flight()
-                logger.info("generation held (%d requests frozen)", frozen)
-                yield
-            finally:
-                try:
-                    await self._release()
-                finally:
-                    self.admitting.set()
 
     async def _freeze_in_flight(self) -> int:
         """Freeze the requests vLLM is running, so that no token is sampled between the reload and the new
