@@ -138,14 +138,18 @@ def test_distillation_with_a_baseline_moves_each_token_by_its_reverse_kl_against
 
 def test_the_distillation_baseline_is_the_steps_mean_reverse_kl_over_trained_tokens_of_every_rank():
     from rl.protocol import Sample
+    from rl.trainer.data import build_micro_batches
+    from rl.trainer.loss import StepTotals
     from rl.trainer.step import distill_baseline
 
     # trained tokens: a's 2nd and 3rd (k = 0.5, 1.5), b's 3rd (k = -1.0); prompt tokens and the first count for nothing
     a = Sample([1, 2, 3], [1, 1, 1], [-9.0, -1.0, -2.0], 0.0, 0.0, 0, [0.0, -1.5, -3.5])
     b = Sample([1, 2, 3], [0, 0, 1], [0.0, 0.0, -2.0], 0.0, 0.0, 0, [5.0, 5.0, -1.0])
-    other_rank = [3.0, 1]  # another rank's sum and count of trained tokens
+    other_rank = [3.0]  # another rank's sum over its one trained token
     world = type("World", (), {"all_reduce": lambda self, values: [v + o for v, o in zip(values, other_rank)]})()
-    assert distill_baseline([a, b], world) == pytest.approx((0.5 + 1.5 - 1.0 + 3.0) / 4)
+    batches = build_micro_batches([a, b], [1.0, 1.0], 8, 1, False, 0)  # one sample a micro-batch
+    totals = StepTotals(samples=3, tokens=4)  # every rank's trained tokens
+    assert distill_baseline(batches, totals, world) == pytest.approx((0.5 + 1.5 - 1.0 + 3.0) / 4)
 
 
 def test_distillation_beside_the_reward_adds_to_each_tokens_advantage():

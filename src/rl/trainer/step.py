@@ -26,7 +26,6 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
                          "set orchestrator.teacher (the teacher that scores each sample)")
     samples = [truncate(s, config.seq_len) for s in samples]
     totals = step_totals(samples, world)
-    baseline = distill_baseline(samples, world) if config.loss.distill > 0 and config.loss.distill_baseline else 0.0
     weights = [sample_weight(config.loss.norm, trained_tokens(s), totals, config.seq_len) for s in samples]
     batches = build_micro_batches(samples, weights, config.row_tokens, config.micro_batch_size, config.packing, pad_id)
     count, = world.all_reduce([len(batches)], op="max")  # FSDP collectives must match across ranks
@@ -34,6 +33,8 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     # Copied before the first forward: a blocking copy from pageable host memory waits for the device's
     # queue, which is empty here but full of the previous micro-batch's backward inside the loop.
     batches = [mb.to(world.device) for mb in batches]
+    baseline = distill_baseline(batches, totals, world) if config.loss.distill > 0 and config.loss.distill_baseline \
+        else 0.0
     sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=world.device)  # stays on the device all step
     for i, mb in enumerate(batches):
         if i in (0, len(batches) - 1):  # the setting changes only there; each call walks every module
@@ -54,14 +55,12 @@ def step_totals(samples: list[Sample], world: World) -> StepTotals:
     return StepTotals(samples=int(n), tokens=int(tokens))
 
 
-def distill_baseline(samples: list[Sample], world: World) -> float:
-    """The step's mean reverse KL to the teacher, log pi_old - log pi_T, over every trained token of all ranks."""
-    total, count = world.all_reduce([
-        sum(old - teacher for s in samples
-            for old, teacher, trained in zip(s.logprobs[1:], s.teacher_logprobs[1:], s.loss_mask[1:]) if trained),
-        sum(trained_tokens(s) for s in samples),
-    ])
-    return total / max(count, 1)
+def distill_baseline(batches: list[MicroBatch], totals: StepTotals, world: World) -> float:
+    """The step's mean reverse KL to the teacher, log pi_old - log pi_T, over every trained token of all ranks (the
+    tokens and mask the loss takes; one host sync before the first forward)."""
+    local = float(sum(((mb.old_logprobs - mb.teacher_logprobs) * mb.loss_mask).sum() for mb in batches))
+    total, = world.all_reduce([local])
+    return total / max(totals.tokens, 1)
 
 
 def set_gradient_sync(policy, world: World, last: bool) -> None:
