@@ -10,7 +10,7 @@ import httpx
 
 from rl import health
 from tests.conftest import ROOT
-from tests.integration.launched import STARTED, free_port, stop_process
+from tests.integration.launched import KV_CACHE_GIB, STARTED, free_port, stop_process
 
 
 def model_and_weights_dir(tmp_path_factory, name: str) -> Path:
@@ -40,6 +40,7 @@ class Server:
         cmd = [
             sys.executable, "-m", "rl.inference.main", "--model.name", str(model), "--port", str(self.port),
             "--weights-dir", str(weights_dir), "--admin-token", token, "--max-model-len", str(max_model_len),
+            "--kv-cache-gib", KV_CACHE_GIB,
             *(["--host", host] if host != "127.0.0.1" else []),
         ]
         if toml is not None:

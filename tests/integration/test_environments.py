@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration.launched import free_port
+from tests.integration.launched import SMALL_KV_CACHE, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ def eval_command(model: Path, out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "rl.eval.main", "--model.name", str(model), "--env", json.dumps(envs),
         "--num-examples", "3", "--rollouts-per-example", "4", "--sampling.temperature", "1.0",
-        "--sampling.max-tokens", "8", "--pass-threshold", "0.5", "--output-dir", str(out), *extra,
+        "--sampling.max-tokens", "8", "--pass-threshold", "0.5", "--output-dir", str(out), *SMALL_KV_CACHE, *extra,
     ]
 
 

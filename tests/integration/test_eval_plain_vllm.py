@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from rl.inference.main import CPU_MEMORY_SHARE, cpu_vllm_args
+from rl.inference.main import cpu_vllm_args
 from tests.conftest import ROOT
 from tests.integration.inference_server import wait_serving
-from tests.integration.launched import free_port
+from tests.integration.launched import KV_CACHE_GIB, free_port
 
 pytestmark = pytest.mark.integration
 API_KEY = "plain-vllm-test-key"
@@ -29,7 +29,8 @@ def plain_vllm(tiny_model, tmp_path):
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
         "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0",
-        "--gpu-memory-utilization", str(CPU_MEMORY_SHARE), "--api-key", API_KEY, *cpu_vllm_args(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes", str(int(float(KV_CACHE_GIB) * 2**30)), "--api-key", API_KEY,
+        *cpu_vllm_args(MAX_MODEL_LEN),
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     try:

@@ -8,7 +8,7 @@ import pytest
 
 from rl.protocol import RunPaths, read_metrics
 from tests.conftest import ROOT
-from tests.integration.launched import free_port
+from tests.integration.launched import SMALL_KV_CACHE, free_port
 from tests.integration.slurm_cluster import SlurmCluster, slurm_available
 
 pytestmark = [
@@ -35,6 +35,7 @@ def test_the_rendered_job_runs_to_completion(tiny_model, tmp_path, cluster):
         "--inference", "@", str(configs / "infer.toml"), "--model.name", str(tiny_model), "--output-dir", str(out),
         "--max-steps", "3", "--seq-len", "128", "--orchestrator.batch-size", "32",
         "--inference.port", str(free_port()), "--slurm", "--slurm.trainer-nodes", "0", "--slurm.time", "00:20:00",
+        *SMALL_KV_CACHE,
     ]
     submitted = subprocess.run(argv, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=300)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr

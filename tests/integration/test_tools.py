@@ -19,7 +19,7 @@ from rl.protocol import RunPaths, read_metrics
 from rl.renderer import renderer_config
 from tests.conftest import ROOT
 from tests.integration.inference_server import Server
-from tests.integration.launched import Launched, free_port, rl_command
+from tests.integration.launched import SMALL_KV_CACHE, Launched, free_port, rl_command
 
 pytestmark = pytest.mark.integration
 FIXTURES = ROOT / "tests" / "fixtures" / "environments"
@@ -109,7 +109,7 @@ def test_rl_trains_a_tool_environment_and_eval_reports_its_tools(tiny_model, tmp
          "--num-examples", "1", "--rollouts-per-example", "2",
          "--sampling.temperature", "1.0", "--sampling.max-tokens", "24",
          "--inference.max-model-len", str(PROMPT_TOKENS), "--inference.port", str(free_port()),
-         "--output-dir", str(evaluated)],
+         "--output-dir", str(evaluated), *SMALL_KV_CACHE],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

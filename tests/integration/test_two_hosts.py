@@ -15,7 +15,7 @@ import pytest
 
 from rl.protocol import RunPaths, read_metrics, stable_steps
 from tests.conftest import ROOT
-from tests.integration.launched import Launched, free_port
+from tests.integration.launched import SMALL_KV_CACHE, Launched, free_port
 
 pytestmark = pytest.mark.integration
 TOKEN = "two-hosts-admin-token"
@@ -89,7 +89,7 @@ def host_command(model: Path, out: Path, hosts: TwoHosts, host: str, rdzv_port: 
         "--orchestrator.batch-size", "32", "--inference.port", str(free_port()), "--inference.admin-token", TOKEN,
         "--roles", roles, "--host-name", host, "--trainer-nodes", "2", "--node-rank", "0" if host == "a" else "1",
         "--rdzv-endpoint", f"{hosts.address('a')}:{rdzv_port}", "--node-addr", hosts.address(host),
-        "--host-timeout-s", "10",
+        "--host-timeout-s", "10", *SMALL_KV_CACHE,
     ]
     return hosts.command(host, argv)
 
@@ -154,6 +154,7 @@ def test_weights_over_the_wire_cross_from_the_trainers_host_to_a_server_on_anoth
         "--model.name", str(tiny_model), "--output-dir", str(out), "--max-steps", "4", "--seq-len", "128",
         "--orchestrator.batch-size", "32", "--inference.admin-token", TOKEN, "--inference.port", str(port),
         "--transfer.backend", "gloo", "--transfer.host", two_hosts.address("a"), "--host-timeout-s", "10",
+        *SMALL_KV_CACHE,
     ]
     secret = ["env", "RL_TRANSFER__SECRET=" + "5" * 64]  # as a job gives every host the same one
     a = Launched(two_hosts.command("a", secret + common + [

@@ -327,3 +327,14 @@ def test_training_sampling_refuses_truncation_and_eval_sampling_keeps_it():
                                               "--sampling.min-p", "0.05"])
     assert (config.sampling.top_p, config.sampling.top_k, config.sampling.min_p) == (0.9, 50, 0.05)
     assert parse_config(OrchestratorConfig, ["--sampling.top-k", "-1", "--sampling.top-p", "1"])  # no truncation
+
+
+def test_an_explicit_kv_cache_reaches_vllm_in_bytes():
+    from rl.inference.config import InferenceConfig
+    from rl.inference.server import vllm_argv
+
+    argv = vllm_argv(InferenceConfig(dtype="auto", kv_cache_gib=0.25), "/m", 0.2, [])
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(2**28)
+    assert "--kv-cache-memory-bytes" not in vllm_argv(InferenceConfig(dtype="auto"), "/m", 0.2, [])
+    with pytest.raises(ConfigError, match="kv_cache_gib"):
+        parse_config(RLConfig, ["--inference.kv-cache-gib", "0"])

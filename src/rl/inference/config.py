@@ -117,6 +117,12 @@ class InferenceConfig(Settings):
         Field(gt=0, le=1,
               description="share of GPU memory vLLM may use (CPU: of the NUMA node); unset: 0.9 GPU, 0.2 CPU"),
     ] = None
+    kv_cache_gib: Annotated[
+        float | None,
+        Field(gt=0, description="KV cache per worker in GiB (vLLM's --kv-cache-memory-bytes), instead of what "
+                                "gpu_memory_utilization leaves; on CPU it also skips vLLM's warm-up pass (eager "
+                                "mode has nothing to warm up, and its only other use is sizing the cache)"),
+    ] = None
     enforce_eager: Annotated[
         bool | None, Field(description="skip CUDA graph capture (faster start-up, slower decoding); unset: off with "
                                        "CUDA, on on CPU")

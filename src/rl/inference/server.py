@@ -46,6 +46,7 @@ def vllm_argv(config: InferenceConfig, model_dir: str, memory_share: float, host
         "--worker-extension-cls", WORKER_EXTENSION, "--middleware", MIDDLEWARE,
     ]
     argv += ["--enforce-eager"] if config.enforce_eager else []
+    argv += ["--kv-cache-memory-bytes", str(int(config.kv_cache_gib * 2**30))] if config.kv_cache_gib else []
     argv += ["--disable-log-stats"] if config.log_stats is False else []
     # Parsed in this process (never a command line others can read); vLLM's log of its args hides it.
     argv += ["--api-key", config.api_key] if config.api_key else []
