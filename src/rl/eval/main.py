@@ -36,13 +36,16 @@ from rl.eval.serving import (
 )
 from rl.checks import check_model
 from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
-from rl.orchestrator.environment import EnvLoadError, Environment, load_environments, serving
+from rl.orchestrator.environment import (
+    EnvLoadError, Environment, load_environments, serving, start_env_servers, stop_env_servers,
+)
 from rl.orchestrator.eval import EvalGroups, eval_stats, group_scores, run_eval_groups
 from rl.orchestrator.rollouts import ChatClient, InferenceClient, RolloutResult, apply_patches, openai_api_root
 from rl.renderer import chat_renderer, load_tokenizer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.stats import mean, means, tool_stats
 from rl.protocol import atomic_write_text
+from rl.teardown import skip_final_collection
 
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
@@ -179,6 +182,7 @@ def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logg
     served = config.client.served_model or config.model.name
     if supervisor is not None and config.inference.api_key:  # the server eval starts requires its key
         os.environ[config.client.api_key_var] = config.inference.api_key
+    start_env_servers(envs)  # they load while inference starts
     try:
         logger.info(f"waiting for inference server {url_without_password(url)}")
         if supervisor is None:
@@ -196,6 +200,7 @@ def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logg
         evaluated = asyncio.run(run(config, envs, client, logger))
         elapsed = time.perf_counter() - start
     finally:
+        stop_env_servers(envs)
         if supervisor is not None:
             supervisor.stop_all()
     decode = load_tokenizer(config.model.name).decode if isinstance(client, InferenceClient) else None
@@ -218,6 +223,7 @@ def nothing_finished(config: EvalCommandConfig, url: str, served: str, evaluated
 
 
 def main(argv: list[str] | None = None) -> None:
+    skip_final_collection()
     apply_patches()
     config = run_cli(EvalCommandConfig, argv)
     logger = setup_logging("eval", quiet=PER_REQUEST_LOGGERS)

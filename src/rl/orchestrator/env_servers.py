@@ -81,13 +81,19 @@ class ChildEnvServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> str:
-        """Start it; its address."""
-        self.directory = Path(tempfile.mkdtemp(prefix="rl-env-server-"))
-        config = started_for(self.spec, f"ipc://{self.directory / 'env.sock'}")
-        write_config(config, self.directory / "env-server.toml")
-        cmd = [sys.executable, "-m", "rl.env_server", "@", str(self.directory / "env-server.toml")]
-        self.process = subprocess.Popen(cmd, preexec_fn=die_with_parent)
-        return config.address
+        """Start it, unless it was started already; its address."""
+        if self.directory is None:
+            self.directory = Path(tempfile.mkdtemp(prefix="rl-env-server-"))
+            config = started_for(self.spec, self.address)
+            write_config(config, self.directory / "env-server.toml")
+            cmd = [sys.executable, "-m", "rl.env_server", "@", str(self.directory / "env-server.toml")]
+            self.process = subprocess.Popen(cmd, preexec_fn=die_with_parent)
+        return self.address
+
+    @property
+    def address(self) -> str:
+        assert self.directory is not None, "start() first"
+        return f"ipc://{self.directory / 'env.sock'}"
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -102,6 +108,7 @@ class ChildEnvServer:
                 self.process.wait()
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
 
 
 class ServedEpisodes:

@@ -106,6 +106,21 @@ class Environment:
             await self.served.close()
 
 
+def start_env_servers(environments: list[Environment]) -> None:
+    """Start now the env servers this process owns (its children), so that they load while inference starts;
+    `serving` then waits for them. Each stops when its environment stops serving, or by `stop_env_servers`."""
+    for environment in environments:
+        if environment.served is not None and environment.served.child is not None:
+            environment.served.child.start()
+
+
+def stop_env_servers(environments: list[Environment]) -> None:
+    """Stop the env servers this process started (a no-op for those already stopped)."""
+    for environment in environments:
+        if environment.served is not None and environment.served.child is not None:
+            environment.served.child.stop()
+
+
 @contextlib.asynccontextmanager
 async def serving(environments: list[Environment]) -> AsyncIterator[None]:
     """Every environment of the list serving (each once, though listed twice)."""

@@ -14,7 +14,9 @@ from rl.metrics import PER_REQUEST_LOGGERS, MetricsLogger, setup_logging
 from rl.orchestrator.advantage import admitted, group_advantages
 from rl.orchestrator.batch import balance_by_tokens
 from rl.orchestrator.config import OrchestratorConfig
-from rl.orchestrator.environment import Environment, EnvLoadError, load_environments, serving
+from rl.orchestrator.environment import (
+    Environment, EnvLoadError, load_environments, serving, start_env_servers, stop_env_servers,
+)
 from rl.renderer import chat_renderer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.eval import eval_due, evaluate, to_sampling
@@ -31,6 +33,7 @@ from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
 from rl.orchestrator.teacher import Teacher, TeacherError
 from rl.protocol import RunPaths, Sample, write_batch
+from rl.teardown import skip_final_collection
 
 REMAKE_ROUNDS = 3  # a batch's groups made again after servers changed under them
 LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "dropped", "tokens_per_s", "gen_s", "wait_s")
@@ -100,18 +103,23 @@ class Orchestrator:
 
     async def run(self) -> None:
         shown = [url_without_password(url) for url in self.config.client.base_urls]
-        self.logger.info(f"waiting for inference servers {shown}")
-        await self.pool.wait_healthy(self.config.client.startup_timeout_s)
-        if self.teacher is not None:
-            await self.teacher.start(self.student_tokenizer(), self.config.model.name,
-                                     self.config.client.startup_timeout_s)
-            self.logger.info(f"teacher {self.teacher.model!r} at {self.config.teacher.base_url} scores every sample")
-        async with serving(self.envs + self.eval_envs):
-            tune_gc_for_serving()
-            self.unlogged_served = await self.sync.start(resumed=self.start_step > 0)
-            for step in range(self.start_step, self.config.max_steps):
-                await self.step(step)
-            await self.sync.finish()
+        start_env_servers(self.envs + self.eval_envs)  # those this process starts load while inference starts
+        try:
+            self.logger.info(f"waiting for inference servers {shown}")
+            await self.pool.wait_healthy(self.config.client.startup_timeout_s)
+            if self.teacher is not None:
+                await self.teacher.start(self.student_tokenizer(), self.config.model.name,
+                                         self.config.client.startup_timeout_s)
+                self.logger.info(f"teacher {self.teacher.model!r} at {self.config.teacher.base_url} scores every "
+                                 "sample")
+            async with serving(self.envs + self.eval_envs):
+                tune_gc_for_serving()
+                self.unlogged_served = await self.sync.start(resumed=self.start_step > 0)
+                for step in range(self.start_step, self.config.max_steps):
+                    await self.step(step)
+                await self.sync.finish()
+        finally:
+            stop_env_servers(self.envs + self.eval_envs)
         await self.pool.close()
         if self.teacher is not None:
             await self.teacher.close()
@@ -363,6 +371,7 @@ def to_sample(
 
 
 def main() -> None:
+    skip_final_collection()
     apply_patches()
     config = run_cli(OrchestratorConfig)
     logger = setup_logging("orchestrator", quiet=PER_REQUEST_LOGGERS)
