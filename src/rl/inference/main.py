@@ -10,6 +10,7 @@ import os
 from rl.config import local_model_dir, run_cli
 from rl.inference.config import InferenceConfig, cpu_server_env, resolve_device_defaults
 from rl.inference.server import serve
+from rl.teardown import skip_final_collection
 
 # vLLM on CPU reserves this share of the NUMA node's memory for its KV cache; 0.9 fails there.
 CPU_MEMORY_SHARE = 0.2
@@ -23,6 +24,7 @@ def cpu_vllm_args(max_model_len: int) -> list[str]:
 
 
 def main() -> None:
+    skip_final_collection()
     config = run_cli(InferenceConfig)
     import torch
 

@@ -30,6 +30,7 @@ from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.trainer.config import check_device
 from rl.protocol import RunPaths
+from rl.teardown import skip_final_collection
 
 
 def visible_gpus() -> int:
@@ -270,6 +271,7 @@ def check_start(config: RLConfig, host: HostPlan, paths: RunPaths, resuming: boo
 
 
 def main(argv: list[str] | None = None) -> None:
+    skip_final_collection()
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(__doc__)
