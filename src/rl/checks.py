@@ -4,6 +4,7 @@ installed or whose arguments do not validate)."""
 
 from __future__ import annotations
 
+import filecmp
 from pathlib import Path
 
 from rl.config import ConfigError
@@ -13,6 +14,9 @@ from rl.trainer.config import TrainerConfig
 
 
 TINY_MODEL_HINT = "the tiny local model is built with `uv run tiny-model --out models/tiny`"
+# What a Hugging Face tokenizer loads from (fast and slow ones), besides the files' own sizes and names.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def check_model(name: str) -> None:
@@ -54,14 +58,26 @@ def hub_model_missing(name: str) -> str | None:
     return None
 
 
+def same_tokenizer_files(a: str, b: str) -> bool:
+    """Two local models whose tokenizer files are the same bytes tokenize alike: nothing needs loading to know."""
+    first, second = Path(a), Path(b)
+    if not (first.is_dir() and second.is_dir() and (first / "tokenizer.json").is_file()):
+        return False
+    names = [name for name in TOKENIZER_FILES if (first / name).exists() or (second / name).exists()]
+    return all((first / name).is_file() and (second / name).is_file()
+               and filecmp.cmp(first / name, second / name, shallow=False) for name in names)
+
+
 def check_same_tokenizer(student: str, teacher: str) -> None:
     """On-policy distillation compares the two models token by token: the teacher must tokenize the probe texts
     (rl/orchestrator/teacher.py, which checks a teacher served elsewhere the same way) as the student does."""
+    check_model(teacher)
+    if same_tokenizer_files(student, teacher):
+        return
     from transformers import AutoTokenizer
 
     from rl.orchestrator.teacher import PROBES, tokenizer_mismatch
 
-    check_model(teacher)
     ours, theirs = AutoTokenizer.from_pretrained(student), AutoTokenizer.from_pretrained(teacher)
     for probe in PROBES:
         a, b = ours(probe)["input_ids"], theirs(probe)["input_ids"]

@@ -3,7 +3,7 @@ files path of adapters is test_inference_lora's), the vLLM server (tensor-parall
 place and verifying it, the orchestrator sampling from the adapter, and a teacher (a second tiny model, served by
 `rl` as the inference server is) scoring every sample for on-policy distillation; then `eval --adapter` on the last
 one (the final checkpoint's files), on a tensor-parallel server eval starts itself; then `--resume` for two more
-steps, the teacher scoring them too."""
+steps on servers of one worker each (a resumed run may lay its servers out anew), the teacher scoring them too."""
 
 import json
 import re
@@ -13,7 +13,7 @@ import pytest
 from rl.manifest import STABLE
 from rl.protocol import RunPaths, read_batch, read_metrics, stable_steps
 from rl.tiny_model import build_tiny_model
-from tests.integration.launched import Launched, free_port, rl_command
+from tests.integration.launched import SMALL_KV_CACHE, Launched, free_port, rl_command
 
 pytestmark = pytest.mark.integration
 
@@ -21,10 +21,10 @@ pytestmark = pytest.mark.integration
 def test_a_lora_run_serves_the_adapters_the_trainer_sent_and_distils_from_a_teacher(tiny_model, tmp_path):
     out = tmp_path / "run"
     teacher = build_tiny_model(tmp_path / "teacher", seed=1)  # other weights, the same tokenizer
-    flags = ["--trainer.lora.rank", "8", "--trainer.optim.lr", "5e-3", "--inference.tensor-parallel-size", "2",
-             "--transfer.backend", "gloo", "--teacher.model", str(teacher), "--trainer.loss.distill", "1.0",
-             "--trainer.keep-rollouts", "3"]
-    run = Launched(rl_command(tiny_model, out, 3, *flags, "--teacher.port", str(free_port())))
+    flags = ["--trainer.lora.rank", "8", "--trainer.optim.lr", "5e-3", "--transfer.backend", "gloo",
+             "--teacher.model", str(teacher), "--trainer.loss.distill", "1.0", "--trainer.keep-rollouts", "3"]
+    tensor_parallel = ["--inference.tensor-parallel-size", "2"]  # the teacher's server too
+    run = Launched(rl_command(tiny_model, out, 3, *flags, *tensor_parallel, "--teacher.port", str(free_port())))
     assert run.wait(timeout=900) == 0, run.output[-5000:]
     paths = RunPaths(out)
     metrics = read_metrics(paths)
@@ -61,14 +61,15 @@ def test_a_lora_run_serves_the_adapters_the_trainer_sent_and_distils_from_a_teac
     results = tmp_path / "eval"
     cmd = ["-m", "rl.eval.main", "--model.name", str(tiny_model), "--adapter", str(paths.weights(3)),
            "--output-dir", str(results), "--num-examples", "4", "--rollouts-per-example", "1",
-           "--inference.port", str(free_port()), "--inference.tensor-parallel-size", "2"]
+           "--inference.port", str(free_port()), "--inference.tensor-parallel-size", "2", *SMALL_KV_CACHE]
     evaluation = Launched([run.proc.args[0], *cmd])
     assert evaluation.wait(timeout=600) == 0, evaluation.output[-5000:]
     summary = json.loads((results / "summary.json").read_text())
     assert summary["adapter"] == str(paths.weights(3)) and summary["envs"]["reverse-text"]["rollouts"] == 4
     assert sent[3] in (results / "logs" / "inference.log").read_text() + evaluation.output
 
-    # resumed from the final checkpoint for two more steps: the teacher served again, every new sample scored
+    # resumed from the final checkpoint for two more steps, on servers of one worker: the teacher served again,
+    # every new sample scored, the adapter sent over the wire to the new server
     resumed = Launched(rl_command(tiny_model, out, 5, *flags, "--teacher.port", str(free_port()), "--resume"))
     assert resumed.wait(timeout=900) == 0, resumed.output[-5000:]
     assert "resuming from step 3" in resumed.output

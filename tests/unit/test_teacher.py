@@ -107,6 +107,21 @@ def test_rl_refuses_a_teacher_with_another_tokenizer_before_starting_anything(ti
     assert not (out / "logs").exists()  # nothing started
 
 
+def test_identical_tokenizer_files_need_no_loading_and_any_difference_does(tiny_model, tmp_path):
+    from rl.checks import same_tokenizer_files
+
+    other = tmp_path / "teacher"
+    shutil.copytree(tiny_model, other)
+    (other / "model.safetensors").write_bytes(b"other weights")  # not a tokenizer file
+    assert same_tokenizer_files(str(tiny_model), str(other))
+    config = other / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("}", ', "model_max_length": 7}', 1))
+    assert not same_tokenizer_files(str(tiny_model), str(other))
+    config.unlink()  # one side without a file the other has
+    assert not same_tokenizer_files(str(tiny_model), str(other))
+    assert not same_tokenizer_files(str(tiny_model), "Qwen/Qwen3-0.6B")  # a hub id: loaded and compared
+
+
 def test_distillation_and_a_teacher_come_together(tiny_model, tmp_path, capsys):
     from rl.launcher.main import main
     from tests.integration.launched import rl_command
