@@ -44,7 +44,7 @@ import httpx
 import psutil
 from transformers import AutoTokenizer
 
-from rl.config import EnvConfig
+from rl.env_config import EnvConfig
 from rl.orchestrator.config import GROUP_GAP_S
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import InferenceClient, Sampling, apply_patches, run_group, tune_gc_for_serving

@@ -24,7 +24,8 @@ from typing import Annotated
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import ConfigError, EnvConfig, Settings, run_cli
+from rl.config import ConfigError, Settings, run_cli
+from rl.env_config import EnvConfig
 from rl.env_seal import beyond_loopback, seal_server
 
 MAX_DEFAULT_WORKERS = 8

@@ -14,7 +14,7 @@ import pytest
 import verifiers.v1 as vf
 from verifiers.v1.serve import EnvClient
 
-from rl.config import EnvConfig
+from rl.env_config import EnvConfig
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import to_result
 from rl.protocol import RunPaths, read_metrics

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from rl.orchestrator.advantage import compute_advantages
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.main import Orchestrator
-from rl.config import EnvConfig
+from rl.env_config import EnvConfig
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group
 from rl.renderer import renderer_config

@@ -12,7 +12,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from rl.config import EnvConfig
+from rl.env_config import EnvConfig
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group
 from rl.protocol import RunPaths, read_metrics

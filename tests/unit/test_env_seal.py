@@ -12,7 +12,7 @@ import verifiers.v1 as vf
 from pydantic import ValidationError
 from verifiers.v1.serve import EnvClient
 
-from rl.config import EnvConfig
+from rl.env_config import EnvConfig
 from rl.env_seal import beyond_loopback, seal_client
 from rl.env_server import EnvServerConfig
 from rl.orchestrator.environment import load_environment

@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from rl.config import EnvConfig
+from rl.env_config import EnvConfig
 from rl.orchestrator import env_servers
 from rl.orchestrator.env_servers import EnvServerError, ServedEpisodes
 from rl.orchestrator.environment import load_environment

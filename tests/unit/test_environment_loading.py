@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rl.config import EnvConfig
+from rl.env_config import EnvConfig
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.environment import EnvLoadError, load_environment, load_environments
 from tests.conftest import ROOT

@@ -9,7 +9,7 @@ from aiohttp import web
 import in_process_chat
 from guess_number import feedback, parse_guess
 from in_process_chat import ModelCallError, SharedChatSession, complete
-from rl.config import EnvConfig
+from rl.env_config import EnvConfig
 from rl.orchestrator.environment import load_environment as load_spec
 from tool_calc import CalcToolset, ToolCalcTaskset, last_number
 

@@ -9,7 +9,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import ChatModelConfig, EnvConfig, Section, Settings, check_env_labels
+from rl.config import ChatModelConfig, Section, Settings
+from rl.env_config import EnvConfig, check_env_labels
 from rl.inference.config import InferenceConfig
 from rl.eval.replies import MAX_REPLY_BYTES
 from rl.orchestrator.config import EvalSettings, RolloutConfig

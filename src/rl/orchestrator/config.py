@@ -8,9 +8,8 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import (
-    ChatModelConfig, CkptConfig, EnvConfig, Section, Settings, WandbConfig, check_env_labels, optional_section,
-)
+from rl.config import ChatModelConfig, CkptConfig, Section, Settings, WandbConfig, optional_section
+from rl.env_config import EnvConfig, check_env_labels
 from rl.weights.config import FilesTransfer, TransferConfig
 
 GROUP_GAP_S = 0.003

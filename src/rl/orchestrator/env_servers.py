@@ -32,7 +32,8 @@ import verifiers.v1 as vf
 from verifiers.v1.serve import EnvClient
 from verifiers.v1.serve.types import HealthRequest, HealthResponse
 
-from rl.config import EnvConfig, write_config
+from rl.config import write_config
+from rl.env_config import EnvConfig
 from rl.env_seal import seal_client
 from rl.env_server import started_for
 

@@ -34,7 +34,7 @@ from verifiers.v1.utils.compile import validate_pairing
 from verifiers.v1.utils.loaders import default_harness_id, env_config_type
 from verifiers.v1.utils.prime import ensure_prime_auth
 
-from rl.config import EnvConfig
+from rl.env_config import EnvConfig
 from rl.orchestrator.env_servers import ChildEnvServer, EnvServerError, ServedEpisodes
 
 DEFAULT_HARNESS = "in-process-chat"

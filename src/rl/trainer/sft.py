@@ -22,7 +22,8 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 from transformers import AutoTokenizer
 
-from rl.config import EnvConfig, ModelConfig, Settings, run_cli
+from rl.config import ModelConfig, Settings, run_cli
+from rl.env_config import EnvConfig
 from rl.metrics import setup_logging
 from rl.protocol import Sample
 from rl.trainer.data import build_micro_batches, empty_micro_batch, filler_token_id, trained_tokens, truncate

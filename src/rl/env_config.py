@@ -1,0 +1,135 @@
+"""An `[[env]]` table: one verifiers environment of a run, how its tasks are drawn and where its episodes run
+(shared by the orchestrator, eval, the env server and `rl`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from rl.config import Section
+
+ENV_SERVER_SECRET_VAR = "RL_ENV_SERVER__SECRET"  # an env server's secret, read by it and by its clients
+
+
+class EpochSampling(Section):
+    """Each epoch a seeded permutation of the tasks: every task once per epoch, exactly once on resume."""
+
+    type: Annotated[Literal["epoch"], Field(description="epoch: every task once per epoch, in a seeded order")] = (
+        "epoch")
+
+
+class DifficultySampling(Section):
+    """A curriculum: tasks in pools by their latest group's mean reward (easy, medium, hard; an unseen task is
+    medium), a pool drawn by weight, then a task of it uniformly."""
+
+    type: Annotated[Literal["difficulty"], Field(description="difficulty: pools by the latest group mean")] = (
+        "difficulty")
+    easy: Annotated[float, Field(description="a task whose latest group mean reward is at least this is easy")] = 0.8
+    hard: Annotated[float, Field(description="at most this: hard (between the two: medium)")] = 0.2
+    weights: Annotated[
+        tuple[float, float, float],
+        Field(description="[easy, medium, hard]: each pool's share of the draws (an empty pool's goes to the others)"),
+    ] = (0.1, 0.6, 0.3)
+
+    @model_validator(mode="after")
+    def _pools(self):
+        if not self.hard < self.easy:
+            raise ValueError(f"sampler.hard ({self.hard}) must be below sampler.easy ({self.easy})")
+        if min(self.weights) < 0 or sum(self.weights) <= 0:
+            raise ValueError(f"sampler.weights {list(self.weights)} must be >= 0 with a positive sum")
+        return self
+
+
+SamplerConfig = Annotated[EpochSampling | DifficultySampling, Field(discriminator="type")]
+
+
+class EnvConfig(Section):
+    """One verifiers environment: its taskset (`id`, `args`) and how its seats run (`harness`, `runtime`,
+    `overrides`, all validated by verifiers itself when the environment loads)."""
+
+    id: Annotated[
+        str, Field(min_length=1, description="verifiers environment id (an installed package), e.g. reverse-text")
+    ]
+    name: Annotated[
+        str | None, Field(min_length=1, description="label in metrics and logs (default: the id); unique per run")
+    ] = None
+    args: Annotated[dict[str, Any], Field(description="taskset arguments (verifiers' taskset config fields)")] = {}
+    ratio: Annotated[float, Field(gt=0, description="share of each batch drawn from this environment")] = 1.0
+    sampler: Annotated[
+        SamplerConfig, Field(description="how its tasks are drawn ({type = 'epoch'} or {type = 'difficulty', ...})")
+    ] = EpochSampling()
+    harness: Annotated[
+        dict[str, Any] | None,
+        Field(description="verifiers harness of every seat, e.g. {id = 'bash'}; unset: the environment's own, "
+                          "else rl's in-process chat harness"),
+    ] = None
+    runtime: Annotated[
+        dict[str, Any] | None,
+        Field(description="verifiers runtime of every seat, e.g. {type = 'docker'}; unset: the environment's own "
+                          "if it runs on this host, else {type = 'subprocess'}"),
+    ] = None
+    overrides: Annotated[
+        dict[str, Any],
+        Field(description="further verifiers EnvConfig fields, "
+                          "e.g. {agent = {max_turns = 4}, timeout = {episode = 60}}"),
+    ] = {}
+
+    address: Annotated[
+        str | None,
+        Field(description="the env server its episodes run in: a ZMQ endpoint (tcp://host:port, ipc://path) of one "
+                          "started elsewhere (`env-server`); unset: one started for it, with `workers` (by `rl` "
+                          "beside the orchestrator; by the orchestrator or `eval` when started by hand)"),
+    ] = None
+    workers: Annotated[
+        int | None, Field(ge=0, description="worker processes of the env server started for it (no `address`); "
+                                            "unset: a quarter of the host's cores, 1 to 8; 0: no env server, the "
+                                            "episodes run in the orchestrator's own process (cheaper on a small "
+                                            "host, but an environment that crashes or blocks takes the run down)")
+    ] = None
+    secret: Annotated[
+        str | None, Field(min_length=16, description="the secret of the env server at a tcp:// `address` (its "
+                                                     "`secret`), which seals the connection; required beyond "
+                                                     "loopback; unset: RL_ENV_SERVER__SECRET")
+    ] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_from_environment(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("secret") is None and str(data.get("address")).startswith("tcp://"):
+            data = {**data, "secret": os.environ.get(ENV_SERVER_SECRET_VAR) or None}
+        return data
+
+    @model_validator(mode="after")
+    def _sealed_beyond_loopback(self) -> "EnvConfig":
+        from rl.env_seal import beyond_loopback
+
+        if self.address is not None and beyond_loopback(self.address) and self.secret is None:
+            raise ValueError(f"address {self.address} is an env server beyond this host, which admits only clients "
+                             f"that hold its secret: set secret (or {ENV_SERVER_SECRET_VAR})")
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_run_in_one_place(self) -> "EnvConfig":
+        if self.address is not None and self.workers == 0:
+            raise ValueError(f"workers = 0 runs the episodes in the orchestrator's process, and address {self.address} "
+                             "is an env server to run them in: give one or the other")
+        return self
+
+    @property
+    def in_process(self) -> bool:
+        """Its episodes run in the orchestrator's (or eval's) own process, without an env server."""
+        return self.workers == 0
+
+    @property
+    def label(self) -> str:
+        return self.name or self.id
+
+
+def check_env_labels(envs: list[EnvConfig], where: str) -> None:
+    """Metrics are keyed by label, so two [[env]] tables of one list must not share one."""
+    labels = [env.label for env in envs]
+    for label in labels:
+        if labels.count(label) > 1:
+            raise ValueError(f"{where}: two environments are labelled {label!r}; give each a distinct `name`")
