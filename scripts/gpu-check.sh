@@ -33,7 +33,7 @@ part() {
 }
 
 part install env RL_STACK=gpu bash scripts/install.sh
-export PATH="$PATH:${XDG_DATA_HOME:-$HOME/.local/share}/rl/uv/bin"  # where install.sh puts uv if it had none
+. scripts/uv_path.sh  # where install.sh puts uv if it had none
 export RL_REQUIRE_GPU=1             # a GPU test that skips here (no CUDA, too few GPUs) fails: tests/conftest.py
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 # CUDA usable from the installed torch, and what this node runs: a driver too old for the CUDA 13 wheels (< 580)

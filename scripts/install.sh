@@ -14,10 +14,10 @@ case "${1:-}" in
   *) echo "install: unknown argument '$1' (expected --lock-only, --uv-only or nothing)" >&2; exit 2 ;;
 esac
 
-# Where uv goes when it is not on PATH: a virtual environment of its own. Not `pip install` into the system's
-# Python, which Debian 12+ and Ubuntu 23.04+ refuse (externally managed, PEP 668), which many images lack, and
-# whose --user install lands in ~/.local/bin, often not on PATH. scripts/quickstart.sh looks here too.
-UV_HOME="${XDG_DATA_HOME:-$HOME/.local/share}/rl/uv"
+# Where uv goes when it is not on PATH (UV_HOME, scripts/uv_path.sh): a virtual environment of its own. Not
+# `pip install` into the system's Python, which Debian 12+ and Ubuntu 23.04+ refuse (externally managed, PEP 668),
+# which many images lack, and whose --user install lands in ~/.local/bin, often not on PATH.
+. "$(dirname "$0")/uv_path.sh"
 
 ensure_uv() {
   command -v uv >/dev/null 2>&1 && return 0
@@ -33,8 +33,7 @@ ensure_uv() {
       exit 1
     fi
   fi
-  export PATH="$UV_HOME/bin:$PATH"
-  echo "install: uv is $UV_HOME/bin/uv; for 'uv run' in your shell: export PATH=\"$UV_HOME/bin:\$PATH\"" >&2
+  echo "install: uv is $UV_HOME/bin/uv; for 'uv run' in your shell: . scripts/uv_path.sh" >&2
 }
 
 ensure_uv

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-export PATH="$PATH:${XDG_DATA_HOME:-$HOME/.local/share}/rl/uv/bin"  # where install.sh puts uv if it had none
+. scripts/uv_path.sh  # where install.sh puts uv if it had none
 out="${1:-outputs/quickstart-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$out"
 uv run tiny-model --out "$out/model-tiny"

@@ -213,7 +213,7 @@ def test_under_gpu_check_a_gpu_test_that_skips_fails():
 def test_uv_is_installed_where_the_system_python_refuses_pip_as_a_non_root_user():
     """No uv on PATH, a python3 whose pip refuses to install (an externally managed Python, PEP 668: Debian 12+,
     Ubuntu 23.04+), and an ordinary user: install.sh puts uv in a virtual environment of its own under the user's
-    ~/.local/share and says how to put it on PATH."""
+    ~/.local/share and says how to put it on PATH (scripts/uv_path.sh, which .ci/run sources)."""
     import tempfile
 
     system_python = Path("/usr/bin/python3")  # one any user can run (rl's own may sit under a private home)
@@ -244,7 +244,10 @@ def test_uv_is_installed_where_the_system_python_refuses_pip_as_a_non_root_user(
             pytest.skip(f"the package index is unreachable: {output[-300:]}")
         assert done.returncode == 0, output[-2000:]
         uv = home / ".local" / "share" / "rl" / "uv" / "bin" / "uv"
-        assert f"install: uv is {uv}; for 'uv run' in your shell: export PATH=" in output
+        assert f"install: uv is {uv}; for 'uv run' in your shell: . scripts/uv_path.sh" in output
         assert subprocess.run([str(uv), "--version"], capture_output=True, text=True).stdout.startswith("uv ")
+        found = subprocess.run([*as_user, "bash", "-c", ". scripts/uv_path.sh && command -v uv"], cwd=ROOT,
+                               capture_output=True, text=True, env=env | {"PATH": path, "HOME": str(home)})
+        assert found.stdout.strip() == str(uv), found.stdout + found.stderr  # what .ci/run and the README do
     finally:
         shutil.rmtree(home, ignore_errors=True)
