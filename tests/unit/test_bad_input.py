@@ -458,6 +458,47 @@ def test_a_tampered_checkpoint_metadata_runs_no_code(tmp_path, one_rank_world):
     assert not marker.exists()
 
 
+def test_checkpoint_metadata_pickled_by_python_3_11_2_loads_and_its_getattr_builds_only_enum_members():
+    """Python 3.11.0-3.11.4 pickle an enum member as getattr(class, name): the metadata's own enum members load so,
+    and nothing else does (an attribute of any other class, or a member's other attributes)."""
+    import io
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    from rl.trainer.checkpoint import MetadataUnpickler
+
+    class ByName(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, dcp_metadata._MEM_FORMAT_ENCODING):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    properties = dcp_metadata.TensorProperties(dtype=torch.float32)
+    pickled = io.BytesIO()
+    ByName(pickled, protocol=pickle.HIGHEST_PROTOCOL).dump(properties)
+    assert b"getattr" in pickled.getvalue()
+    assert MetadataUnpickler(io.BytesIO(pickled.getvalue())).load() == properties
+
+    for cls, name in ((torch.Size, "__class__"), (dcp_metadata._MEM_FORMAT_ENCODING, "__class__"),
+                      (dcp_metadata._MEM_FORMAT_ENCODING, "_member_map_")):
+        hostile = io.BytesIO()
+        pickle.Pickler(hostile, protocol=pickle.HIGHEST_PROTOCOL).dump(GetattrOf(cls, name))
+        with pytest.raises(pickle.UnpicklingError, match="is not part of a checkpoint's metadata"):
+            MetadataUnpickler(io.BytesIO(hostile.getvalue())).load()
+
+
+class GetattrOf:
+    """Pickles as getattr(cls, name)."""
+
+    def __init__(self, cls, name):
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return getattr, (self.cls, self.name)
+
+
 def test_a_tampered_checkpoint_value_runs_no_code(tmp_path):
     import io
     import pickle

@@ -11,6 +11,7 @@ hyperparameters) with `torch.load(weights_only=True)` (`SafeLoadPlanner`). The r
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import pickle
@@ -112,6 +113,15 @@ def checkpoint_state(model, optimizer) -> tuple[dict, dict, StateDictOptions]:
     return model_state, optim_state, options
 
 
+def metadata_enum_member(cls: object, name: object) -> enum.Enum:
+    """What a pickle's `getattr(cls, name)` may build here: a member of one of the metadata's enums, by name. Python
+    3.11.0-3.11.4 (Debian 12's 3.11.2 among them) pickle an enum member so (later ones by value: its class called)."""
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == dcp_metadata.__name__
+            and isinstance(name, str) and name in cls.__members__):
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not part of a checkpoint's metadata; refusing it")
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """Builds only what a checkpoint's metadata is made of: torch.distributed.checkpoint's metadata types,
     its storage info, tensor sizes, dtypes and layouts, and paths."""
@@ -127,6 +137,8 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return metadata_enum_member
         if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
             return getattr(dcp_metadata, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
