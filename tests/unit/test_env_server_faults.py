@@ -132,6 +132,55 @@ def test_a_server_that_stops_answering_loses_the_episodes_it_holds_at_once(envir
     asyncio.run(scenario())
 
 
+def test_a_group_run_again_after_its_server_died_waits_for_the_restarted_server_and_runs_there(
+        environment, tmp_path, monkeypatch):
+    """The server dies holding a group's episodes; `rl` restarts it (a new socket at the same path) a while later.
+    The group's next attempt is sent once the new server answers, so the new socket showing does not lose it too:
+    one retry, the second attempt's episodes on the new server."""
+    monkeypatch.setattr(env_servers, "WATCH_INTERVAL_S", 0.2)
+    monkeypatch.setattr(env_servers, "HEALTH_TIMEOUT_S", 0.3)
+
+    async def scenario() -> None:
+        address = served_by_fake(environment, tmp_path)
+        first = FakeEnvServer(address, runs="hang")
+        await environment.served.start(10)
+        group = asyncio.ensure_future(run_group_retried(environment, 0, 2, CLIENT, Sampling(), None, 30, 1,
+                                                        lambda line: None))
+        await asyncio.sleep(0.5)
+        await first.stop()  # killed: its socket file stays until the new server binds its own
+        await asyncio.sleep(2.0)  # the watchdog's missed checks lose the first attempt; the retry waits
+        assert not environment.served.answering.is_set() and not group.done()
+        second = FakeEnvServer(address, runs="fail")
+        outcome = await asyncio.wait_for(group, 10)
+        assert outcome.retries == 1 and len(second.ran) == 2, (outcome, second.ran)  # both episodes, once each
+        assert "failed an episode: ZeroDivisionError" in outcome.message  # the new server's answer, not a loss
+        await environment.served.close()
+        await second.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_server_down_past_its_recovery_deadline_fails_what_waits(environment, tmp_path, monkeypatch):
+    monkeypatch.setattr(env_servers, "WATCH_INTERVAL_S", 0.2)
+    monkeypatch.setattr(env_servers, "HEALTH_TIMEOUT_S", 0.3)
+
+    async def scenario() -> None:
+        fake = FakeEnvServer(served_by_fake(environment, tmp_path), runs="hang")
+        await environment.served.start(2)
+        group = asyncio.ensure_future(run_group_retried(environment, 0, 2, CLIENT, Sampling(), None, 30, 1,
+                                                        lambda line: None))
+        await asyncio.sleep(0.5)
+        fake.healthy = False
+        started = time.monotonic()
+        outcome = await asyncio.wait_for(group, 10)
+        assert outcome.results is None and "has not answered since, for 2 s" in outcome.message, outcome
+        assert time.monotonic() - started < 5
+        await environment.served.close()
+        await fake.stop()
+
+    asyncio.run(scenario())
+
+
 def test_a_child_server_that_dies_ends_the_run_naming_it():
     """An orchestrator started by hand starts each environment's server as its child; when it dies, the run stops
     with an error that names it (nothing restarts it there), rather than waiting on episodes that will not come."""

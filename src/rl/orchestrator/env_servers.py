@@ -82,8 +82,8 @@ class ChildEnvServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> str:
-        """Start it, unless it was started already; its address."""
-        if self.directory is None:
+        """Start it, unless it was started already (once: a child that died is not started again); its address."""
+        if self.process is None:
             self.directory = Path(tempfile.mkdtemp(prefix="rl-env-server-"))
             config = started_for(self.spec, self.address)
             write_config(config, self.directory / "env-server.toml")
@@ -109,7 +109,6 @@ class ChildEnvServer:
                 self.process.wait()
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
-            self.directory = None
 
 
 class ServedEpisodes:
@@ -127,6 +126,10 @@ class ServedEpisodes:
         self.lost: set[asyncio.Future] = set()  # of those, the ones the watchdog gave up on
         self.identity: tuple[int, int] | None = None
         self.watchdog: asyncio.Task | None = None
+        # Cleared while the server is down (from the watchdog's loss of what was out until it answers again): an
+        # episode sent then waits, at most `recovery_s`, rather than be lost with a server that is not there.
+        self.answering = asyncio.Event()
+        self.recovery_s = 0.0
         self.workers: int | None = None  # live, as its last health reply said (a server not rl's does not say)
 
     async def start(self, timeout_s: float) -> None:
@@ -158,6 +161,8 @@ class ServedEpisodes:
             healthy.cancel()
         self.identity = socket_identity(self.address)
         await self.check_health()
+        self.recovery_s = timeout_s  # a restarted server has as long to answer again as a new one to start
+        self.answering.set()
         self.watchdog = asyncio.create_task(self._watch())
 
     def runs(self, task: vf.Task, contexts: list[vf.ModelContext]) -> list[Coroutine[Any, Any, vf.Episode]]:
@@ -169,6 +174,7 @@ class ServedEpisodes:
 
     async def run(self, data: dict, ctx: vf.ModelContext) -> vf.Episode:
         assert self.client is not None, "start() first"
+        await self._until_answering()
         episode = asyncio.ensure_future(self.client.run(ctx.client, ctx.model, ctx.sampling, data))
         self.out.add(episode)
         try:
@@ -195,15 +201,27 @@ class ServedEpisodes:
                 self.owner.cancel()
                 return
             answered = await self.check_health()
-            if not self.out:
-                missed, self.identity = 0, socket_identity(self.address) or self.identity
+            identity = socket_identity(self.address)
+            if not self.out or not self.answering.is_set():  # nothing to lose: follow the server (a new socket)
+                missed, self.identity = 0, identity or self.identity
+                if answered:
+                    self.answering.set()
                 continue
             missed = 0 if answered else missed + 1
-            identity = socket_identity(self.address)
             restarted = identity is not None and self.identity is not None and identity != self.identity
             if missed >= MISSED_HEALTH_CHECKS or restarted:
                 self._lose_everything_out()
+                self.answering.clear()
                 missed, self.identity = 0, identity or self.identity
+
+    async def _until_answering(self) -> None:
+        """Wait while the server is down. Sent then, an episode would be lost again when the restarted server's new
+        socket shows (counted as another of its group's attempts), or queue for a server that never comes back."""
+        try:
+            await asyncio.wait_for(self.answering.wait(), self.recovery_s)
+        except TimeoutError:
+            raise EnvServerError(f"the env server of {self.label!r} at {self.address} lost its episodes and has not "
+                                 f"answered since, for {self.recovery_s:g} s") from None
 
     async def check_health(self) -> bool:
         """Whether the server answered its health check in time; its live workers as it said (0 if it did not)."""
