@@ -82,7 +82,7 @@ class ChildEnvServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> str:
-        """Start it, unless it was started already (once: a child that died is not started again); its address."""
+        """Start it, unless it was started and not stopped since; its address."""
         if self.process is None:
             self.directory = Path(tempfile.mkdtemp(prefix="rl-env-server-"))
             config = started_for(self.spec, self.address)
@@ -109,6 +109,7 @@ class ChildEnvServer:
                 self.process.wait()
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+        self.process = None  # the next start() starts another (a new serving of the environment)
 
 
 class ServedEpisodes:
@@ -127,8 +128,9 @@ class ServedEpisodes:
         self.identity: tuple[int, int] | None = None
         self.watchdog: asyncio.Task | None = None
         # Cleared while the server is down (from the watchdog's loss of what was out until it answers again): an
-        # episode sent then waits, at most `recovery_s`, rather than be lost with a server that is not there.
-        self.answering = asyncio.Event()
+        # episode sent then waits, at most `recovery_s`, rather than be lost with a server that is not there. Made by
+        # start(), in the event loop that uses it.
+        self.answering: asyncio.Event | None = None
         self.recovery_s = 0.0
         self.workers: int | None = None  # live, as its last health reply said (a server not rl's does not say)
 
@@ -162,6 +164,7 @@ class ServedEpisodes:
         self.identity = socket_identity(self.address)
         await self.check_health()
         self.recovery_s = timeout_s  # a restarted server has as long to answer again as a new one to start
+        self.answering = asyncio.Event()
         self.answering.set()
         self.watchdog = asyncio.create_task(self._watch())
 
