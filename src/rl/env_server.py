@@ -1,10 +1,11 @@
 """`env-server`: one `[[env]]` served over ZMQ by verifiers' env-server pool (`verifiers.v1.serve.serve_env`).
 
 A broker binds `address` and dispatches each episode it is sent (the task's data, the model endpoint and sampling) to
-the least busy of `workers` processes. Each worker loads the environment once as rl's orchestrator does (its harness
-and runtime defaults: rl/orchestrator/environment.py), with rl's patches applied (rl/patches/), and runs its
-episodes itself: their model calls go from the worker straight to inference. The client owns the taskset and
-samples it; a worker never loads the environment's data.
+the least busy of `workers` processes, which it forks once it has imported everything and checked the environment.
+Each worker loads the environment once as rl's orchestrator does (its harness and runtime defaults:
+rl/orchestrator/environment.py), with rl's patches applied (rl/patches/), and runs its episodes itself: their model
+calls go from the worker straight to inference. The client owns the taskset and samples it; a worker never loads
+the environment's data.
 
     uv run env-server --env.id reverse-text [--workers 2] [--address tcp://127.0.0.1:5000]
 """
@@ -129,12 +130,17 @@ def open_pool(config: EnvServerConfig, server_kwargs: dict):
     pool is bound first at a private socket, which is closed once the sealed address is bound, before any peer."""
     from verifiers.v1.serve import EnvServerPool
 
+    from rl.patches import fork_pool_workers
+
     if config.secret is None or not config.address.startswith("tcp://"):
-        return EnvServerPool(server_kwargs, config.workers, config.address, set_up_worker, elastic=False), None
+        pool = EnvServerPool(server_kwargs, config.workers, config.address, set_up_worker, elastic=False)
+        fork_pool_workers(pool)
+        return pool, None
     with tempfile.TemporaryDirectory(prefix="rl-env-server-") as private:
         unsealed = f"ipc://{private}/unsealed.sock"
         pool = EnvServerPool(server_kwargs, config.workers, unsealed, set_up_worker, elastic=False)
         authenticator, pool.address = seal_server(pool.frontend, unsealed, config.address, config.secret)
+    fork_pool_workers(pool)
     logger.info(f"{pool.address} is sealed: only clients that hold the run's secret are admitted")
     return pool, authenticator
 

@@ -1,6 +1,7 @@
-"""What a vLLM process forked from a CPU server's API process does first (`rl.patches.vllm_cpu_fork` forks them): it
-undoes what it inherited and a spawned process never has, and ends with its parent. Called in the child by an
-at-fork hook, before any other code of it runs."""
+"""What a vLLM process forked from a CPU server's API process does first (`rl.patches.vllm_cpu_fork` forks them), and
+an env-server worker forked from its broker (`rl.patches.fork_pool_workers`): it undoes what it inherited and a spawned
+process never has, and ends with its parent. Called in the child by an at-fork hook, before any other code of it
+runs."""
 
 from __future__ import annotations
 
@@ -16,9 +17,14 @@ logger = logging.getLogger(__name__)
 
 def child() -> None:
     """Run in each process forked from a CPU server's API process (vLLM's engine core, then its workers)."""
+    cut_from_parent()
+    bind_threads_from_environment()
+
+
+def cut_from_parent() -> None:
+    """Run in every forked child: it ends with its parent and holds none of its parent's ports."""
     end_with_parent()
     close_inherited_listeners()
-    bind_threads_from_environment()
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

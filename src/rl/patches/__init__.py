@@ -22,7 +22,8 @@ save is in docs/architecture.md ("Patches of other libraries"):
 - verifiers: its env server holds rl's shared HTTP session and tunes the GC while it serves
   (`serve_episodes_holding`) and sends each episode's traces once, when it ends (`send_traces_once`), both applied
   by every env-server worker (`rl.env_server.set_up_worker`); its pool's health
-  reply carries the live workers (`answer_health_with`), set by the env server's worker watch;
+  reply carries the live workers (`answer_health_with`), set by the env server's worker watch; its pool forks its
+  workers from the broker instead of spawning them (`fork_pool_workers`), applied by rl's env server;
 - vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
   general plugin that vLLM runs in each of its processes, active only where `RL_VLLM_SHM_POLL_S` is set
   (the inference server sets it on CPU hosts);
@@ -32,7 +33,8 @@ save is in docs/architecture.md ("Patches of other libraries"):
 - vLLM: its generate route answers through the inference gate's response class, which adds token strings and
   writes the response once (`render_generate_responses`), applied by the gate when vLLM builds it.
 
-The package: `environments` (pydantic, verifiers and renderers, in the processes that run environments) and `vllm`
+The package: `environments` (pydantic, verifiers and renderers, in the processes that run environments), `env_pool`
+(verifiers' env-server pool, in rl's env server) and `vllm`
 (in vLLM's processes); this module holds what they share and names every patch. The imports of the patched
 libraries stay inside the functions: vLLM loads this module in every process
 it starts, where neither pydantic's internals nor verifiers are needed. A patch whose target is gone (the
@@ -86,10 +88,11 @@ APPLIED: set[str] = set()
 
 
 from rl.patches.environments import (  # noqa: E402, F401 - the patches, by name, after what they import from here
-    answer_health_with, apply_orchestrator_patches, bound_eval_client, cache_default_factory_inspection,
+    apply_orchestrator_patches, bound_eval_client, cache_default_factory_inspection,
     interception_in_process, lazy_runtime_workdirs, remember_harness_classes, remember_signatures,
     remember_task_hashes, send_traces_once, serve_episodes_holding, serve_rl_client_configs, use_engine_client,
 )
+from rl.patches.env_pool import answer_health_with, fork_pool_workers  # noqa: E402, F401
 from rl.patches.renderers import (  # noqa: E402, F401
     decode_engine_replies_with_msgspec, remember_renders, remember_short_encodes, remembered_on_loop,
 )

@@ -140,17 +140,6 @@ def send_traces_once() -> None:
     streamer.watch = lambda self, trace: None  # no flush per change; __aexit__'s final flush sends it all
 
 
-def answer_health_with(fields: dict) -> None:
-    """verifiers' env-server pool answers `health` itself, with a fixed reply (`pool._HEALTH`, read as it answers);
-    rl's env server has the reply carry `fields` too (its live workers, which the orchestrator logs per step),
-    set again by its worker watch whenever they change. verifiers' own client ignores fields it does not know."""
-    import msgpack
-    from verifiers.v1.serve import pool
-
-    patch_target(pool, "_HEALTH", "verifiers")
-    pool._HEALTH = msgpack.packb({"success": True, "error": None, **fields}, use_bin_type=True)
-
-
 WORKDIR_USES = ("run", "open_process", "run_background", "_read", "write")  # every use of a runtime's workdir
 
 
