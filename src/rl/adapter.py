@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 import xxhash
+
+if TYPE_CHECKING:  # imported where a checksum is taken: the launcher reads only this layout's names
+    import torch
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -67,6 +69,8 @@ def scaling(config: dict) -> float:
 def adapter_checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """xxh3-128 over every tensor's name, dtype, shape and bytes, in name order: the trainer takes it of what it
     writes, inference of what it read and verified served; equal checksums name the same adapter."""
+    import torch
+
     digest = xxhash.xxh3_128()
     for name, tensor in sorted(tensors, key=lambda item: item[0]):
         digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())

@@ -16,11 +16,9 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load, save_file
 
 from rl.atomic import atomic_write_text, temp_path  # noqa: F401 - re-exported: writers import them from here
 from rl.manifest import (  # noqa: F401 - the marker API, re-exported: readers and writers import it from here
@@ -36,6 +34,9 @@ from rl.manifest import (  # noqa: F401 - the marker API, re-exported: readers a
     stable_info,
     verify_stable,
 )
+
+if TYPE_CHECKING:  # torch is imported where a batch is encoded or decoded: the launcher and env servers need none
+    import torch
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -227,6 +228,8 @@ class Sample:
 def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
     """Flatten samples into tensors: tokens concatenated, per-sample values in parallel arrays; `teacher_logprobs`
     only where every sample has them."""
+    import torch
+
     scored = [s.teacher_logprobs is not None for s in samples]
     if any(scored) and not all(scored):
         raise ValueError(f"{scored.count(False)} of {len(samples)} samples lack the teacher logprobs the others have")
@@ -243,27 +246,29 @@ def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
     }
 
 
-BATCH_FIELDS = {  # name -> (dtype, counted per token or per sample)
-    "input_ids": (torch.int64, "token"),
-    "loss_mask": (torch.bool, "token"),
-    "logprobs": (torch.float32, "token"),
-    "lengths": (torch.int64, "sample"),
-    "advantages": (torch.float32, "sample"),
-    "rewards": (torch.float32, "sample"),
-    "policy_versions": (torch.int64, "sample"),
+BATCH_FIELDS = {  # name -> (torch dtype, counted per token or per sample)
+    "input_ids": ("int64", "token"),
+    "loss_mask": ("bool", "token"),
+    "logprobs": ("float32", "token"),
+    "lengths": ("int64", "sample"),
+    "advantages": ("float32", "sample"),
+    "rewards": ("float32", "sample"),
+    "policy_versions": ("int64", "sample"),
 }
-OPTIONAL_FIELDS = {"teacher_logprobs": (torch.float32, "token")}  # on-policy distillation: [T]
+OPTIONAL_FIELDS = {"teacher_logprobs": ("float32", "token")}  # on-policy distillation: [T]
 
 
 def check_batch(tensors: dict[str, torch.Tensor]) -> None:
     """Raise ValueError naming the first field that does not fit the batch format."""
+    import torch
+
     fields = BATCH_FIELDS | {name: spec for name, spec in OPTIONAL_FIELDS.items() if name in tensors}
     for name, (dtype, _) in fields.items():
         if name not in tensors:
             raise ValueError(f"the batch lacks {name}")
         tensor = tensors[name]
-        if tensor.dtype != dtype:
-            raise ValueError(f"{name} must be {str(dtype).removeprefix('torch.')}, not {tensor.dtype}")
+        if tensor.dtype != getattr(torch, dtype):
+            raise ValueError(f"{name} must be {dtype}, not {tensor.dtype}")
         if tensor.ndim != 1:
             raise ValueError(f"{name} must be one-dimensional, not of shape {list(tensor.shape)}")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
@@ -299,6 +304,8 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
 
 def write_batch(paths: RunPaths, step: int, per_rank: list[list[Sample]]) -> Path:
     """Write one file per trainer rank for `step`, atomically, and mark the step STABLE."""
+    from safetensors.torch import save_file
+
     final = paths.rollouts(step)
     tmp = temp_path(final)
     if tmp.exists():
@@ -312,6 +319,8 @@ def write_batch(paths: RunPaths, step: int, per_rank: list[list[Sample]]) -> Pat
 
 def read_batch(paths: RunPaths, step: int, rank: int) -> list[Sample]:
     """This rank's samples of `step`, its file read once (checked against the step's manifest as it is read)."""
+    from safetensors.torch import load
+
     path = paths.rollout_file(step, rank)
     try:
         manifest = read_manifest(path.parent)

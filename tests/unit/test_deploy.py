@@ -166,7 +166,7 @@ def test_k8s_manifests_pass_kubernetes_schemas_and_each_pod_starts_its_part_of_t
     assert (trainer["completions"], trainer["completionMode"]) == (2, "Indexed")
     assert trainer["template"]["spec"]["subdomain"] == "rl-trainer"
     assert trainer["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 8)
+    monkeypatch.setattr(launcher, "cuda_device_count", lambda: 8)
     monkeypatch.setenv("RL_INFERENCE__ADMIN_TOKEN", "tok3n")
     hosts = {}
     for job, spec in jobs.items():
@@ -242,7 +242,7 @@ def slurm_hosts(tmp_path, monkeypatch, gpus: int, argv: list[str], nodes: list[s
 
     config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm", *argv])
     steps = slurm_steps(config, tmp_path, nodes)
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(launcher, "cuda_device_count", lambda: gpus)
     monkeypatch.setenv("RL_INFERENCE__ADMIN_TOKEN", "t0ken")
     found = {}
     for node, argv in steps.items():

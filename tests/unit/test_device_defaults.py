@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import rl.trainer.config as trainer_config
 from rl.config import ConfigError, parse_config
 from rl.inference.config import InferenceConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference
@@ -63,12 +64,12 @@ def test_trainer_values_set_by_the_user_win_on_cuda(tmp_path):
 
 
 def test_a_trainer_started_alone_resolves_for_its_own_device(tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(trainer_config, "cuda_device_count", lambda: 1)  # a CUDA host
     config = parse_config(TrainerConfig, ["--model.name", model_dir(tmp_path, torch_dtype="bfloat16")])
     check_device(config)
     assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("bfloat16", True, "bfloat16")
     assert config.loss.mismatch == MaskRatio()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(trainer_config, "cuda_device_count", lambda: 0)
     with pytest.raises(ConfigError, match="needs a GPU"):
         check_device(parse_config(TrainerConfig, ["--dtype", "bfloat16"]))
     with pytest.raises(ConfigError, match="flex_attention' needs a GPU"):
@@ -194,8 +195,8 @@ def test_an_unreadable_model_config_asks_for_an_explicit_dtype(tmp_path):
 
 def test_dry_run_prints_what_the_device_chose_and_the_mapped_gpus(tmp_path, monkeypatch, capsys):
     """Faked CUDA host whose launcher was given GPUs 4,5: inference gets index 0 (GPU 4), the trainer 1 (GPU 5)."""
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launcher, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(trainer_config, "cuda_device_count", lambda: 1)  # a CUDA host
     for name in ("CUDA_DEVICE_ORDER", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "VLLM_WORKER_MULTIPROC_METHOD"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")

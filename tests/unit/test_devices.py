@@ -68,7 +68,7 @@ def test_a_cpu_host_with_fewer_cores_than_tp_workers_starts_nothing(tmp_path, mo
     monkeypatch.delenv(CPU_BIND, raising=False)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(launcher.Supervisor, "run", lambda *a: pytest.fail("a process was started"))
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(launcher, "cuda_device_count", lambda: 0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen3"}')
@@ -169,14 +169,14 @@ def test_a_gpu_host_is_seen_without_torch(tmp_path):
 @pytest.fixture
 def gpu_host_with_cpu_torch(monkeypatch):
     monkeypatch.setattr(launcher, "nvidia_gpus_present", lambda: "`nvidia-smi -L` lists 8")
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(launcher, "cuda_device_count", lambda: 0)
     monkeypatch.setattr(torch.version, "cuda", None)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
 def test_a_gpu_host_whose_torch_sees_no_gpu_is_refused_naming_torch_and_the_fix(gpu_host_with_cpu_torch):
     with pytest.raises(ConfigError) as error:
-        launcher.plan_devices(parse_config(RLConfig, []), launcher.visible_gpus())
+        launcher.plan_devices(parse_config(RLConfig, []), launcher.cuda_device_count())
     message = str(error.value)
     assert "`nvidia-smi -L` lists 8" in message and f"torch {torch.__version__} (a CPU-only build)" in message
     assert "RL_STACK=gpu bash scripts/install.sh" in message and "uv sync --extra gpu" in message
@@ -200,3 +200,19 @@ def test_rl_stops_before_starting_anything(gpu_host_with_cpu_torch, monkeypatch,
         launcher.main(["--output-dir", str(tmp_path / "run")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("rl: error: this host has NVIDIA GPUs")
+
+
+def test_the_launcher_and_an_env_server_start_without_torch_on_a_host_without_gpus():
+    """torch's import costs 4-5 s of a core on a small CPU host; neither process needs it there."""
+    import subprocess
+    from pathlib import Path
+
+    from rl.trainer.config import GPU_DEVICE_NODES
+
+    if any(any(Path("/dev").glob(node)) for node in GPU_DEVICE_NODES):
+        pytest.skip("this host has a GPU device node: the launcher asks torch")
+    code = ("import sys; from rl.launcher.main import cuda_device_count; import rl.env_server as e; e.set_up_worker(); "
+            "print(cuda_device_count(), sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == "0 []", done.stdout[-2000:]

@@ -6,8 +6,8 @@ import shlex
 import tomllib
 
 import pytest
-import torch
 
+import rl.trainer.config as trainer_config
 from rl.inference.config import InferenceConfig
 from rl.inference.server import vllm_argv
 from rl.launcher import main as launcher
@@ -19,8 +19,8 @@ GPU_MEMORY_SHARE = 0.9  # what a server on GPUs reserves (rl.inference.main)
 
 
 def dry_run(config: str, tmp_path, monkeypatch, capsys) -> str:
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launcher, "cuda_device_count", lambda: 8)
+    monkeypatch.setattr(trainer_config, "cuda_device_count", lambda: 1)  # a CUDA host
     monkeypatch.setattr(launcher, "check_model", lambda name: None)  # a hub id: nothing is downloaded here
     for name in GPU_ENV:
         monkeypatch.delenv(name, raising=False)
@@ -76,8 +76,8 @@ def test_gpu_checks_whole_node_parts_place_every_gpu(part, servers, tmp_path, mo
     """On 8 GPUs: 4 trainer ranks on GPUs 4-7, and the servers on 0-3 (two of TP=2; four of TP=1: with the trainer's
     rank 0, a five-member NCCL group)."""
     monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launcher, "cuda_device_count", lambda: 8)
+    monkeypatch.setattr(trainer_config, "cuda_device_count", lambda: 1)  # a CUDA host
     monkeypatch.setattr(launcher, "check_model", lambda name: None)
     for name in GPU_ENV:
         monkeypatch.delenv(name, raising=False)

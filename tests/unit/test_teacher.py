@@ -141,7 +141,7 @@ def test_on_a_gpu_host_the_teacher_takes_the_last_gpus_and_the_others_split_as_w
     from rl.protocol import RunPaths
     from tests.unit.test_deploy import FILES
 
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 8)
+    monkeypatch.setattr(launcher, "cuda_device_count", lambda: 8)
     argv = FILES + ["--output-dir", str(tmp_path / "run"), "--model.name", "m/m", "--inference.dtype", "bfloat16",
                     "--teacher.model", "t/t", "--teacher.gpus", "2", "--trainer-gpus", "4", "--trainer.loss.distill",
                     "1"]
@@ -152,6 +152,6 @@ def test_on_a_gpu_host_the_teacher_takes_the_last_gpus_and_the_others_split_as_w
     assert config.orchestrator.teacher.base_url == f"http://127.0.0.1:{config.inference.port + 2}"
     specs = {spec.name: spec for spec in child_specs(config, host, RunPaths(tmp_path / "run"))}
     assert specs["teacher"].gpus == ["6", "7"] and specs["teacher"].cmd[-1].endswith("teacher.toml")
-    monkeypatch.setattr(launcher, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(launcher, "cuda_device_count", lambda: 2)
     with pytest.raises(ConfigError, match="teacher.gpus = 1 of 2 visible GPUs leaves 1 for the trainer and inference"):
         load(argv[:-6] + ["--trainer.loss.distill", "1"])  # the teacher's default: 1 GPU

@@ -28,15 +28,9 @@ from rl.launcher.resume import choose_checkpoint, discard_after
 from rl.launcher.deploy import describe, render_k8s, render_slurm, slurm_job, submit
 from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor
-from rl.trainer.config import check_device
+from rl.trainer.config import check_device, cuda_device_count
 from rl.protocol import RunPaths
 from rl.teardown import skip_final_collection
-
-
-def visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def gpus_hidden_on_purpose() -> bool:
@@ -221,7 +215,7 @@ def choice_text(value) -> str:
 
 def load(argv: list[str]) -> tuple[RLConfig, HostPlan]:
     config = parse_config(RLConfig, argv)
-    host = this_host(config, visible_gpus())
+    host = this_host(config, cuda_device_count())
     try:
         return resolve(config, host), host
     except ValidationError as e:

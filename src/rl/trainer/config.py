@@ -337,12 +337,23 @@ def _local_weights_dtype(model: str) -> str | None:
     return None if common is None else str(common).removeprefix("torch.")
 
 
+GPU_DEVICE_NODES = ("nvidia[0-9]*", "dxg", "kfd")  # NVIDIA's, WSL2's, AMD's (ROCm): torch's CUDA API needs one
+
+
+def cuda_device_count() -> int:
+    """This host's GPUs as torch sees them; on a host with no GPU device node, none without importing torch (4-5 s of
+    a core on a small CPU host: the launcher asks at every launch)."""
+    if not any(any(Path("/dev").glob(node)) for node in GPU_DEVICE_NODES):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def check_device(config: TrainerConfig) -> None:
     """Where the trainer starts (not where a job is rendered): fill the fields left to the device for this
     host's device (`resolve_device_defaults`), then refuse what it cannot run."""
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if cuda_device_count() else "cpu"
     resolve_device_defaults(config, device)  # the transport too, refused where it cannot run
     if config.dtype == "bfloat16" and device == "cpu":
         raise ConfigError("trainer.dtype = 'bfloat16' needs a GPU; use 'float32' on CPU hosts")
