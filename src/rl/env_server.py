@@ -108,6 +108,9 @@ def serve(config: EnvServerConfig) -> None:
         env_config, seats = resolved_env_config(config.env)
     except EnvLoadError as e:
         raise ConfigError(str(e)) from None
+    # Every worker's first episode loads its model's tokenizer: transformers' import (with torch's, ~8 s of a core on
+    # a 2-core CPU host) is paid here once, before the workers fork, not by each worker as its first episode waits.
+    from transformers import AutoTokenizer  # noqa: F401
     if config.address.startswith("ipc://"):  # the socket's directory, as rl names one in the run directory
         Path(config.address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
     logger.info(f"environment {config.env.label!r} at {config.address}, {config.workers} workers; "

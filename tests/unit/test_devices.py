@@ -202,8 +202,9 @@ def test_rl_stops_before_starting_anything(gpu_host_with_cpu_torch, monkeypatch,
     assert capsys.readouterr().err.startswith("rl: error: this host has NVIDIA GPUs")
 
 
-def test_the_launcher_and_an_env_server_start_without_torch_on_a_host_without_gpus():
-    """torch's import costs 4-5 s of a core on a small CPU host; neither process needs it there."""
+def test_the_launcher_checks_a_run_without_torch_on_a_host_without_gpus():
+    """torch's import costs 4-5 s of a core on a small CPU host, and the launcher needs none of it there (nor does
+    an env server's set-up, which the launcher's environment check shares)."""
     import subprocess
     from pathlib import Path
 
