@@ -86,9 +86,9 @@ def set_up_worker() -> None:
     from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
     from rl.orchestrator.rollouts import apply_patches, tune_gc_for_serving
     from rl.patches import send_traces_once, serve_episodes_holding
-    from rl.teardown import skip_final_collection
+    from rl.teardown import set_up_process
 
-    skip_final_collection()
+    set_up_process()
     setup_logging(f"env-server[{os.getpid()}]", quiet=PER_REQUEST_LOGGERS)
     logging.getLogger("verifiers.v1.serve").setLevel(logging.INFO)  # the pool's and each worker's up and down
     apply_patches()

@@ -1,5 +1,6 @@
 """An `rl` launcher run for tests: its command line, its output collected line by line, and its processes."""
 
+import contextlib
 import random
 import re
 import socket
@@ -12,7 +13,10 @@ from pathlib import Path
 
 import psutil
 
+from rl.teardown import STACKS_SIGNAL
 from tests.conftest import ROOT
+
+STARTED_LOG = re.compile(r"rl: started (\S+) \(pid \d+\), log (\S+)")
 
 
 KV_CACHE_GIB = "0.25"
@@ -88,8 +92,24 @@ class Launched:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            stacks = self.stacks()
             stop_process(self.proc)
-            raise AssertionError("rl did not finish in time:\n" + "".join(self.lines[-60:]))
+            raise AssertionError("rl did not finish in time:\n" + "".join(self.lines[-60:]) + stacks)
+
+    def stacks(self, settle_s: float = 2.0) -> str:
+        """Where each of the run's processes waits: every rl process is asked for its threads' stacks (SIGUSR1,
+        rl/teardown.py), which it writes to its log; the end of each log, and of the launcher's output."""
+        rl_processes = [p for p in [psutil.Process(self.proc.pid), *self.descendants()] if is_rl_process(p)]
+        for process in rl_processes:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(STACKS_SIGNAL)
+        time.sleep(settle_s)
+        logs = {m.group(1): Path(m.group(2)) for line in self.lines if (m := STARTED_LOG.match(line))}
+        parts = [f"\n--- the stacks of {len(rl_processes)} rl processes; launcher:\n" + "".join(self.lines[-80:])]
+        for name, log in logs.items():
+            with contextlib.suppress(OSError):
+                parts.append(f"\n--- {log}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-80:]))
+        return "".join(parts)
 
     @property
     def output(self) -> str:
@@ -104,6 +124,16 @@ class Launched:
 
     def descendants(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
+
+
+def is_rl_process(process: psutil.Process) -> bool:
+    """One of rl's own entry points (`python -m rl.<module>`), each of which answers STACKS_SIGNAL with its stacks; to
+    any other process (vLLM's forked ones, torchrun) the signal's default is death."""
+    try:
+        cmdline = process.cmdline()
+    except psutil.Error:
+        return False
+    return any(a == "-m" and b.startswith("rl.") for a, b in zip(cmdline, cmdline[1:]))
 
 
 def running(process: psutil.Process) -> bool:

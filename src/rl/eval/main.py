@@ -45,7 +45,7 @@ from rl.renderer import chat_renderer, load_tokenizer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.stats import mean, means, tool_stats
 from rl.protocol import atomic_write_text
-from rl.teardown import skip_final_collection
+from rl.teardown import set_up_process
 
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
@@ -223,7 +223,7 @@ def nothing_finished(config: EvalCommandConfig, url: str, served: str, evaluated
 
 
 def main(argv: list[str] | None = None) -> None:
-    skip_final_collection()
+    set_up_process()
     apply_patches()
     config = run_cli(EvalCommandConfig, argv)
     logger = setup_logging("eval", quiet=PER_REQUEST_LOGGERS)

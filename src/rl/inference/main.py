@@ -10,7 +10,7 @@ import os
 from rl.config import local_model_dir, run_cli
 from rl.inference.config import InferenceConfig, cpu_server_env, resolve_device_defaults
 from rl.inference.server import serve
-from rl.teardown import skip_final_collection
+from rl.teardown import set_up_process
 
 # vLLM on CPU reserves this share of the NUMA node's memory for its KV cache; 0.9 fails there.
 CPU_MEMORY_SHARE = 0.2
@@ -24,7 +24,7 @@ def cpu_vllm_args(max_model_len: int) -> list[str]:
 
 
 def main() -> None:
-    skip_final_collection()
+    set_up_process()
     config = run_cli(InferenceConfig)
     import torch
 

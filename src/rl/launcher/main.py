@@ -30,7 +30,7 @@ from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.trainer.config import check_device, cuda_device_count
 from rl.protocol import RunPaths
-from rl.teardown import skip_final_collection
+from rl.teardown import set_up_process
 
 
 def gpus_hidden_on_purpose() -> bool:
@@ -265,7 +265,7 @@ def check_start(config: RLConfig, host: HostPlan, paths: RunPaths, resuming: boo
 
 
 def main(argv: list[str] | None = None) -> None:
-    skip_final_collection()
+    set_up_process()
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         print(__doc__)

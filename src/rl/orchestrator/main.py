@@ -33,7 +33,7 @@ from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
 from rl.orchestrator.teacher import Teacher, TeacherError
 from rl.protocol import RunPaths, Sample, write_batch
-from rl.teardown import skip_final_collection
+from rl.teardown import set_up_process
 
 REMAKE_ROUNDS = 3  # a batch's groups made again after servers changed under them
 LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "dropped", "tokens_per_s", "gen_s", "wait_s")
@@ -371,7 +371,7 @@ def to_sample(
 
 
 def main() -> None:
-    skip_final_collection()
+    set_up_process()
     apply_patches()
     config = run_cli(OrchestratorConfig)
     logger = setup_logging("orchestrator", quiet=PER_REQUEST_LOGGERS)

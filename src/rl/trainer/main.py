@@ -26,7 +26,7 @@ from rl.trainer.step import train_step
 from rl.trainer.weights import WeightPublisher
 from rl.trainer.world import World, init_world
 from rl.weights import transport
-from rl.teardown import skip_final_collection
+from rl.teardown import set_up_process
 
 LINE_KEYS = (
     "loss", "reward", "entropy", "clip_frac", "mismatch_kl", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s",
@@ -98,7 +98,7 @@ def timing_stats(
 
 
 def main() -> None:
-    skip_final_collection()
+    set_up_process()
     config = run_cli(TrainerConfig)
     try:
         check_device(config)
