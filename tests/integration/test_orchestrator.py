@@ -58,7 +58,8 @@ def client(server) -> InferenceClient:
 
 
 def env_servers_started() -> list[str]:
-    return [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True) if "rl.env_server" in p.cmdline()]
+    """The env servers this process started (its children; their workers, forked, are theirs)."""
+    return [" ".join(p.cmdline()) for p in psutil.Process().children() if "rl.env_server" in p.cmdline()]
 
 
 @pytest.mark.parametrize("workers", [None, 0], ids=["env-server", "in-process"])
