@@ -4,7 +4,8 @@ Runs `rl` with the tests' command line (tests/integration/launched.py's `rl_comm
 trainer ranks, `--steps` steps, a TP=2 server by default as test_run.py) and prints, in seconds from the launch:
 when each process logged its first line (its imports done), the server listening, the orchestrator's first batch,
 the trainer's first and last step, and the launcher's exit. Log stamps are whole seconds; the launcher's lines and
-its exit are timed as they arrive.
+its exit are timed as they arrive. Then the CPU seconds each kind of process used (its process tree sampled every
+0.3 s: a process's last sample counts), and their sum: on a host of few cores a launch's start is CPU-bound.
 
     uv run --no-sync python benchmarks/launch_phases.py --model /tmp/tiny
     uv run --no-sync python benchmarks/launch_phases.py --model /tmp/tiny --tp 1 --steps 3
@@ -23,7 +24,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 STAMP = re.compile(r"(?:^|\s)(\d\d):(\d\d):(\d\d)(?:[,.]\d+)?\s")
@@ -35,6 +39,32 @@ PHASES = [  # (phase, log, the first line that ends it; None: the log's first st
     ("orchestrator step 0", "orchestrator.log", re.compile(r"orchestrator INFO step 0 \|")),
     ("trainer step 0", "trainer.log", re.compile(r"trainer INFO step 0 \|")),
 ]
+
+
+ROLES = [  # (kind of process, what its command line holds); the first that matches names it
+    ("launcher", "rl.launcher.main"), ("inference", "rl.inference.main"), ("inference", "VLLM::"),
+    ("orchestrator", "rl.orchestrator.main"), ("env servers", "rl.env_server"), ("trainer ranks", "rl.trainer.main"),
+    ("torchrun", "torch.distributed.run"),
+]
+
+
+def role(cmdline: str) -> str:
+    return next((name for name, part in ROLES if part in cmdline), "other")
+
+
+def sample_cpu(root: psutil.Process, seen: dict[int, tuple[str, float]], stop: threading.Event) -> None:
+    """Every process under `root` (and root): its role and CPU seconds at the last sample, by pid."""
+    while not stop.wait(0.3):
+        try:
+            processes = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for process in processes:
+            try:
+                cpu = process.cpu_times()
+                seen[process.pid] = (role(" ".join(process.cmdline())), cpu.user + cpu.system)
+            except psutil.Error:
+                pass
 
 
 def parse_args() -> argparse.Namespace:
@@ -72,7 +102,13 @@ def main() -> None:
         reader = threading.Thread(
             target=lambda: arrivals.extend((time.monotonic() - start, line) for line in proc.stdout))
         reader.start()
+        seen: dict[int, tuple[str, float]] = {}
+        stop = threading.Event()
+        sampler = threading.Thread(target=sample_cpu, args=(psutil.Process(proc.pid), seen, stop))
+        sampler.start()
         code = proc.wait(timeout=1800)
+        stop.set()
+        sampler.join()
         reader.join(timeout=10)
         ended = time.monotonic() - start
         if code != 0:
@@ -85,6 +121,11 @@ def main() -> None:
         print(f"{phase:28} {'-' if at is None else f'{at:6.1f}'}")
     if len(steps) > 1:
         print(f"per step after the first: {(steps[-1] - steps[0]) / (len(steps) - 1):.1f} s")
+    cpu = Counter()
+    for name, seconds in seen.values():
+        cpu[name] += seconds
+    print("CPU seconds: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.most_common())
+          + f"; all {sum(cpu.values()):.1f}")
 
 
 if __name__ == "__main__":
