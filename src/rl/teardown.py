@@ -14,6 +14,7 @@ import atexit
 import faulthandler
 import gc
 import signal
+import sys
 
 STACKS_SIGNAL = signal.SIGUSR1
 
@@ -21,4 +22,7 @@ STACKS_SIGNAL = signal.SIGUSR1
 def set_up_process() -> None:
     """Call first thing in a process's main()."""
     atexit.register(gc.freeze)
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    # The process's own stderr (descriptor 2), which a caller may have replaced with an object that has no
+    # descriptor (pytest's capture, when a test calls a main()); a process without one writes no stacks.
+    if sys.__stderr__ is not None:
+        faulthandler.register(STACKS_SIGNAL, file=sys.__stderr__, all_threads=True)
