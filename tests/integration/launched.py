@@ -13,7 +13,6 @@ from pathlib import Path
 
 import psutil
 
-from rl.teardown import STACKS_SIGNAL
 from tests.conftest import ROOT
 
 STARTED_LOG = re.compile(r"rl: started (\S+) \(pid \d+\), log (\S+)")
@@ -99,6 +98,8 @@ class Launched:
     def stacks(self, settle_s: float = 2.0) -> str:
         """Where each of the run's processes waits: every rl process is asked for its threads' stacks (SIGUSR1,
         rl/teardown.py), which it writes to its log; the end of each log, and of the launcher's output."""
+        from rl.teardown import STACKS_SIGNAL  # here: benchmarks/launch_phases.py runs older rl with this module
+
         rl_processes = [p for p in [psutil.Process(self.proc.pid), *self.descendants()] if is_rl_process(p)]
         for process in rl_processes:
             with contextlib.suppress(psutil.Error):
@@ -127,7 +128,7 @@ class Launched:
 
 
 def is_rl_process(process: psutil.Process) -> bool:
-    """One of rl's own entry points (`python -m rl.<module>`), each of which answers STACKS_SIGNAL with its stacks; to
+    """One of rl's own entry points (`python -m rl.<module>`), each of which answers SIGUSR1 with its stacks; to
     any other process (vLLM's forked ones, torchrun) the signal's default is death."""
     try:
         cmdline = process.cmdline()
