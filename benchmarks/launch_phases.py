@@ -62,7 +62,10 @@ def sample_cpu(root: psutil.Process, seen: dict[int, tuple[str, float]], stop: t
         for process in processes:
             try:
                 cpu = process.cpu_times()
-                seen[process.pid] = (role(" ".join(process.cmdline())), cpu.user + cpu.system)
+                kind = role(" ".join(process.cmdline()))  # a zombie's command line is empty: keep what it was
+                if kind == "other" and process.pid in seen:
+                    kind = seen[process.pid][0]
+                seen[process.pid] = (kind, cpu.user + cpu.system)
             except psutil.Error:
                 pass
 
