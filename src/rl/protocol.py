@@ -35,7 +35,7 @@ from rl.manifest import (  # noqa: F401 - the marker API, re-exported: readers a
     verify_stable,
 )
 
-if TYPE_CHECKING:  # torch is imported where a batch is encoded or decoded: the launcher and env servers need none
+if TYPE_CHECKING:  # torch is imported where a batch is encoded or decoded: the launcher needs none
     import torch
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
