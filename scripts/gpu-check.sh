@@ -61,8 +61,9 @@ if torch.cuda.device_count() > 1:  # PCIe GPUs without NVLink or P2P: NCCL's P2P
           + ("" if peer else "; NCCL between GPUs needs NCCL_P2P_DISABLE=1 on this node (export it for rl)"))
 PY
 # the first thing that can fail and the cheapest to read: one bf16 step reloaded into CUDA vLLM and verified
-part vllm-reload uv run pytest -m gpu -rs -q tests/integration/test_gpu.py -k bf16_step_reloads_into_cuda_vllm
-part cuda-tests uv run pytest -m gpu -rs -q tests --deselect \
+# (-n 0: the GPU tests one at a time, not beside each other on the same GPUs as pyproject.toml's two workers)
+part vllm-reload uv run pytest -n 0 -m gpu -rs -q tests/integration/test_gpu.py -k bf16_step_reloads_into_cuda_vllm
+part cuda-tests uv run pytest -n 0 -m gpu -rs -q tests --deselect \
   tests/integration/test_gpu.py::test_a_bf16_step_reloads_into_cuda_vllm_and_verifies
 # the trainer alone at Qwen3-0.6B's shape (random weights built locally): tokens/s, MFU, peak memory on one GPU
 part trainer-figures uv run python benchmarks/gpu_trainer.py --steps 6 --samples 32 --seq-len 4096

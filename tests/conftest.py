@@ -22,12 +22,18 @@ REQUIRE_GPU = "RL_REQUIRE_GPU"  # set by scripts/gpu-check.sh: there a GPU test 
 
 
 def pytest_collection_modifyitems(config, items):
+    """GPU tests skip without CUDA. Integration tests form one xdist group (`--dist loadgroup` in pyproject.toml):
+    they run one at a time, in order, in one worker (each starts processes that use the host's cores, and some
+    time a process's exit), while the unit tests run in the other."""
     import torch
 
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    one_at_a_time = pytest.mark.xdist_group("integration")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        if "integration" in item.keywords:
+            item.add_marker(one_at_a_time)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -202,10 +202,10 @@ def test_under_gpu_check_a_gpu_test_that_skips_fails():
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: the GPU test would run, not skip")
     test = "tests/integration/test_gpu.py::test_a_bf16_step_reloads_into_cuda_vllm_and_verifies"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", test], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:randomly", test], cwd=ROOT,
                           capture_output=True, text=True, env=os.environ | {"RL_REQUIRE_GPU": "1"}, timeout=300)
     assert done.returncode == 1 and "skipped under RL_REQUIRE_GPU=1 (gpu-check)" in done.stdout, done.stdout[-2000:]
-    plain = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", test], cwd=ROOT,
+    plain = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:randomly", test], cwd=ROOT,
                            capture_output=True, text=True, env=os.environ | {"RL_REQUIRE_GPU": "0"}, timeout=300)
     assert plain.returncode == 0 and "1 skipped" in plain.stdout, plain.stdout[-2000:]
 
