@@ -44,9 +44,11 @@ def write_batches(out: Path, steps: range, ranks: int) -> None:
 def run_trainer(model: Path, out: Path, ranks: int, max_steps: int, *extra: str, on_cuda: bool = False
                 ) -> subprocess.CompletedProcess:
     """The trainer under torchrun; on the CPU (float32, gloo) unless `on_cuda`, also on a GPU host: these tests
-    compare ranks and resumes at 1e-5 or bit for bit, which only float32 on the CPU holds."""
+    compare ranks and resumes at 1e-5 or bit for bit, which only float32 on the CPU holds. On the CPU as `rl`
+    starts it there: torchrun's flags to rl.trainer.ranks, the ranks forked."""
+    launcher = "torch.distributed.run" if on_cuda else "rl.trainer.ranks"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+        sys.executable, "-m", launcher, "--nproc-per-node", str(ranks),
         "--master-port", str(free_port()), "-m", "rl.trainer.main", "--model.name", str(model),
         "--output-dir", str(out), "--max-steps", str(max_steps),
         "--seq-len", "48", "--optim.lr", "1e-3", "--batch-timeout-s", "60", *extra,

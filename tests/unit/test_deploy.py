@@ -48,6 +48,7 @@ def test_each_host_starts_only_its_roles(tmp_path):
     assert set(host_b) == {"trainer"} and "--standalone" not in trainer
     assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=a:29400", "--local-addr=10.0.0.2"} <= set(trainer)
     assert "--standalone" in commands([], tmp_path)["trainer"]  # one host, as before
+    assert trainer[1:3] == ["-m", "rl.trainer.ranks"]  # no trainer GPUs: torchrun's flags, the ranks forked
 
 
 

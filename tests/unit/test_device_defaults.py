@@ -213,4 +213,5 @@ def test_dry_run_prints_what_the_device_chose_and_the_mapped_gpus(tmp_path, monk
     assert "VLLM_WORKER_MULTIPROC_METHOD=spawn" in commands["inference"]
     assert "CUDA_VISIBLE_DEVICES=5 " in commands["trainer"]
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in commands["trainer"]
+    assert " -m torch.distributed.run " in commands["trainer"]  # on GPUs each rank is a fresh process, not a fork
     assert all("CUDA_DEVICE_ORDER=PCI_BUS_ID" in line for line in commands.values())

@@ -124,8 +124,10 @@ def host_dirs(host: HostPlan, paths: RunPaths) -> tuple[Path, Path]:
 def torchrun_args(host: HostPlan, paths: RunPaths) -> list[str]:
     """One node: standalone. Several: c10d rendezvous hosted by trainer node 0 (said outright: torchrun guesses
     it from hostnames, which fails where a host's name does not resolve to the endpoint's address), one id
-    per run directory."""
-    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={host.devices.trainer_processes}"]
+    per run directory. Without trainer GPUs, torchrun's flags go to `rl.trainer.ranks`, which forks the ranks
+    from one process that imported the trainer once."""
+    launcher = "torch.distributed.run" if host.devices.trainer_gpus else "rl.trainer.ranks"
+    args = [sys.executable, "-m", launcher, f"--nproc-per-node={host.devices.trainer_processes}"]
     if host.trainer_nodes == 1:
         return args + ["--standalone"]
     run_id = "rl-" + hashlib.sha1(str(paths.root.absolute()).encode()).hexdigest()[:12]

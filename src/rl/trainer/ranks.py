@@ -1,0 +1,66 @@
+"""torchrun for a host without GPUs: the trainer's ranks are forked from one process that has imported the trainer.
+
+    python -m rl.trainer.ranks <torchrun's flags> -m rl.trainer.main <the trainer's flags>
+
+The command line is torchrun's, and so are the elastic agent, its rendezvous, restarts and shutdown
+(`torch.distributed.run`'s flags and `elastic_launch`). What differs: torchrun execs a fresh Python per rank, which
+imports torch, transformers and the trainer again (~10 s of a core each, `python -X importtime -c "import
+rl.trainer.main"`); here the ranks are forked from this process after it imported them once.
+
+Only where the trainer has no GPU (the launcher runs plain torchrun on GPUs): a process that touched CUDA must not
+fork, and the imports are nothing beside a GPU host's cores and a model's loading there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+TRAINER = "rl.trainer.main"
+
+
+def run_rank(*trainer_args: str) -> None:
+    """A forked rank: the trainer's main() with its own flags (torchrun's environment is already set)."""
+    import torch
+
+    from rl.trainer import main as trainer  # imported before the fork: a lookup
+
+    if threads := os.environ.get("OMP_NUM_THREADS"):  # torchrun's 1 per rank: OpenMP read it before the fork
+        torch.set_num_threads(int(threads))
+    sys.argv = [TRAINER, *trainer_args]
+    trainer.main()
+
+
+def launch(argv: list[str]) -> None:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    args = torchrun.parse_args(argv)
+    if not (args.module and args.training_script == TRAINER):
+        sys.exit(f"rl.trainer.ranks: runs `-m {TRAINER} ...` only, not {args.training_script!r}")
+    import rl.trainer.main  # noqa: F401  every rank's imports, once, before the fork
+
+    # the rendezvous torchrun's run() picks for these flags: one node standalone or without an endpoint gets a
+    # c10d store on a free local port and an id of its own; a static rendezvous keeps torchrun's default port
+    single_node = torchrun.parse_min_max_nnodes(args.nnodes)[1] == 1
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+                           and single_node):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    args.start_method = "fork"
+    config, _, _ = torchrun.config_from_args(args)
+    try:
+        elastic_launch(config, run_rank)(*args.training_script_args)
+    except ChildFailedError as e:  # torchrun's table of which rank failed how; exit 1, as torchrun
+        sys.exit(f"rl.trainer.ranks: {e}")
+
+
+def main() -> None:
+    launch(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()
