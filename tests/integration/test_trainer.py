@@ -3,6 +3,7 @@ rl.protocol: FSDP over two ranks trains like one rank, and resuming from a check
 
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -75,7 +76,10 @@ def test_two_ranks_train_like_one(tiny_model, tmp_path):
     write_batches(one, range(1), ranks=1)
     write_batches(two, range(1), ranks=2)
     train(tiny_model, one, 1, 1)
-    train(tiny_model, two, 2, 1)
+    forked = run_trainer(tiny_model, two, 2, 1)
+    assert forked.returncode == 0, forked.stdout[-3000:] + forked.stderr[-3000:]
+    # torchrun's one OpenMP thread per rank holds in ranks forked after OpenMP read the environment
+    assert re.findall(r"rank \d/2 on cpu \(gloo, (\d+) torch threads\)", forked.stdout + forked.stderr) == ["1", "1"]
     assert losses(one)[0] == pytest.approx(losses(two)[0], rel=1e-5, abs=1e-7)
     base = load_file(str(next(tiny_model.glob("*.safetensors"))))
     w1, w2 = weights(one, 1), weights(two, 1)

@@ -129,8 +129,9 @@ def main() -> None:
     publisher = WeightPublisher.for_config(config, paths, policy, tokenizer, world)
     sender = transport(config.transfer.way).load_sender().create(config, publisher, world, first_step)
     sender.check(policy)  # before any step is trained
+    threads = "" if world.on_gpu else f", {torch.get_num_threads()} torch threads"  # torchrun's 1 per rank or more
     logger.info(
-        f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}); "
+        f"rank {world.rank}/{world.world_size} on {world.device} ({world.backend}{threads}); "
         f"steps {first_step}..{config.max_steps - 1}" + (f"; {describe_lora(policy)}" if config.lora else "")
         + (f"; MFU against the {peak_part} peak, {device_peak / 1e12:.0f} TFLOP/s bf16 dense" if peak_part else "")
     )
