@@ -22,18 +22,31 @@ REQUIRE_GPU = "RL_REQUIRE_GPU"  # set by scripts/gpu-check.sh: there a GPU test 
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip without CUDA. Integration tests form one xdist group (`--dist loadgroup` in pyproject.toml):
-    they run one at a time, in order, in one worker (each starts processes that use the host's cores, and some
-    time a process's exit), while the unit tests run in the other."""
     import torch
 
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
-    one_at_a_time = pytest.mark.xdist_group("integration")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-        if "integration" in item.keywords:
-            item.add_marker(one_at_a_time)
+
+
+INTEGRATION = "tests/integration/"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under xdist's default load balancing (`-n 2` in pyproject.toml), the tests under tests/integration/ are one
+    unit of work: they run one at a time, in order, in one worker (each starts processes that use the host's cores,
+    and some time a process's exit), while the unit tests run in the other."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class IntegrationInOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return INTEGRATION if nodeid.startswith(INTEGRATION) else nodeid
+
+    return IntegrationInOneWorker(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)
