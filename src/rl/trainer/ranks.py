@@ -4,8 +4,8 @@
 
 The command line is torchrun's, and so are the elastic agent, its rendezvous, restarts and shutdown
 (`torch.distributed.run`'s flags and `elastic_launch`). What differs: torchrun execs a fresh Python per rank, which
-imports torch, transformers and the trainer again (~10 s of a core each, `python -X importtime -c "import
-rl.trainer.main"`); here the ranks are forked from this process after it imported them once.
+imports torch, transformers and the trainer again; here the ranks are forked from this process after it imported
+them once (the CPU saved: benchmarks/RESULTS.md, "Two lanes and forked trainer ranks").
 
 Only where the trainer has no GPU (the launcher runs plain torchrun on GPUs): a process that touched CUDA must not
 fork, and the imports are nothing beside a GPU host's cores and a model's loading there.
@@ -61,7 +61,7 @@ def launch(argv: list[str]) -> None:
 def main() -> None:
     from rl.teardown import set_up_process
 
-    set_up_process()  # this process imports the trainer too: its exit skips the final collection (2 s measured)
+    set_up_process()  # this process imports the trainer too: its exit skips the final collection
     launch(sys.argv[1:])
 
 
