@@ -131,10 +131,10 @@ def is_rl_process(process: psutil.Process) -> bool:
     """One of rl's own entry points (`python -m rl.<module>`), each of which answers SIGUSR1 with its stacks; to
     any other process (vLLM's forked ones, torchrun) the signal's default is death."""
     try:
-        cmdline = process.cmdline()
+        args = " ".join(process.cmdline()).split()  # a child forked from the launcher: its title, one string
     except psutil.Error:
         return False
-    return any(a == "-m" and b.startswith("rl.") for a, b in zip(cmdline, cmdline[1:]))
+    return any(a == "-m" and b.startswith("rl.") for a, b in zip(args, args[1:]))
 
 
 def running(process: psutil.Process) -> bool:

@@ -136,6 +136,10 @@ def torchrun_args(host: HostPlan, paths: RunPaths) -> list[str]:
     return args + ([f"--local-addr={host.node_addr}"] if host.node_addr else [])
 
 
+# The orchestrator and the env servers are forked from the launcher (rl/launcher/forked.py), which has imported
+# verifiers and the environments' packages for its check: these modules are imported there first, once. An env
+# server imports transformers before it forks its workers (rl/env_server.py), so the launcher does.
+ENV_SERVER_PRELOAD = ("rl.env_server", "rl.orchestrator.environment", "transformers.models.auto.tokenization_auto")
 ENV_SERVER_RESTARTS = 5  # an environment's server that dies is started again this often: the orchestrator runs its lost
 # episodes again (rl/orchestrator/env_servers.py); past that, its exit stops the run
 
@@ -169,11 +173,13 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
     if host.runs("orchestrator"):
         for name in config.env_servers:  # no GPU; started before the orchestrator, which waits for each to answer
             cmd = [python, "-m", "rl.env_server", "@", str(configs / f"{name}.toml")]
-            specs.append(ChildSpec(name, cmd, [], logs / f"{name}.log", restarts=ENV_SERVER_RESTARTS))
+            specs.append(ChildSpec(name, cmd, [], logs / f"{name}.log", restarts=ENV_SERVER_RESTARTS,
+                                   preload=ENV_SERVER_PRELOAD))
         cmd = [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")]
         # verifiers' clients read the servers' API key from the variable they are given the name of
         key = {API_KEY_VAR: config.inference.api_key} if config.inference.api_key else {}
-        specs.append(ChildSpec("orchestrator", cmd, [], logs / "orchestrator.log", secret_env=key))  # no GPU
+        specs.append(ChildSpec("orchestrator", cmd, [], logs / "orchestrator.log", secret_env=key,  # no GPU
+                               preload=("rl.orchestrator.main",)))
     if host.runs("trainer"):
         cmd = torchrun_args(host, paths) + ["-m", "rl.trainer.main", "@", str(configs / "trainer.toml")]
         gpus = plan.trainer_gpus

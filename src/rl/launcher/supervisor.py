@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 
+from rl.launcher.forked import ForkedChild, can_fork, fork_child, warm_up
 from rl.launcher.hosts import FINISHING, Host, HostBoard
 from rl.launcher.report import format_summary, summarize
 from rl.protocol import RunPaths
@@ -31,6 +32,9 @@ class ChildSpec:
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
     secret_env: dict[str, str] = field(default_factory=dict)  # added too, and never printed (not in extra_env)
     restarts: int = 0  # a server restarted this often when it exits during the run (then its exit fails the run)
+    # Non-empty: the child is forked from the launcher (rl/launcher/forked.py) once these modules are imported
+    # there; `cmd` must then be `python -m <module> ...` of the launcher's interpreter.
+    preload: tuple[str, ...] = ()
 
     @property
     def extra_env(self) -> dict[str, str]:
@@ -58,7 +62,7 @@ class Supervisor:
         self.paths = paths
         self.tail_lines = tail_lines
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | ForkedChild] = {}
         self.specs: dict[str, ChildSpec] = {}
         # Show only records written from now on (a resumed run keeps the earlier ones in the file).
         self.metrics_offset = paths.metrics.stat().st_size if paths.metrics.exists() else 0
@@ -70,11 +74,15 @@ class Supervisor:
     def start(self, spec: ChildSpec) -> None:
         env = dict(os.environ) | spec.extra_env | spec.secret_env | {"PYTHONUNBUFFERED": "1"}
         spec.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(spec.log, "ab") as log:
-            self.procs[spec.name] = subprocess.Popen(
-                spec.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                preexec_fn=_die_with_parent,
-            )
+        if spec.preload and can_fork():
+            warm_up(spec.preload)
+            self.procs[spec.name] = fork_child(spec.cmd, env, spec.log, _die_with_parent)
+        else:
+            with open(spec.log, "ab") as log:
+                self.procs[spec.name] = subprocess.Popen(
+                    spec.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                    preexec_fn=_die_with_parent,
+                )
         self.specs[spec.name] = spec
         print(f"rl: started {spec.name} (pid {self.procs[spec.name].pid}), log {spec.log}", flush=True)
 
@@ -85,7 +93,7 @@ class Supervisor:
         start = time.monotonic()
         board.join()
         try:
-            for spec in specs:
+            for spec in sorted(specs, key=lambda s: bool(s.preload)):  # the forked last: their imports wait
                 self.start(spec)
             code = self._watch(board)
         except Stop as stop:
