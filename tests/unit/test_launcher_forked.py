@@ -52,7 +52,11 @@ def fork(module: str, tmp_path, *args: str, env=None) -> tuple[ForkedChild, obje
 
 def test_a_forked_child_runs_main_with_its_argv_environment_and_log(child_module, tmp_path, monkeypatch):
     monkeypatch.setenv("ONLY_IN_LAUNCHER", "x")
-    child, log = fork(child_module, tmp_path, "exit", "0")
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # as the supervisor's own handler
+    try:
+        child, log = fork(child_module, tmp_path, "exit", "0")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert child.wait(timeout=30) == 0
     text = log.read_text()
     assert "argv ['exit', '0'] env given launcher var None" in text  # the environment given, nothing else
