@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import importlib.util
 import io
 import os
 import signal
@@ -98,7 +99,7 @@ def _run_child(module: str, cmd: list[str], env: dict[str, str], log: Path, set_
         _set_title(cmd)  # before the environment changes: setproctitle finds the title's room there
         os.environ.clear()
         os.environ.update(env)
-        sys.argv = [cmd[0], *cmd[3:]]
+        sys.argv = [importlib.util.find_spec(module).origin, *cmd[3:]]  # as `python -m` sets it
         code = _run_module(module)
         atexit._run_exitfuncs()  # the child's own, as an interpreter's exit runs them
     except BaseException:  # noqa: BLE001 - whatever happens in the child ends it, never the launcher's stack
