@@ -113,3 +113,20 @@ def test_the_supervisor_forks_a_child_with_preload_only_from_a_single_threaded_l
     assert isinstance(supervisor.procs["execd"], subprocess.Popen)
     assert supervisor.procs["forked"].wait(timeout=30) == 0 and supervisor.procs["execd"].wait(timeout=30) == 0
     assert "argv ['exit', '0']" in (tmp_path / "f.log").read_text()
+
+
+def test_the_launcher_beats_while_it_imports_what_it_forks(tmp_path, monkeypatch):
+    """Other hosts stop a run whose launcher goes silent: its imports before forking must not silence it."""
+    (tmp_path / "slow_import_fixture.py").write_text("import time\ntime.sleep(1.5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    beats = []
+
+    class Board:
+        def beat(self):
+            beats.append(time.monotonic())
+
+    supervisor = Supervisor(RunPaths(tmp_path / "run"), tail_lines=5, shutdown_timeout_s=5)
+    start = time.monotonic()
+    supervisor._warm_up(("slow_import_fixture",), Board())
+    assert "slow_import_fixture" in sys.modules and time.monotonic() - start >= 1.5
+    assert len(beats) >= 3 and beats[-1] - beats[0] >= 1.0  # every POLL_S while the import ran

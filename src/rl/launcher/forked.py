@@ -79,21 +79,21 @@ def fork_child(cmd: list[str], env: dict[str, str], log: Path, set_up: Callable[
         raise ValueError(f"not a `python -m` command of this interpreter: {cmd}")
     sys.stdout.flush()
     sys.stderr.flush()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, RESET_SIGNALS)  # none lands before the child resets them
+    launcher_mask = signal.pthread_sigmask(signal.SIG_BLOCK, RESET_SIGNALS)  # none lands before the child resets them
     pid = os.fork()
     if pid == 0:
-        os._exit(_run_child(module, cmd, env, log, set_up, blocked))
-    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        os._exit(_run_child(module, cmd, env, log, set_up, launcher_mask))
+    signal.pthread_sigmask(signal.SIG_SETMASK, launcher_mask)
     return ForkedChild(pid, cmd)
 
 
-def _run_child(module: str, cmd: list[str], env: dict[str, str], log: Path, set_up, blocked) -> int:
+def _run_child(module: str, cmd: list[str], env: dict[str, str], log: Path, set_up, launcher_mask) -> int:
     """In the child: never returns into the launcher's code (its caller exits with the code)."""
     code = 1
     try:
         for signum in RESET_SIGNALS:
             signal.signal(signum, signal.SIG_DFL if signum != signal.SIGPIPE else signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        signal.pthread_sigmask(signal.SIG_SETMASK, launcher_mask)
         set_up()
         _redirect_output(log)
         _set_title(cmd)  # before the environment changes: setproctitle finds the title's room there

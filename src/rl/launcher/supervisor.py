@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +94,11 @@ class Supervisor:
         start = time.monotonic()
         board.join()
         try:
-            for spec in sorted(specs, key=lambda s: bool(s.preload)):  # the forked last: their imports wait
+            for spec in [s for s in specs if not s.preload]:
+                self.start(spec)
+            forked = [s for s in specs if s.preload]
+            self._warm_up(tuple(dict.fromkeys(m for s in forked for m in s.preload)), board)
+            for spec in forked:
                 self.start(spec)
             code = self._watch(board)
         except Stop as stop:
@@ -113,6 +118,16 @@ class Supervisor:
         else:
             print(f"rl: failed after {elapsed:.0f}s (exit {code}); logs in {self.paths.logs}", flush=True)
         return code
+
+    def _warm_up(self, modules: tuple[str, ...], board: HostBoard) -> None:
+        """Import what the forked children run (seconds of a core) in a thread, the launcher beating meanwhile (other
+        hosts stop a run whose host goes silent); started after the exec'd children, so that no thread runs while
+        they fork, and joined before any fork of the launcher."""
+        warming = threading.Thread(target=warm_up, args=(modules,), name="warm-up", daemon=True)
+        warming.start()
+        while warming.is_alive():
+            board.beat()
+            warming.join(POLL_S)
 
     def _restart(self, name: str, code: int) -> None:
         self.restarted[name] = self.restarted.get(name, 0) + 1
