@@ -82,6 +82,10 @@ def test_five_steps_end_to_end_of_a_taskset_only_environment_mixed_with_reverse_
     assert torch.equal(files["lm_head.weight"], files["model.embed_tokens.weight"])  # written explicitly
     assert (out / "configs" / "trainer.toml").is_file()
     assert "step 4 trainer" in run.output  # the launcher's one line per step
+    started = dict(re.findall(r"rl: started (\S+) \(pid \d+\), log \S+(.*)", run.output))
+    forked = {name for name, how in started.items() if how == " (forked from the launcher)"}
+    assert forked == {name for name in started if name == "orchestrator" or name.startswith("env-")}, started
+    assert len(forked) >= 3, started  # the orchestrator and its env servers; inference and the trainer exec'd
 
 
 def check_environments_mixed(out, records: list[dict]) -> None:

@@ -85,7 +85,8 @@ class Supervisor:
                     preexec_fn=_die_with_parent,
                 )
         self.specs[spec.name] = spec
-        print(f"rl: started {spec.name} (pid {self.procs[spec.name].pid}), log {spec.log}", flush=True)
+        how = " (forked from the launcher)" if isinstance(self.procs[spec.name], ForkedChild) else ""
+        print(f"rl: started {spec.name} (pid {self.procs[spec.name].pid}), log {spec.log}{how}", flush=True)
 
     def run(self, specs: list[ChildSpec], board: HostBoard) -> int:
         """Supervise until the run finishes (0: this host's trainer and orchestrator, and every other host's,
