@@ -75,8 +75,7 @@ class Supervisor:
     def start(self, spec: ChildSpec) -> None:
         env = dict(os.environ) | spec.extra_env | spec.secret_env | {"PYTHONUNBUFFERED": "1"}
         spec.log.parent.mkdir(parents=True, exist_ok=True)
-        if spec.preload and can_fork():
-            warm_up(spec.preload)
+        if spec.preload and can_fork():  # run() imported the preload; a child imports what is missing itself
             self.procs[spec.name] = fork_child(spec.cmd, env, spec.log, _die_with_parent)
         else:
             with open(spec.log, "ab") as log:
