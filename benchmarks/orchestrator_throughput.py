@@ -47,7 +47,9 @@ from transformers import AutoTokenizer
 from rl.env_config import EnvConfig
 from rl.orchestrator.config import GROUP_GAP_S
 from rl.orchestrator.environment import load_environment
-from rl.orchestrator.rollouts import InferenceClient, Sampling, apply_patches, run_group, tune_gc_for_serving
+from rl.orchestrator.rollouts import (
+    InferenceClient, RolloutSlots, Sampling, apply_patches, run_group, tune_gc_for_serving,
+)
 from rl.renderer import renderer_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,10 +80,10 @@ def sampling(args) -> Sampling:
 
 
 async def orchestrator_side(args, env, client: InferenceClient) -> tuple[int, float]:
-    semaphore = asyncio.Semaphore(args.concurrency)
+    slots = RolloutSlots(args.concurrency)
     start = time.perf_counter()
     groups = await asyncio.gather(
-        *(run_group(env, g, args.group_size, client, sampling(args), semaphore) for g in range(args.groups))
+        *(run_group(env, g, args.group_size, client, sampling(args), slots) for g in range(args.groups))
     )
     return sum(r.sampled_tokens for group in groups for r in group), time.perf_counter() - start
 

@@ -83,9 +83,10 @@ def set_up_worker() -> None:
     rl's patches to verifiers, renderers and pydantic, before the worker loads the environment."""
     from in_process_chat import shared_session
 
+    from rl.episode_groups import ROUTE, serve_group
     from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
     from rl.orchestrator.rollouts import apply_patches, tune_gc_for_serving
-    from rl.patches import send_traces_once, serve_episodes_holding
+    from rl.patches import send_traces_once, serve_episodes_holding, serve_group_runs
     from rl.teardown import set_up_process
 
     set_up_process()
@@ -94,6 +95,7 @@ def set_up_worker() -> None:
     apply_patches()
     serve_episodes_holding(shared_session, tune_gc_for_serving)
     send_traces_once()
+    serve_group_runs(ROUTE, serve_group)
 
 
 def serve(config: EnvServerConfig) -> None:

@@ -1,6 +1,6 @@
 """What the orchestrator does when an env server misbehaves (rl/orchestrator/env_servers.py), against a fake server
-that speaks verifiers' env-server protocol (a ZMQ ROUTER: health, run, cancel) and misbehaves on purpose, and one
-real child server that dies."""
+that speaks rl's env-server protocol (a ZMQ ROUTER: verifiers' health and cancel, rl's run_group) and misbehaves on
+purpose, and one real child server that dies."""
 
 import asyncio
 import time
@@ -20,11 +20,12 @@ OK = msgpack.packb({"success": True, "error": None})
 
 
 class FakeEnvServer:
-    """Answers health while `healthy`; a run is never answered (`runs = "hang"`) or fails (`runs = "fail"`)."""
+    """Answers health while `healthy`; a group's run is never answered (`runs = "hang"`) or fails (`runs = "fail"`)."""
 
     def __init__(self, address: str, runs: str, healthy: bool = True):
         self.address, self.runs, self.healthy = address, runs, healthy
-        self.ran: list[str] = []  # run request ids, as received
+        self.ran: list[str] = []  # run_group request ids, as received
+        self.episodes: list[int] = []  # each one's number of episodes
         self.cancelled: list[str] = []  # the run request ids cancels named
         self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -39,8 +40,9 @@ class FakeEnvServer:
             elif method == b"cancel":
                 self.cancelled.append(msgpack.unpackb(payload)["request_id"])
                 await self.socket.send_multipart([client, request_id, b"reply", OK])
-            elif method == b"run":
+            elif method == b"run_group":
                 self.ran.append(request_id.decode())
+                self.episodes.append(len(msgpack.unpackb(payload)["samplings"]))
                 if self.runs == "fail":
                     error = msgpack.packb({"success": False, "error": "ZeroDivisionError: the scorer divided by 0"})
                     await self.socket.send_multipart([client, request_id, b"reply", error])
@@ -70,13 +72,13 @@ def test_an_episode_that_hangs_is_cancelled_on_its_server_at_the_rollout_deadlin
         fake = FakeEnvServer(served_by_fake(environment, tmp_path), runs="hang")
         await environment.served.start(10)
         started = time.monotonic()
-        with pytest.raises(RolloutError, match="timed out after 1.0s"):
+        with pytest.raises(RolloutError, match="group of 2 rollouts of task 0 timed out after 1.0s"):
             await run_group(environment, 0, 2, CLIENT, Sampling(), timeout_s=1.0)
         assert time.monotonic() - started < 3
         deadline = time.monotonic() + 5
-        while len(fake.cancelled) < 2 and time.monotonic() < deadline:
+        while not fake.cancelled and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        assert sorted(fake.cancelled) == sorted(fake.ran) and len(fake.ran) == 2  # each episode, on its server
+        assert fake.cancelled == fake.ran and fake.episodes == [2]  # the group's one request, on its server
         await environment.served.close()
         await fake.stop()
 
@@ -90,8 +92,8 @@ def test_an_episode_that_raises_fails_its_group_which_is_run_again_then_dropped_
         warnings: list[str] = []
         outcome = await run_group_retried(environment, 1, 2, CLIENT, Sampling(), None, 30, 1, warnings.append)
         assert outcome.results is None and outcome.error == "EnvServerError" and outcome.retries == 1
-        assert "failed an episode: ZeroDivisionError: the scorer divided by 0" in outcome.message
-        assert len(fake.ran) == 4 and len(warnings) == 2  # 2 episodes, 2 attempts, each failure logged
+        assert "failed a group: ZeroDivisionError: the scorer divided by 0" in outcome.message
+        assert fake.episodes == [2, 2] and len(warnings) == 2  # a group of 2, 2 attempts, each failure logged
         await environment.served.close()
         await fake.stop()
 
@@ -123,7 +125,7 @@ def test_a_server_that_stops_answering_loses_the_episodes_it_holds_at_once(envir
         await asyncio.sleep(0.5)
         fake.healthy = False
         started = time.monotonic()
-        with pytest.raises(EnvServerError, match="stopped answering or was restarted: this episode was lost"):
+        with pytest.raises(EnvServerError, match="stopped answering or was restarted: this group's episodes were lost"):
             await group
         assert time.monotonic() - started < 3  # two missed checks, not the rollout's 60 s
         await environment.served.close()
@@ -152,8 +154,8 @@ def test_a_group_run_again_after_its_server_died_waits_for_the_restarted_server_
         assert not group.done()
         second = FakeEnvServer(address, runs="fail")
         outcome = await asyncio.wait_for(group, 10)
-        assert outcome.retries == 1 and len(second.ran) == 2, (outcome, second.ran)  # both episodes, once each
-        assert "failed an episode: ZeroDivisionError" in outcome.message  # the new server's answer, not a loss
+        assert outcome.retries == 1 and second.episodes == [2], (outcome, second.ran)  # the group, once
+        assert "failed a group: ZeroDivisionError" in outcome.message  # the new server's answer, not a loss
         await environment.served.close()
         await second.stop()
 

@@ -4,6 +4,7 @@ import pytest
 
 from rl.orchestrator.advantage import grpo_advantages
 from rl.orchestrator.batch import balance_by_tokens
+from rl.orchestrator.rollouts import RolloutSlots
 from rl.orchestrator.sampler import TaskSampler
 from rl.protocol import Sample
 
@@ -133,7 +134,7 @@ def test_a_failing_eval_group_is_retried_then_dropped_and_counted(monkeypatch):
 
     attempts = []
 
-    async def stand_in_group(env, task_index, n, client, sampling, semaphore=None, timeout_s=None):
+    async def stand_in_group(env, task_index, n, client, sampling, slots=None, timeout_s=None):
         attempts.append(task_index)
         if task_index == 1:
             raise rollouts.RolloutError("rollout of task 1 failed: ProviderError: boom")
@@ -145,7 +146,7 @@ def test_a_failing_eval_group_is_retried_then_dropped_and_counted(monkeypatch):
     monkeypatch.setattr(rollouts, "run_group", stand_in_group)
     logged = []
     config = EvalConfig(num_examples=3, rollouts_per_example=2, sampling={"temperature": 1.0})
-    evaluated = asyncio.run(run_eval_groups(config, [Env()], 3, [None], asyncio.Semaphore(4), None, 2, logged.append))
+    evaluated = asyncio.run(run_eval_groups(config, [Env()], 3, [None], RolloutSlots(4), None, 2, logged.append))
     assert sorted(attempts) == [0, 1, 1, 1, 2] and len(logged) == 3  # task 1: once and 2 retries
     assert [[r.task_index for r in g] for g in evaluated.groups["echo"]] == [[0, 0], [2, 2]]
     assert evaluated.dropped == {"echo": ["RolloutError: rollout of task 1 failed: ProviderError: boom"]}

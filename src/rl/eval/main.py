@@ -40,7 +40,9 @@ from rl.orchestrator.environment import (
     EnvLoadError, Environment, load_environments, serving, start_env_servers, stop_env_servers,
 )
 from rl.orchestrator.eval import EvalGroups, eval_stats, group_scores, run_eval_groups
-from rl.orchestrator.rollouts import ChatClient, InferenceClient, RolloutResult, apply_patches, openai_api_root
+from rl.orchestrator.rollouts import (
+    ChatClient, InferenceClient, RolloutResult, RolloutSlots, apply_patches, openai_api_root,
+)
 from rl.renderer import chat_renderer, load_tokenizer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.stats import mean, means, tool_stats
@@ -63,10 +65,10 @@ def output_dir(config: EvalCommandConfig) -> Path:
 async def run(
     config: EvalCommandConfig, envs: list[Environment], client: InferenceClient | ChatClient, logger
 ) -> EvalGroups:
-    semaphore = asyncio.Semaphore(config.max_concurrent)
+    slots = RolloutSlots(config.max_concurrent)
     async with serving(envs):
         return await run_eval_groups(
-            config, envs, config.num_examples, [client], semaphore, config.rollout.timeout_s,
+            config, envs, config.num_examples, [client], slots, config.rollout.timeout_s,
             config.rollout.max_retries, logger.warning,
         )
 

@@ -1,7 +1,7 @@
 """Episodes of an environment served by an env server (`env-server`, rl/env_server.py): the orchestrator keeps the
-taskset and samples it; each episode goes to the server as its task's data with the model endpoint and sampling, runs
-in one of the server's workers (which calls inference itself), and comes back as an episode to score into a batch.
-An episode abandoned at its deadline is cancelled on the server (verifiers' `EnvClient` sends the cancel).
+taskset and samples it; each group goes to the server as one request (rl/episode_groups.py: its task's data, the model
+endpoint and each episode's sampling), runs in one of the server's workers (which calls inference itself), and comes
+back as episodes to score into a batch. A group abandoned at its deadline is cancelled on the server.
 
 Every environment's episodes run in an env server: one `rl` starts (supervised, restarted when it dies), one started
 elsewhere (`[[env]] address`), or, for an orchestrator or `eval` started by hand, one this process starts as its
@@ -9,8 +9,8 @@ child (`ChildEnvServer`): it dies with this process, and its death ends the run,
 
 A server that stops answering, or is restarted (`rl` restarts a dead one at the same socket), has lost the episodes
 it held: while any is out, a watchdog checks the server's health and, for an ipc:// socket, the socket's identity
-(a restarted server binds a new one); either change fails every episode sent before it with EnvServerError, so its
-group is run again (`rollout.max_retries`) rather than waiting for a reply that will not come."""
+(a restarted server binds a new one); either change fails every group sent before it with EnvServerError, so it is
+run again (`rollout.max_retries`) rather than waiting for a reply that will not come."""
 
 from __future__ import annotations
 
@@ -24,21 +24,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
 import verifiers.v1 as vf
-from verifiers.v1.serve import EnvClient
 from verifiers.v1.serve.types import HealthRequest, HealthResponse
 
 from rl.config import write_config
 from rl.env_config import EnvConfig
 from rl.env_seal import seal_client
 from rl.env_server import started_for
+from rl.episode_groups import GroupClient, GroupRunRequest
 
 HEALTH_INTERVAL_S = 1.0  # while waiting for the server to answer first
-WATCH_INTERVAL_S = 2.0  # between the watchdog's checks while episodes are out
+WATCH_INTERVAL_S = 2.0  # between the watchdog's checks while groups are out
 HEALTH_TIMEOUT_S = 5.0  # a broker answers health itself; a single worker answers between its episodes' steps
 MISSED_HEALTH_CHECKS = 2  # in a row, before the server counts as gone
 CHILD_STOP_S = 30.0  # a child server's grace to stop its workers after SIGTERM
@@ -52,7 +50,7 @@ class ServerHealth(HealthResponse):
 
 
 class EnvServerError(RuntimeError):
-    """An env server did not answer in time, refused an episode, or lost it."""
+    """An env server did not answer in time, failed a group, or lost it."""
 
 
 def socket_identity(address: str) -> tuple[int, int] | None:
@@ -122,13 +120,13 @@ class ServedEpisodes:
         self.secret = secret  # a tcp:// server's, which seals the connection (rl/env_seal.py)
         self.died: str | None = None  # why the child server this process started is gone
         self.owner: asyncio.Task | None = None  # cancelled when the child dies: the run ends, naming it
-        self.client: EnvClient | None = None
-        self.out: set[asyncio.Future] = set()  # episodes sent and not yet answered
+        self.client: GroupClient | None = None
+        self.out: set[asyncio.Future] = set()  # groups sent and not yet answered
         self.lost: set[asyncio.Future] = set()  # of those, the ones the watchdog gave up on
         self.identity: tuple[int, int] | None = None
         self.watchdog: asyncio.Task | None = None
-        # Cleared while the server is down (from the watchdog's loss of what was out until it answers again): an
-        # episode sent then waits, at most `recovery_s`, rather than be lost with a server that is not there. Made by
+        # Cleared while the server is down (from the watchdog's loss of what was out until it answers again): a
+        # group sent then waits, at most `recovery_s`, rather than be lost with a server that is not there. Made by
         # start(), in the event loop that uses it.
         self.answering: asyncio.Event | None = None
         self.recovery_s = 0.0
@@ -140,7 +138,7 @@ class ServedEpisodes:
         if self.child is not None:
             self.address = self.child.start()
             self.owner = asyncio.current_task()
-        self.client = EnvClient(self.address)
+        self.client = GroupClient(self.address)
         if self.secret is not None and self.address.startswith("tcp://"):
             seal_client(self.client, self.secret)
         healthy = asyncio.ensure_future(self.client.wait_for_server_startup(timeout=timeout_s,
@@ -168,30 +166,30 @@ class ServedEpisodes:
         self.answering.set()
         self.watchdog = asyncio.create_task(self._watch())
 
-    def runs(self, task: vf.Task, contexts: list[vf.ModelContext]) -> list[Coroutine[Any, Any, vf.Episode]]:
-        """A group's episodes of `task` on the server, one per context. Each goes with rl's client config whole
-        (rl/patches: `serve_rl_client_configs`), so a worker groups the identical requests of a group's episodes it
-        runs as this process would."""
-        data = task.data.model_dump()
-        return [self.run(data, ctx) for ctx in contexts]
-
-    async def run(self, data: dict, ctx: vf.ModelContext) -> vf.Episode:
+    async def run_group(self, task: vf.Task, contexts: list[vf.ModelContext]) -> list[vf.Episode]:
+        """A group's episodes of `task` on the server, one per context, sent as one request (rl/episode_groups.py).
+        The contexts share their client config, which goes with rl's fields whole, so the worker groups the
+        group's identical requests as this process would."""
         assert self.client is not None, "start() first"
+        first = contexts[0]
+        assert all(ctx.client is first.client and ctx.model == first.model for ctx in contexts), "one client per group"
+        request = GroupRunRequest(task_data=task.data.model_dump(), client=first.client, model=first.model,
+                                  samplings=[ctx.sampling for ctx in contexts])
         await self._until_answering()
-        episode = asyncio.ensure_future(self.client.run(ctx.client, ctx.model, ctx.sampling, data))
-        self.out.add(episode)
+        group = asyncio.ensure_future(self.client.run_group(request))
+        self.out.add(group)
         try:
-            return await episode
+            return await group
         except asyncio.CancelledError:
-            if episode in self.lost:
+            if group in self.lost:
                 raise EnvServerError(f"the env server of {self.label!r} at {self.address} stopped answering or was "
-                                     "restarted: this episode was lost with it") from None
+                                     "restarted: this group's episodes were lost with it") from None
             raise
-        except RuntimeError as e:  # the server's reply said the episode failed: its error, as data
-            raise EnvServerError(f"the env server of {self.label!r} failed an episode: {e}") from None
+        except RuntimeError as e:  # the server's reply said the group failed: its error, as data
+            raise EnvServerError(f"the env server of {self.label!r} failed a group: {e}") from None
         finally:
-            self.out.discard(episode)
-            self.lost.discard(episode)
+            self.out.discard(group)
+            self.lost.discard(group)
 
     async def _watch(self) -> None:
         missed = 0
@@ -218,8 +216,8 @@ class ServedEpisodes:
                 missed, self.identity = 0, identity or self.identity
 
     async def _until_answering(self) -> None:
-        """Wait while the server is down. Sent then, an episode would be lost again when the restarted server's new
-        socket shows (counted as another of its group's attempts), or queue for a server that never comes back."""
+        """Wait while the server is down. Sent then, a group would be lost again when the restarted server's new
+        socket shows (counted as another of its attempts), or queue for a server that never comes back."""
         try:
             await asyncio.wait_for(self.answering.wait(), self.recovery_s)
         except TimeoutError:
@@ -238,9 +236,9 @@ class ServedEpisodes:
         return reply.success
 
     def _lose_everything_out(self) -> None:
-        for episode in list(self.out):
-            self.lost.add(episode)
-            episode.cancel()
+        for group in list(self.out):
+            self.lost.add(group)
+            group.cancel()
 
     async def close(self) -> None:
         if self.watchdog is not None:

@@ -19,7 +19,9 @@ from math import comb
 
 from rl.orchestrator.config import EvalConfig, EvalSettings, SamplingConfig
 from rl.orchestrator.environment import Environment
-from rl.orchestrator.rollouts import ChatClient, InferenceClient, RolloutResult, Sampling, run_group_retried
+from rl.orchestrator.rollouts import (
+    ChatClient, InferenceClient, RolloutResult, RolloutSlots, Sampling, run_group_retried,
+)
 from rl.orchestrator.stats import mean, rollout_stats
 
 Groups = dict[str, list[list[RolloutResult]]]
@@ -56,7 +58,7 @@ async def run_eval_groups(
     envs: list[Environment],
     num_examples: int | None,
     clients: list[InferenceClient | ChatClient],
-    semaphore: asyncio.Semaphore,
+    slots: RolloutSlots,
     timeout_s: float | None,
     max_retries: int,
     log: Callable[[str], None],
@@ -69,7 +71,7 @@ async def run_eval_groups(
         for index in range(min(num_examples or env.num_tasks, env.num_tasks)):
             client = clients[len(jobs) % len(clients)]
             jobs.append(run_group_retried(
-                env, index, settings.rollouts_per_example, client, sampling, semaphore, timeout_s, max_retries, log
+                env, index, settings.rollouts_per_example, client, sampling, slots, timeout_s, max_retries, log
             ))
     evaluated = EvalGroups(
         {env.name: [] for env in envs}, {env.name: [] for env in envs}, settings.rollouts_per_example
@@ -123,13 +125,13 @@ async def evaluate(
     config: EvalConfig,
     envs: list[Environment],
     clients: list[InferenceClient],
-    semaphore: asyncio.Semaphore,
+    slots: RolloutSlots,
     timeout_s: float | None,
     max_retries: int,
     log: Callable[[str], None],
 ) -> dict:
     """The orchestrator's periodic eval: eval/... metrics of one pass over the eval tasks."""
     evaluated = await run_eval_groups(
-        config, envs, config.num_examples, clients, semaphore, timeout_s, max_retries, log
+        config, envs, config.num_examples, clients, slots, timeout_s, max_retries, log
     )
     return eval_stats(evaluated, config.pass_threshold)

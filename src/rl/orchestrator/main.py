@@ -24,7 +24,7 @@ from rl.orchestrator.fill import Filled, fill_batch
 from rl.orchestrator.inference_pool import InferencePool
 from rl.orchestrator.policy_sync import policy_sync
 from rl.orchestrator.rollouts import (
-    GroupOutcome, InferenceClient, RolloutResult, TokenSegment, apply_patches, run_group_retried,
+    GroupOutcome, InferenceClient, RolloutResult, RolloutSlots, TokenSegment, apply_patches, run_group_retried,
     tune_gc_for_serving,
 )
 from rl.orchestrator.sampler import DifficultyPools, make_sampler
@@ -83,7 +83,7 @@ class Orchestrator:
                         for url in config.client.base_urls]
         self.samplers = [make_sampler(spec.sampler, env.num_tasks, config.seed + i)
                          for i, (spec, env) in enumerate(zip(config.env, self.envs))]
-        self.semaphore = asyncio.Semaphore(config.rollouts_in_flight)
+        self.slots = RolloutSlots(config.rollouts_in_flight)
         self.servers = ServerBoard(self.pool, config.client, logger)
         self.sync = policy_sync(config, self.pool, self.servers, logger)  # files or offers, chosen once
         self.unlogged_served: list[dict] | None = None  # the step-0 adapter's load, logged with batch 0
@@ -253,7 +253,7 @@ class Orchestrator:
         policy_step = self.servers.policy_step
         rollout = self.config.rollout
         outcome = await run_group_retried(
-            env, task_index, n, self.clients[server], to_sampling(s, seed), self.semaphore, rollout.timeout_s,
+            env, task_index, n, self.clients[server], to_sampling(s, seed), self.slots, rollout.timeout_s,
             rollout.max_retries, self.logger.warning,
         )
         outcome.policy_step, outcome.server, outcome.task_index = policy_step, server, task_index
@@ -316,7 +316,7 @@ class Orchestrator:
         start = time.perf_counter()
         rollout = self.config.rollout
         stats = await evaluate(
-            self.config.eval, self.eval_envs, self.clients, self.semaphore, rollout.timeout_s, rollout.max_retries,
+            self.config.eval, self.eval_envs, self.clients, self.slots, rollout.timeout_s, rollout.max_retries,
             self.logger.warning,
         )
         return stats | {"eval/time_s": time.perf_counter() - start}

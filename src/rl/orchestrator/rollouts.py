@@ -13,11 +13,12 @@ sampler position (and can resume it).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import verifiers.v1 as vf
@@ -164,40 +165,84 @@ class RolloutError(RuntimeError):
     """A rollout failed (inference unreachable, harness or scoring error): no sample to train on."""
 
 
+class RolloutSlots:
+    """At most `capacity` rollouts in flight. A group takes its n slots at once (all of them where n is more), in the
+    order groups asked, so that two groups never each hold part of what the other waits for."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"rollouts in flight must be at least 1, not {capacity}")
+        self.capacity = self.free = capacity
+        self.waiting: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    @contextlib.asynccontextmanager
+    async def take(self, n: int) -> AsyncIterator[None]:
+        n = min(n, self.capacity)
+        await self._acquire(n)
+        try:
+            yield
+        finally:
+            self.free += n
+            self._hand_on()
+
+    async def _acquire(self, n: int) -> None:
+        if not self.waiting and self.free >= n:
+            self.free -= n
+            return
+        granted = asyncio.get_running_loop().create_future()
+        self.waiting.append((n, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():  # granted as it was cancelled: handed on
+                self.free += n
+            else:
+                self.waiting.remove((n, granted))
+            self._hand_on()
+            raise
+
+    def _hand_on(self) -> None:
+        while self.waiting and self.waiting[0][0] <= self.free:
+            n, granted = self.waiting.popleft()
+            self.free -= n
+            granted.set_result(None)
+
+
 async def run_group(
     environment: Environment,
     task_index: int,
     n: int,
     client: InferenceClient | ChatClient,
     sampling: Sampling,
-    semaphore: asyncio.Semaphore | None = None,
+    slots: RolloutSlots | None = None,
     timeout_s: float | None = None,
 ) -> list[RolloutResult]:
-    """Run `n` rollouts of task `task_index` concurrently (at most `semaphore` at once).
+    """Run `n` rollouts of task `task_index` concurrently, once `slots` has room for them.
 
-    Each rollout must finish within `timeout_s` of getting its semaphore slot, else RolloutError. The rollouts run
-    in the environment's env server (rl/orchestrator/env_servers.py), or with `workers = 0` in this process."""
+    They must finish within `timeout_s` of getting their slots, else RolloutError. The rollouts run in the
+    environment's env server as one request (rl/orchestrator/env_servers.py), or with `workers = 0` in this process,
+    each in a slot of its own."""
     task = environment.task(task_index)
     contexts = model_contexts(client, sampling, n)
     if environment.served is None:  # `workers = 0`
         runs = [environment.env.run_slot(slot, ctx) for slot, ctx in zip(environment.env.slots(task, n), contexts)]
+        episodes = await asyncio.gather(*(bounded(task_index, run, 1, slots, timeout_s) for run in runs))
     else:
-        runs = environment.served.runs(task, contexts)
-    episodes = await asyncio.gather(*(bounded(task_index, run, semaphore, timeout_s) for run in runs))
+        episodes = await bounded(task_index, environment.served.run_group(task, contexts), n, slots, timeout_s)
     convert = to_chat_result if isinstance(client, ChatClient) else to_result
     return [convert(task_index, task, episode) for episode in episodes]
 
 
-async def bounded(
-    task_index: int, run: Coroutine[Any, Any, vf.Episode], semaphore: asyncio.Semaphore | None, timeout_s: float | None
-) -> vf.Episode:
-    """One rollout; the deadline starts once it holds a semaphore slot, so queueing does not count. A served one
-    cancelled at its deadline is cancelled on its server too."""
-    async with semaphore or contextlib.nullcontext():
+async def bounded(task_index: int, run: Coroutine[Any, Any, Any], n: int, slots: RolloutSlots | None,
+                  timeout_s: float | None) -> Any:
+    """`run`, of `n` rollouts; the deadline starts once it holds their slots, so queueing does not count. A served
+    group cancelled at its deadline is cancelled on its server too."""
+    async with slots.take(n) if slots else contextlib.nullcontext():
         try:
             return await asyncio.wait_for(run, timeout_s)
         except TimeoutError as e:
-            raise RolloutError(f"rollout of task {task_index} timed out after {timeout_s}s") from e
+            what = "rollout" if n == 1 else f"group of {n} rollouts"
+            raise RolloutError(f"{what} of task {task_index} timed out after {timeout_s}s") from e
 
 
 @dataclass
@@ -220,7 +265,7 @@ async def run_group_retried(
     n: int,
     client: InferenceClient | ChatClient,
     sampling: Sampling,
-    semaphore: asyncio.Semaphore | None,
+    slots: RolloutSlots | None,
     timeout_s: float | None,
     max_retries: int,
     log: Callable[[str], None],
@@ -229,7 +274,7 @@ async def run_group_retried(
     error: Exception | None = None
     for attempt in range(max_retries + 1):
         try:
-            results = await run_group(environment, task_index, n, client, sampling, semaphore, timeout_s)
+            results = await run_group(environment, task_index, n, client, sampling, slots, timeout_s)
             return GroupOutcome(environment, results, retries=attempt)
         except Exception as e:  # noqa: BLE001 - retried, then dropped and counted by reason, never silently
             log(f"group of task {task_index} of {environment.name} failed (attempt {attempt + 1}): {e!r}")

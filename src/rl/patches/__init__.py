@@ -20,10 +20,11 @@ save is in docs/architecture.md ("Patches of other libraries"):
   read them (`bound_eval_client`), applied with those; its env-server requests carry rl's client configs whole
   (`serve_rl_client_configs`), applied with those in the orchestrator, `eval` and every env-server worker;
 - verifiers: its env server holds rl's shared HTTP session and tunes the GC while it serves
-  (`serve_episodes_holding`) and sends each episode's traces once, when it ends (`send_traces_once`), both applied
-  by every env-server worker (`rl.env_server.set_up_worker`); its pool's health
-  reply carries the live workers (`answer_health_with`), set by the env server's worker watch; its pool forks its
-  workers from the broker instead of spawning them (`fork_pool_workers`), applied by rl's env server;
+  (`serve_episodes_holding`), sends each episode's traces once, when it ends (`send_traces_once`), and answers rl's
+  requests for a group's episodes (`serve_group_runs`, rl/episode_groups.py), all applied by every env-server
+  worker (`rl.env_server.set_up_worker`); its pool's health reply carries the live workers (`answer_health_with`),
+  set by the env server's worker watch; its pool forks its workers from the broker instead of spawning them
+  (`fork_pool_workers`), applied by rl's env server;
 - vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
   general plugin that vLLM runs in each of its processes, active only where `RL_VLLM_SHM_POLL_S` is set
   (the inference server sets it on CPU hosts);
@@ -90,7 +91,8 @@ APPLIED: set[str] = set()
 from rl.patches.environments import (  # noqa: E402, F401 - the patches, by name, after what they import from here
     apply_orchestrator_patches, bound_eval_client, cache_default_factory_inspection,
     interception_in_process, lazy_runtime_workdirs, remember_harness_classes, remember_signatures,
-    remember_task_hashes, send_traces_once, serve_episodes_holding, serve_rl_client_configs, use_engine_client,
+    remember_task_hashes, send_traces_once, serve_episodes_holding, serve_group_runs, serve_rl_client_configs,
+    use_engine_client,
 )
 from rl.patches.env_pool import answer_health_with, fork_pool_workers  # noqa: E402, F401
 from rl.patches.renderers import (  # noqa: E402, F401

@@ -126,6 +126,29 @@ def serve_episodes_holding(hold, settle) -> None:
 
 
 @once
+def serve_group_runs(route: bytes, serve) -> None:
+    """verifiers' env server answers `run`, `health` and `cancel`; a request on `route` (rl's `run_group`: a group's
+    episodes in one request, rl/episode_groups.py) goes to `serve(server, client_id, request_id, payload)`, and
+    every other one to verifiers as before. Applied by every env-server worker (rl/env_server.py)."""
+    from verifiers.v1.serve import server
+
+    env_server = patch_target(server, "EnvServer", "verifiers")
+    handle = patch_target(env_server, "_handle", "verifiers")
+    for used in ("_running", "_build_task", "_context", "_gate", "frontend"):  # what `serve` reads of a server
+        if used not in inspect.getsource(env_server):
+            raise PatchTargetMissing(f"verifiers' EnvServer has no {used} (verifiers "
+                                     f"{installed_version('verifiers')}): update rl/episode_groups.py")
+
+    @functools.wraps(handle)
+    async def handle_groups_too(self, client_id: bytes, request_id: bytes, method: bytes, payload: bytes) -> None:
+        if method == route:
+            return await serve(self, client_id, request_id, payload)
+        return await handle(self, client_id, request_id, method, payload)
+
+    env_server._handle = handle_groups_too
+
+
+@once
 def send_traces_once() -> None:
     """verifiers' env server streams an episode's traces while it runs: a delta at every phase change and turn, each
     diffed against what was sent, encoded, sent through the broker and applied by the client. The orchestrator
