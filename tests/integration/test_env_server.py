@@ -13,10 +13,13 @@ import psutil
 import pytest
 import verifiers.v1 as vf
 from verifiers.v1.serve import EnvClient
+from verifiers.v1.serve.delta import DeltaStreamer, EpisodeAssembly, TraceSummary, dump, pack, unpack
 
 from rl.env_config import EnvConfig
 from rl.orchestrator.environment import load_environment
-from rl.orchestrator.rollouts import to_result
+from rl.episode_groups import GroupClient, episode_record
+from rl.orchestrator.env_servers import ServedEpisodes
+from rl.orchestrator.rollouts import InferenceClient, Sampling, apply_patches, model_contexts, run_group, to_result
 from rl.protocol import RunPaths, read_metrics
 from rl.renderer import renderer_config
 from rl.tiny_model import build_tiny_model
@@ -88,6 +91,57 @@ def test_episodes_run_in_the_pools_workers_and_come_back_as_token_samples(server
     assert len(workers) == 2, log[-2000:]  # each its own process, loaded before the first episode was sent
 
 
+def test_a_group_goes_to_a_worker_as_one_request_and_its_episodes_come_back_whole(server, tmp_path, monkeypatch):
+    """rl's `run_group` (rl/episode_groups.py): each group one request, answered with its episodes whole; an episode
+    crosses as verifiers' client would assemble it from its deltas (compared on episodes run in this process)."""
+    apply_patches()
+    process, address = start_env_server(tmp_path, workers=2)
+    client = InferenceClient(server.url, str(server.model), str(server.model),
+                             renderer_config("auto", str(server.model))[0])
+    served, local = (load_environment(EnvConfig(id="reverse-text", args=ARGS, workers=w)) for w in (1, 0))
+    served.served = ServedEpisodes("reverse-text", address)
+    sent = []
+    run_request = GroupClient.run_group
+
+    async def counted(self, request):
+        sent.append(len(request.samplings))
+        return await run_request(self, request)
+
+    monkeypatch.setattr(GroupClient, "run_group", counted)
+
+    async def go():
+        await served.served.start(120)
+        try:
+            groups = await asyncio.gather(*(run_group(served, i, 4, client, Sampling(max_tokens=12)) for i in range(3)))
+        finally:
+            await served.served.close()
+        async with local.serving():
+            contexts = model_contexts(client, Sampling(max_tokens=12), 2)
+            here = await asyncio.gather(*(local.env.run_slot(slot, ctx)
+                                          for slot, ctx in zip(local.env.slots(local.task(0), 2), contexts)))
+        return groups, here
+
+    try:
+        groups, here = asyncio.run(go())
+    finally:
+        stop_process(process)
+    assert sent == [4, 4, 4]
+    for i, results in enumerate(groups):
+        assert len(results) == 4 and all(r.task_index == i and r.segments for r in results)
+        assert all(1 <= len(r.segments[0].completion_ids) <= 12 and 0.0 <= r.reward <= 1.0 for r in results)
+    for episode in here:
+        assert unpack(pack(episode_record(episode))) == unpack(pack(assembled_from_deltas(episode)))
+
+
+def assembled_from_deltas(episode: vf.Episode) -> dict:
+    """An episode as verifiers' own client assembles it from the deltas its server sends (verifiers.v1.serve)."""
+    assembly = EpisodeAssembly()
+    for _, delta, _ in DeltaStreamer(lambda: episode.traces, None).diff():
+        assembly.apply(delta)
+    sizes = [TraceSummary(id=trace.id, nodes=len(trace.nodes), calls=len(trace.calls)) for trace in episode.traces]
+    return assembly.finish(dump(episode, exclude={"traces"}), sizes)
+
+
 def test_a_wrong_env_table_fails_the_start_naming_the_key(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rl.env_server", "--env.id", "reverse-text", "--env.args",
                            '{"num_examples": "many"}', "--address", f"ipc://{tmp_path}/x.sock"],
@@ -121,7 +175,7 @@ def test_a_worker_then_the_whole_env_server_killed_mid_run_restart_it_and_the_ru
     log = (out / "logs" / "env-reverse-text.log").read_text()
     assert f"(pid {workers[0].pid}) died" in log and len(re.findall("EnvServerPool up", log)) == 3, log[-3000:]
     orchestrator = (out / "logs" / "orchestrator.log").read_text()
-    assert "was restarted: this episode was lost with it" in orchestrator  # failed fast, its group run again
+    assert "was restarted: this group's episodes were lost with it" in orchestrator  # failed fast, its group run again
     records = [m for m in read_metrics(RunPaths(out)) if m["process"] == "trainer"]
     assert [m["step"] for m in records] == list(range(8))
 

@@ -461,3 +461,40 @@ def test_a_route_called_in_process_answers_as_http_would_and_never_outlives_its_
         assert status == 503 and b"cancelled" in text
 
     asyncio.run(scenario())
+
+
+def test_a_group_takes_its_rollout_slots_at_once_in_the_order_groups_asked():
+    """Two groups that each took part of what they need would wait for each other for ever: a group waits until all
+    its slots are free, groups are served in the order they asked, and a cancelled wait gives back what it held."""
+    async def scenario() -> None:
+        slots = RolloutSlots(8)
+        order: list[str] = []
+
+        async def group(name: str, n: int, hold: asyncio.Event) -> None:
+            async with slots.take(n):
+                order.append(name)
+                await hold.wait()
+
+        first_done, rest_done = asyncio.Event(), asyncio.Event()
+        first = asyncio.create_task(group("a6", 6, first_done))
+        await asyncio.sleep(0)
+        assert slots.free == 2
+        waiting = [asyncio.create_task(group(name, n, rest_done)) for name, n in (("b4", 4), ("c2", 2))]
+        await asyncio.sleep(0.01)
+        assert order == ["a6"] and slots.free == 2  # c2 would fit, but b4 asked first
+        first_done.set()
+        await asyncio.sleep(0.01)
+        assert order == ["a6", "b4", "c2"] and slots.free == 2
+        rest_done.set()
+        await asyncio.gather(first, *waiting)
+        assert slots.free == 8
+
+        async with slots.take(20):  # more than there are: all of them
+            assert slots.free == 0
+            late = asyncio.create_task(group("d1", 1, rest_done))
+            await asyncio.sleep(0.01)
+            late.cancel()
+            await asyncio.gather(late, return_exceptions=True)
+        assert slots.free == 8 and not slots.waiting and order[-1] == "c2"
+
+    asyncio.run(scenario())
