@@ -1,7 +1,8 @@
 """`env-server`: one `[[env]]` served over ZMQ by verifiers' env-server pool (`verifiers.v1.serve.serve_env`).
 
-A broker binds `address` and dispatches each episode it is sent (the task's data, the model endpoint and sampling) to
-the least busy of `workers` processes, which it forks once it has imported everything and checked the environment.
+A broker binds `address` and dispatches each request it is sent (rl's orchestrator sends a group's episodes as one:
+the task's data, the model endpoint and each episode's sampling, rl/episode_groups.py; verifiers' clients one episode)
+to the least busy of `workers` processes, which it forks once it has imported everything and checked the environment.
 Each worker loads the environment once as rl's orchestrator does (its harness and runtime defaults:
 rl/orchestrator/environment.py), with rl's patches applied (rl/patches/), and runs its episodes itself: their model
 calls go from the worker straight to inference. The client owns the taskset and samples it; a worker never loads
