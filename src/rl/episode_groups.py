@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Union
 import msgpack
 import verifiers.v1 as vf
 from pydantic import Field
+from verifiers.v1.configs.agent import WireAgentConfig
 from verifiers.v1.configs.client import EvalClientConfig, TrainClientConfig
 from verifiers.v1.episode import WireEpisode
 from verifiers.v1.serve import EnvClient
@@ -32,6 +33,7 @@ from rl.eval.replies import BoundedChatConfig
 from rl.orchestrator.engine_client import GroupedTrainClientConfig
 
 ROUTE = b"run_group"
+AGENT_CONFIGS_KEPT = 256  # distinct agent configs remembered (seeded samplings make one per rollout)
 TRACE_FIELDS = {*HEADER_FIELDS, *LIST_FIELDS, *SCALAR_FIELDS}  # what verifiers' delta stream assembles of a trace
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,10 @@ async def serve_group(server, client_id: bytes, request_id: bytes, payload: byte
 class GroupClient(EnvClient):
     """verifiers' `EnvClient`, which also runs groups (`run_group`)."""
 
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.agent_configs = AgentConfigs()
+
     async def run_group(self, request: GroupRunRequest) -> list[vf.Episode]:
         """The group's episodes, in the order of its samplings; RuntimeError with the server's error where it failed
         the group. Cancelled, it cancels the group on the server (as verifiers' `run` does an episode)."""
@@ -121,4 +127,30 @@ class GroupClient(EnvClient):
                                f"{len(episodes) if isinstance(episodes, list) else 'no'} episodes")
         # Validated here, not in a thread as verifiers' `run` does: a handoff per episode cost more of the
         # orchestrator's CPU than the validation (benchmarks/RESULTS.md).
-        return [WireEpisode.model_validate(record) for record in episodes]
+        return [self.agent_configs.episode(record) for record in episodes]
+
+
+class AgentConfigs:
+    """Episodes validated with each trace's agent config validated once per distinct config: a group's traces carry
+    the same one (the seat's harness, client and sampling), and pydantic_config's validators over its nested configs
+    were half of the orchestrator's CPU per rollout (benchmarks/RESULTS.md). A config is shared by the episodes that
+    carry it, as read-only as the rest of them."""
+
+    def __init__(self) -> None:
+        self.validated: dict[bytes, WireAgentConfig] = {}  # by their packed dump
+
+    def episode(self, record: dict) -> vf.Episode:
+        for trace in record.get("traces") or ():
+            agent = trace.get("agent")
+            if isinstance(agent, dict) and isinstance(agent.get("config"), dict):  # else the episode's check says
+                agent["config"] = self.config(agent["config"])
+        return WireEpisode.model_validate(record)
+
+    def config(self, dumped: dict) -> WireAgentConfig:
+        key = pack(dumped)
+        config = self.validated.get(key)
+        if config is None:
+            if len(self.validated) >= AGENT_CONFIGS_KEPT:
+                self.validated.clear()
+            config = self.validated[key] = WireAgentConfig.model_validate(dumped)
+        return config

@@ -12,12 +12,13 @@ import psutil
 
 import pytest
 import verifiers.v1 as vf
+from verifiers.v1.episode import WireEpisode
 from verifiers.v1.serve import EnvClient
 from verifiers.v1.serve.delta import DeltaStreamer, EpisodeAssembly, TraceSummary, dump, pack, unpack
 
 from rl.env_config import EnvConfig
 from rl.orchestrator.environment import load_environment
-from rl.episode_groups import GroupClient, episode_record
+from rl.episode_groups import AgentConfigs, GroupClient, episode_record
 from rl.orchestrator.env_servers import ServedEpisodes
 from rl.orchestrator.rollouts import InferenceClient, Sampling, apply_patches, model_contexts, run_group, to_result
 from rl.protocol import RunPaths, read_metrics
@@ -116,9 +117,9 @@ def test_a_group_goes_to_a_worker_as_one_request_and_its_episodes_come_back_whol
         finally:
             await served.served.close()
         async with local.serving():
-            contexts = model_contexts(client, Sampling(max_tokens=12), 2)
+            contexts = [*model_contexts(client, Sampling(max_tokens=12), 2), *model_contexts(client, Sampling(), 1)]
             here = await asyncio.gather(*(local.env.run_slot(slot, ctx)
-                                          for slot, ctx in zip(local.env.slots(local.task(0), 2), contexts)))
+                                          for slot, ctx in zip(local.env.slots(local.task(0), 3), contexts)))
         return groups, here
 
     try:
@@ -129,8 +130,12 @@ def test_a_group_goes_to_a_worker_as_one_request_and_its_episodes_come_back_whol
     for i, results in enumerate(groups):
         assert len(results) == 4 and all(r.task_index == i and r.segments for r in results)
         assert all(1 <= len(r.segments[0].completion_ids) <= 12 and 0.0 <= r.reward <= 1.0 for r in results)
+    configs = AgentConfigs()
     for episode in here:
         assert unpack(pack(episode_record(episode))) == unpack(pack(assembled_from_deltas(episode)))
+        record = unpack(pack(episode_record(episode)))
+        assert configs.episode(record) == WireEpisode.model_validate(unpack(pack(episode_record(episode))))
+    assert len(configs.validated) == 2  # a group's episodes share their agent config: validated once
 
 
 def assembled_from_deltas(episode: vf.Episode) -> dict:
