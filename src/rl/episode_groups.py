@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Union
 
 import msgpack
 import verifiers.v1 as vf
+import zmq
 from pydantic import Field
 from verifiers.v1.configs.agent import WireAgentConfig
 from verifiers.v1.configs.client import EvalClientConfig, TrainClientConfig
@@ -91,7 +92,10 @@ async def serve_group(server, client_id: bytes, request_id: bytes, payload: byte
         data = pack(reply)
     except Exception as e:  # noqa: BLE001 - answered, or the client waits for nothing
         data = pack({"success": False, "error": f"the group's reply could not be encoded: {type(e).__name__}: {e}"})
-    await server.frontend.send_multipart([client_id, request_id, b"reply", data], copy=False)
+    try:
+        await server.frontend.send_multipart([client_id, request_id, b"reply", data], copy=False)
+    except zmq.ZMQError as e:  # the client is gone (ROUTER_MANDATORY): nothing waits for this reply
+        logger.warning("could not send a group's reply: %s", e)
 
 
 class GroupClient(EnvClient):
