@@ -48,8 +48,9 @@ from rl.env_config import EnvConfig
 from rl.orchestrator.config import GROUP_GAP_S
 from rl.orchestrator.environment import load_environment
 from rl.orchestrator.rollouts import (
-    InferenceClient, RolloutSlots, Sampling, apply_patches, run_group, tune_gc_for_serving,
+    InferenceClient, Sampling, apply_patches, run_group, tune_gc_for_serving,
 )
+from rl.orchestrator.slots import RolloutSlots
 from rl.renderer import renderer_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ import pytest
 
 from rl.orchestrator.advantage import grpo_advantages
 from rl.orchestrator.batch import balance_by_tokens
-from rl.orchestrator.rollouts import RolloutSlots
+from rl.orchestrator.slots import RolloutSlots
 from rl.orchestrator.sampler import TaskSampler
 from rl.protocol import Sample
 

@@ -41,8 +41,9 @@ from rl.orchestrator.environment import (
 )
 from rl.orchestrator.eval import EvalGroups, eval_stats, group_scores, run_eval_groups
 from rl.orchestrator.rollouts import (
-    ChatClient, InferenceClient, RolloutResult, RolloutSlots, apply_patches, openai_api_root,
+    ChatClient, InferenceClient, RolloutResult, apply_patches, openai_api_root,
 )
+from rl.orchestrator.slots import RolloutSlots
 from rl.renderer import chat_renderer, load_tokenizer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.stats import mean, means, tool_stats

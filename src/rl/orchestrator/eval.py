@@ -20,8 +20,9 @@ from math import comb
 from rl.orchestrator.config import EvalConfig, EvalSettings, SamplingConfig
 from rl.orchestrator.environment import Environment
 from rl.orchestrator.rollouts import (
-    ChatClient, InferenceClient, RolloutResult, RolloutSlots, Sampling, run_group_retried,
+    ChatClient, InferenceClient, RolloutResult, Sampling, run_group_retried,
 )
+from rl.orchestrator.slots import RolloutSlots
 from rl.orchestrator.stats import mean, rollout_stats
 
 Groups = dict[str, list[list[RolloutResult]]]

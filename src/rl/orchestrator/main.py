@@ -24,9 +24,10 @@ from rl.orchestrator.fill import Filled, fill_batch
 from rl.orchestrator.inference_pool import InferencePool
 from rl.orchestrator.policy_sync import policy_sync
 from rl.orchestrator.rollouts import (
-    GroupOutcome, InferenceClient, RolloutResult, RolloutSlots, TokenSegment, apply_patches, run_group_retried,
+    GroupOutcome, InferenceClient, RolloutResult, TokenSegment, apply_patches, run_group_retried,
     tune_gc_for_serving,
 )
+from rl.orchestrator.slots import RolloutSlots
 from rl.orchestrator.sampler import DifficultyPools, make_sampler
 from rl.orchestrator.servers import ServerBoard
 from rl.orchestrator.state import load_state, restore_samplers, save_state
