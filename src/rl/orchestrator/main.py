@@ -27,8 +27,8 @@ from rl.orchestrator.rollouts import (
     GroupOutcome, InferenceClient, RolloutResult, TokenSegment, apply_patches, run_group_retried,
     tune_gc_for_serving,
 )
-from rl.orchestrator.slots import RolloutSlots
 from rl.orchestrator.sampler import DifficultyPools, make_sampler
+from rl.orchestrator.slots import RolloutSlots
 from rl.orchestrator.servers import ServerBoard
 from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
