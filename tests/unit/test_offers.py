@@ -161,3 +161,18 @@ def test_an_update_bodys_transfer_timeout_is_a_number_not_a_bool_or_text(timeout
     assert TransferRequest(**fields, timeout_s=60).timeout_s == 60.0
     with pytest.raises(ValidationError, match="timeout_s"):
         TransferRequest(**fields, timeout_s=timeout_s)
+
+
+def test_the_newest_offer_a_batch_can_get_waits_for_the_next_batch_while_the_servers_serve_what_it_needs(tmp_path):
+    """At batch 3 (async_level 1: it needs policy 2; the trainer can have offered 3) with policy 2 served, offer 3
+    waits: had its transfer failed everywhere, batch 3 could get no later offer, and the trainer needs batch 3 to
+    make one. Batch 4 needs policy 3: it takes the offer."""
+    o, pool = wire_orchestrator(tmp_path)
+    for step in (1, 2):
+        write_offer(tmp_path, Offer(step, "127.0.0.1", 1234, 10))
+        asyncio.run(o.sync.take_offers(step, step, f"batch {step}"))
+    write_offer(tmp_path, Offer(3, "127.0.0.1", 1234, 10))
+    asyncio.run(o.sync.take_offers(2, 3, "batch 3"))
+    assert pool.received == [1, 2] and o.servers.served_steps == [2, 2]
+    asyncio.run(o.sync.take_offers(3, 4, "batch 4"))
+    assert pool.received == [1, 2, 3] and o.servers.served_steps == [3, 3]

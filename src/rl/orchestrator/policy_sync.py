@@ -93,7 +93,7 @@ class OffersSync(PolicySync):
     async def start(self, resumed: bool) -> list[dict] | None:
         if self.config.adapter and not (resumed and stable_steps(self.paths.weights_root)):
             self.last_offer = -1  # the trainer offers its step-0 adapter first
-            return await self.take_offers(0, 0, "the first batch (the trainer's step-0 adapter)")
+            return await self.take_offers(0, 0, "the first batch (the trainer's step-0 adapter)", defer_newest=False)
         return await super().start(resumed)
 
     async def ensure(self, step: int) -> list[dict] | None:
@@ -111,17 +111,22 @@ class OffersSync(PolicySync):
             self.last_offer = self.servers.policy_step  # offers up to it are the trainer's before its checkpoint
         return served
 
-    async def take_offers(self, required: int, newest: int, needed_by: str) -> list[dict] | None:
+    async def take_offers(self, required: int, newest: int, needed_by: str,
+                          defer_newest: bool = True) -> list[dict] | None:
         """Over the wire the trainer waits on every step it offers until it is taken, so every offer is taken, in
-        order, at each batch boundary; while no server serves `required` or newer, wait for the next offer, up to
-        policy `newest` (the last the trainer can offer before this point). Servers left behind (their transfer
-        failed, or they restarted) get no requests until an offer brings them up to date. No offer is taken while no
-        server answers: it would reach nobody."""
+        order, at a batch boundary; while no server serves `required` or newer, wait for the next offer, up to
+        policy `newest` (the last the trainer can offer before this point). The offer of `newest` waits for the next
+        boundary while a server serves `required` (unless `defer_newest` is False: the step-0 adapter, which the first
+        batch must be made with): were its transfer to fail everywhere (a server killed mid-receive), no later offer
+        could come before this batch, which the trainer needs to make one. Servers left behind (their
+        transfer failed, or they restarted) get no requests until an offer brings them up to date. No offer is taken
+        while no server answers: it would reach nobody."""
         served = None
         deadline = time.monotonic() + self.config.weights_timeout_s
         while True:
             pending = [k for k in self.offered_up_to(newest) if k > self.last_offer]
-            if pending:
+            deferred = defer_newest and pending[:1] == [newest] and max(self.servers.served_steps) >= required
+            if pending and not deferred:
                 await self.servers.check()
                 await self.servers.wait_for_one()
                 served = await self.take(pending[0]) or served
