@@ -34,6 +34,7 @@ from rl.eval.replies import BoundedChatConfig
 from rl.orchestrator.engine_client import GroupedTrainClientConfig
 
 ROUTE = b"run_group"
+RL_CLIENT_CONFIGS = (BoundedChatConfig, GroupedTrainClientConfig)  # rl's, which go whole (`serve_rl_client_configs`)
 AGENT_CONFIGS_KEPT = 256  # distinct agent configs remembered (seeded samplings make one per rollout)
 TRACE_FIELDS = {*HEADER_FIELDS, *LIST_FIELDS, *SCALAR_FIELDS}  # what verifiers' delta stream assembles of a trace
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class GroupRunRequest(BaseRequest):
 
     method: ClassVar[str] = ROUTE.decode()
     task_data: dict
-    client: Union[GroupedTrainClientConfig, BoundedChatConfig, EvalClientConfig, TrainClientConfig]
+    client: Union[(*RL_CLIENT_CONFIGS, EvalClientConfig, TrainClientConfig)]  # as verifiers' `run` takes it, patched
     model: str
     samplings: list[vf.SamplingConfig] = Field(min_length=1)
 

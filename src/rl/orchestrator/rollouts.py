@@ -26,6 +26,7 @@ from in_process_chat.tools import tool_messages
 from rl.inference.config import API_KEY_VAR
 from rl.eval.replies import MAX_REPLY_BYTES, BoundedChatConfig, build_client
 from rl.orchestrator.config import GROUP_GAP_S
+from rl.episode_groups import RL_CLIENT_CONFIGS
 from rl.orchestrator.engine_client import EngineClient, GroupedTrainClientConfig
 from rl.orchestrator.environment import Environment
 from rl.orchestrator.slots import RolloutSlots
@@ -37,7 +38,7 @@ def apply_patches() -> None:
     applied first by the main() of the orchestrator and of `eval`."""
     apply_orchestrator_patches(EngineClient)
     bound_eval_client(build_client)
-    serve_rl_client_configs((BoundedChatConfig, GroupedTrainClientConfig))
+    serve_rl_client_configs(RL_CLIENT_CONFIGS)
 
 
 YOUNG_GC_THRESHOLD = 10_000
