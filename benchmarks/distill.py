@@ -10,8 +10,9 @@ run's first 3 steps); a run halves it at the first step where the mean of 5 cons
 start plus half the gap. Each side's figure is the median over rounds. Also printed: `distill/reverse_kl` at the
 start and end of each distillation run. The last line reads
 `distill <D> steps, rl <R> steps to halve the gap to the teacher` (">N" where a run did not within its N steps).
-`--distill` and `--reward-weight` set the distillation side's loss, `--distill-lr` its learning rate; `--sides
-distill` runs that side alone.
+`--distill` and `--reward-weight` set the distillation side's loss, `--distill-lr` its learning rate; `--top-k K`
+adds the dense term over the teacher's K likeliest tokens (`--teacher.top-k K --trainer.loss.distill-top-k W`, W from
+`--distill-top-k`); `--sides distill` runs that side alone.
 
     uv run python benchmarks/distill.py                       # ~25 min on 2 cores
     uv run python benchmarks/distill.py --rounds 1 --steps 40 --out /tmp/distill
@@ -44,6 +45,9 @@ def parse_args() -> argparse.Namespace:
                         help="the distillation side's trainer.loss.reward_weight (0: the teacher's signal only)")
     parser.add_argument("--distill-lr", type=float, help="the distillation side's trainer.optim.lr (default: the "
                                                              "quickstart's, as RL's)")
+    parser.add_argument("--top-k", type=int, default=0, help="the teacher's top-k for the dense term (0: off)")
+    parser.add_argument("--distill-top-k", type=float, default=1.0,
+                        help="the distillation side's trainer.loss.distill_top_k, with --top-k")
     parser.add_argument("--sides", default="distill,rl", help="which sides run (comma-separated)")
     parser.add_argument("--out", type=Path, help="keep everything here (default: a temporary directory)")
     parser.add_argument("--timeout", type=float, default=3600, help="deadline in seconds for each run")
@@ -116,9 +120,12 @@ def main() -> None:
     distill = ["--teacher.model", str(teacher), "--trainer.loss.distill", str(args.distill),
                "--trainer.loss.reward-weight", str(args.reward_weight)]
     distill += ["--trainer.optim.lr", str(args.distill_lr)] if args.distill_lr else []
+    distill += ["--teacher.top-k", str(args.top_k), "--trainer.loss.distill-top-k", str(args.distill_top_k)] \
+        if args.top_k else []
     sides = {side: flags for side, flags in (("distill", distill), ("rl", [])) if side in args.sides.split(",")}
     lr = f"-lr{args.distill_lr:g}" if args.distill_lr else ""
-    tag = {"distill": f"distill{args.distill:g}-rw{args.reward_weight:g}{lr}", "rl": "rl"}
+    top_k = f"-top{args.top_k}x{args.distill_top_k:g}" if args.top_k else ""
+    tag = {"distill": f"distill{args.distill:g}-rw{args.reward_weight:g}{lr}{top_k}", "rl": "rl"}
     halved: dict[str, list[int | None]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
         for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
@@ -130,12 +137,16 @@ def main() -> None:
             kl = [r["distill/reverse_kl"] for r in sorted(records, key=lambda r: r["step"])
                   if r["process"] == "trainer" and "distill/reverse_kl" in r]
             kl_text = f"; reverse KL {statistics.fmean(kl[:3]):.3f} -> {statistics.fmean(kl[-3:]):.3f}" if kl else ""
+            top = [r["distill/top_k_kl"] for r in sorted(records, key=lambda r: r["step"])
+                   if r["process"] == "trainer" and "distill/top_k_kl" in r]
+            kl_text += f"; top-k KL {statistics.fmean(top[:3]):.3f} -> {statistics.fmean(top[-3:]):.3f}" if top else ""
             print(f"round {round_ + 1} {side}: start {start:.3f}, last {WINDOW} steps "
                   f"{statistics.fmean(curve[-WINDOW:]):.3f}, gap halved at step {steps or f'>{args.steps}'}{kl_text}",
                   flush=True)
     (root / "results.json").write_text(json.dumps({"teacher_reward": teacher_reward, "halved": halved}, indent=1))
-    print(", ".join(f"{side} {shown(steps, args.steps)} steps" for side, steps in halved.items())
-          + " to halve the gap to the teacher")
+    if args.rounds:
+        print(", ".join(f"{side} {shown(steps, args.steps)} steps" for side, steps in halved.items())
+              + " to halve the gap to the teacher")
 
 
 if __name__ == "__main__":

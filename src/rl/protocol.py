@@ -217,12 +217,23 @@ class Sample:
     reward: float
     policy_version: int
     teacher_logprobs: list[float] | None = None  # a teacher's logprob of each token (on-policy distillation)
+    # and, per token, its k likeliest tokens given the ones before (teacher.top_k > 0): ids and logprobs, [T][k]
+    teacher_top_ids: list[list[int]] | None = None
+    teacher_top_logprobs: list[list[float]] | None = None
 
     def __post_init__(self):
         if not len(self.input_ids) == len(self.loss_mask) == len(self.logprobs):
             raise ValueError("input_ids, loss_mask and logprobs must have the same length")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.input_ids):
             raise ValueError("teacher_logprobs must have one entry per token")
+        if (self.teacher_top_ids is None) != (self.teacher_top_logprobs is None):
+            raise ValueError("teacher_top_ids and teacher_top_logprobs come together")
+        if self.teacher_top_ids is not None:
+            rows = [*self.teacher_top_ids, *self.teacher_top_logprobs]
+            if not len(self.teacher_top_ids) == len(self.teacher_top_logprobs) == len(self.input_ids):
+                raise ValueError("teacher_top_ids and teacher_top_logprobs must have one row per token")
+            if not rows[0] or any(len(row) != len(rows[0]) for row in rows):
+                raise ValueError("teacher_top_ids and teacher_top_logprobs rows must all hold the same k > 0 entries")
 
 
 def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
@@ -235,6 +246,15 @@ def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
         raise ValueError(f"{scored.count(False)} of {len(samples)} samples lack the teacher logprobs the others have")
     teacher = {"teacher_logprobs": torch.tensor([lp for s in samples for lp in s.teacher_logprobs],
                                                 dtype=torch.float32)} if samples and all(scored) else {}
+    ranked = [s.teacher_top_ids is not None for s in samples]
+    if any(ranked) and not all(ranked):
+        raise ValueError(f"{ranked.count(False)} of {len(samples)} samples lack the teacher's top-k the others have")
+    if samples and all(ranked):
+        teacher |= {  # [T, k]
+            "teacher_top_ids": torch.tensor([row for s in samples for row in s.teacher_top_ids], dtype=torch.int64),
+            "teacher_top_logprobs": torch.tensor([row for s in samples for row in s.teacher_top_logprobs],
+                                                 dtype=torch.float32),
+        }
     return teacher | {
         "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int64),  # [T]
         "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.bool),  # [T]
@@ -246,16 +266,20 @@ def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
     }
 
 
-BATCH_FIELDS = {  # name -> (torch dtype, counted per token or per sample)
-    "input_ids": ("int64", "token"),
-    "loss_mask": ("bool", "token"),
-    "logprobs": ("float32", "token"),
-    "lengths": ("int64", "sample"),
-    "advantages": ("float32", "sample"),
-    "rewards": ("float32", "sample"),
-    "policy_versions": ("int64", "sample"),
+BATCH_FIELDS = {  # name -> (torch dtype, counted per token or per sample, dimensions)
+    "input_ids": ("int64", "token", 1),
+    "loss_mask": ("bool", "token", 1),
+    "logprobs": ("float32", "token", 1),
+    "lengths": ("int64", "sample", 1),
+    "advantages": ("float32", "sample", 1),
+    "rewards": ("float32", "sample", 1),
+    "policy_versions": ("int64", "sample", 1),
 }
-OPTIONAL_FIELDS = {"teacher_logprobs": ("float32", "token")}  # on-policy distillation: [T]
+OPTIONAL_FIELDS = {  # on-policy distillation: [T], and [T, k] with teacher.top_k
+    "teacher_logprobs": ("float32", "token", 1),
+    "teacher_top_ids": ("int64", "token", 2),
+    "teacher_top_logprobs": ("float32", "token", 2),
+}
 
 
 def check_batch(tensors: dict[str, torch.Tensor]) -> None:
@@ -263,33 +287,43 @@ def check_batch(tensors: dict[str, torch.Tensor]) -> None:
     import torch
 
     fields = BATCH_FIELDS | {name: spec for name, spec in OPTIONAL_FIELDS.items() if name in tensors}
-    for name, (dtype, _) in fields.items():
+    if ("teacher_top_ids" in tensors) != ("teacher_top_logprobs" in tensors):
+        raise ValueError("the batch holds one of teacher_top_ids and teacher_top_logprobs without the other")
+    for name, (dtype, _, ndim) in fields.items():
         if name not in tensors:
             raise ValueError(f"the batch lacks {name}")
         tensor = tensors[name]
         if tensor.dtype != getattr(torch, dtype):
             raise ValueError(f"{name} must be {dtype}, not {tensor.dtype}")
-        if tensor.ndim != 1:
-            raise ValueError(f"{name} must be one-dimensional, not of shape {list(tensor.shape)}")
+        if tensor.ndim != ndim:
+            raise ValueError(f"{name} must be {ndim}-dimensional, not of shape {list(tensor.shape)}")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ValueError(f"{name} holds NaN or infinity")
     lengths = tensors["lengths"].tolist()  # Python integers: a sum of int64 lengths could overflow
     if any(n <= 0 for n in lengths):
         raise ValueError(f"lengths must be positive: {lengths[:10]}")
     counts = {"token": sum(lengths), "sample": len(lengths)}
-    for name, (_, per) in fields.items():
-        if tensors[name].numel() != counts[per]:
-            raise ValueError(f"{name} has {tensors[name].numel()} entries for {counts[per]} {per}s")
+    for name, (_, per, _) in fields.items():
+        if tensors[name].shape[0] != counts[per]:
+            raise ValueError(f"{name} has {tensors[name].shape[0]} entries for {counts[per]} {per}s")
+    if "teacher_top_ids" in tensors:
+        ids, logprobs = tensors["teacher_top_ids"], tensors["teacher_top_logprobs"]
+        if ids.shape != logprobs.shape or not ids.shape[1]:
+            raise ValueError(f"teacher_top_ids {list(tensors['teacher_top_ids'].shape)} and teacher_top_logprobs "
+                             f"{list(tensors['teacher_top_logprobs'].shape)} must both be [tokens, k], k > 0")
 
 
 def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
     check_batch(tensors)
     lengths = tensors["lengths"].tolist()
     ids, mask, lps = (tensors[k].split(lengths) for k in ("input_ids", "loss_mask", "logprobs"))
-    teacher = tensors["teacher_logprobs"].split(lengths) if "teacher_logprobs" in tensors else [None] * len(lengths)
+    teacher, top_ids, top_logprobs = (
+        tensors[k].split(lengths) if k in tensors else [None] * len(lengths)
+        for k in ("teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs"))
     return [
-        Sample(i.tolist(), m.int().tolist(), lp.tolist(), a, r, v, None if t is None else t.tolist())
-        for i, m, lp, a, r, v, t in zip(
+        Sample(i.tolist(), m.int().tolist(), lp.tolist(), a, r, v,
+               *(None if x is None else x.tolist() for x in (t, ti, tl)))
+        for i, m, lp, a, r, v, t, ti, tl in zip(
             ids,
             mask,
             lps,
@@ -297,6 +331,8 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
             tensors["rewards"].tolist(),
             tensors["policy_versions"].tolist(),
             teacher,
+            top_ids,
+            top_logprobs,
             strict=True,
         )
     ]

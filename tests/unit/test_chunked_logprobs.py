@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rl.trainer.output_head import LogprobHead, chunked_logprobs
+from rl.trainer.output_head import LogprobHead, SoftTargets, chunked_logprobs, chunked_scores
 
 
 def naive(hidden, weight, targets, temperature):
@@ -41,6 +41,32 @@ def test_values_and_gradients_equal_the_naive_fp64_computation(chunk, temperatur
     assert torch.allclose(got[0], hidden.grad, atol=1e-6, rtol=0)
     assert torch.allclose(got[1], weight.grad, atol=1e-6, rtol=0)
     assert not entropy.requires_grad  # a metric: no graph kept for it
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_soft_targets_cross_entropy_and_its_gradient_equal_the_naive_fp64_computation(chunk, temperature):
+    """A teacher's top-k (ids and weights q, summing to less than 1 as a floored tail leaves them) scored beside the
+    sampled tokens: -sum_i q_i log softmax(z)_{j_i} and the gradient of any mix of it and the logprobs."""
+    hidden, weight, targets = inputs()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (37, 5), generator=g)
+    ids[3] = torch.tensor([0, 49, 7, 7, targets[3]])  # repeated ids, the vocabulary's edges and the sampled token
+    q = torch.softmax(torch.randn(37, 5, generator=g, dtype=torch.float64), -1) * 0.9
+    grad_logp, grad_ce = torch.randn(37, generator=g, dtype=torch.float64), torch.randn(37, generator=g,
+                                                                                     dtype=torch.float64)
+    logp, _, ce = chunked_scores(hidden, weight, targets, temperature, chunk, SoftTargets(ids, q))
+    (logp.double() * grad_logp + ce.double() * grad_ce).sum().backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    reference = torch.log_softmax(hidden @ weight.T / temperature, -1)
+    ref_logp = reference.gather(-1, targets[:, None]).squeeze(-1)
+    ref_ce = -(q * reference.gather(-1, ids)).sum(-1)
+    (ref_logp * grad_logp + ref_ce * grad_ce).sum().backward()
+    assert torch.allclose(logp.double(), ref_logp, atol=1e-6, rtol=0)
+    assert torch.allclose(ce.double(), ref_ce, atol=1e-6, rtol=0)
+    assert torch.allclose(got[0], hidden.grad, atol=1e-6, rtol=0)
+    assert torch.allclose(got[1], weight.grad, atol=1e-6, rtol=0)
 
 
 def test_temperature_divides_after_the_upcast():
@@ -84,10 +110,11 @@ def test_the_head_is_a_plain_linear_layer_unless_scoring():
     assert torch.equal(head(hidden), hidden @ weight.T)
     targets = torch.randint(0, 10, (2, 5))
     with head.scoring(targets, 0.5):
-        scored = head(hidden)  # [B, T, 2]
+        scored = head(hidden)  # [B, T, 3]
     expected = torch.log_softmax(hidden @ weight.T / 0.5, -1).gather(-1, targets[..., None]).squeeze(-1)
-    assert scored.shape == (2, 5, 2) and torch.allclose(scored[..., 0], expected, atol=1e-5)
-    assert head.targets is None
+    assert scored.shape == (2, 5, 3) and torch.allclose(scored[..., 0], expected, atol=1e-5)
+    assert torch.equal(scored[..., 2], torch.zeros(2, 5))  # no soft targets: no cross-entropy
+    assert head.targets is None and head.soft is None
 
 
 def vllm_like(hidden, weight, targets, temperature):

@@ -60,6 +60,38 @@ def test_teacher_logprobs_round_trip_and_are_all_or_none(tmp_path):
         Sample([1, 2], [0, 1], [0.0, -1.0], 0.0, 0.0, 0, [-1.0])
 
 
+def test_the_teachers_top_k_round_trips_as_tokens_by_k_and_is_all_or_none(tmp_path):
+    from dataclasses import replace
+
+    from rl.protocol import check_batch, encode_samples
+
+    def ranked(n):
+        return replace(sample(n), teacher_logprobs=[-0.5] * n, teacher_top_ids=[[i, i + 1, i + 2] for i in range(n)],
+                       teacher_top_logprobs=[[-0.25, -0.5, -3.0]] * n)  # exact in float32
+
+    paths = RunPaths(tmp_path)
+    scored = [ranked(4), ranked(6)]
+    write_batch(paths, 0, [scored])
+    assert read_batch(paths, 0, 0) == scored
+    tensors = encode_samples(scored)
+    assert tensors["teacher_top_ids"].shape == tensors["teacher_top_logprobs"].shape == (10, 3)
+    with pytest.raises(ValueError, match="1 of 2 samples lack the teacher's top-k the others have"):
+        encode_samples([scored[0], replace(sample(3), teacher_logprobs=[-0.5] * 3)])
+    for name, broken, message in (
+        ("teacher_top_ids", tensors["teacher_top_ids"][:-1], "teacher_top_ids has 9 entries for 10 tokens"),
+        ("teacher_top_ids", tensors["teacher_top_ids"][:, :2], r"\[10, 2\] and teacher_top_logprobs \[10, 3\]"),
+        ("teacher_top_logprobs", tensors["teacher_top_logprobs"].flatten(), "must be 2-dimensional"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check_batch(tensors | {name: broken})
+    with pytest.raises(ValueError, match="without the other"):
+        check_batch({k: v for k, v in tensors.items() if k != "teacher_top_logprobs"})
+    with pytest.raises(ValueError, match="rows must all hold the same k > 0 entries"):
+        Sample([1, 2], [0, 1], [0.0, -1.0], 0.0, 0.0, 0, None, [[1, 2], [3]], [[-1.0, -2.0], [-1.0]])
+    with pytest.raises(ValueError, match="come together"):
+        Sample([1, 2], [0, 1], [0.0, -1.0], 0.0, 0.0, 0, None, [[1], [3]])
+
+
 def test_unstable_directory_is_not_a_step(tmp_path):
     paths = RunPaths(tmp_path)
     paths.weights(2).mkdir(parents=True)

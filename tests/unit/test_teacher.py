@@ -16,7 +16,7 @@ from rl.protocol import Sample
 
 
 def fake_logprob(token: int) -> float:
-    return -0.01 * token
+    return -1.0 - 0.01 * token
 
 
 def fake_vllm(requests: list, drop_token: int | None = None, tokenize=lambda text: [ord(c) for c in text]):
@@ -30,12 +30,21 @@ def fake_vllm(requests: list, drop_token: int | None = None, tokenize=lambda tex
         requests.append(body)
         if isinstance(body["prompt"], str):
             return httpx.Response(200, json={"choices": [{"index": 0, "prompt_token_ids": tokenize(body["prompt"])}]})
+        k = body["prompt_logprobs"]
         choices = [{"index": i, "prompt_logprobs": [None] + [
-            {} if t == drop_token else {str(t): {"logprob": fake_logprob(t), "rank": 1}} for t in ids[1:]]}
+            {} if t == drop_token else ranked(t, k) for t in ids[1:]]}
             for i, ids in enumerate(body["prompt"])]
         return httpx.Response(200, json={"choices": choices[::-1]})  # in any order: matched by index
 
     return httpx.MockTransport(handle)
+
+
+def ranked(token: int, k: int) -> dict:
+    """A position's prompt logprobs as vLLM lists them, in no particular order (here the likeliest last): the token
+    itself, ranked 4th, and the top k, tokens 100 + token + i for the other ranks i + 1."""
+    others = {str(100 + token + i): {"logprob": -0.1 * (i + 1) if i < 3 else -2.0 - 0.1 * i, "rank": i + 1}
+              for i in range(k) if i != 3}
+    return dict(reversed([*others.items(), (str(token), {"logprob": fake_logprob(token), "rank": 4})]))
 
 
 def teacher(transport, batch_tokens: int = 10) -> Teacher:
@@ -59,6 +68,38 @@ def test_every_trained_token_gets_the_teachers_logprob_in_requests_of_at_most_ba
     assert [s.input_ids for s in scored] == [s.input_ids for s in samples]
     for s in scored:
         assert s.teacher_logprobs == [fake_logprob(t) if m else 0.0 for t, m in zip(s.input_ids, s.loss_mask)]
+
+
+def test_with_top_k_every_trained_token_also_gets_the_teachers_k_likeliest_tokens_likeliest_first():
+    requests = []
+    t = teacher(fake_vllm(requests))
+    t.config = t.config.model_copy(update={"top_k": 5})
+    samples = [sample([1, 2, 3, 4, 5, 6], 3), sample([7, 8, 9], 1)]
+    scored = asyncio.run(t.score(samples))
+    assert all(r["prompt_logprobs"] == 5 for r in requests)
+    for s in scored:
+        assert s.teacher_logprobs == [fake_logprob(t) if m else 0.0 for t, m in zip(s.input_ids, s.loss_mask)]
+        for token, trained, ids, logprobs in zip(s.input_ids, s.loss_mask, s.teacher_top_ids, s.teacher_top_logprobs):
+            if not trained:
+                assert ids == [0] * 5 and logprobs == [0.0] * 5
+                continue
+            assert ids == [100 + token, 101 + token, 102 + token, token, 104 + token]
+            assert logprobs == pytest.approx([-0.1, -0.2, -0.3, fake_logprob(token), -2.4])
+
+
+def test_a_top_k_reply_with_too_few_entries_or_tokens_past_the_vocabulary_is_an_error():
+    from rl.orchestrator.teacher import top_tokens
+
+    s = sample([1, 2, 3], 1)
+    full = [None, ranked(2, 4), ranked(3, 4)]
+    assert len(top_tokens(s, full, 4)[0][1]) == 4
+    with pytest.raises(TeacherError, match="hold 4 valid entries where top_k = 6 asks for 6"):
+        top_tokens(s, full, 6)
+    with pytest.raises(TeacherError, match="outside the student's vocabulary of 104"):
+        top_tokens(s, full, 4, vocab_size=104)
+    nan = [None, {"2": {"logprob": float("nan")}, "5": {"logprob": -1.0}}, ranked(3, 4)]
+    with pytest.raises(TeacherError, match="valid entries"):
+        top_tokens(s, nan, 2)
 
 
 def test_a_reply_without_a_tokens_logprob_is_an_error_naming_it():
@@ -128,7 +169,11 @@ def test_distillation_and_a_teacher_come_together(tiny_model, tmp_path, capsys):
 
     for extra, message in (
         (["--trainer.loss.distill", "1"], "trainer.loss.distill = 1.0 needs a teacher"),
-        (["--teacher.model", str(tiny_model)], "trainer.loss.distill = 0 would ignore it"),
+        (["--teacher.model", str(tiny_model)], "trainer.loss.distill_top_k = 0 would ignore it"),
+        (["--teacher.model", str(tiny_model), "--trainer.loss.distill-top-k", "1"], "needs the teacher's top-k"),
+        (["--teacher.model", str(tiny_model), "--teacher.top-k", "4", "--trainer.loss.distill", "1"],
+         "the teacher ships its top 4 tokens but trainer.loss.distill_top_k = 0 would ignore them"),
+        (["--trainer.loss.distill-top-k", "1"], "trainer.loss.distill_top_k = 1.0 needs a teacher"),
     ):
         with pytest.raises(SystemExit):
             main(rl_command(tiny_model, tmp_path / "run", 3, *extra)[3:])

@@ -12,8 +12,8 @@ from rl.trainer.config import TrainerConfig
 from rl.trainer.data import (
     build_micro_batches, empty_micro_batch, pack_rows, packed_micro_batch, trained_tokens, truncate,
 )
-from rl.trainer.model import forward_logprobs, prepare_for_training
-from rl.trainer.output_head import install_logprob_head
+from rl.trainer.model import forward_logprobs, forward_scores, prepare_for_training
+from rl.trainer.output_head import SoftTargets, install_logprob_head
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -65,6 +65,39 @@ def test_padding_fallback_and_empty_micro_batch():
 def test_truncation_and_trained_tokens():
     s = truncate(sample([1, 2, 3, 4, 5], prompt=2), 4)
     assert s.input_ids == [1, 2, 3, 4] and trained_tokens(s) == 2
+
+
+def ranked(s: Sample, k: int = 3) -> Sample:
+    """`s` with a made-up teacher top-k: at token t, tokens t + 1 .. t + k, their logprobs falling."""
+    return Sample(s.input_ids, s.loss_mask, s.logprobs, s.advantage, s.reward, s.policy_version, s.logprobs,
+                  [[t + i for i in range(1, k + 1)] for t in s.input_ids],
+                  [[-0.5 * i for i in range(1, k + 1)] for _ in s.input_ids])
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_teachers_top_k_scores_each_tokens_prediction_packed_or_padded_and_truncated(tiny_model, packing):
+    """Position t's top-k is compared with the distribution that predicted token t (from tokens < t), as its logprob
+    is, in packed rows and padded ones; truncation cuts the top-k with the tokens."""
+    samples = [ranked(sample([5, 6, 7, 8, 9, 10, 11], 2)), ranked(sample([11, 12, 13], 1))]
+    samples = [truncate(s, 6) for s in samples]
+    assert len(samples[0].teacher_top_ids) == 6 and samples[0].teacher_top_ids[-1] == [11, 12, 13]
+    (mb,) = build_micro_batches(samples, [1.0] * 2, row_tokens=16, micro_batch_size=2, packing=packing, pad_id=0)
+    assert mb.teacher_top_ids.shape == mb.teacher_top_logprobs.shape == (*mb.input_ids.shape, 3)
+    model = scoring_model(tiny_model)
+    q = torch.softmax(mb.teacher_top_logprobs, -1)
+    with torch.no_grad():
+        logprobs, _, cross_entropy = forward_scores(model, mb, 1.0, SoftTargets(mb.teacher_top_ids, q))
+        for row, s in enumerate(samples if not packing else [None]):
+            for i, one in enumerate([s] if s is not None else samples):
+                ids = torch.tensor([one.input_ids])
+                naive = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]  # [T, V]: predicts t + 1
+                start = 0 if not packing else sum(len(x.input_ids) for x in samples[:i])
+                for t in range(1, len(one.input_ids)):
+                    top = torch.tensor(one.teacher_top_ids[t])
+                    weights = torch.softmax(torch.tensor(one.teacher_top_logprobs[t]), -1)
+                    expected = -(weights * naive[t - 1, top]).sum()
+                    assert torch.allclose(cross_entropy[row, start + t], expected, atol=1e-5), (one.input_ids, t)
+                    assert torch.allclose(logprobs[row, start + t], naive[t - 1, one.input_ids[t]], atol=1e-5)
 
 
 @pytest.mark.parametrize(

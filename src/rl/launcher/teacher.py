@@ -32,6 +32,11 @@ class TeacherServerConfig(Section):
         int, Field(ge=1, description="GPU hosts: its GPUs, the last ones visible (its tensor-parallel size); the "
                                      "trainer and inference split the others")
     ] = 1
+    top_k: Annotated[
+        int, Field(ge=0, le=20, description="orchestrator.teacher.top_k: the teacher's k likeliest tokens at every "
+                                            "trained token, for trainer.loss.distill_top_k (at most vLLM's default "
+                                            "max_logprobs, 20)")
+    ] = 0
 
 
 def place_teacher(config: RLConfig, host: HostPlan) -> InferenceConfig | None:
@@ -53,15 +58,24 @@ def place_teacher(config: RLConfig, host: HostPlan) -> InferenceConfig | None:
     if host.devices.teacher_gpus:  # its own GPUs, one tensor-parallel group over them
         server.tensor_parallel_size = len(host.devices.teacher_gpus)
     server.model = server.model.model_copy(update={"name": config.teacher.model})
-    o.teacher = TeacherConfig(base_url=f"http://127.0.0.1:{port}", model=config.teacher.model)
+    o.teacher = TeacherConfig(base_url=f"http://127.0.0.1:{port}", model=config.teacher.model,
+                              top_k=config.teacher.top_k)
     return server
 
 
 def check_distillation(t: TrainerConfig, o: OrchestratorConfig) -> None:
-    """A teacher and the loss's distillation term come together."""
-    if t.loss.distill > 0 and o.teacher is None:
-        raise ConfigError(f"trainer.loss.distill = {t.loss.distill} needs a teacher: --teacher.model M (rl serves "
-                          "it) or orchestrator.teacher.base_url (one served elsewhere)")
-    if o.teacher is not None and t.loss.distill == 0:
-        raise ConfigError("a teacher scores every sample but trainer.loss.distill = 0 would ignore it: set "
-                          "trainer.loss.distill (e.g. 1.0)")
+    """A teacher and the loss's distillation terms come together, and its top-k with the dense term."""
+    for name, weight in (("distill", t.loss.distill), ("distill_top_k", t.loss.distill_top_k)):
+        if weight > 0 and o.teacher is None:
+            raise ConfigError(f"trainer.loss.{name} = {weight} needs a teacher: --teacher.model M (rl serves it) or "
+                              "orchestrator.teacher.base_url (one served elsewhere)")
+    if o.teacher is not None and t.loss.distill == 0 and t.loss.distill_top_k == 0:
+        raise ConfigError("a teacher scores every sample but trainer.loss.distill = 0 and trainer.loss.distill_top_k "
+                          "= 0 would ignore it: set trainer.loss.distill (e.g. 1.0)")
+    top_k = 0 if o.teacher is None else o.teacher.top_k
+    if t.loss.distill_top_k > 0 and top_k == 0:
+        raise ConfigError(f"trainer.loss.distill_top_k = {t.loss.distill_top_k} needs the teacher's top-k: set "
+                          "--teacher.top-k K (or orchestrator.teacher.top_k), e.g. 8")
+    if top_k > 0 and t.loss.distill_top_k == 0:
+        raise ConfigError(f"the teacher ships its top {top_k} tokens but trainer.loss.distill_top_k = 0 would ignore "
+                          "them: set trainer.loss.distill_top_k (e.g. 1.0)")

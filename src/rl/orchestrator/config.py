@@ -188,6 +188,11 @@ class TeacherConfig(Section):
         int, Field(ge=1, description="tokens per scoring request (several samples' prompts in one)")
     ] = 16384
     timeout_s: Annotated[float, Field(gt=0, description="deadline for one scoring request")] = 300.0
+    top_k: Annotated[
+        int, Field(ge=0, description="also ship the teacher's k likeliest tokens at every trained token, for "
+                                     "trainer.loss.distill_top_k (vLLM serves at most its max_logprobs, 20 by "
+                                     "default); 0: the sampled token's logprob only")
+    ] = 0
 
 
 class OrchestratorConfig(Settings):

@@ -111,6 +111,12 @@ class LossConfig(Section):
         Field(ge=0, description="on-policy distillation: weight of the per-token reverse KL to the teacher "
                                 "(orchestrator.teacher), added to each token's advantage; 0: off"),
     ] = 0.0
+    distill_top_k: Annotated[
+        float,
+        Field(ge=0, description="on-policy distillation's dense term: weight of the KL from the teacher's top-k "
+                                "distribution (orchestrator.teacher.top_k) to the student's at every trained token; "
+                                "0: off"),
+    ] = 0.0
     reward_weight: Annotated[
         float, Field(ge=0, description="weight of the reward advantage; 0 with distill > 0: pure distillation")
     ] = 1.0
@@ -122,8 +128,9 @@ class LossConfig(Section):
 
     @model_validator(mode="after")
     def _something_to_learn(self):
-        if self.reward_weight == 0 and self.distill == 0:
-            raise ValueError("loss.reward_weight = 0 and loss.distill = 0 leave every advantage 0: set one above 0")
+        if self.reward_weight == 0 and self.distill == 0 and self.distill_top_k == 0:
+            raise ValueError("loss.reward_weight = 0 and loss.distill = 0 and loss.distill_top_k = 0 leave nothing to "
+                             "learn from: set one above 0")
         return self
 
 

@@ -14,7 +14,7 @@ Samples longer than `seq_len` are truncated. Every token carries its sample's ad
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -29,6 +29,8 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [B, T] bool, predicted tokens that are trained on
     old_logprobs: torch.Tensor  # [B, T] inference logprob of token t, aligned with loss_mask
     teacher_logprobs: torch.Tensor  # [B, T] the teacher's logprob of token t; old_logprobs where there is none
+    teacher_top_ids: torch.Tensor  # [B, T, k] the teacher's k likeliest tokens at t (k = 0 without them)
+    teacher_top_logprobs: torch.Tensor  # [B, T, k] their logprobs
     advantages: torch.Tensor  # [B, T] advantage of each token's sample
     weights: torch.Tensor  # [B, T] loss weight w_i of each token's sample (see loss.py)
     sample_lengths: tuple[int, ...] | None = None  # packed: the row's samples in order (attention.py); else None
@@ -41,11 +43,9 @@ class MicroBatch:
 def truncate(sample: Sample, seq_len: int) -> Sample:
     if len(sample.input_ids) <= seq_len:
         return sample
-    teacher = None if sample.teacher_logprobs is None else sample.teacher_logprobs[:seq_len]
-    return Sample(
-        sample.input_ids[:seq_len], sample.loss_mask[:seq_len], sample.logprobs[:seq_len],
-        sample.advantage, sample.reward, sample.policy_version, teacher,
-    )
+    per_token = ("input_ids", "loss_mask", "logprobs", "teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs")
+    return replace(sample, **{name: None if getattr(sample, name) is None else getattr(sample, name)[:seq_len]
+                              for name in per_token})
 
 
 def trained_tokens(sample: Sample) -> int:
@@ -54,8 +54,9 @@ def trained_tokens(sample: Sample) -> int:
 
 
 def sample_tensors(sample: Sample, weight: float) -> dict[str, torch.Tensor]:
-    """The per-token tensors of one sample, each [T]."""
+    """The per-token tensors of one sample, each [T] (the teacher's top-k [T, k])."""
     n = len(sample.input_ids)
+    ranked = sample.teacher_top_ids is not None
     loss_mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
     loss_mask[0] = False  # the first token has no prediction
     return {
@@ -65,6 +66,10 @@ def sample_tensors(sample: Sample, weight: float) -> dict[str, torch.Tensor]:
         "old_logprobs": torch.tensor(sample.logprobs, dtype=torch.float32),
         # no teacher: the sampling logprobs, so that the distillation term of loss.py is 0 for the sample
         "teacher_logprobs": torch.tensor(sample.teacher_logprobs or sample.logprobs, dtype=torch.float32),
+        "teacher_top_ids": torch.tensor(sample.teacher_top_ids, dtype=torch.long) if ranked
+        else torch.zeros(n, 0, dtype=torch.long),
+        "teacher_top_logprobs": torch.tensor(sample.teacher_top_logprobs, dtype=torch.float32) if ranked
+        else torch.zeros(n, 0),
         "advantages": torch.full((n,), sample.advantage, dtype=torch.float32),
         "weights": torch.full((n,), weight, dtype=torch.float32),
     }
@@ -105,7 +110,7 @@ def padded_micro_batch(samples: list[Sample], weights: list[float], pad_id: int)
 
 
 def _pad(t: torch.Tensor, width: int, value) -> torch.Tensor:
-    return torch.cat([t, torch.full((width - t.numel(),), value, dtype=t.dtype)])
+    return torch.cat([t, torch.full((width - t.shape[0], *t.shape[1:]), value, dtype=t.dtype)])
 
 
 def filler_token_id(tokenizer) -> int:

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rl.config import local_model_dir
 from rl.safetensors_io import read_file_header, read_rows
 from rl.trainer.attention import PACKED_SDPA, transformers_attention
-from rl.trainer.output_head import DEFAULT_CHUNK_TOKENS, LogprobHead, install_logprob_head
+from rl.trainer.output_head import DEFAULT_CHUNK_TOKENS, LogprobHead, SoftTargets, install_logprob_head
 
 from rl.trainer.config import LoraConfig, TrainerConfig
 from rl.trainer.data import MicroBatch
@@ -162,7 +162,16 @@ def shard(model: torch.nn.Module, world: World, dtype: str, whole: bool) -> None
 def forward_logprobs(
     model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob and entropy (no gradient) of every token of the micro-batch, [B, T] each, under the distribution the
+    """Logprob and entropy (no gradient) of every token of the micro-batch, [B, T] each (`forward_scores`)."""
+    logprobs, entropy, _ = forward_scores(model, mb, temperature)
+    return logprobs, entropy
+
+
+def forward_scores(
+    model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0, soft: SoftTargets | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprob, entropy (no gradient) and the cross-entropy of `soft` targets ([B, T, k], position t scoring token
+    t's prediction; 0 without them) of every token of the micro-batch, [B, T] each, under the distribution the
     tokens were sampled from (logits / temperature in fp32, as vLLM's processed logprobs), computed by the model's
     `LogprobHead` in chunks (trainer/output_head.py): no [B, T, V] tensor is built. Position 0 (no prefix) gets 0;
     in packed rows the first token of each sample is predicted from the previous sample: its loss mask is always 0.
@@ -175,10 +184,10 @@ def forward_logprobs(
         )
     targets = torch.roll(mb.input_ids, -1, dims=1)  # [B, T]: token t + 1 (the last position's is discarded)
     packed = {"sample_lengths": mb.sample_lengths} if model.config._attn_implementation == PACKED_SDPA else {}
-    with head.scoring(targets, temperature):
+    with head.scoring(targets, temperature, None if soft is None else soft.shifted()):
         scored = model(
             input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False,
             **packed,
-        ).logits  # [B, T, 2]
+        ).logits  # [B, T, 3]
     pad = torch.zeros_like(scored[:, :1, 0])
-    return torch.cat([pad, scored[:, :-1, 0]], 1), torch.cat([pad, scored[:, :-1, 1]], 1)  # [B, T] each
+    return tuple(torch.cat([pad, scored[:, :-1, i]], 1) for i in range(3))  # [B, T] each

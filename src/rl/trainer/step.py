@@ -10,12 +10,13 @@ from rl.protocol import Sample
 from rl.trainer.config import TrainerConfig
 from rl.trainer.data import MicroBatch, build_micro_batches, empty_micro_batch, trained_tokens, truncate
 from rl.trainer.lora import adapters_disabled
-from rl.trainer.loss import StepTotals, policy_loss, sample_weight
-from rl.trainer.model import forward_logprobs
+from rl.trainer.loss import StepTotals, TopKTerm, policy_loss, sample_weight, teacher_top_k_weights
+from rl.trainer.model import forward_logprobs, forward_scores
+from rl.trainer.output_head import SoftTargets
 from rl.trainer.optim import clip_gradients
 from rl.trainer.world import World
 
-SUM_KEYS = ("loss", "clipped", "mismatch_kl", "ref_kl", "masked", "entropy", "reverse_kl")  # per micro-batch
+SUM_KEYS = ("loss", "clipped", "mismatch_kl", "ref_kl", "masked", "entropy", "reverse_kl", "top_k_kl")  # per mb
 
 
 def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], config: TrainerConfig, world: World,
@@ -24,6 +25,9 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     if config.loss.distill > 0 and any(s.teacher_logprobs is None for s in samples):
         raise ValueError(f"trainer.loss.distill = {config.loss.distill} but the batch carries no teacher logprobs: "
                          "set orchestrator.teacher (the teacher that scores each sample)")
+    if config.loss.distill_top_k > 0 and any(s.teacher_top_ids is None for s in samples):
+        raise ValueError(f"trainer.loss.distill_top_k = {config.loss.distill_top_k} but the batch carries no teacher "
+                         "top-k: set orchestrator.teacher.top_k")
     samples = [truncate(s, config.seq_len) for s in samples]
     totals = step_totals(samples, world)
     weights = [sample_weight(config.loss.norm, trained_tokens(s), totals, config.seq_len) for s in samples]
@@ -45,7 +49,9 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return summarise(dict(zip(SUM_KEYS, world.all_reduce(sums.tolist()))), totals, config.loss.distill > 0) | {
+    distilled = config.loss.distill > 0 or config.loss.distill_top_k > 0  # both need a teacher (launcher/teacher.py)
+    return summarise(dict(zip(SUM_KEYS, world.all_reduce(sums.tolist()))), totals, distilled,
+                     config.loss.distill_top_k > 0) | {
         "grad_norm": grad_norm, "lr": lr, "micro_batches": int(count),
     }
 
@@ -82,23 +88,31 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
         base = adapters_disabled(reference) if reference is policy else contextlib.nullcontext()
         with torch.no_grad(), base:
             ref_logprobs, _ = forward_logprobs(reference, mb, config.temperature)
-    logprobs, entropy = forward_logprobs(policy, mb, config.temperature)  # [B, T] each
+    top_k = None
+    if config.loss.distill_top_k > 0 and mb.teacher_top_ids.shape[-1]:
+        q, q_entropy = teacher_top_k_weights(mb.teacher_top_logprobs)
+        logprobs, entropy, cross_entropy = forward_scores(policy, mb, config.temperature,
+                                                          SoftTargets(mb.teacher_top_ids, q))  # [B, T] each
+        top_k = TopKTerm(cross_entropy, q_entropy)
+    else:
+        logprobs, entropy = forward_logprobs(policy, mb, config.temperature)  # [B, T] each
     loss, stats = policy_loss(
         logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.weights, config.loss, ref_logprobs,
-        mb.teacher_logprobs, baseline,
+        mb.teacher_logprobs, baseline, top_k,
     )
     # FSDP averages gradients over ranks; the loss is already normalised by step totals, so undo the mean.
     (loss * world.world_size).backward()
     mask = mb.loss_mask.float()
     values = [loss.detach(), stats.clipped_tokens, stats.mismatch_kl_sum, stats.ref_kl_sum, stats.masked_tokens,
-              (entropy.detach() * mask).sum(), stats.reverse_kl_sum]
+              (entropy.detach() * mask).sum(), stats.reverse_kl_sum, stats.top_k_kl_sum]
     return torch.stack([v.to(torch.float64) for v in values])
 
 
-def summarise(sums: dict[str, float], totals: StepTotals, distill: bool = False) -> dict:
+def summarise(sums: dict[str, float], totals: StepTotals, teacher: bool = False, top_k: bool = False) -> dict:
     """Step means over the trained tokens; `loss` is already the normalised objective."""
     denom = max(totals.tokens, 1)
-    distilled = {"distill/reverse_kl": sums["reverse_kl"] / denom} if distill else {}
+    distilled = {"distill/reverse_kl": sums["reverse_kl"] / denom} if teacher else {}
+    distilled |= {"distill/top_k_kl": sums["top_k_kl"] / denom} if top_k else {}
     return distilled | {
         "loss": sums["loss"],
         "entropy": sums["entropy"] / denom,
