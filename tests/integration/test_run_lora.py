@@ -1,7 +1,8 @@
 """A LoRA run for real: `rl` with trainer.lora, the trainer sending each step's adapter over the wire (gloo; the
 files path of adapters is test_inference_lora's), the vLLM server (tensor-parallel: two workers) loading each in
 place and verifying it, the orchestrator sampling from the adapter, and a teacher (a second tiny model, served by
-`rl` as the inference server is) scoring every sample for on-policy distillation; then `eval --adapter` on the last
+`rl` as the inference server is) scoring every sample for on-policy distillation, with its top 4 tokens at every
+trained position for the dense term; then `eval --adapter` on the last
 one (the final checkpoint's files), on a tensor-parallel server eval starts itself; then `--resume` for two more
 steps on servers of one worker each (a resumed run may lay its servers out anew), the teacher scoring them too."""
 
@@ -22,7 +23,8 @@ def test_a_lora_run_serves_the_adapters_the_trainer_sent_and_distils_from_a_teac
     out = tmp_path / "run"
     teacher = build_tiny_model(tmp_path / "teacher", seed=1)  # other weights, the same tokenizer
     flags = ["--trainer.lora.rank", "8", "--trainer.optim.lr", "5e-3", "--transfer.backend", "gloo",
-             "--teacher.model", str(teacher), "--trainer.loss.distill", "1.0", "--trainer.keep-rollouts", "3"]
+             "--teacher.model", str(teacher), "--trainer.loss.distill", "1.0", "--trainer.keep-rollouts", "3",
+             "--teacher.top-k", "4", "--trainer.loss.distill-top-k", "1.0"]
     tensor_parallel = ["--inference.tensor-parallel-size", "2"]  # the teacher's server too
     run = Launched(rl_command(tiny_model, out, 3, *flags, *tensor_parallel, "--teacher.port", str(free_port())))
     assert run.wait(timeout=900) == 0, run.output[-5000:]
@@ -53,7 +55,13 @@ def test_a_lora_run_serves_the_adapters_the_trainer_sent_and_distils_from_a_teac
             for sample in read_batch(paths, step, rank):
                 scored = [lp for lp, m in zip(sample.teacher_logprobs, sample.loss_mask) if m]
                 assert scored and all(lp < 0 for lp in scored)
+                for token, lp, ids, top, m in zip(sample.input_ids, sample.teacher_logprobs, sample.teacher_top_ids,
+                                                  sample.teacher_top_logprobs, sample.loss_mask):
+                    if m:  # 4 distinct tokens, likeliest first; the sampled token among them exactly when it ranks so
+                        assert len(set(ids)) == 4 and top == sorted(top, reverse=True) and top[0] <= 0
+                        assert (token in ids) == (lp >= top[-1]) or lp == top[-1]
         assert trainer[step]["distill/reverse_kl"] != 0 and orchestrator[step]["teacher_s"] > 0
+        assert trainer[step]["distill/top_k_kl"] > 0
     assert f"teacher {str(teacher)!r} at http://127.0.0.1:" in log
     assert (out / "logs" / "teacher.log").exists()
 
@@ -77,5 +85,5 @@ def test_a_lora_run_serves_the_adapters_the_trainer_sent_and_distils_from_a_teac
     assert sorted(trainer) == [0, 1, 2, 3, 4]
     for step in (3, 4):
         for rank in (0, 1):
-            assert all(sample.teacher_logprobs for sample in read_batch(paths, step, rank))
+            assert all(sample.teacher_logprobs and sample.teacher_top_ids for sample in read_batch(paths, step, rank))
         assert trainer[step]["distill/reverse_kl"] != 0 and trainer[step]["weights_sent"]

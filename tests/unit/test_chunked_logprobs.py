@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rl.trainer.output_head import LogprobHead, SoftTargets, chunked_logprobs, chunked_scores
+from rl.trainer.output_head import LogprobHead, TeacherTopK, chunked_logprobs, chunked_scores
 
 
 def naive(hidden, weight, targets, temperature):
@@ -43,28 +43,35 @@ def test_values_and_gradients_equal_the_naive_fp64_computation(chunk, temperatur
     assert not entropy.requires_grad  # a metric: no graph kept for it
 
 
+def naive_top_k_kl(logp: torch.Tensor, ids: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """The reverse KL over the top k and the rest as one, from the student's full log_softmax [N, V]."""
+    student = logp.gather(-1, ids)
+    rest = (1 - student.exp().sum(-1)).clamp_min(1e-6)
+    teacher_rest = (1 - teacher.exp().sum(-1)).clamp_min(1e-6)
+    return (student.exp() * (student - teacher)).sum(-1) + rest * (rest.log() - teacher_rest.log())
+
+
 @pytest.mark.parametrize("chunk", [1, 8, 64])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_soft_targets_cross_entropy_and_its_gradient_equal_the_naive_fp64_computation(chunk, temperature):
-    """A teacher's top-k (ids and weights q, summing to less than 1 as a floored tail leaves them) scored beside the
-    sampled tokens: -sum_i q_i log softmax(z)_{j_i} and the gradient of any mix of it and the logprobs."""
+def test_the_top_k_kl_and_its_gradient_equal_the_naive_fp64_computation(chunk, temperature):
+    """A teacher's top 5 (distinct tokens, the vocabulary's edges and the sampled token among them at one position)
+    scored beside the sampled tokens: the value and the gradient of any mix of it and the logprobs."""
     hidden, weight, targets = inputs()
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 50, (37, 5), generator=g)
-    ids[3] = torch.tensor([0, 49, 7, 7, targets[3]])  # repeated ids, the vocabulary's edges and the sampled token
-    q = torch.softmax(torch.randn(37, 5, generator=g, dtype=torch.float64), -1) * 0.9
-    grad_logp, grad_ce = torch.randn(37, generator=g, dtype=torch.float64), torch.randn(37, generator=g,
-                                                                                     dtype=torch.float64)
-    logp, _, ce = chunked_scores(hidden, weight, targets, temperature, chunk, SoftTargets(ids, q))
-    (logp.double() * grad_logp + ce.double() * grad_ce).sum().backward()
+    ids = torch.stack([torch.randperm(50, generator=g)[:5] for _ in range(37)])
+    ids[3] = torch.tensor([0, 49, 7, 8, targets[3]]) if targets[3] not in (0, 49, 7, 8) else ids[3]
+    teacher = torch.log_softmax(2 * torch.randn(37, 50, generator=g, dtype=torch.float64), -1).gather(-1, ids)
+    grad_logp, grad_kl = (torch.randn(37, generator=g, dtype=torch.float64) for _ in range(2))
+    logp, _, kl = chunked_scores(hidden, weight, targets, temperature, chunk, TeacherTopK(ids, teacher))
+    (logp.double() * grad_logp + kl.double() * grad_kl).sum().backward()
     got = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
     reference = torch.log_softmax(hidden @ weight.T / temperature, -1)
-    ref_logp = reference.gather(-1, targets[:, None]).squeeze(-1)
-    ref_ce = -(q * reference.gather(-1, ids)).sum(-1)
-    (ref_logp * grad_logp + ref_ce * grad_ce).sum().backward()
+    ref_logp, ref_kl = reference.gather(-1, targets[:, None]).squeeze(-1), naive_top_k_kl(reference, ids, teacher)
+    (ref_logp * grad_logp + ref_kl * grad_kl).sum().backward()
+    assert (ref_kl > 0).all()
     assert torch.allclose(logp.double(), ref_logp, atol=1e-6, rtol=0)
-    assert torch.allclose(ce.double(), ref_ce, atol=1e-6, rtol=0)
+    assert torch.allclose(kl.double(), ref_kl, atol=1e-6, rtol=0)
     assert torch.allclose(got[0], hidden.grad, atol=1e-6, rtol=0)
     assert torch.allclose(got[1], weight.grad, atol=1e-6, rtol=0)
 
@@ -113,8 +120,8 @@ def test_the_head_is_a_plain_linear_layer_unless_scoring():
         scored = head(hidden)  # [B, T, 3]
     expected = torch.log_softmax(hidden @ weight.T / 0.5, -1).gather(-1, targets[..., None]).squeeze(-1)
     assert scored.shape == (2, 5, 3) and torch.allclose(scored[..., 0], expected, atol=1e-5)
-    assert torch.equal(scored[..., 2], torch.zeros(2, 5))  # no soft targets: no cross-entropy
-    assert head.targets is None and head.soft is None
+    assert torch.equal(scored[..., 2], torch.zeros(2, 5))  # no teacher: no top-k KL
+    assert head.targets is None and head.teacher is None
 
 
 def vllm_like(hidden, weight, targets, temperature):

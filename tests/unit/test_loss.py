@@ -170,53 +170,47 @@ def test_distillation_beside_the_reward_adds_to_each_tokens_advantage():
     assert loss_plain.item() == pytest.approx(0.13)
 
 
-def test_the_top_k_term_is_the_kl_from_the_teachers_renormalised_top_k_to_the_student():
-    from rl.trainer.loss import TopKTerm, teacher_top_k_weights
-    from rl.trainer.output_head import SoftTargets, chunked_scores
+def test_the_top_k_term_is_the_reverse_kl_over_the_teachers_top_k_and_the_rest():
+    from rl.trainer.output_head import TeacherTopK, chunked_scores
 
     # one position, vocabulary of 4, the student uniform (logits 0); the teacher's top 2 are tokens 1 and 3 at 0.4
-    # each: renormalised over the two, q = (0.5, 0.5), entropy log 2
-    q, entropy = teacher_top_k_weights(torch.tensor([[[math.log(0.4), math.log(0.4)]]]))
-    assert q.flatten().tolist() == pytest.approx([0.5, 0.5]) and entropy.item() == pytest.approx(math.log(2))
+    # each, the rest 0.2. The student: 0.25 each, the rest 0.5.
     hidden, weight = torch.zeros(1, 1, 2, requires_grad=True), torch.zeros(4, 2)
-    _, _, cross_entropy = chunked_scores(hidden, weight, torch.tensor([[1]]), 1.0, 8,
-                                         SoftTargets(torch.tensor([[[1, 3]]]), q))
-    assert cross_entropy.item() == pytest.approx(math.log(4))  # -(0.5 log 1/4 + 0.5 log 1/4)
-    # D = 0.5 (log 0.5 - log 0.25) * 2 = log 2; with reward and the sampled-token term off, L = mu * w * D
+    teacher = TeacherTopK(torch.tensor([[[1, 3]]]), torch.tensor([[[math.log(0.4), math.log(0.4)]]]))
+    _, _, kl = chunked_scores(hidden, weight, torch.tensor([[1]]), 1.0, 8, teacher)
+    expected = 2 * 0.25 * math.log(0.25 / 0.4) + 0.5 * math.log(0.5 / 0.2)
+    assert kl.item() == pytest.approx(expected)
+    # with reward and the sampled-token term off, L = mu * w * D
     config = LossConfig(reward_weight=0.0, distill_top_k=2.0)
     zeros, mask = torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool)
     loss, stats = policy_loss(zeros.requires_grad_(), zeros, zeros, mask, torch.full((1, 1), 0.5), config,
-                              teacher_top_k=TopKTerm(cross_entropy, entropy))
-    assert loss.item() == pytest.approx(2.0 * 0.5 * math.log(2))
-    assert stats.top_k_kl_sum.item() == pytest.approx(math.log(2))
+                              top_k_kl=kl)
+    assert loss.item() == pytest.approx(2.0 * 0.5 * expected)
+    assert stats.top_k_kl_sum.item() == pytest.approx(expected)
     # masked, it counts for nothing
-    loss, stats = policy_loss(zeros, zeros, zeros, ~mask, torch.full((1, 1), 0.5), config,
-                              teacher_top_k=TopKTerm(cross_entropy, entropy))
+    loss, stats = policy_loss(zeros, zeros, zeros, ~mask, torch.full((1, 1), 0.5), config, top_k_kl=kl)
     assert loss.item() == 0 and stats.top_k_kl_sum.item() == 0
 
 
 def test_the_top_k_term_alone_moves_the_students_distribution_onto_the_teachers():
-    from rl.trainer.loss import TopKTerm, teacher_top_k_weights
-    from rl.trainer.output_head import SoftTargets, chunked_scores
+    from rl.trainer.output_head import TeacherTopK, chunked_scores
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 6, 8, generator=g)
     weight = torch.randn(12, 8, generator=g, requires_grad=True)
     teacher = torch.log_softmax(3 * torch.randn(6, 12, generator=g), -1)  # a peaked teacher over all 12 tokens
-    top_logprobs, top_ids = teacher.topk(12, -1)  # k = V: the top-k KL is the full KL(teacher || student)
-    q, entropy = teacher_top_k_weights(top_logprobs[None])
+    top_logprobs, top_ids = teacher.topk(11, -1)  # all but one token: with the rest, the full reverse KL
     config = LossConfig(reward_weight=0.0, distill_top_k=1.0)
     zeros, mask = torch.zeros(1, 6), torch.ones(1, 6, dtype=torch.bool)
     optimizer = torch.optim.SGD([weight], lr=0.5)
     kls = []
     for _ in range(30):
-        logprobs, _, cross_entropy = chunked_scores(hidden, weight, torch.zeros(1, 6, dtype=torch.long), 1.0, 4,
-                                                    SoftTargets(top_ids[None], q))
-        loss, stats = policy_loss(logprobs, zeros, zeros, mask, torch.full((1, 6), 1 / 6), config,
-                                  teacher_top_k=TopKTerm(cross_entropy, entropy))
+        logprobs, _, kl = chunked_scores(hidden, weight, torch.zeros(1, 6, dtype=torch.long), 1.0, 4,
+                                         TeacherTopK(top_ids[None], top_logprobs[None]))
+        loss, stats = policy_loss(logprobs, zeros, zeros, mask, torch.full((1, 6), 1 / 6), config, top_k_kl=kl)
         student = torch.log_softmax(hidden[0] @ weight.detach().T, -1)
-        kls.append((teacher.exp() * (teacher - student)).sum(-1).mean().item())
-        assert stats.top_k_kl_sum.item() / 6 == pytest.approx(kls[-1], abs=1e-5)  # reported = the true KL here
+        kls.append((student.exp() * (student - teacher)).sum(-1).mean().item())
+        assert stats.top_k_kl_sum.item() / 6 == pytest.approx(kls[-1], rel=1e-4)  # reported = the true KL here
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -13,7 +13,7 @@ from rl.trainer.data import (
     build_micro_batches, empty_micro_batch, pack_rows, packed_micro_batch, trained_tokens, truncate,
 )
 from rl.trainer.model import forward_logprobs, forward_scores, prepare_for_training
-from rl.trainer.output_head import SoftTargets, install_logprob_head
+from rl.trainer.output_head import TeacherTopK, install_logprob_head
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ def ranked(s: Sample, k: int = 3) -> Sample:
     """`s` with a made-up teacher top-k: at token t, tokens t + 1 .. t + k, their logprobs falling."""
     return Sample(s.input_ids, s.loss_mask, s.logprobs, s.advantage, s.reward, s.policy_version, s.logprobs,
                   [[t + i for i in range(1, k + 1)] for t in s.input_ids],
-                  [[-0.5 * i for i in range(1, k + 1)] for _ in s.input_ids])
+                  [[-1.0 * i for i in range(1, k + 1)] for _ in s.input_ids])
 
 
 @pytest.mark.parametrize("packing", [True, False])
@@ -84,19 +84,19 @@ def test_the_teachers_top_k_scores_each_tokens_prediction_packed_or_padded_and_t
     (mb,) = build_micro_batches(samples, [1.0] * 2, row_tokens=16, micro_batch_size=2, packing=packing, pad_id=0)
     assert mb.teacher_top_ids.shape == mb.teacher_top_logprobs.shape == (*mb.input_ids.shape, 3)
     model = scoring_model(tiny_model)
-    q = torch.softmax(mb.teacher_top_logprobs, -1)
     with torch.no_grad():
-        logprobs, _, cross_entropy = forward_scores(model, mb, 1.0, SoftTargets(mb.teacher_top_ids, q))
+        logprobs, _, kl = forward_scores(model, mb, 1.0, TeacherTopK(mb.teacher_top_ids, mb.teacher_top_logprobs))
         for row, s in enumerate(samples if not packing else [None]):
             for i, one in enumerate([s] if s is not None else samples):
                 ids = torch.tensor([one.input_ids])
                 naive = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]  # [T, V]: predicts t + 1
                 start = 0 if not packing else sum(len(x.input_ids) for x in samples[:i])
                 for t in range(1, len(one.input_ids)):
-                    top = torch.tensor(one.teacher_top_ids[t])
-                    weights = torch.softmax(torch.tensor(one.teacher_top_logprobs[t]), -1)
-                    expected = -(weights * naive[t - 1, top]).sum()
-                    assert torch.allclose(cross_entropy[row, start + t], expected, atol=1e-5), (one.input_ids, t)
+                    student = naive[t - 1, one.teacher_top_ids[t]]
+                    teacher = torch.tensor(one.teacher_top_logprobs[t])
+                    rest, teacher_rest = 1 - student.exp().sum(), 1 - teacher.exp().sum()
+                    expected = (student.exp() * (student - teacher)).sum() + rest * (rest / teacher_rest).log()
+                    assert torch.allclose(kl[row, start + t], expected, atol=1e-5), (one.input_ids, t)
                     assert torch.allclose(logprobs[row, start + t], naive[t - 1, one.input_ids[t]], atol=1e-5)
 
 

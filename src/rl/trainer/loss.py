@@ -19,15 +19,18 @@ over every trained token of all ranks (`distill_baseline`; else 0): a baseline, 
 its per-token KL advantages. On the student's own samples E[grad log pi] = 0, so subtracting it leaves the expected
 gradient as it is and removes the part common to every token, which otherwise dominates a clipped gradient's
 direction. A sample without teacher logprobs has log pi_T = log pi_old (data.py): no distillation term.
-(distill_top_k > 0) with the teacher's k likeliest tokens j at t and their logprobs (orchestrator.teacher.top_k),
-a dense term: the KL from the teacher's top-k distribution q_t (its logprobs renormalised over the k) to the student:
+(distill_top_k > 0) with the teacher's k likeliest tokens S_t at t and its logprobs of them
+(orchestrator.teacher.top_k), a dense term: the reverse KL from the student to the teacher over k + 1 outcomes, the
+k tokens and all others as one ("rest": 1 minus the k's probability, for each model; trainer/output_head.py):
 
-    D_t     = sum_j q_tj (log q_tj - log pi_theta(j))          L_t += mu * D_t      (mu = distill_top_k)
+    D_t     = sum_{j in S_t} pi_theta(j) (log pi_theta(j) - log pi_T(j)) + pi_rest (log pi_rest - log pi_T,rest)
+    L_t    += mu * D_t                                                          (mu = distill_top_k)
 
-where the sampled-token term above learns from one token per position, D_t compares the whole of the teacher's
-likely next tokens with the student's at every position the student visited (GKD's forward KL, on-policy). It is
-supervised, not a policy gradient: no ratio or clipping, only the masks and weights below. Its gradient,
-mu * (softmax(z_t) - q_t) on the logits over the k, is what pulls the student's distribution onto the teacher's.
+The sampled-token term estimates the same reverse KL from one token per position; D_t is exact over the k + 1
+outcomes, so its gradient carries no sampling noise. Reverse, as that term: mode-seeking, it moves the student onto
+the teacher's likely tokens and never asks it to spread over the teacher's doubts (a forward KL over the top k,
+tried first, raised the student's entropy on its own samples and lost the reward: benchmarks/RESULTS.md). It is
+an exact divergence, not a policy gradient: no ratio or clipping, only the masks and weights below.
     m_t     = 0 if |log r_t| > B  (mismatch.type = mask, bound B)          else m_t = 1
     L       = sum_i sum_t m_t * w_i * L_t
 
@@ -99,7 +102,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,  # [B, T] reference logprobs, when beta > 0
     teacher_logprobs: torch.Tensor | None = None,  # [B, T] the teacher's logprobs, when distill > 0
     distill_baseline: float = 0.0,  # b: the step's mean reverse KL, when distill > 0 and loss.distill_baseline
-    teacher_top_k: TopKTerm | None = None,  # the dense term's parts, when distill_top_k > 0
+    top_k_kl: torch.Tensor | None = None,  # [B, T] D_t with gradient (the output head's), when distill_top_k > 0
 ) -> tuple[torch.Tensor, LossStats]:
     reverse_kl = torch.zeros_like(old_logprobs)
     if teacher_logprobs is not None:
@@ -119,10 +122,10 @@ def policy_loss(
         q = ref_logprobs - logprobs
         ref_kl = torch.exp(q) - q - 1  # [B, T]
         per_token = per_token + config.beta * ref_kl
-    top_k_kl = torch.zeros_like(per_token)
-    if teacher_top_k is not None and config.distill_top_k > 0:
-        top_k_kl = teacher_top_k.cross_entropy - teacher_top_k.entropy  # [B, T]
+    if top_k_kl is not None and config.distill_top_k > 0:
         per_token = per_token + config.distill_top_k * top_k_kl
+    else:
+        top_k_kl = torch.zeros_like(per_token)
     keep = mask & _within_mismatch_bound(log_ratio, config)  # [B, T]
     loss = (per_token * weights * keep).sum()
     with torch.no_grad():
@@ -133,25 +136,9 @@ def policy_loss(
             ref_kl_sum=(ref_kl * fmask).sum(),
             masked_tokens=(mask & ~keep).sum().to(per_token.dtype),
             reverse_kl_sum=(reverse_kl * fmask).sum(),
-            top_k_kl_sum=(top_k_kl * fmask).sum(),
+            top_k_kl_sum=(top_k_kl.detach() * fmask).sum(),
         )
     return loss, stats
-
-
-@dataclass
-class TopKTerm:
-    """D_t's parts, [B, T] each: sum_j q_tj (-log pi_theta(j)) with gradient (the output head's soft cross-entropy)
-    and the teacher's top-k entropy -sum_j q_tj log q_tj, so that D_t is their difference (0 where both are)."""
-
-    cross_entropy: torch.Tensor
-    entropy: torch.Tensor
-
-
-def teacher_top_k_weights(top_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_t over the k (the teacher's logprobs renormalised) and its entropy: [B, T, k] and [B, T]."""
-    log_q = torch.log_softmax(top_logprobs.float(), -1)
-    q = log_q.exp()
-    return q, -(q * log_q).sum(-1)
 
 
 def _within_mismatch_bound(log_ratio: torch.Tensor, config: LossConfig) -> torch.Tensor:

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rl.config import local_model_dir
 from rl.safetensors_io import read_file_header, read_rows
 from rl.trainer.attention import PACKED_SDPA, transformers_attention
-from rl.trainer.output_head import DEFAULT_CHUNK_TOKENS, LogprobHead, SoftTargets, install_logprob_head
+from rl.trainer.output_head import DEFAULT_CHUNK_TOKENS, LogprobHead, TeacherTopK, install_logprob_head
 
 from rl.trainer.config import LoraConfig, TrainerConfig
 from rl.trainer.data import MicroBatch
@@ -168,10 +168,10 @@ def forward_logprobs(
 
 
 def forward_scores(
-    model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0, soft: SoftTargets | None = None
+    model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0, teacher: TeacherTopK | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logprob, entropy (no gradient) and the cross-entropy of `soft` targets ([B, T, k], position t scoring token
-    t's prediction; 0 without them) of every token of the micro-batch, [B, T] each, under the distribution the
+    """Logprob, entropy (no gradient) and the KL to the `teacher`'s top-k ([B, T, k], position t's the prediction of
+    token t; 0 without one) of every token of the micro-batch, [B, T] each, under the distribution the
     tokens were sampled from (logits / temperature in fp32, as vLLM's processed logprobs), computed by the model's
     `LogprobHead` in chunks (trainer/output_head.py): no [B, T, V] tensor is built. Position 0 (no prefix) gets 0;
     in packed rows the first token of each sample is predicted from the previous sample: its loss mask is always 0.
@@ -184,7 +184,7 @@ def forward_scores(
         )
     targets = torch.roll(mb.input_ids, -1, dims=1)  # [B, T]: token t + 1 (the last position's is discarded)
     packed = {"sample_lengths": mb.sample_lengths} if model.config._attn_implementation == PACKED_SDPA else {}
-    with head.scoring(targets, temperature, None if soft is None else soft.shifted()):
+    with head.scoring(targets, temperature, None if teacher is None else teacher.shifted()):
         scored = model(
             input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False,
             **packed,

@@ -8,11 +8,14 @@ For hidden states h_t [H], the LM head weight W [V, H], temperature tau and the 
     H_t        = lse_t - sum_v softmax(z_t)_v z_tv   entropy (no gradient: a metric)
     d logp_t / d z_t = onehot(y_t) - softmax(z_t),   so  dh_t = W^T dz_t / tau,  dW += dz_t h_t^T / tau
 
-With soft targets (a teacher's top-k tokens j_1..j_k and their weights q_t1..q_tk, on-policy distillation's dense
-term, trainer/loss.py), also their cross-entropy against the student (with gradient):
+With a teacher's top-k (tokens S_t = j_1..j_k and their logprobs log p_t(j), on-policy distillation's dense term,
+trainer/loss.py), also the reverse KL from the student to the teacher over k + 1 outcomes, the k tokens and the
+rest as one (with gradient; pi = softmax(z_t), rest_t = 1 - sum_S pi, the same for p):
 
-    ce_t       = -sum_i q_ti (z_t[j_i] - lse_t)
-    d ce_t / d z_t = Q_t softmax(z_t) - sum_i q_ti onehot(j_i),   Q_t = sum_i q_ti
+    D_t        = sum_{j in S} pi_j (log pi_j - log p_j) + pi_rest (log pi_rest - log p_rest)
+    d D_t / d z_tv = pi_v (a_v - D_t),   a_v = log pi_v - log p_v for v in S, log pi_rest - log p_rest elsewhere
+
+(both rests floored at TAIL_FLOOR: 1 - sum is exact to ~1e-7 in fp32).
 
 Both backward GEMMs run in the weight's dtype (bf16 under mixed precision: tensor cores); dW's per-chunk
 partials are summed in an fp32 [V, H] buffer.
@@ -23,8 +26,8 @@ place) instead of several [N, V] ones (Qwen3's V is 151,936: one fp32 [16k, V] t
 
 `LogprobHead` replaces the model's `lm_head` (holding the same weight Parameter, so tied embeddings stay tied)
 before the model is sharded, so it runs inside the model's own forward, where FSDP2 has gathered the weight.
-While `targets` are set (`forward_logprobs` sets them), it returns [B, T, 3] (logprob, entropy, soft
-cross-entropy) where the model would return logits; otherwise it is a plain linear head.
+While `targets` are set (`forward_logprobs` sets them), it returns [B, T, 3] (logprob, entropy, top-k KL)
+where the model would return logits; otherwise it is a plain linear head.
 """
 
 from __future__ import annotations
@@ -36,21 +39,22 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_CHUNK_TOKENS = 1024
+TAIL_FLOOR = 1e-6  # the least probability the tokens outside a teacher's top-k count for, student's and teacher's
 
 
 class ChunkedLogprobs(torch.autograd.Function):
-    """(hidden [N, H], weight [V, H], targets [N], soft_ids [N, k], soft_weights [N, k], temperature, chunk) ->
-    (logprobs [N], entropy [N], soft cross-entropy [N]), computed in fp32 (fp64 for fp64 inputs). k = 0: no soft
-    targets (their cross-entropy is 0)."""
+    """(hidden [N, H], weight [V, H], targets [N], top_ids [N, k], top_logprobs [N, k], temperature, chunk) ->
+    (logprobs [N], entropy [N], top-k KL [N]), computed in fp32 (fp64 for fp64 inputs). k = 0: no teacher top-k
+    (the KL is 0)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, soft_ids, soft_weights, temperature: float, chunk: int):
+    def forward(ctx, hidden, weight, targets, top_ids, top_logprobs, temperature: float, chunk: int):
         n, compute = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
         logprobs = torch.empty(n, dtype=compute, device=hidden.device)
         entropy = torch.empty_like(logprobs)
         lse = torch.empty_like(logprobs)
-        soft_ce = torch.zeros_like(logprobs)
-        soft_weights = soft_weights.to(compute)
+        top_k_kl = torch.zeros_like(logprobs)
+        top_logprobs = top_logprobs.to(compute)
         for start in range(0, n, chunk):
             rows = slice(start, start + chunk)
             z = chunk_logits(hidden[rows], weight, compute, temperature)  # [c, V]
@@ -62,19 +66,19 @@ class ChunkedLogprobs(torch.autograd.Function):
             logprobs[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
             # sum_v p_v z_v as a batched dot product: no third [c, V] tensor
             entropy[rows] = lse[rows] - torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)
-            if soft_ids.shape[1]:
-                soft_z = z.gather(-1, soft_ids[rows]) - lse[rows, None]  # [c, k] the soft targets' logprobs
-                soft_ce[rows] = -(soft_weights[rows] * soft_z).sum(-1)
+            if top_ids.shape[1]:
+                student = z.gather(-1, top_ids[rows]) - lse[rows, None]  # [c, k]
+                top_k_kl[rows] = TopKKL(student, top_logprobs[rows]).value.squeeze(-1)
             del z, p  # before the next chunk's are allocated
-        ctx.save_for_backward(hidden, weight, targets, soft_ids, soft_weights, lse)
+        ctx.save_for_backward(hidden, weight, targets, top_ids, top_logprobs, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy, soft_ce
+        return logprobs, entropy, top_k_kl
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy, grad_soft_ce):
-        hidden, weight, targets, soft_ids, soft_weights, lse = ctx.saved_tensors
-        soft = soft_ids.shape[1] > 0 and grad_soft_ce is not None
+    def backward(ctx, grad_logprobs, _grad_entropy, grad_top_k_kl):
+        hidden, weight, targets, top_ids, top_logprobs, lse = ctx.saved_tensors
+        teacher = top_ids.shape[1] > 0
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         compute = lse.dtype
         grad_weight = (
@@ -85,15 +89,15 @@ class ChunkedLogprobs(torch.autograd.Function):
             h = hidden[rows]
             g = grad_logprobs[rows, None].to(compute) / ctx.temperature  # [c, 1]
             dz = chunk_logits(h, weight, compute, ctx.temperature)  # [c, V], recomputed
-            if soft:  # (g_ce Q - g) softmax(z) / tau
-                g_soft = grad_soft_ce[rows, None].to(compute) / ctx.temperature  # [c, 1]
-                scale = g_soft * soft_weights[rows].sum(-1, keepdim=True) - g
-            else:
-                scale = -g
+            scale = -g  # -g softmax(z) / tau
+            if teacher:  # + g_D softmax(z) (a_rest - D) / tau
+                g_kl = grad_top_k_kl[rows, None].to(compute) / ctx.temperature  # [c, 1]
+                kl = TopKKL(dz.gather(-1, top_ids[rows]) - lse[rows, None], top_logprobs[rows])
+                scale = scale + g_kl * (kl.rest_advantage - kl.value)
             dz.sub_(lse[rows, None]).exp_().mul_(scale)  # in place: one [c, V] tensor
             dz.scatter_add_(-1, targets[rows, None], g)  # + g onehot(y) / tau
-            if soft:
-                dz.scatter_add_(-1, soft_ids[rows], -g_soft * soft_weights[rows])  # - g_ce sum_i q_i onehot(j_i) / tau
+            if teacher:  # + g_D pi_j (a_j - a_rest) / tau on the top k: their a_j in place of a_rest
+                dz.scatter_add_(-1, top_ids[rows], g_kl * kl.student.exp() * (kl.advantage - kl.rest_advantage))
             if grad_hidden is not None:  # in the weight's dtype: no fp32 copy of the [V, H] weight
                 grad_hidden[rows] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
@@ -101,6 +105,19 @@ class ChunkedLogprobs(torch.autograd.Function):
             del dz
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+class TopKKL:
+    """D_t of the module docstring for rows of the student's and the teacher's logprobs of the top k ([c, k] each):
+    `value` [c, 1], and the per-outcome terms of its gradient, `advantage` a_j [c, k] and `rest_advantage` [c, 1]."""
+
+    def __init__(self, student: torch.Tensor, teacher: torch.Tensor):
+        self.student = student
+        student_rest = (1 - student.exp().sum(-1, keepdim=True)).clamp_min(TAIL_FLOOR)
+        teacher_rest = (1 - teacher.exp().sum(-1, keepdim=True)).clamp_min(TAIL_FLOOR)
+        self.advantage = student - teacher
+        self.rest_advantage = student_rest.log() - teacher_rest.log()
+        self.value = (student.exp() * self.advantage).sum(-1, keepdim=True) + student_rest * self.rest_advantage
 
 
 def accumulate_weight_grad(grad_weight: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
@@ -128,56 +145,57 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 
 
 def chunked_scores(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   chunk: int = DEFAULT_CHUNK_TOKENS, soft: SoftTargets | None = None,
+                   chunk: int = DEFAULT_CHUNK_TOKENS, teacher: TeacherTopK | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`chunked_logprobs` and the cross-entropy of `soft` targets (0 without them); any leading shape."""
+    """`chunked_logprobs` and the KL to the `teacher`'s top-k (0 without one); any leading shape."""
     lead, n = hidden.shape[:-1], targets.numel()
-    ids = soft.ids.reshape(n, -1) if soft is not None else torch.zeros(n, 0, dtype=torch.long, device=targets.device)
-    weights = soft.weights.reshape(n, -1) if soft is not None else torch.zeros(n, 0, device=targets.device)
-    logprobs, entropy, soft_ce = ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                                       targets.reshape(-1), ids, weights, temperature, chunk)
-    return logprobs.reshape(lead), entropy.reshape(lead), soft_ce.reshape(lead)
+    none = torch.zeros(n, 0, dtype=torch.long, device=targets.device)
+    ids = teacher.ids.reshape(n, -1) if teacher is not None else none
+    top_logprobs = teacher.logprobs.reshape(n, -1) if teacher is not None else none.float()
+    logprobs, entropy, top_k_kl = ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                                        targets.reshape(-1), ids, top_logprobs, temperature, chunk)
+    return logprobs.reshape(lead), entropy.reshape(lead), top_k_kl.reshape(lead)
 
 
 @dataclass(frozen=True)
-class SoftTargets:
-    """Per position, k tokens and their weights (a teacher's top-k and its probabilities): [..., k] each."""
+class TeacherTopK:
+    """Per position, a teacher's k likeliest tokens (distinct) and its logprobs of them: [..., k] each."""
 
     ids: torch.Tensor
-    weights: torch.Tensor
+    logprobs: torch.Tensor
 
-    def shifted(self) -> SoftTargets:
+    def shifted(self) -> TeacherTopK:
         """Aligned as the targets are: position t holds what token t + 1's prediction is scored against."""
-        return SoftTargets(torch.roll(self.ids, -1, dims=1), torch.roll(self.weights, -1, dims=1))
+        return TeacherTopK(torch.roll(self.ids, -1, dims=1), torch.roll(self.logprobs, -1, dims=1))
 
 
 class LogprobHead(torch.nn.Module):
-    """A drop-in `lm_head` (same weight Parameter) that gives (logprob, entropy, soft cross-entropy) of set targets
-    instead of logits."""
+    """A drop-in `lm_head` (same weight Parameter) that gives (logprob, entropy, top-k KL) of set targets instead of
+    logits."""
 
     def __init__(self, weight: torch.nn.Parameter, chunk: int):
         super().__init__()
         self.weight = weight
         self.chunk = chunk
         self.targets: torch.Tensor | None = None
-        self.soft: SoftTargets | None = None
+        self.teacher: TeacherTopK | None = None
         self.temperature = 1.0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.targets is None:
             return F.linear(hidden, self.weight)
-        scores = chunked_scores(hidden, self.weight, self.targets, self.temperature, self.chunk, self.soft)
+        scores = chunked_scores(hidden, self.weight, self.targets, self.temperature, self.chunk, self.teacher)
         return torch.stack(scores, dim=-1)  # [B, T, 3] where logits would be
 
     @contextlib.contextmanager
-    def scoring(self, targets: torch.Tensor, temperature: float, soft: SoftTargets | None = None):
+    def scoring(self, targets: torch.Tensor, temperature: float, teacher: TeacherTopK | None = None):
         """While inside, the model's output `logits` are [B, T, 3]: logprob of `targets` [B, T], entropy, and the
-        cross-entropy of `soft` targets (aligned as `targets`; 0 without them)."""
-        self.targets, self.temperature, self.soft = targets, temperature, soft
+        KL to the `teacher`'s top-k (aligned as `targets`; 0 without one)."""
+        self.targets, self.temperature, self.teacher = targets, temperature, teacher
         try:
             yield
         finally:
-            self.targets, self.temperature, self.soft = None, 1.0, None
+            self.targets, self.temperature, self.teacher = None, 1.0, None
 
 
 def install_logprob_head(model: torch.nn.Module, chunk: int) -> LogprobHead:

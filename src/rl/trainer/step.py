@@ -10,9 +10,9 @@ from rl.protocol import Sample
 from rl.trainer.config import TrainerConfig
 from rl.trainer.data import MicroBatch, build_micro_batches, empty_micro_batch, trained_tokens, truncate
 from rl.trainer.lora import adapters_disabled
-from rl.trainer.loss import StepTotals, TopKTerm, policy_loss, sample_weight, teacher_top_k_weights
+from rl.trainer.loss import StepTotals, policy_loss, sample_weight
 from rl.trainer.model import forward_logprobs, forward_scores
-from rl.trainer.output_head import SoftTargets
+from rl.trainer.output_head import TeacherTopK
 from rl.trainer.optim import clip_gradients
 from rl.trainer.world import World
 
@@ -88,17 +88,15 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
         base = adapters_disabled(reference) if reference is policy else contextlib.nullcontext()
         with torch.no_grad(), base:
             ref_logprobs, _ = forward_logprobs(reference, mb, config.temperature)
-    top_k = None
+    top_k_kl = None
     if config.loss.distill_top_k > 0 and mb.teacher_top_ids.shape[-1]:
-        q, q_entropy = teacher_top_k_weights(mb.teacher_top_logprobs)
-        logprobs, entropy, cross_entropy = forward_scores(policy, mb, config.temperature,
-                                                          SoftTargets(mb.teacher_top_ids, q))  # [B, T] each
-        top_k = TopKTerm(cross_entropy, q_entropy)
+        teacher = TeacherTopK(mb.teacher_top_ids, mb.teacher_top_logprobs)
+        logprobs, entropy, top_k_kl = forward_scores(policy, mb, config.temperature, teacher)  # [B, T] each
     else:
         logprobs, entropy = forward_logprobs(policy, mb, config.temperature)  # [B, T] each
     loss, stats = policy_loss(
         logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.weights, config.loss, ref_logprobs,
-        mb.teacher_logprobs, baseline, top_k,
+        mb.teacher_logprobs, baseline, top_k_kl,
     )
     # FSDP averages gradients over ranks; the loss is already normalised by step totals, so undo the mean.
     (loss * world.world_size).backward()
