@@ -296,7 +296,8 @@ def check_batch(tensors: dict[str, torch.Tensor]) -> None:
         if tensor.dtype != getattr(torch, dtype):
             raise ValueError(f"{name} must be {dtype}, not {tensor.dtype}")
         if tensor.ndim != ndim:
-            raise ValueError(f"{name} must be {ndim}-dimensional, not of shape {list(tensor.shape)}")
+            words = ("one", "two")[ndim - 1]
+            raise ValueError(f"{name} must be {words}-dimensional, not of shape {list(tensor.shape)}")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ValueError(f"{name} holds NaN or infinity")
     lengths = tensors["lengths"].tolist()  # Python integers: a sum of int64 lengths could overflow

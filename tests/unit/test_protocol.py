@@ -80,7 +80,7 @@ def test_the_teachers_top_k_round_trips_as_tokens_by_k_and_is_all_or_none(tmp_pa
     for name, broken, message in (
         ("teacher_top_ids", tensors["teacher_top_ids"][:-1], "teacher_top_ids has 9 entries for 10 tokens"),
         ("teacher_top_ids", tensors["teacher_top_ids"][:, :2], r"\[10, 2\] and teacher_top_logprobs \[10, 3\]"),
-        ("teacher_top_logprobs", tensors["teacher_top_logprobs"].flatten(), "must be 2-dimensional"),
+        ("teacher_top_logprobs", tensors["teacher_top_logprobs"].flatten(), "must be two-dimensional"),
     ):
         with pytest.raises(ValueError, match=message):
             check_batch(tensors | {name: broken})
