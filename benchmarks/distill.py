@@ -10,7 +10,8 @@ run's first 3 steps); a run halves it at the first step where the mean of 5 cons
 start plus half the gap. Each side's figure is the median over rounds. Also printed: `distill/reverse_kl` at the
 start and end of each distillation run. The last line reads
 `distill <D> steps, rl <R> steps to halve the gap to the teacher` (">N" where a run did not within its N steps).
-`--distill` and `--reward-weight` set the distillation side's loss, `--distill-lr` its learning rate; `--top-k K`
+`--distill` and `--reward-weight` set the distillation side's loss, `--distill-lr` and `--distill-warmup` its learning
+rate and warm-up; `--top-k K`
 adds the dense term over the teacher's K likeliest tokens (`--teacher.top-k K --trainer.loss.distill-top-k W`, W from
 `--distill-top-k`); `--sides distill` runs that side alone.
 
@@ -48,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0, help="the teacher's top-k for the dense term (0: off)")
     parser.add_argument("--distill-top-k", type=float, default=1.0,
                         help="the distillation side's trainer.loss.distill_top_k, with --top-k")
+    parser.add_argument("--distill-warmup", type=int, help="the distillation side's trainer.optim.warmup_steps "
+                                                             "(default: the quickstart's, as RL's)")
     parser.add_argument("--sides", default="distill,rl", help="which sides run (comma-separated)")
     parser.add_argument("--out", type=Path, help="keep everything here (default: a temporary directory)")
     parser.add_argument("--timeout", type=float, default=3600, help="deadline in seconds for each run")
@@ -66,7 +69,7 @@ def sft(model: Path, out: Path, timeout: float) -> Path:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "rl.trainer.sft", "@", str(CONFIGS / "sft.toml"), "--model.name", str(model),
                "--output-dir", str(out)]
-    run(command, out.with_suffix(".log"), timeout)
+    run(command, out.parent / f"{out.name}.log", timeout)
     return out
 
 
@@ -76,7 +79,7 @@ def rl(model: Path, out: Path, steps: int, timeout: float, *extra: str) -> list[
                "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
                "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(model), "--max-steps", str(steps),
                "--seq-len", "128", "--async-level", "1", "--output-dir", str(out), *extra]
-    run(command, out.with_suffix(".log"), timeout)
+    run(command, out.parent / f"{out.name}.log", timeout)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return records
 
@@ -120,10 +123,12 @@ def main() -> None:
     distill = ["--teacher.model", str(teacher), "--trainer.loss.distill", str(args.distill),
                "--trainer.loss.reward-weight", str(args.reward_weight)]
     distill += ["--trainer.optim.lr", str(args.distill_lr)] if args.distill_lr else []
+    distill += ["--trainer.optim.warmup-steps", str(args.distill_warmup)] if args.distill_warmup is not None else []
     distill += ["--teacher.top-k", str(args.top_k), "--trainer.loss.distill-top-k", str(args.distill_top_k)] \
         if args.top_k else []
     sides = {side: flags for side, flags in (("distill", distill), ("rl", [])) if side in args.sides.split(",")}
     lr = f"-lr{args.distill_lr:g}" if args.distill_lr else ""
+    lr += f"-warmup{args.distill_warmup}" if args.distill_warmup is not None else ""
     top_k = f"-top{args.top_k}x{args.distill_top_k:g}" if args.top_k else ""
     tag = {"distill": f"distill{args.distill:g}-rw{args.reward_weight:g}{lr}{top_k}", "rl": "rl"}
     halved: dict[str, list[int | None]] = {side: [] for side in sides}
