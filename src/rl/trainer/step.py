@@ -88,12 +88,9 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
         base = adapters_disabled(reference) if reference is policy else contextlib.nullcontext()
         with torch.no_grad(), base:
             ref_logprobs, _ = forward_logprobs(reference, mb, config.temperature)
-    top_k_kl = None
-    if config.loss.distill_top_k > 0 and mb.teacher_top_ids.shape[-1]:
-        teacher = TeacherTopK(mb.teacher_top_ids, mb.teacher_top_logprobs)
-        logprobs, entropy, top_k_kl = forward_scores(policy, mb, config.temperature, teacher)  # [B, T] each
-    else:
-        logprobs, entropy = forward_logprobs(policy, mb, config.temperature)  # [B, T] each
+    teacher = TeacherTopK(mb.teacher_top_ids, mb.teacher_top_logprobs) \
+        if config.loss.distill_top_k > 0 and mb.teacher_top_ids.shape[-1] else None
+    logprobs, entropy, top_k_kl = forward_scores(policy, mb, config.temperature, teacher)  # [B, T] each
     loss, stats = policy_loss(
         logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.weights, config.loss, ref_logprobs,
         mb.teacher_logprobs, baseline, top_k_kl,
