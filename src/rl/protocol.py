@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable
 from safetensors import SafetensorError
 
 from rl.atomic import atomic_write_text, temp_path  # noqa: F401 - re-exported: writers import them from here
+from rl.listed_files import read_listed, verify_stable  # noqa: F401 - re-exported with the marker API
 from rl.manifest import (  # noqa: F401 - the marker API, re-exported: readers and writers import it from here
     STABLE,
     CorruptFileError,
@@ -28,11 +29,9 @@ from rl.manifest import (  # noqa: F401 - the marker API, re-exported: readers a
     file_crc32,
     is_temp,
     mark_stable,
-    read_listed,
     read_manifest,
     recorded_files,
     stable_info,
-    verify_stable,
 )
 
 if TYPE_CHECKING:  # torch is imported where a batch is encoded or decoded: the launcher needs none

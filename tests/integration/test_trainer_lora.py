@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, DEFAULT_TARGETS, adapter_checksum, tensor_name
-from rl.manifest import STABLE, verify_stable
+from rl.listed_files import verify_stable
+from rl.manifest import STABLE
 from rl.protocol import RunPaths, read_metrics
 from rl.trainer.checkpoint import SafeFileSystemReader
 from tests.integration.test_trainer import losses, train, weights, write_batches

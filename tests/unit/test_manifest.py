@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from rl.manifest import CorruptFileError, Entry, mark_stable, read_listed, read_manifest, verify_stable
+from rl.listed_files import read_listed, verify_stable
+from rl.manifest import CorruptFileError, Entry, mark_stable, read_manifest
 from rl.protocol import RunPaths, Sample, encode_samples, read_batch, write_batch
 
 
@@ -108,7 +109,7 @@ def test_read_listed_reads_once_and_checks_the_crc(published):
 
 def test_copy_listed_copies_into_the_memfd_and_checks_the_bytes_where_they_landed(published, monkeypatch):
     """The server's read of a weight file: copied by the kernel into a memfd, its size and CRC-32 checked there."""
-    from rl.manifest import copy_listed
+    from rl.listed_files import copy_listed
 
     manifest = read_manifest(published)
     entry, expected = manifest["model.safetensors"], (published / "model.safetensors").read_bytes()

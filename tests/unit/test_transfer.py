@@ -359,7 +359,7 @@ def test_the_trainer_gives_up_on_an_offer_nobody_takes(tmp_path):
 def test_an_adapter_arrives_with_its_config_and_is_written_as_a_checked_private_copy(tmp_path):
     from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     from rl.inference.staging import PrivateCopies
-    from rl.manifest import read_listed
+    from rl.listed_files import read_listed
 
     config = b'{"peft_type": "LORA", "r": 2}'
     wire = CollectiveTransfer(backend="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=10)

@@ -22,7 +22,8 @@ from safetensors import safe_open
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.inference.staging import map_staged
-from rl.manifest import CorruptFileError, Entry, read_listed
+from rl.listed_files import read_listed
+from rl.manifest import CorruptFileError, Entry
 from rl.safetensors_io import MAX_HEADER_BYTES, parse_header, tensors_of
 
 MAX_ADAPTER_CONFIG_BYTES = 2**20  # PEFT's adapter_config.json is ~1 KB

@@ -31,7 +31,8 @@ from zlib_ng import zlib_ng
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.inference import hooks
-from rl.manifest import CorruptFileError, Entry, OpenDir, copy_listed, read_listed
+from rl.listed_files import copy_listed, read_listed
+from rl.manifest import CorruptFileError, Entry, OpenDir
 from rl.safetensors_io import read_file_header, tensors_of
 from rl.weights import StepRefused, TransferError
 from rl.weights.digest import DIGEST_BYTES, SEAL_BYTES, TensorDigest

@@ -8,7 +8,8 @@ from pathlib import Path
 from fastapi import HTTPException
 
 from rl.adapter import ADAPTER_CONFIG
-from rl.manifest import STABLE, Entry, OpenDir, check_listed, read_manifest, read_marker
+from rl.listed_files import check_listed
+from rl.manifest import STABLE, Entry, OpenDir, read_manifest, read_marker
 
 
 def resolve_step_dir(weights_dir: str | None, path: str, step: int) -> str:
