@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from rl.config import ConfigError, parse_argv, parse_config, without_secrets
-from rl.launcher.config import RLConfig, resolve
+from rl.launcher.config import RLConfig
+from rl.launcher.resolve import resolve
 from rl.launcher.devices import DevicePlan, cpu_plan
 from rl.launcher.main import child_specs, load, plan_devices
 from rl.launcher.placement import given_host

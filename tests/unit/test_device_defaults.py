@@ -15,7 +15,8 @@ from rl.inference.config import InferenceConfig
 from rl.inference.config import resolve_device_defaults as resolve_inference
 from rl.inference.server import vllm_argv
 from rl.launcher import main as launcher
-from rl.launcher.config import RLConfig, resolve
+from rl.launcher.config import RLConfig
+from rl.launcher.resolve import resolve
 from rl.launcher.devices import DevicePlan, cpu_plan
 from rl.launcher.placement import given_host
 from rl.trainer.config import (

@@ -122,7 +122,8 @@ def test_lora_section_on_from_the_command_line():
 
 def resolved(*argv: str):
     from rl.config import parse_config
-    from rl.launcher.config import RLConfig, resolve
+    from rl.launcher.config import RLConfig
+    from rl.launcher.resolve import resolve
     from rl.launcher.devices import cpu_plan
     from rl.launcher.placement import given_host
 

@@ -130,7 +130,7 @@ def test_a_tp_size_that_does_not_divide_the_inference_share_of_a_shared_host_is_
 
 
 def test_weights_over_the_wire_reach_the_placed_trainers_first_host_unless_transfer_host_is_set():
-    from rl.launcher.config import resolve
+    from rl.launcher.resolve import resolve
 
     wire = ("--transfer.backend", "gloo", "--inference.admin-token", "t", "--transfer.secret", "s" * 32)
     config = run(*wire)
@@ -145,7 +145,7 @@ def test_weights_over_the_wire_reach_the_placed_trainers_first_host_unless_trans
 
 
 def test_weights_over_the_wire_across_hosts_started_by_hand_need_transfer_host():
-    from rl.launcher.config import resolve
+    from rl.launcher.resolve import resolve
     from rl.launcher.devices import DevicePlan
     from rl.launcher.placement import given_host
 
@@ -161,7 +161,7 @@ def test_weights_over_the_wire_across_hosts_started_by_hand_need_transfer_host()
 
 
 def test_weights_over_the_wire_get_a_secret_per_run_that_only_trainer_and_servers_hold():
-    from rl.launcher.config import resolve
+    from rl.launcher.resolve import resolve
     from rl.launcher.devices import DevicePlan
     from rl.launcher.placement import given_host
 

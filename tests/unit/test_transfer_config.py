@@ -60,7 +60,7 @@ def test_the_backend_is_resolved_once_and_names_a_registered_transport():
 
 
 def test_the_launchers_transfer_replaces_each_processs_default_and_refuses_a_contradiction(tmp_path):
-    from rl.launcher.config import resolve
+    from rl.launcher.resolve import resolve
     from rl.launcher.devices import DevicePlan
     from rl.launcher.placement import given_host
 

@@ -18,7 +18,8 @@ from rl.config import ConfigError, format_validation_error, parse_config, to_tom
 from rl.config_help import config_help
 from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir, check_same_tokenizer
 from rl.inference.config import API_KEY_VAR, cpu_server_env
-from rl.launcher.config import RLConfig, check_hosts, resolve
+from rl.launcher.config import RLConfig
+from rl.launcher.resolve import check_hosts, resolve
 from rl.launcher.devices import (
     DevicePlan, check_gpu_ids, child_visible_devices, cpu_plan, cuda_unavailable, gpu_flags_without_gpus,
     nvidia_gpus_present, one_role_gpus, split_gpus, with_teacher,
