@@ -5,10 +5,13 @@ clearly higher reward with the student's tokenizer. Then, from the SFT model, ro
 their order alternated: distillation (`--teacher.model <teacher> --trainer.loss.distill 1
 --trainer.loss.reward-weight 0`: the teacher's per-token signal only) and RL alone (the quickstart's run).
 
-The gap is the teacher's reward (the mean over its run's last 5 steps) minus the student's start (the mean of a
-run's first 3 steps); a run halves it at the first step where the mean of 5 consecutive steps' rewards reaches the
-start plus half the gap. Each side's figure is the median over rounds. Also printed: `distill/reverse_kl` at the
-start and end of each distillation run. The last line reads
+The gap is the teacher's reward (the mean over its run's last 5 steps) minus the SFT model's: the mean over every
+run (the teacher's too) of the steps sampled from the SFT weights, before any update reached inference (the first
+ASYNC_LEVEL + 1 steps). One start for all: a run's own first steps would include its first updates, and a side
+whose first updates cost reward would get a lower target. A run halves the gap at the first step where the mean
+of 5 consecutive steps' rewards reaches the start plus half the gap. Each side's figure is the median over rounds.
+Also printed: each run's lowest 5-step mean (the cost of its first updates) and `distill/reverse_kl` at the start
+and end of each distillation run. The last line reads
 `distill <D> steps, rl <R> steps to halve the gap to the teacher` (">N" where a run did not within its N steps).
 `--distill` and `--reward-weight` set the distillation side's loss, `--distill-lr` and `--distill-warmup` its learning
 rate and warm-up; `--top-k K`
@@ -34,6 +37,7 @@ from rl.tiny_model import build_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs" / "reverse_text"
 WINDOW = 5
+ASYNC_LEVEL = 1  # every run's --async-level: steps 0..ASYNC_LEVEL sample from the weights the run starts from
 
 
 def parse_args() -> argparse.Namespace:
@@ -78,7 +82,7 @@ def rl(model: Path, out: Path, steps: int, timeout: float, *extra: str) -> list[
     command = [sys.executable, "-m", "rl.launcher.main",
                "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
                "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(model), "--max-steps", str(steps),
-               "--seq-len", "128", "--async-level", "1", "--output-dir", str(out), *extra]
+               "--seq-len", "128", "--async-level", str(ASYNC_LEVEL), "--output-dir", str(out), *extra]
     run(command, out.parent / f"{out.name}.log", timeout)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return records
@@ -131,28 +135,40 @@ def main() -> None:
     lr += f"-warmup{args.distill_warmup}" if args.distill_warmup is not None else ""
     top_k = f"-top{args.top_k}x{args.distill_top_k:g}" if args.top_k else ""
     tag = {"distill": f"distill{args.distill:g}-rw{args.reward_weight:g}{lr}{top_k}", "rl": "rl"}
-    halved: dict[str, list[int | None]] = {side: [] for side in sides}
+    curves: dict[str, list[list[float]]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
         for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
             records = rl(student, root / f"{tag[side]}-{round_}", args.steps, args.timeout, *sides[side])
-            curve = rewards(records)
-            start = statistics.fmean(curve[:3])
-            steps = steps_to_halve(curve, start, teacher_reward)
-            halved[side].append(steps)
-            kl = [r["distill/reverse_kl"] for r in sorted(records, key=lambda r: r["step"])
-                  if r["process"] == "trainer" and "distill/reverse_kl" in r]
-            kl_text = f"; reverse KL {statistics.fmean(kl[:3]):.3f} -> {statistics.fmean(kl[-3:]):.3f}" if kl else ""
-            top = [r["distill/top_k_kl"] for r in sorted(records, key=lambda r: r["step"])
-                   if r["process"] == "trainer" and "distill/top_k_kl" in r]
-            kl_text += f"; top-k KL {statistics.fmean(top[:3]):.3f} -> {statistics.fmean(top[-3:]):.3f}" if top else ""
-            print(f"round {round_ + 1} {side}: start {start:.3f}, last {WINDOW} steps "
-                  f"{statistics.fmean(curve[-WINDOW:]):.3f}, gap halved at step {steps or f'>{args.steps}'}{kl_text}",
-                  flush=True)
-    (root / "results.json").write_text(json.dumps({"teacher_reward": teacher_reward, "halved": halved}, indent=1))
+            curves[side].append(rewards(records))
+            print(f"round {round_ + 1} {side}: {describe(records)}", flush=True)
+    runs = [curve for side_curves in curves.values() for curve in side_curves] + [teacher_curve]
+    start = statistics.fmean(reward for curve in runs for reward in curve[:ASYNC_LEVEL + 1])
+    print(f"start (the SFT weights' reward over {len(runs)} runs' first {ASYNC_LEVEL + 1} steps): {start:.3f}; "
+          f"the target: {start + (teacher_reward - start) / 2:.3f}")
+    halved = {side: [steps_to_halve(curve, start, teacher_reward) for curve in side_curves]
+              for side, side_curves in curves.items()}
+    for side, steps in halved.items():
+        print(f"{side}: gap halved at steps {', '.join(str(s or f'>{args.steps}') for s in steps)}")
+    (root / "results.json").write_text(json.dumps({"teacher_reward": teacher_reward, "start": start,
+                                                   "halved": halved}, indent=1))
     if args.rounds:
         print(", ".join(f"{side} {shown(steps, args.steps)} steps" for side, steps in halved.items())
               + " to halve the gap to the teacher")
 
+
+def describe(records: list[dict]) -> str:
+    """A run's reward at its start and end, and its distillation terms' fall where it has them."""
+    curve = rewards(records)
+    lowest = min(statistics.fmean(curve[i:i + WINDOW]) for i in range(len(curve) - WINDOW + 1))
+    text = (f"first {ASYNC_LEVEL + 1} steps {statistics.fmean(curve[:ASYNC_LEVEL + 1]):.3f}, "
+            f"lowest {WINDOW}-step mean {lowest:.3f}, "
+            f"last {WINDOW} steps {statistics.fmean(curve[-WINDOW:]):.3f}")
+    trainer = [r for r in sorted(records, key=lambda r: r["step"]) if r["process"] == "trainer"]
+    for key, name in (("distill/reverse_kl", "reverse KL"), ("distill/top_k_kl", "top-k KL")):
+        values = [r[key] for r in trainer if key in r]
+        if values:
+            text += f"; {name} {statistics.fmean(values[:3]):.3f} -> {statistics.fmean(values[-3:]):.3f}"
+    return text
 
 if __name__ == "__main__":
     main()
