@@ -78,14 +78,22 @@ def sft(model: Path, out: Path, timeout: float) -> Path:
 
 
 def rl(model: Path, out: Path, steps: int, timeout: float, *extra: str) -> list[dict]:
-    """The quickstart's RL run; returns its orchestrator and trainer records by step."""
+    """The quickstart's RL run; returns its orchestrator and trainer records by step. A run already finished in
+    `out` (an interrupted benchmark's) is read, not run again."""
+    if not (out / "summary.json").exists():
+        start_run(model, out, steps, timeout, *extra)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if len(rewards(records)) != steps:
+        raise RuntimeError(f"{out} holds a run of {len(rewards(records))} steps, not {steps}: move it away")
+    return records
+
+
+def start_run(model: Path, out: Path, steps: int, timeout: float, *extra: str) -> None:
     command = [sys.executable, "-m", "rl.launcher.main",
                "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
                "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(model), "--max-steps", str(steps),
                "--seq-len", "128", "--async-level", str(ASYNC_LEVEL), "--output-dir", str(out), *extra]
     run(command, out.parent / f"{out.name}.log", timeout)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return records
 
 
 def rewards(records: list[dict]) -> list[float]:
@@ -116,9 +124,7 @@ def main() -> None:
     if not (student / "config.json").exists():
         sft(build_tiny_model(root / "model-tiny"), student, args.timeout)
     teacher_run = root / "teacher-run"
-    if not (teacher_run / "summary.json").exists():
-        rl(student, teacher_run, args.teacher_steps, args.timeout)
-    teacher_curve = rewards([json.loads(line) for line in (teacher_run / "metrics.jsonl").read_text().splitlines()])
+    teacher_curve = rewards(rl(student, teacher_run, args.teacher_steps, args.timeout))
     teacher_reward = statistics.fmean(teacher_curve[-WINDOW:])
     teacher = teacher_run / "weights" / f"step_{args.teacher_steps}"
     print(f"teacher: {teacher} (reward {teacher_reward:.3f} over its last {WINDOW} steps; "
