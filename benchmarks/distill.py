@@ -2,8 +2,9 @@
 
 The teacher is the SFT model after a longer RL run (`--teacher-steps`, the quickstart's settings): a model of
 clearly higher reward with the student's tokenizer. Then, from the SFT model, rounds of two runs of `--steps` each,
-their order alternated: distillation (`--teacher.model <teacher> --trainer.loss.distill 1
---trainer.loss.reward-weight 0`: the teacher's per-token signal only) and RL alone (the quickstart's run).
+their order alternated: distillation as the README recommends it (`--teacher.model <teacher> --teacher.top-k 8
+--trainer.loss.distill-top-k 1 --trainer.loss.distill 0 --trainer.optim.lr 3e-3`: the dense term beside the reward,
+at its own learning rate) and RL alone (the quickstart's run).
 
 The gap is the teacher's reward (the mean over its run's last 5 steps) minus the SFT model's: the mean over every
 run (the teacher's too) of the steps sampled from the SFT weights, before any update reached inference (the first
@@ -18,7 +19,7 @@ rate and warm-up; `--top-k K`
 adds the dense term over the teacher's K likeliest tokens (`--teacher.top-k K --trainer.loss.distill-top-k W`, W from
 `--distill-top-k`); `--sides distill` runs that side alone.
 
-    uv run python benchmarks/distill.py                       # ~25 min on 2 cores
+    uv run python benchmarks/distill.py                       # ~30 min on 2 cores
     uv run python benchmarks/distill.py --rounds 1 --steps 40 --out /tmp/distill
 """
 
@@ -42,15 +43,15 @@ ASYNC_LEVEL = 1  # every run's --async-level: steps 0..ASYNC_LEVEL sample from t
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60, help="steps of each compared run")
+    parser.add_argument("--steps", type=int, default=80, help="steps of each compared run")
     parser.add_argument("--teacher-steps", type=int, default=120, help="RL steps that make the teacher")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--distill", type=float, default=1.0, help="the distillation side's trainer.loss.distill")
-    parser.add_argument("--reward-weight", type=float, default=0.0,
+    parser.add_argument("--distill", type=float, default=0.0, help="the distillation side's trainer.loss.distill")
+    parser.add_argument("--reward-weight", type=float, default=1.0,
                         help="the distillation side's trainer.loss.reward_weight (0: the teacher's signal only)")
-    parser.add_argument("--distill-lr", type=float, help="the distillation side's trainer.optim.lr (default: the "
-                                                             "quickstart's, as RL's)")
-    parser.add_argument("--top-k", type=int, default=0, help="the teacher's top-k for the dense term (0: off)")
+    parser.add_argument("--distill-lr", type=float, default=3e-3,
+                        help="the distillation side's trainer.optim.lr (RL's is the quickstart's, 1e-3)")
+    parser.add_argument("--top-k", type=int, default=8, help="the teacher's top-k for the dense term (0: off)")
     parser.add_argument("--distill-top-k", type=float, default=1.0,
                         help="the distillation side's trainer.loss.distill_top_k, with --top-k")
     parser.add_argument("--distill-warmup", type=int, help="the distillation side's trainer.optim.warmup_steps "
