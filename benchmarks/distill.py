@@ -129,7 +129,7 @@ def main() -> None:
     teacher_reward = statistics.fmean(teacher_curve[-WINDOW:])
     teacher = teacher_run / "weights" / f"step_{args.teacher_steps}"
     print(f"teacher: {teacher} (reward {teacher_reward:.3f} over its last {WINDOW} steps; "
-          f"first 3 steps {statistics.fmean(teacher_curve[:3]):.3f})", flush=True)
+          f"first {ASYNC_LEVEL + 1} steps {statistics.fmean(teacher_curve[:ASYNC_LEVEL + 1]):.3f})", flush=True)
 
     distill = ["--teacher.model", str(teacher), "--trainer.loss.distill", str(args.distill),
                "--trainer.loss.reward-weight", str(args.reward_weight)]
