@@ -39,7 +39,9 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(run_dir):
-    server = Server(run_dir / "model", run_dir / "weights", run_dir / "inference.log")
+    # an inductor cache of its own, which must stay empty (test_the_forked_worker_compiles_nothing)
+    server = Server(run_dir / "model", run_dir / "weights", run_dir / "inference.log",
+                    env={"TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor")})
     yield server
     server.stop()
 
@@ -199,6 +201,15 @@ def test_vllms_processes_are_forked_and_the_worker_runs_on_the_cores_vllm_chose(
     for thread in worker.threads():
         with contextlib.suppress(ProcessLookupError):  # a thread may end between the listing and the question
             assert os.sched_getaffinity(thread.id) == chosen, f"thread {thread.id} of the worker"
+
+
+def test_the_forked_worker_compiles_nothing(server, run_dir):
+    """Eager means eager in a CPU server's forked processes (`cpu_compile_policy`): before torch._dynamo's switch
+    was inherited, each server's first request with logprobs ran inductor in the worker (~6 s before the first
+    token of a run's first batch, gcc among it) and left its kernels in the inductor cache."""
+    server.generate(PROMPTS[0], max_tokens=4)  # logprobs included
+    written = [p for p in (run_dir / "inductor").rglob("*") if p.is_file()]
+    assert not written, f"inductor compiled in the server: {written[:5]}"
 
 
 def test_idle_connection_outlives_the_clients_keep_alive(server):

@@ -647,13 +647,20 @@ def test_a_lora_server_starts_with_vllms_lora_flags_and_a_name_unlike_the_model(
 
 def test_an_eager_cpu_server_turns_torch_compile_off_in_vllms_processes(monkeypatch):
     """vLLM torch.compiles its sampler's rank count even under --enforce-eager; on CPU inductor built it with gcc at
-    each server's first request (10-12 s). Eager means eager there, unless the environment already decides."""
+    each server's first request (10-12 s). Eager means eager there, unless the environment already decides. vLLM's
+    processes forked on CPU do not import torch again: they inherit the switch, not the variable."""
+    import torch._dynamo.config
+
     from rl.inference.server import COMPILE_OFF, INDUCTOR_CACHE, cpu_compile_policy
 
     monkeypatch.delenv(COMPILE_OFF, raising=False)
     with cpu_compile_policy(enforce_eager=True):
         assert os.environ[COMPILE_OFF] == "1" and "rl-inductor-" not in os.environ.get(INDUCTOR_CACHE, "")
-    assert COMPILE_OFF not in os.environ
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if torch._dynamo.config.disable else 1)
+        assert os.waitpid(child, 0)[1] == 0, "a forked process still compiles"
+    assert COMPILE_OFF not in os.environ and not torch._dynamo.config.disable
     monkeypatch.setenv(COMPILE_OFF, "0")
     with cpu_compile_policy(enforce_eager=True):
         assert os.environ[COMPILE_OFF] == "0"  # the user's choice is kept

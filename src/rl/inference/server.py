@@ -148,7 +148,7 @@ def cpu_start_method() -> bool:
 
 
 INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
-COMPILE_OFF = "TORCH_COMPILE_DISABLE"  # read by torch._dynamo when each vLLM process imports torch
+COMPILE_OFF = "TORCH_COMPILE_DISABLE"  # read by torch._dynamo when a spawned vLLM process imports torch
 
 
 @contextlib.contextmanager
@@ -159,8 +159,10 @@ def cpu_compile_policy(enforce_eager: bool):
     sampled token's rank, which every request with logprobs runs, and with tensor parallelism the vocab-parallel
     embedding's mask. On CPU inductor builds them with gcc at a server's first request: 10-12 s before the first
     token, measured on a 2-core host, for kernels whose eager form costs nothing at these sizes. So eager means
-    eager: TORCH_COMPILE_DISABLE=1 in the processes vLLM spawns, unless the environment sets it already.
-    A CPU server that compiles (enforce_eager false) compiles into a cache of its own (`private_compile_cache`)."""
+    eager: TORCH_COMPILE_DISABLE=1 in the processes vLLM spawns, unless the environment sets it already, and
+    torch._dynamo's switch itself in this process, which the processes it forks inherit (torch, imported already,
+    reads the variable only at its import). A CPU server that compiles (enforce_eager false) compiles into a cache
+    of its own (`private_compile_cache`)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -171,10 +173,13 @@ def cpu_compile_policy(enforce_eager: bool):
     elif COMPILE_OFF in os.environ:
         yield
     else:
+        import torch._dynamo.config
+
         os.environ[COMPILE_OFF] = "1"
         logger.info("enforce-eager on CPU: torch.compile is off in vLLM's processes (%s=1)", COMPILE_OFF)
         try:
-            yield
+            with torch._dynamo.config.patch(disable=True):
+                yield
         finally:
             del os.environ[COMPILE_OFF]
 
