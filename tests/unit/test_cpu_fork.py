@@ -4,6 +4,7 @@ forked child takes the cores and threads vLLM's environment names for it, as a s
 the integration tests start runs with it (test_inference.py checks a real server's forked worker)."""
 
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -42,7 +43,7 @@ def test_after_the_platforms_own_check_vllm_forks(platform_check):
     cpu.CpuPlatform().check_and_update_config("config")
     assert seen == ["config"]  # the platform's other settings are still made, once
     assert os.environ[patches.START_METHOD_ENV] == "fork"
-    assert hooks == [{"before": forked.remember_forking_parent, "after_in_child": forked.child}]
+    assert hooks == [{"before": forked.before_fork, "after_in_child": forked.child}]
 
 
 def test_a_start_method_the_user_set_is_kept(platform_check, monkeypatch):
@@ -131,6 +132,28 @@ def test_a_forked_child_keeps_no_tcp_listener_of_its_parent():
         os.fstat(listener.fileno())  # the parent's own is open
         with socket.create_connection(listener.getsockname(), timeout=5):
             pass  # and still accepts
+
+
+def test_the_process_that_registered_the_hooks_freezes_its_objects_before_it_forks_and_its_children_do_not(
+        monkeypatch):
+    """A forked child's collections skip its parent's objects; a child that forks again while it runs (a subprocess
+    with a preexec_fn) must not freeze its garbage for good."""
+    monkeypatch.setattr(os, "register_at_fork", lambda **hook: None)
+    monkeypatch.setattr(forked, "_hooks_owner", None)
+    forked.register_fork_hooks(after_in_child=forked.child)
+    gc.unfreeze()
+    try:
+        forked.before_fork()
+        assert gc.get_freeze_count() > 0
+        gc.unfreeze()
+        child = os.fork()
+        if child == 0:  # the hooks are inherited, their owner is not
+            gc.unfreeze()
+            forked.before_fork()
+            os._exit(0 if gc.get_freeze_count() == 0 else 1)
+        assert os.waitpid(child, 0)[1] == 0, "a child of the hooks' owner froze its objects"
+    finally:
+        gc.unfreeze()
 
 
 def test_a_forked_child_ends_when_its_parent_dies():

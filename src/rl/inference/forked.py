@@ -5,6 +5,7 @@ runs."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -29,6 +30,25 @@ def cut_from_parent() -> None:
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _forking_parent: int | None = None  # the pid of the process that forks, set just before it does
+_hooks_owner: int | None = None  # the process that registered the hooks (`register_fork_hooks`)
+
+
+def register_fork_hooks(after_in_child) -> None:
+    """The hooks of a process whose forked children run on what it imported: `after_in_child` in each child."""
+    global _hooks_owner
+    _hooks_owner = os.getpid()
+    os.register_at_fork(before=before_fork, after_in_child=after_in_child)
+
+
+def before_fork() -> None:
+    """In the process that registered the hooks, just before it forks: its objects leave the cyclic GC (`gc.freeze`,
+    as Python's gc docs advise before a fork without exec), so a child's collections skip them: a full collection over
+    the ~640,000 objects a process holds with verifiers and transformers imported took ~0.65 s of CPU in each forked
+    child, and copied every page they lie on. Its children inherit the hooks but do not freeze: one that forks while it
+    runs (subprocesses started with a preexec_fn) would keep its garbage for good."""
+    remember_forking_parent()
+    if os.getpid() == _hooks_owner:
+        gc.freeze()
 
 
 def remember_forking_parent() -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 
 from rl.patches import PatchTargetMissing, installed_version, patch_target
 
@@ -36,4 +35,4 @@ def fork_pool_workers(env_pool) -> None:
         raise PatchTargetMissing(f"verifiers' EnvServerPool no longer starts its workers from `_mpctx` in verifiers "
                                  f"{installed_version('verifiers')}: update rl/patches/env_pool.py")
     env_pool._mpctx = multiprocessing.get_context("fork")
-    os.register_at_fork(before=forked.remember_forking_parent, after_in_child=forked.cut_from_parent)
+    forked.register_fork_hooks(after_in_child=forked.cut_from_parent)

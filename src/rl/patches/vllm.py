@@ -100,4 +100,4 @@ def vllm_cpu_fork() -> None:
     platform.check_and_update_config = staticmethod(check_and_fork)
     from rl.inference import forked  # rl's own code, not a patch: what a forked process undoes of its parent's
 
-    os.register_at_fork(before=forked.remember_forking_parent, after_in_child=forked.child)
+    forked.register_fork_hooks(after_in_child=forked.child)
