@@ -63,7 +63,7 @@ from rl.adapter import (  # noqa: E402
 )
 from rl.weights.config import CollectiveTransfer  # noqa: E402
 from rl.protocol import RunPaths  # noqa: E402
-from rl.trainer.transfer import CollectiveSender  # noqa: E402
+from rl.trainer.transfer import CollectiveSender, collective_sender  # noqa: E402
 from rl.weights.digest import tensor_bytes  # noqa: E402
 from rl.weights.offers import read_offer, write_take  # noqa: E402
 from rl.tiny_model import build_tiny_model  # noqa: E402
@@ -111,9 +111,9 @@ def measure_sync(root: Path, name: str, repeats: int, changed: float) -> dict:
     base = load_file(str(model_dir / "model.safetensors"))
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}.log", timeout_s=900,
                     toml=f'[transfer]\nbackend = "gloo"\nsparse = true\nsecret = "{SECRET}"\n')  # takes steps every way
-    sender = CollectiveSender(CollectiveTransfer(backend="gloo", secret=SECRET), paths.root, ONE_RANK, torch.float32,
+    sender = collective_sender(CollectiveTransfer(backend="gloo", secret=SECRET), paths.root, ONE_RANK, torch.float32,
                               first_step=1)
-    sparse_sender = CollectiveSender(CollectiveTransfer(backend="gloo", sparse=True, secret=SECRET), paths.root,
+    sparse_sender = collective_sender(CollectiveTransfer(backend="gloo", sparse=True, secret=SECRET), paths.root,
                                      ONE_RANK,
                                      torch.float32, first_step=1)
     bare = BareReceiver(sum(t.numel() * t.element_size() for t in perturbed(base, 0).values()), repeats)
@@ -266,7 +266,7 @@ def measure_adapter_sync(root: Path, name: str, repeats: int, rank: int = 16) ->
     config = adapter_config_bytes(str(model_dir), rank, 2.0 * rank, 0.0, DEFAULT_TARGETS)
     server = Server(model_dir, paths.weights_root, root / f"inference_{name}_lora.log", timeout_s=900,
                     toml=f"[lora]\nmax_rank = {rank}\n[transfer]\nbackend = \"gloo\"\nsecret = \"{SECRET}\"\n")
-    sender = CollectiveSender(CollectiveTransfer(backend="gloo", secret=SECRET), paths.root, ONE_RANK, torch.float32,
+    sender = collective_sender(CollectiveTransfer(backend="gloo", secret=SECRET), paths.root, ONE_RANK, torch.float32,
                               first_step=0, adapter_config=config)
     totals, reloads, sizes, wire = [], [], [], []
     try:
@@ -338,9 +338,9 @@ def measure_link(root: Path, name: str, repeats: int, rate: str, lr: float) -> d
                         host=link.far, prefix=link.prefix,
                         toml=f'dtype = "bfloat16"\n[transfer]\nbackend = "gloo"\nsparse = true\nsecret = "{SECRET}"\n')
         wire = CollectiveTransfer(backend="gloo", host=link.near, secret=SECRET, timeout_s=300)
-        whole = CollectiveSender(wire, paths.root, ONE_RANK, torch.bfloat16, first_step=1)
+        whole = collective_sender(wire, paths.root, ONE_RANK, torch.bfloat16, first_step=1)
         senders.append(whole)
-        sparse = CollectiveSender(wire.model_copy(update={"sparse": True}), paths.root, ONE_RANK, torch.bfloat16,
+        sparse = collective_sender(wire.model_copy(update={"sparse": True}), paths.root, ONE_RANK, torch.bfloat16,
                                   first_step=1)
         senders.append(sparse)
         bare = BareReceiver(step_bytes, repeats, link.near, link.prefix)

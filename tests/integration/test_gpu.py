@@ -77,7 +77,7 @@ from pathlib import Path
 
 import torch
 
-from rl.trainer.transfer import CollectiveSender
+from rl.trainer.transfer import collective_sender
 from rl.weights.config import CollectiveTransfer
 from tests.integration.test_gpu import perturbed_bf16, sender_world
 from tests.unit.test_transfer import SECRET
@@ -85,7 +85,7 @@ from tests.unit.test_transfer import SECRET
 model_dir, wire_dir, steps = Path(sys.argv[1]), Path(sys.argv[2]), [int(s) for s in sys.argv[3:]]
 torch.cuda.set_device(0)
 wire = CollectiveTransfer(backend="nccl", secret=SECRET, timeout_s=30, offer_timeout_s=120)
-sender = CollectiveSender(wire, wire_dir, sender_world(), torch.bfloat16, first_step=0)
+sender = collective_sender(wire, wire_dir, sender_world(), torch.bfloat16, first_step=0)
 for step in steps:
     print("sent", step, sender.send_tensors(step, perturbed_bf16(model_dir, seed=step)), flush=True)
 sender.close()
@@ -127,7 +127,7 @@ def test_over_nccl_steps_arrive_while_a_generate_loop_runs(tmp_path):
     requests runs through three steps over NCCL. Every request comes back whole, the group forms once (at step 1,
     generation held for it), and while the later steps arrive over the kept group no request takes much longer than
     one did before any step was sent."""
-    from rl.trainer.transfer import CollectiveSender
+    from rl.trainer.transfer import collective_sender
     from rl.weights.config import CollectiveTransfer
     from tests.integration.test_inference_tp import send_over_the_wire
 
@@ -135,7 +135,7 @@ def test_over_nccl_steps_arrive_while_a_generate_loop_runs(tmp_path):
     server = nccl_server(tmp_path, model_dir, tmp_path / "hooks")
     torch.cuda.set_device(0)
     wire = CollectiveTransfer(backend="nccl", secret=SECRET, timeout_s=60, offer_timeout_s=120)
-    sender = CollectiveSender(wire, tmp_path / "wire", sender_world(), torch.bfloat16, first_step=0)
+    sender = collective_sender(wire, tmp_path / "wire", sender_world(), torch.bfloat16, first_step=0)
     phase, requests, failures, running = ["before"], [], [], threading.Event()
 
     def generate_loop() -> None:
@@ -295,7 +295,7 @@ def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_ver
     which stages it; every worker loads and verifies it with the trainer's checksum; a step altered on the way is
     refused before anything loads, and so is one from a sender without the run's secret."""
     from rl.weights.config import CollectiveTransfer
-    from rl.trainer.transfer import CollectiveSender
+    from rl.trainer.transfer import collective_sender
     from tests.integration.test_inference_tp import send_over_the_wire
 
     model_dir = build_tiny_model(tmp_path / "model")
@@ -312,7 +312,7 @@ def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_ver
     world = sender_world()
     torch.cuda.set_device(0)
     wire = CollectiveTransfer(backend="nccl", secret=SECRET, timeout_s=60, offer_timeout_s=120)
-    sender = CollectiveSender(wire, tmp_path / "wire", world, torch.bfloat16, first_step=0)
+    sender = collective_sender(wire, tmp_path / "wire", world, torch.bfloat16, first_step=0)
     try:
         tensors = perturbed_bf16(model_dir, seed=1)
         before = server.generate([1, 91, 89, 75, 88, 5], max_tokens=8, temperature=0.0)
@@ -327,7 +327,7 @@ def test_over_nccl_a_cuda_server_takes_a_step_into_its_first_workers_gpu_and_ver
         assert server.generate([1, 91, 89, 75, 88, 5], max_tokens=8, temperature=0.0) != before
         assert "received over nccl by the first worker" in (tmp_path / "inference.log").read_text()
         # an outsider in rank 0's place, without the run's secret: its header is refused by the first worker
-        outsider = CollectiveSender(wire.model_copy(update={"secret": "an outsider's guess"}), tmp_path / "outsider",
+        outsider = collective_sender(wire.model_copy(update={"secret": "an outsider's guess"}), tmp_path / "outsider",
                                     world, torch.bfloat16, first_step=0)
         try:
             answer, _ = send_over_the_wire(server, outsider, tmp_path / "outsider", 3,

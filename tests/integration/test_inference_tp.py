@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from rl.weights.config import CollectiveTransfer
-from rl.trainer.transfer import CollectiveSender
+from rl.trainer.transfer import collective_sender
 from rl.weights.digest import TensorDigest
 from rl.weights.offers import offered_steps, read_offer, write_take
 from rl.inference.fingerprint import checkpoint_fingerprint
@@ -224,7 +224,7 @@ def test_a_step_the_first_worker_receives_loads_on_both_workers_and_one_altered_
     step_dir = perturbed_step(run_dir, 20, seed=20)  # steps 20 to 22: no other test of this module's
     tensors = list(load_file(step_dir / "model.safetensors").items())
     config = CollectiveTransfer(backend="gloo", sparse=True, secret=SECRET, timeout_s=30, offer_timeout_s=60)
-    sender = CollectiveSender(config, run_dir / "wire", single_rank_world(), torch.float32, first_step=0)
+    sender = collective_sender(config, run_dir / "wire", single_rank_world(), torch.float32, first_step=0)
     try:
         served, before = tp2.admin("GET", "/policy_step").json(), greedy(tp2)
         arm(run_dir, "receive_in_worker")

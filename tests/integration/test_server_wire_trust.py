@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from rl.weights.config import CollectiveTransfer
-from rl.trainer.transfer import CollectiveSender
+from rl.trainer.transfer import CollectiveSender, collective_sender
 from tests.integration.inference_server import Server
 from tests.integration.test_inference_tp import send_over_the_wire
 from tests.unit.test_transfer import single_rank_world
@@ -34,7 +34,7 @@ def server(tiny_model, tmp_path_factory):
 
 def sender(wire_dir, secret: str, timeout_s: float = 10) -> CollectiveSender:
     config = CollectiveTransfer(backend="gloo", secret=secret, timeout_s=timeout_s, offer_timeout_s=60)
-    return CollectiveSender(config, wire_dir, single_rank_world(), torch.float32, first_step=0)
+    return collective_sender(config, wire_dir, single_rank_world(), torch.float32, first_step=0)
 
 
 def weights(tiny_model, scale: float = 1.0, dtype=torch.float32) -> list[tuple[str, torch.Tensor]]:

@@ -18,7 +18,7 @@ from rl.weights.config import CollectiveTransfer
 from rl.inference.staging import WIRE_FILE, receive_weights
 from rl.manifest import CorruptFileError
 from rl.safetensors_io import tensors_of
-from rl.trainer.transfer import CollectiveSender
+from rl.trainer.transfer import CollectiveSender, GlooSender, collective_sender
 from rl.weights.group import Deadline, GroupKeeper
 from rl.weights.offers import GroupSpec, offered_steps, read_offer, write_take
 from rl.weights import TransferError
@@ -76,19 +76,38 @@ def run_step(tmp_path, sender, model, step, receivers, corrupt=None, timeout_s=1
         spec = GroupSpec(offer.host, offer.port, rank, receivers + 1, timeout_s)
         try:
             base = (bases or {}).get(rank)
-            results[rank] = receive_weights(spec, step, KEY, corrupt if rank == 1 else None,
-                                            keeper=(keepers or {}).get(rank), base=base and base.staged.rpc(),
+            results[rank] = receive_weights(spec, step, KEY, keeper=(keepers or {}).get(rank),
+                                            base=base and base.staged.rpc(),
                                             forming=formed_at and recording_into(formed_at[rank]))
         except Exception as e:  # noqa: BLE001 - the test inspects it
             results[rank] = e
 
-    threads = [threading.Thread(target=receive, args=(rank,)) for rank in range(1, receivers + 1)]
-    for t in threads:
-        t.start()
-    for t in threads + [thread]:
-        t.join(60)
-        assert not t.is_alive(), "a transfer thread hung"
+    threads = [threading.Thread(target=receive, args=(rank,), name=f"receiver {rank}")
+               for rank in range(1, receivers + 1)]
+    with altered_for_receiver_1(corrupt):
+        for t in threads:
+            t.start()
+        for t in threads + [thread]:
+            t.join(60)
+            assert not t.is_alive(), "a transfer thread hung"
     return stats, results
+
+
+@contextlib.contextmanager
+def altered_for_receiver_1(name: str | None):
+    """Receiver 1 (its thread) hashes what lands with a digest that first alters tensor `name`, as a fault on the
+    way would (`hooks.AlteredOnArrival`); the others, and every receiver where `name` is None, with the plain one."""
+    from unittest import mock
+
+    from rl.inference import hooks
+    from rl.weights.digest import TensorDigest
+
+    def digest():
+        altered = name is not None and threading.current_thread().name == "receiver 1"
+        return hooks.AlteredOnArrival(name) if altered else TensorDigest()
+
+    with mock.patch.object(hooks, "received_digest", digest):
+        yield
 
 
 def recording_into(steps: list[int]):
@@ -103,7 +122,7 @@ def recording_into(steps: list[int]):
 
 def one_rank_sender(tmp_path, sparse: bool):
     config = CollectiveTransfer(backend="gloo", sparse=sparse, secret=SECRET, timeout_s=5, offer_timeout_s=10)
-    sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
+    sender = collective_sender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
     yield sender
     sender.close()
 
@@ -188,10 +207,10 @@ def test_a_group_kept_by_a_trainer_that_resumed_is_never_taken_for_the_new_train
         assert stats["weights_sent"] is True and results[1].checksum == stats["weights_checksum"]
         results[1].staged.close()
 
-    old = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
+    old = collective_sender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
     step_through(old, 1, old_group)
     old.close()
-    resumed = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=1)
+    resumed = collective_sender(config, tmp_path, single_rank_world(), torch.float32, first_step=1)
     try:
         step_through(resumed, 1, new_group)
         step_through(resumed, 2, old_group)  # server 1 again
@@ -351,7 +370,7 @@ def receive_weights_as(spec: GroupSpec, group_step: int, asked_step: int):
 
 def test_the_trainer_gives_up_on_an_offer_nobody_takes(tmp_path):
     config = CollectiveTransfer(backend="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=0.5)
-    sender = CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
+    sender = collective_sender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
     with pytest.raises(TransferError, match="waited 0 s for the orchestrator to take the weights of step 1"):
         sender.send(1, TinyLM())
 
@@ -363,7 +382,7 @@ def test_an_adapter_arrives_with_its_config_and_is_written_as_a_checked_private_
 
     config = b'{"peft_type": "LORA", "r": 2}'
     wire = CollectiveTransfer(backend="gloo", secret=SECRET, timeout_s=5, offer_timeout_s=10)
-    sender = CollectiveSender(wire, tmp_path, single_rank_world(), torch.float32, first_step=0, adapter_config=config)
+    sender = collective_sender(wire, tmp_path, single_rank_world(), torch.float32, first_step=0, adapter_config=config)
     adapter = {"base_model.model.q_proj.lora_A.weight": torch.randn(2, 8),
                "base_model.model.q_proj.lora_B.weight": torch.zeros(8, 2)}
 
@@ -395,7 +414,7 @@ def test_nccl_is_refused_where_there_is_no_gpu_naming_gloo():
     with pytest.raises(ConfigError, match="'nccl' needs CUDA GPUs, but the trainer runs on cpu: use 'gloo'"):
         CollectiveTransfer(backend="nccl", sparse=True).resolve_device("cpu", "trainer")
     with pytest.raises(TransferError, match="needs the trainer on CUDA GPUs"):
-        CollectiveSender(CollectiveTransfer(backend="nccl", secret=SECRET), Path("unused"),
+        collective_sender(CollectiveTransfer(backend="nccl", secret=SECRET), Path("unused"),
                          SimpleNamespace(is_main=True, on_gpu=False, device=torch.device("cpu")), torch.float32, 0)
 
 
@@ -435,7 +454,7 @@ def test_over_nccl_a_step_leaves_the_trainers_gpu_and_arrives_in_the_servers_wit
                             all_reduce=lambda values, op="sum": values)
     torch.cuda.set_device(0)
     wire = CollectiveTransfer(backend="nccl", sparse=sparse, secret=SECRET, timeout_s=60, offer_timeout_s=60)
-    sender = CollectiveSender(wire, tmp_path, world, torch.bfloat16, first_step=0)
+    sender = collective_sender(wire, tmp_path, world, torch.bfloat16, first_step=0)
     model = TinyLM().cuda()
     stats: dict = {}
 
@@ -626,8 +645,8 @@ def test_a_sparse_sender_refuses_a_host_copy_the_host_cannot_hold(sparse_sender,
                                             r"but this host has 0.0 GiB available: use "
                                             r"transfer.sparse = false"):
         sparse_sender.check_host_memory(model, available=served)
-    whole = CollectiveSender(CollectiveTransfer(backend="gloo", secret=SECRET), tmp_path / "whole", single_rank_world(),
-                             torch.float32, first_step=0)
+    whole = collective_sender(CollectiveTransfer(backend="gloo", secret=SECRET), tmp_path / "whole",
+                              single_rank_world(), torch.float32, first_step=0)
     try:
         whole.check_host_memory(model, available=1)  # a whole step keeps no copy
     finally:
@@ -648,7 +667,7 @@ def test_on_one_gpu_a_sparse_nccl_sender_compares_on_the_gpu_and_hashes_through_
     world = SimpleNamespace(is_main=True, rank=0, world_size=1, on_gpu=True, device=torch.device("cuda", 0),
                             all_reduce=lambda values, op="sum": values)
     wire = CollectiveTransfer(backend="nccl", sparse=True, secret=SECRET)
-    sender = CollectiveSender(wire, tmp_path, world, torch.bfloat16,
+    sender = collective_sender(wire, tmp_path, world, torch.bfloat16,
                               first_step=0)
     try:
         weights = {"a": torch.randn(3001, device="cuda").bfloat16(), "b": torch.randn(64, 65, device="cuda").bfloat16()}
@@ -688,7 +707,7 @@ def test_a_collective_sender_writes_a_steps_files_at_checkpoint_steps_only_and_n
     wire = CollectiveTransfer(backend="gloo", secret=SECRET)
     config = SimpleNamespace(transfer=wire, output_dir=tmp_path, max_steps=5,
                              ckpt=CkptConfig(interval=2))
-    sender = CollectiveSender.create(config, publisher, single_rank_world(), first_step=0)
+    sender = GlooSender.create(config, publisher, single_rank_world(), first_step=0)
     sender.send = lambda step, model: {"weights_sent": True}
     try:
         for step in range(6):

@@ -8,7 +8,7 @@ import pytest
 from rl.config import ConfigError, parse_config
 from rl.launcher.config import RLConfig
 from rl.trainer.config import TrainerConfig
-from rl.weights import transport
+from rl.weights import RECEIVERS, SENDERS
 from rl.weights.config import OLD_TRANSPORTS, CollectiveTransfer, FilesTransfer
 
 
@@ -54,8 +54,10 @@ def test_the_backend_is_resolved_once_and_names_a_registered_transport():
         config.way
     assert config.resolve_device("cpu", "trainer") == "auto: CPU" and config.way == "gloo"
     assert config.resolve_device("cpu", "trainer") == "set by you"  # resolved: kept
-    for way in ("filesystem", "gloo", "nccl"):
-        transport(way)  # registered: a sender (and a receiver where a server takes steps itself)
+    assert config.engine == "gloo" and CollectiveTransfer(backend="nccl", sparse=True).engine == "sparse_nccl"
+    for engine in ("filesystem", "gloo", "nccl", "sparse_gloo", "sparse_nccl"):
+        SENDERS.load(engine)  # registered: a sender (and a receiver where a server takes steps itself)
+        assert (RECEIVERS.load(engine) is None) == (engine == "filesystem")
     assert FilesTransfer().way == "filesystem" and FilesTransfer().key() is None
 
 

@@ -19,7 +19,7 @@ import rl.trainer.transfer
 from rl.weights.config import CollectiveTransfer
 from rl.inference.layout import ServedLayout
 from rl.inference.staging import receive_weights
-from rl.trainer.transfer import CollectiveSender
+from rl.trainer.transfer import CollectiveSender, collective_sender
 from rl.weights import StepRefused, TransferError
 from rl.weights.digest import SEAL_BYTES, seal
 from rl.weights.group import Deadline, GroupKeeper, broadcast, connect_store, start_store
@@ -41,7 +41,7 @@ def no_allocation(monkeypatch):
 
 def sender_with(tmp_path, secret: str, timeout_s: float = 5.0) -> CollectiveSender:
     config = CollectiveTransfer(backend="gloo", secret=secret, timeout_s=timeout_s, offer_timeout_s=10)
-    return CollectiveSender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
+    return collective_sender(config, tmp_path, single_rank_world(), torch.float32, first_step=0)
 
 
 def test_a_sender_without_the_runs_secret_gets_nothing_allocated_let_alone_served(tmp_path, no_allocation):

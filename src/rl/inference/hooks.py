@@ -12,7 +12,7 @@ alone (so every tensor-parallel worker sees the same choice, passed to it as an 
 - `during_receive` present: the same, in a step arriving over the wire, once its header arrived (the trainer is then
   mid-send);
 - `corrupt_receive` holding a tensor name: the next step over the wire gets that tensor's first byte flipped on
-  arrival, as a fault on the way would (consumed);
+  arrival, as a fault on the way would (consumed, by the process that receives it: `received_digest`);
 - `receive_in_worker` present: the next step over gloo is received by the server's first worker, as one over NCCL is
   (consumed): the CPU's proof of that path.
 """
@@ -24,6 +24,10 @@ import os
 import threading
 import time
 from pathlib import Path
+
+import torch
+
+from rl.weights.digest import TensorDigest
 
 HOOK_DIR_ENV = "RL_TEST_HOOK_DIR"
 HOLD_TIMEOUT_S = 60.0
@@ -59,6 +63,27 @@ def reload_faults() -> dict:
         name, row, rank = corrupt.split()
         faults["corrupt"] = [name, int(row), int(rank)]
     return faults
+
+
+def received_digest() -> TensorDigest:
+    """What a step over the wire is hashed with as each tensor lands: with `corrupt_receive` armed, one that first
+    alters the named tensor (`AlteredOnArrival`)."""
+    name = take("corrupt_receive")
+    return TensorDigest() if name is None else AlteredOnArrival(name)
+
+
+class AlteredOnArrival(TensorDigest):
+    """A receiver's digest that flips the first byte of tensor `name` where it landed, then hashes it, as a fault on
+    the way would."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def update_bytes(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], data: torch.Tensor) -> None:
+        if name == self.name and len(data):
+            data[0] ^= 1
+        super().update_bytes(name, dtype, shape, data)
 
 
 async def hold(name: str) -> None:

@@ -26,10 +26,10 @@ from rl.adapter import ADAPTER_CONFIG
 from rl.inference import hooks
 from rl.inference.adapter_slot import AdapterSlot
 from rl.inference.reports import merge_reports, timings, why
-from rl.inference.staging import PrivateCopies, Received, StagedStep, release, stage_weights
+from rl.inference.staging import PrivateCopies, StagedStep, release, stage_weights
 from rl.inference.step_dirs import is_adapter_step, open_step_dir, published_step, resolve_step_dir
 from rl.manifest import CorruptFileError, Entry, OpenDir
-from rl.weights import StepRefused, TransferError, transport
+from rl.weights import RECEIVERS, StepRefused, TransferError
 from rl.weights.offers import GroupSpec
 
 logger = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ class AdminSettings:
     admin_token: str | None
     api_keys: tuple[str, ...] = ()  # vLLM's --api-key / VLLM_API_KEY: required on every generation route
     lora_name: str | None = None  # the served adapter's name (None: LoRA off, full-weight steps only)
-    way: str = "filesystem"  # inference.transfer's registered transport (rl/weights/): gloo and nccl take steps
-    sparse: bool = False  # over the wire too; `sparse`: a step may come as its changes against the served one
+    engine: str = "filesystem"  # inference.transfer's registered engine (rl/weights/): all but files take steps
+    # over the wire too
     transfer_key: bytes | None = None  # what steps over the wire are sealed with (inference.transfer.secret's key)
 
 
@@ -76,9 +76,9 @@ class PolicyWeights:
         weakref.finalize(self, lambda s=self: s.wire_staged and s.wire_staged.close())
         self.broken: str | None = None
         self.lock = asyncio.Lock()
-        receiver = transport(settings.way).load_receiver()  # None: steps come as files only
-        self.receiver = receiver and receiver(engine, settings.transfer_key, settings.lora_name is not None,
-                                              self.generation_held)
+        receiver = RECEIVERS.load(settings.engine)  # None: steps come as files only
+        self.receiver = receiver and receiver.create(engine, settings.transfer_key, settings.lora_name is not None,
+                                                     self.generation_held, self._served_over_the_wire)
         # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
         # while the weights change, so only requests already in flight need vLLM to pause.
         self.in_flight = 0
@@ -131,9 +131,9 @@ class PolicyWeights:
                                      "filesystem): send a `path`")
         if not self._may_serve_next(step):  # refused before the trainer's store is even reached
             raise HTTPException(409, f"step {step} is not newer than the served step {self.step}")
-        corrupt, start = hooks.take("corrupt_receive"), time.perf_counter()
+        start = time.perf_counter()
         try:
-            received = await self._receive(spec, step, corrupt)
+            received = await self.receiver.receive(spec, step)
         except StepRefused as e:
             logger.warning("step %d refused over the wire, %s: %s", step, self._still_serving(), e)
             raise HTTPException(e.status, f"step {step} refused, {self._still_serving()}: {e}") from None
@@ -167,21 +167,11 @@ class PolicyWeights:
         over_base = step == 0 and self.manifest is None and self.settings.lora_name is not None
         return step > self.step or over_base or self.broken is not None
 
-    async def _receive(self, spec: GroupSpec, step: int, corrupt: str | None) -> Received:
-        """The step received by this server's receiver (rl/inference/wire.py) and checked against the trainer's
-        sealed checksum."""
-        base = self._sparse_base()
-        try:
-            return await self.receiver.receive(spec, step, corrupt, base)
-        finally:
-            if base is not None:
-                await release(base)
-
-    def _sparse_base(self) -> StagedStep | None:
+    def _served_over_the_wire(self) -> StagedStep | None:
         """What a sparse step may change (rl/weights/): the full weights served, when they came over the wire
         and verified, through descriptors of their own (a step served meanwhile releases the server's)."""
         staged = self.wire_staged
-        if not self.settings.sparse or staged is None or self.broken or staged.checksum != self.checksum:
+        if staged is None or self.broken or staged.checksum != self.checksum:
             return None
         return staged.dup()
 

@@ -144,9 +144,8 @@ class Received:
         return self.staged.checksum
 
 
-def receive_weights(spec: GroupSpec, step: int, key: bytes, corrupt: str | None = None, backend: str = "gloo",
-                    keeper: GroupKeeper | None = None, base: dict | None = None,
-                    layout: ServedLayout | None = None, forming=None) -> Received:
+def receive_weights(spec: GroupSpec, step: int, key: bytes, backend: str = "gloo", keeper: GroupKeeper | None = None,
+                    base: dict | None = None, layout: ServedLayout | None = None, forming=None) -> Received:
     """Receive step `step` from the trainer's group (rl/weights/) into one sealed memfd laid out as a safetensors
     file, within one deadline (`spec.timeout_s`) for all of it. Refused (StepRefused) before anything is allocated
     for it: a header not sealed with the run's `key`, malformed, or not of the served `layout`; after its bytes
@@ -154,11 +153,12 @@ def receive_weights(spec: GroupSpec, step: int, key: bytes, corrupt: str | None 
     checksum (nothing is kept then); TransferError if the transfer fails or runs out of time. `keeper`: the
     receiver's group, kept for the next step (unset: a group for this step alone); a refused step drops it.
     `backend` "nccl": each tensor arrives in this process's current GPU, and is copied from there into the memfd.
-    `corrupt` (tests only): the tensor whose first received byte is flipped, as a fault on the way would. `base`
+    Each tensor is hashed as it lands (`hooks.received_digest`: a test may alter it on the way). `base`
     (sparse transports): the full weights this server serves, as `StagedStep.rpc()` names them, which the trainer
     may send changes against (rl/weights/sparse.py). `forming`: the context a new group forms in (`GroupKeeper.join`).
     """
     deadline = Deadline(spec.timeout_s, step)
+    digest = hooks.received_digest()
     kept, keeper = keeper is not None, keeper or GroupKeeper()
     store = connect_store(spec.host, spec.port, deadline)
     announce_base(store, step, spec.rank, base["checksum"] if base else None)
@@ -175,11 +175,12 @@ def receive_weights(spec: GroupSpec, step: int, key: bytes, corrupt: str | None 
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size) as data:
             data[: len(head)] = head
+            altered = None  # or why the changes sent cannot apply
             if header.base is None:
-                digest, altered = _receive_into(group, data, header, spans, step, corrupt)
+                _receive_into(group, data, header, spans, step, digest)
             else:  # changes against the weights this server serves
                 with _map_base(base, header.base, head, size, step) as served:
-                    digest, altered = _receive_changes(group, data, served, header, spans, step, corrupt)
+                    altered = _receive_changes(group, data, served, header, spans, step, digest)
         sent = torch.empty(DIGEST_BYTES + SEAL_BYTES, dtype=torch.uint8, device=group.device)
         broadcast(group, sent, f"step {step}'s checksum")
         sent = bytes(sent.cpu().numpy())
@@ -201,12 +202,12 @@ def receive_weights(spec: GroupSpec, step: int, key: bytes, corrupt: str | None 
     return Received(StagedStep({WIRE_FILE: (fd, size)}, digest.hexdigest()), header.adapter_config)
 
 
-def _receive_into(group: StepGroup, data: mmap.mmap, header: Header, spans: list, step: int, corrupt: str | None
-                  ) -> tuple[TensorDigest, None]:
+def _receive_into(group: StepGroup, data: mmap.mmap, header: Header, spans: list, step: int,
+                  digest: TensorDigest) -> None:
     """Each bucket of tensors broadcast into its place in `data`, each tensor hashed once its bucket arrived. Over gloo
     a bucket arrives straight into its place, while the one before it is hashed; over NCCL into the GPU, then it is
     copied there, one bucket at a time (the GPU is vLLM's but for one arriving bucket)."""
-    digest, landing = TensorDigest(), None
+    landing = None
     for first, stop in bucket_plan([end - begin for begin, end in spans], header.bucket_bytes):
         begin, end = spans[first][0], spans[stop - 1][1]
         place = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=begin) if end > begin else (
@@ -215,16 +216,15 @@ def _receive_into(group: StepGroup, data: mmap.mmap, header: Header, spans: list
         what = bucket_name([name for name, _, _ in header.tensors[first:stop]], step)
         if group.nccl:
             _land(start_broadcast(group, arriving, what), place, header.tensors[first:stop], spans[first:stop],
-                  digest, corrupt)
+                  digest)
         else:
             in_flight = start_broadcast(group, arriving, what)
             if landing is not None:
-                _land(*landing, digest, corrupt)
+                _land(*landing, digest)
             landing = (in_flight, place, header.tensors[first:stop], spans[first:stop])
         del place, arriving  # no view of the mapping may outlive it
     if landing is not None:
-        _land(*landing, digest, corrupt)
-    return digest, None
+        _land(*landing, digest)
 
 
 def _map_base(base: dict | None, checksum: str, head: bytes, size: int, step: int) -> mmap.mmap:
@@ -247,12 +247,12 @@ def _map_base(base: dict | None, checksum: str, head: bytes, size: int, step: in
 
 
 def _receive_changes(group: StepGroup, data: mmap.mmap, served: mmap.mmap, header: Header, spans: list, step: int,
-                     corrupt: str | None) -> tuple[TensorDigest, str | None]:
+                     digest: TensorDigest) -> str | None:
     """A sparse step: per bucket, its tensors' counts, then their changes (or whole bytes), applied to the served
     bytes; each tensor then hashed whole, so the trainer's checksum proves the whole step. A bucket is applied while
     the next one arrives. Changes that cannot be applied are named in the second value, once the whole step has
     arrived (leaving mid-step would hold up the other receivers)."""
-    digest, altered, landing = TensorDigest(), [], None
+    altered, landing = [], None
     for first, stop in bucket_plan([end - begin for begin, end in spans], header.bucket_bytes):
         tensors, places = header.tensors[first:stop], spans[first:stop]
         what = bucket_name([name for name, _, _ in tensors], step)
@@ -267,17 +267,17 @@ def _receive_changes(group: StepGroup, data: mmap.mmap, served: mmap.mmap, heade
         payload = torch.empty(sum(lengths), dtype=torch.uint8, device=group.device)
         in_flight = start_broadcast(group, payload, what) if len(payload) else None
         if landing is not None:
-            _apply(*landing, data, served, digest, altered, step, corrupt)
+            _apply(*landing, data, served, digest, altered, step)
         landing = (in_flight, payload, tensors, places, counts, lengths)
         del payload
     if landing is not None:
-        _apply(*landing, data, served, digest, altered, step, corrupt)
-    return digest, (altered[0] if altered else None)
+        _apply(*landing, data, served, digest, altered, step)
+    return altered[0] if altered else None
 
 
 def _apply(in_flight: InFlight | None, payload: torch.Tensor, tensors: list, places: list, counts: list,
-           lengths: list, data: mmap.mmap, served: mmap.mmap, digest: TensorDigest, altered: list, step: int,
-           corrupt: str | None) -> None:
+           lengths: list, data: mmap.mmap, served: mmap.mmap, digest: TensorDigest, altered: list, step: int
+           ) -> None:
     """Wait for a sparse bucket's changes, apply each tensor's to its served bytes in `data` (a whole one is put in
     place as it is), and hash it."""
     if in_flight is not None:
@@ -292,15 +292,12 @@ def _apply(in_flight: InFlight | None, payload: torch.Tensor, tensors: list, pla
             apply_changes(place, count, payload[offset: offset + length], dtype.itemsize)
         except ValueError as e:
             altered.append(f"{name} of step {step} arrived altered: {e}")
-        if name == corrupt and len(place):
-            place[0] ^= 1
         digest.update_bytes(name, dtype, shape, place)
         offset += length
         del place  # no view of a mapping may outlive it
 
 
-def _land(in_flight: InFlight, place: torch.Tensor, tensors: list, spans: list, digest: TensorDigest,
-          corrupt: str | None) -> None:
+def _land(in_flight: InFlight, place: torch.Tensor, tensors: list, spans: list, digest: TensorDigest) -> None:
     """Wait for a bucket to arrive, put it in its `place` (over NCCL: from the GPU), and hash each of its tensors."""
     in_flight.wait()
     if in_flight.tensor is not place:
@@ -308,8 +305,6 @@ def _land(in_flight: InFlight, place: torch.Tensor, tensors: list, spans: list, 
     begin = spans[0][0]
     for (name, dtype, shape), (tensor_begin, tensor_end) in zip(tensors, spans, strict=True):
         part = place[tensor_begin - begin: tensor_end - begin]
-        if name == corrupt and len(part):
-            part[0] ^= 1
         digest.update_bytes(name, dtype, shape, part)
         del part
 

@@ -1,6 +1,10 @@
-"""A server's end of the collective transports (rl/weights/): receivers, one per registered transport, which take a
-step over the wire into a sealed memfd checked against the trainer's sealed checksum, the same for both from there
-on. `PolicyWeights` holds the one its config names and loads what it returns."""
+"""A server's end of the collective transports (rl/weights/): one receiver per registered engine, which takes a
+step over the wire into a sealed memfd checked against the trainer's sealed checksum, the same for all from there
+on. `PolicyWeights` holds the one its config names and loads what it returns.
+
+gloo's receiver takes a step in this process (the server's API process), NCCL's in the server's first worker; the
+sparse engines' give the receive the full weights served, which a step sent as its changes applies to.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,14 @@ import contextlib
 import logging
 import threading
 import time
+from abc import abstractmethod
 from dataclasses import asdict
 
 from rl.inference import hooks
 from rl.inference.layout import ServedLayout
-from rl.inference.staging import Received, StagedStep, receive_weights, take_over
+from rl.inference.staging import Received, StagedStep, receive_weights, release, take_over
 from rl.manifest import CorruptFileError
-from rl.weights import StepRefused, TransferError
+from rl.weights import Receiver, StepRefused, TransferError
 from rl.weights.group import GroupKeeper
 from rl.weights.offers import GroupSpec
 
@@ -25,22 +30,35 @@ RECEIVE_POLL_S = 0.02  # how often the server asks its first worker whether a st
 WORKER_ANSWER_S = 30  # beyond a step's deadline, how long its first worker may take to say how its receive went
 
 
-class Receiver:
-    """Receives steps for one server. `engine`: vLLM's engine client (its workers answer `collective_rpc`); `key`:
-    the run's transfer key; `adapters`: whether the server serves LoRA adapters (what a step must be);
-    `hold_generation`: an async context manager factory inside which the server generates nothing (new requests
-    wait, those in flight are frozen)."""
+class ServerReceiver(Receiver):
+    """What every receiver of a server shares (the arguments: `Receiver.create`): the layout a step must have, asked
+    of the first worker once, and the base a step's changes apply to (none: every step comes whole)."""
 
-    backend = "gloo"
-
-    def __init__(self, engine, key: bytes, adapters: bool, hold_generation=None):
+    def __init__(self, engine, key: bytes, adapters: bool, hold_generation=None, served=None):
         self.engine, self.key, self.adapters = engine, key, adapters
         self.hold_generation = hold_generation or _nothing_held
+        self.served = served or _nothing_served
         self.layout: ServedLayout | None = None  # what a step must be, asked of the first worker once
 
-    async def receive(self, spec: GroupSpec, step: int, corrupt: str | None, base: StagedStep | None) -> Received:
+    @classmethod
+    def create(cls, engine, key: bytes, adapters: bool, hold_generation, served) -> ServerReceiver:
+        return cls(engine, key, adapters, hold_generation, served)
+
+    async def receive(self, spec: GroupSpec, step: int) -> Received:
+        base = self._base()
+        try:
+            return await self._receive(spec, step, base)
+        finally:
+            if base is not None:
+                await release(base)
+
+    def _base(self) -> StagedStep | None:
+        """What a step may come as changes against: nothing, every step comes whole (`ChangesReceived`)."""
+        return None
+
+    @abstractmethod
+    async def _receive(self, spec: GroupSpec, step: int, base: StagedStep | None) -> Received:
         """Step `step`, received and checked; `base`: the full weights served, which a sparse step may change."""
-        raise NotImplementedError
 
     async def served_layout(self) -> ServedLayout:
         if self.layout is None:
@@ -53,17 +71,17 @@ class Receiver:
         return next(r for r in await self.engine.collective_rpc(method, args=args) if r is not None)
 
 
-class FirstWorkerReceiver(Receiver):
-    """NCCL: the first worker (the process of a server that holds a GPU and an NCCL library, `rl_receive_weights`)
-    receives the step while generation goes on; its sealed memfd is then taken over by this process. While the
-    worker's group forms (the first step, or after a failure) this process holds generation for it."""
+class FirstWorkerReceiver(ServerReceiver):
+    """The first worker (the process of a server that holds a GPU and an NCCL library, `rl_receive_weights`)
+    receives the step over `backend` while generation goes on; its sealed memfd is then taken over by this process.
+    While the worker's group forms (the first step, or after a failure) this process holds generation for it."""
 
     backend = "nccl"
 
-    async def receive(self, spec: GroupSpec, step: int, corrupt: str | None, base: StagedStep | None) -> Received:
+    async def _receive(self, spec: GroupSpec, step: int, base: StagedStep | None) -> Received:
         layout = await self.served_layout()
         await self.first_worker("rl_receive_weights", asdict(spec), step, self.backend, self.key, layout.rpc(),
-                                corrupt, base and base.rpc())
+                                base and base.rpc())
         limit_s = spec.timeout_s + WORKER_ANSWER_S  # the worker's receive keeps the step's deadline itself
         deadline = time.monotonic() + limit_s
         held = None  # generation, while the worker's group forms
@@ -103,28 +121,52 @@ class FirstWorkerReceiver(Receiver):
                     time.perf_counter() - held[1])
 
 
-class ApiProcessReceiver(Receiver):
+class NcclReceiver(FirstWorkerReceiver):
+    """nccl: every step whole, received by the first worker into its GPU."""
+
+
+class GlooReceiver(ServerReceiver):
     """gloo: this process (the server's API process) receives the step while generation goes on, in a group it keeps
     from step to step. The test hook `receive_in_worker` takes NCCL's path over gloo instead: how a CPU host proves
     it."""
 
-    def __init__(self, engine, key: bytes, adapters: bool, hold_generation=None):
-        super().__init__(engine, key, adapters, hold_generation)
+    def __init__(self, engine, key: bytes, adapters: bool, hold_generation=None, served=None):
+        super().__init__(engine, key, adapters, hold_generation, served)
         self.group = GroupKeeper()  # this process's group with the trainer
 
-    async def receive(self, spec: GroupSpec, step: int, corrupt: str | None, base: StagedStep | None) -> Received:
+    async def _receive(self, spec: GroupSpec, step: int, base: StagedStep | None) -> Received:
         if hooks.take("receive_in_worker") is not None:
             in_worker = FirstWorkerReceiver(self.engine, self.key, self.adapters, self.hold_generation)
             in_worker.backend, in_worker.layout = "gloo", self.layout
-            return await in_worker.receive(spec, step, corrupt, base)
+            return await in_worker._receive(spec, step, base)
         layout = await self.served_layout()
-        return await in_daemon_thread(receive_weights, spec, step, self.key, corrupt, "gloo", self.group,
+        return await in_daemon_thread(receive_weights, spec, step, self.key, "gloo", self.group,
                                       base and base.rpc(), layout)
+
+
+class ChangesReceived(ServerReceiver):
+    """Sparse (rl/weights/sparse.py): a step may come as its changes against the full weights served, when they came
+    over the wire and verified (`served`: a handle of this receive's own, released once it is done)."""
+
+    def _base(self) -> StagedStep | None:
+        return self.served()
+
+
+class SparseGlooReceiver(ChangesReceived, GlooReceiver):
+    """sparse_gloo: gloo's receive, a step's changes applied to the weights served."""
+
+
+class SparseNcclReceiver(ChangesReceived, NcclReceiver):
+    """sparse_nccl: NCCL's receive in the first worker, a step's changes applied there to the weights served."""
 
 
 @contextlib.asynccontextmanager
 async def _nothing_held():
     yield
+
+
+def _nothing_served() -> None:
+    return None
 
 
 async def in_daemon_thread(function, *args):

@@ -154,7 +154,7 @@ class WeightSyncExtension:
         return {"dtype": str(dtype).removeprefix("torch."), "shapes": self._rl_shapes(), "tied": tied}
 
     def rl_receive_weights(self, spec: dict, step: int, backend: str, key: bytes, layout: dict,
-                           corrupt: str | None = None, base: dict | None = None) -> dict | None:
+                           base: dict | None = None) -> dict | None:
         """On the first tensor-parallel worker (the others answer None): start receiving step `step` in a thread of
         this worker, which joins the step's group at the server's rank with this worker's GPU and receives the step
         into a sealed memfd checked against the trainer's checksum (`rl.inference.staging.receive_weights`), while
@@ -193,7 +193,7 @@ class WeightSyncExtension:
                 stream = torch.cuda.Stream(device)
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    outcome["received"] = receive_weights(GroupSpec(**spec), step, key, corrupt, backend,
+                    outcome["received"] = receive_weights(GroupSpec(**spec), step, key, backend,
                                                           self._rl_transfer_group, base, ServedLayout.from_rpc(layout),
                                                           generation_held)
             except CorruptFileError as error:

@@ -25,7 +25,7 @@ from rl.trainer.optim import build_optimizer, build_scheduler, trained_parameter
 from rl.trainer.step import train_step
 from rl.trainer.weights import WeightPublisher
 from rl.trainer.world import World, init_world
-from rl.weights import transport
+from rl.weights import SENDERS
 from rl.teardown import set_up_process
 
 LINE_KEYS = (
@@ -127,7 +127,7 @@ def main() -> None:
         MetricsLogger("trainer", paths, config.wandb, config.model_dump(mode="json"), logger) if world.is_main else None
     )
     publisher = WeightPublisher.for_config(config, paths, policy, tokenizer, world)
-    sender = transport(config.transfer.way).load_sender().create(config, publisher, world, first_step)
+    sender = SENDERS.load(config.transfer.engine).create(config, publisher, world, first_step)
     sender.check(policy)  # before any step is trained
     threads = "" if world.on_gpu else f", {torch.get_num_threads()} torch threads"  # torchrun's 1 per rank or more
     logger.info(

@@ -10,13 +10,19 @@ GPU, which broadcasts it, and comes to the host only to be hashed.
 A failed transfer (no server joined in time, one died mid-broadcast) is logged with its reason and the run goes on:
 the servers keep the weights they verified last, and the next step's transfer brings every server that answers to
 that step. Every rank learns how the step went, so all ranks agree on what was sent.
+
+One registered engine per way (rl/weights/__init__.py): `GlooSender` and `NcclSender` send every step whole,
+`SparseGlooSender` and `SparseNcclSender` its changes (`ChangesSent`, rl/weights/sparse.py); the backend decides only
+where a gathered tensor lies (`_gather_whole`) and whether the sparse host copy is pinned (`_pin`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from abc import abstractmethod
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -28,7 +34,7 @@ from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, merged_wei
 from rl.trainer.config import TrainerConfig
 from rl.trainer.weights import WeightPublisher, published_sources, weight_of
 from rl.trainer.world import World
-from rl.weights import Sender, TransferError
+from rl.weights import SENDERS, Sender, TransferError
 from rl.weights.digest import TensorDigest, tensor_bytes
 from rl.weights.group import Deadline, GroupKeeper, InFlight, broadcast, start_broadcast, start_store
 from rl.weights.header import BUCKET_BYTES, bucket_name, bucket_plan, checksum_seal, pack_digest, send_header
@@ -40,9 +46,13 @@ HOST_COPY_SHARE = 0.8  # of the host's available memory, the most a sparse sende
 
 
 class CollectiveSender(Sender):
-    """The gloo and NCCL transports' sender: each step's weights to the servers the orchestrator asked to take them,
+    """What every collective engine shares: each step's weights to the servers the orchestrator asked to take them,
     and as files only where a checkpoint needs them (a resume serves them). Collective: every rank calls `send` for
-    every step."""
+    every step. An engine names its `backend` and where a gathered tensor lies (`_gather_whole`); a step goes whole
+    unless the engine encodes it otherwise (`ChangesSent`)."""
+
+    backend: ClassVar[str]  # the step group's (rl/weights/group.py)
+    how: ClassVar[str]  # the engine, as the log names it
 
     def __init__(self, config: CollectiveTransfer, output_dir, world: World, dtype: torch.dtype, first_step: int,
                  adapter_config: bytes | None = None):
@@ -51,26 +61,14 @@ class CollectiveSender(Sender):
         self.store: dist.TCPStore | None = None
         self.groups = GroupKeeper()  # rank 0's group with the servers, kept from step to step while it serves
         self.staging: list[torch.Tensor] | None = None  # rank 0's two bucket buffers (`_packed`)
-        self.nccl = config.way == "nccl"  # tensors go from rank 0's GPU, not its host
         self.key = config.key()  # seals every step: servers load nothing else
-        if self.nccl and not world.on_gpu:
-            raise TransferError(f"transfer.backend = 'nccl' needs the trainer on CUDA GPUs; this one runs on "
-                                f"{world.device.type}: use 'gloo'")
-        # sparse: rank 0 keeps the bytes it sent last (one host copy of the served weights) and their checksum, the
-        # base it sends changes against once every server serves it. An adapter always goes whole: it is small.
-        self.sparse = config.sparse and adapter_config is None
-        if config.sparse and adapter_config is not None and world.is_main:
-            logger.info("transfer.sparse: LoRA adapters go whole every step (each step changes most of them)")
-        self.sent: dict[str, torch.Tensor] = {}  # views of one host buffer (`_keep_host_copy`)
-        self.pinned: torch.Tensor | None = None  # that buffer, where it is registered with CUDA
-        self.base: str | None = None
+        self._check_world(world)
         self.files: WeightPublisher | None = None  # where checkpoint steps go as files too (`create`)
         self.files_due: Callable[[int], bool] = lambda step: False
         if world.is_main:
             clear_transfers(output_dir, first_step)  # a resumed run's old offers name a store that is gone
             self.store = start_store(config.host, config.port, config.timeout_s)
-            how = config.way + (", sparse" if config.sparse else "")
-            logger.info(f"weights go over the wire ({how}): transfer store on "
+            logger.info(f"weights go over the wire ({self.how}): transfer store on "
                         f"{config.host}:{self.store.port}")
 
     @classmethod
@@ -91,19 +89,39 @@ class CollectiveSender(Sender):
         return stats
 
     def check_host_memory(self, model: torch.nn.Module, available: int | None = None) -> None:
-        """Sparse: refuse, before training, a host copy of the served weights (kept by rank 0) that this host's
-        available memory (`available`, else psutil's) cannot hold beside the rest; TransferError names both sizes."""
-        if not (self.sparse and self.world.is_main):
-            return
-        import psutil
+        """Refuse, before training, a host copy of the served weights this host cannot hold: a whole step keeps
+        none (`ChangesSent` does)."""
 
-        needed = sum(self.dtype.itemsize * _numel(source) for _, source in self._tensors(model))
-        available = psutil.virtual_memory().available if available is None else available
-        if needed > HOST_COPY_SHARE * available:
-            raise TransferError(
-                f"transfer.sparse = true keeps a host copy of the served weights on trainer "
-                f"rank 0 ({needed / 2**30:.1f} GiB), but this host has {available / 2**30:.1f} GiB available: use "
-                "transfer.sparse = false, which sends every step whole")
+    def _check_world(self, world: World) -> None:
+        """Refuse a trainer this engine cannot send from (any, by default)."""
+
+    @abstractmethod
+    def _gather_whole(self, source: torch.Tensor) -> torch.Tensor | None:
+        """Collective: the whole of a sharded tensor in the served dtype on rank 0 (None elsewhere), where the
+        engine's broadcast sends it from."""
+
+    def _pin(self, host: torch.Tensor) -> bool:
+        """Whether `host` (the sparse host copy) was registered with CUDA (not by default)."""
+        return False
+
+    # How a step is encoded: whole, unless an engine sends its changes (`ChangesSent`).
+
+    def _keep_what_is_sent(self, names: list[str], sizes: list[int]) -> None:
+        """Rank 0, before a step: keep what the next step is compared against (nothing, for whole steps)."""
+
+    def _base(self, step: int, receivers: int, deadline: Deadline) -> str | None:
+        """The checksum of the step the receivers hold that this one goes as changes against (None: whole)."""
+        return None
+
+    def _encoded(self, name: str, full: torch.Tensor, against_base: bool, device: torch.device,
+                 digest: TensorDigest) -> tuple[int, torch.Tensor]:
+        """A tensor's count and bytes in its bucket (hashed into `digest`): whole, on the device that broadcasts."""
+        data = tensor_bytes(full.to(device))
+        digest.update(name, full)
+        return WHOLE, data
+
+    def _sent(self, digest: TensorDigest, reached_all: bool) -> None:
+        """After a step: what the next one may go against (nothing, for whole steps)."""
 
     def send(self, step: int, model: torch.nn.Module) -> dict:
         """Offer step `step`, wait for the orchestrator to take it, broadcast it. Returns the step's metrics:
@@ -123,15 +141,14 @@ class CollectiveSender(Sender):
         waited = time.perf_counter() - start
         group, failure, base, header_seal = None, None, None, b""
         deadline = Deadline(self.config.timeout_s, step)  # one for the whole step, from the take on
-        if self.sparse and self.world.is_main:
-            self._keep_host_copy([name for name, _ in tensors], sizes)
+        if self.world.is_main:
+            self._keep_what_is_sent([name for name, _ in tensors], sizes)
         if self.world.is_main and receivers == 0:
             failure = "no server was up to take it"
         elif self.world.is_main:
             try:
-                group = self.groups.join(self.store, step, 0, receivers + 1, deadline, self.config.way)
-                if self.sparse:  # changes only if every server serves the step sent last
-                    base = common_base(self.store, step, receivers, self.base, deadline)
+                group = self.groups.join(self.store, step, 0, receivers + 1, deadline, self.backend)
+                base = self._base(step, receivers, deadline)
                 # the receivers read as the header says
                 header_seal = send_header(group, step, meta, config, BUCKET_BYTES, self.key, base)
             except TransferError as e:
@@ -142,14 +159,9 @@ class CollectiveSender(Sender):
             for name, source in tensors[first:stop]:
                 full = self._gather(source)
                 if group is not None and failure is None:
-                    if self.sparse:  # compared where it is (over NCCL on the GPU), hashed from the host copy
-                        count, data = self._changes(name, tensor_bytes(full), base is not None)
-                        digest.update_bytes(name, full.dtype, tuple(full.shape), self.sent[name])
-                        bucket.append(data)
-                        counts.append(count)
-                    else:
-                        bucket.append(tensor_bytes(full.to(group.device)))
-                        digest.update(name, full)
+                    count, data = self._encoded(name, full, base is not None, group.device, digest)
+                    bucket.append(data)
+                    counts.append(count)
                 del full
             if bucket:  # gathered while the previous bucket was on its way; now that one must have arrived
                 data = bucket[0] if len(bucket) == 1 else self._packed(bucket, index % 2, group.device)
@@ -177,8 +189,7 @@ class CollectiveSender(Sender):
                 failure = str(e)
         if group is not None:
             self.groups.done(failed=failure is not None)
-        # the next step's base: this one, if every server now holds it (else the next step goes whole)
-        self.base = digest.hexdigest() if self.sparse and group is not None and failure is None else None
+        self._sent(digest, reached_all=group is not None and failure is None)
         failed, = self.world.all_reduce([1.0 if failure is not None else 0.0], op="max")  # rank 0's verdict
         stats = {"weights_sent": failed == 0.0, "transfer_wait_s": waited,
                  "transfer_s": time.perf_counter() - start - waited}
@@ -204,17 +215,113 @@ class CollectiveSender(Sender):
         return published_sources(model)
 
     def _gather(self, source: torch.Tensor | LoRALinear) -> torch.Tensor | None:
-        """Collective: the whole tensor in the served dtype on rank 0 (None elsewhere): on its host, or over NCCL on
-        its GPU, where the gather left it."""
+        """Collective: the whole tensor in the served dtype on rank 0 (None elsewhere), where the engine's broadcast
+        sends it from (`_gather_whole`)."""
         if isinstance(source, LoRALinear):
             full = merged_weight(source, self.dtype)
             return full if self.world.is_main else None
         if self.adapter_config is not None:  # adapter tensors: already whole on every rank
             return source
-        if self.nccl:
-            full = full_tensor(source, self.dtype, on_device=True)
-            return full if self.world.is_main else None
+        return self._gather_whole(source)
+
+    def _packed(self, bucket: list[torch.Tensor], slot: int, device: torch.device) -> torch.Tensor:
+        """A bucket's tensors, one after the other, in staging buffer `slot` (of two, reused from bucket to bucket
+        and step to step: one is on its way while the other fills; a fresh allocation each time cost page faults
+        on the CPU)."""
+        if self.staging is None or self.staging[0].device != device:
+            self.staging = [torch.empty(BUCKET_BYTES, dtype=torch.uint8, device=device) for _ in range(2)]
+        size = sum(len(data) for data in bucket)
+        return torch.cat(bucket, out=self.staging[slot][:size])
+
+    def close(self) -> None:
+        self.groups.drop()
+        self.staging = None
+        self.store = None
+
+
+def collective_sender(config: CollectiveTransfer, output_dir, world: World, dtype: torch.dtype, first_step: int,
+                      adapter_config: bytes | None = None) -> CollectiveSender:
+    """The sender of the engine `config` names (rl/weights/), outside a trainer's run (tests, benchmarks)."""
+    return SENDERS.load(config.engine)(config, output_dir, world, dtype, first_step, adapter_config)
+
+
+class GlooSender(CollectiveSender):
+    """gloo: each tensor gathered to rank 0's host and broadcast from there."""
+
+    backend = how = "gloo"
+
+    def _gather_whole(self, source: torch.Tensor) -> torch.Tensor | None:
         return full_tensor(source, self.dtype, to_host=self.world.is_main)
+
+
+class NcclSender(CollectiveSender):
+    """NCCL: each tensor gathered on rank 0's GPU and broadcast from there (to the host only to be hashed)."""
+
+    backend = how = "nccl"
+
+    def _check_world(self, world: World) -> None:
+        if not world.on_gpu:
+            raise TransferError(f"transfer.backend = 'nccl' needs the trainer on CUDA GPUs; this one runs on "
+                                f"{world.device.type}: use 'gloo'")
+
+    def _gather_whole(self, source: torch.Tensor) -> torch.Tensor | None:
+        full = full_tensor(source, self.dtype, on_device=True)
+        return full if self.world.is_main else None
+
+    def _pin(self, host: torch.Tensor) -> bool:
+        return pin_exactly(host)
+
+
+class ChangesSent(CollectiveSender):
+    """Sparse (rl/weights/sparse.py): rank 0 keeps the bytes it sent last (one host copy of the served weights) and
+    their checksum, the base it sends changes against once every server serves it. An adapter always goes whole: it
+    is small."""
+
+    def __init__(self, config: CollectiveTransfer, output_dir, world: World, dtype: torch.dtype, first_step: int,
+                 adapter_config: bytes | None = None):
+        self.changes = adapter_config is None  # else every step goes whole
+        self.sent: dict[str, torch.Tensor] = {}  # views of one host buffer (`_keep_host_copy`)
+        self.pinned: torch.Tensor | None = None  # that buffer, where it is registered with CUDA
+        self.base: str | None = None
+        super().__init__(config, output_dir, world, dtype, first_step, adapter_config)
+        if not self.changes and world.is_main:
+            logger.info("transfer.sparse: LoRA adapters go whole every step (each step changes most of them)")
+
+    def check_host_memory(self, model: torch.nn.Module, available: int | None = None) -> None:
+        """Refuse, before training, a host copy of the served weights (kept by rank 0) that this host's available
+        memory (`available`, else psutil's) cannot hold beside the rest; TransferError names both sizes."""
+        if not (self.changes and self.world.is_main):
+            return
+        import psutil
+
+        needed = sum(self.dtype.itemsize * _numel(source) for _, source in self._tensors(model))
+        available = psutil.virtual_memory().available if available is None else available
+        if needed > HOST_COPY_SHARE * available:
+            raise TransferError(
+                f"transfer.sparse = true keeps a host copy of the served weights on trainer "
+                f"rank 0 ({needed / 2**30:.1f} GiB), but this host has {available / 2**30:.1f} GiB available: use "
+                "transfer.sparse = false, which sends every step whole")
+
+    def _keep_what_is_sent(self, names: list[str], sizes: list[int]) -> None:
+        if self.changes:
+            self._keep_host_copy(names, sizes)
+
+    def _base(self, step: int, receivers: int, deadline: Deadline) -> str | None:
+        """Changes only if every server serves the step sent last."""
+        return common_base(self.store, step, receivers, self.base, deadline) if self.changes else None
+
+    def _encoded(self, name: str, full: torch.Tensor, against_base: bool, device: torch.device,
+                 digest: TensorDigest) -> tuple[int, torch.Tensor]:
+        """Compared where it is (over NCCL on the GPU), hashed from the host copy."""
+        if not self.changes:
+            return super()._encoded(name, full, against_base, device, digest)
+        count, data = self._changes(name, tensor_bytes(full), against_base)
+        digest.update_bytes(name, full.dtype, tuple(full.shape), self.sent[name])
+        return count, data
+
+    def _sent(self, digest: TensorDigest, reached_all: bool) -> None:
+        """The next step's base: this one, if every server now holds it (else the next step goes whole)."""
+        self.base = digest.hexdigest() if self.changes and reached_all else None
 
     def _keep_host_copy(self, names: list[str], sizes: list[int]) -> None:
         """Sparse, rank 0: one host buffer for the bytes of every tensor sent last (`sent`, views in send order),
@@ -224,7 +331,7 @@ class CollectiveSender(Sender):
             return
         self._drop_host_copy()
         host = torch.empty(sum(sizes), dtype=torch.uint8)
-        if self.nccl and pin_exactly(host):
+        if self._pin(host):
             self.pinned = host
         self.sent = dict(zip(names, host.split(sizes)))
 
@@ -247,20 +354,21 @@ class CollectiveSender(Sender):
             torch.cuda.current_stream(data.device).synchronize()  # down before it is hashed
         return count, encoded
 
-    def _packed(self, bucket: list[torch.Tensor], slot: int, device: torch.device) -> torch.Tensor:
-        """A bucket's tensors, one after the other, in staging buffer `slot` (of two, reused from bucket to bucket
-        and step to step: one is on its way while the other fills; a fresh allocation each time cost page faults
-        on the CPU)."""
-        if self.staging is None or self.staging[0].device != device:
-            self.staging = [torch.empty(BUCKET_BYTES, dtype=torch.uint8, device=device) for _ in range(2)]
-        size = sum(len(data) for data in bucket)
-        return torch.cat(bucket, out=self.staging[slot][:size])
-
     def close(self) -> None:
-        self.groups.drop()
-        self.staging = None
+        super().close()
         self._drop_host_copy()
-        self.store = None
+
+
+class SparseGlooSender(ChangesSent, GlooSender):
+    """sparse_gloo: each step's changes (or the tensors whole) from rank 0's host."""
+
+    how = "gloo, sparse"
+
+
+class SparseNcclSender(ChangesSent, NcclSender):
+    """sparse_nccl: each step's changes, found on rank 0's GPU, hashed through a pinned host copy."""
+
+    how = "nccl, sparse"
 
 
 def _waited(in_flight: list[InFlight]) -> str | None:

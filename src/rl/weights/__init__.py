@@ -5,9 +5,11 @@ The package: `digest` (the checksum), `offers` (the files through which trainer 
 `group` (the store, the step's group, broadcasts with deadlines), `header` (what a step announces, bucket plan and
 layout), `sparse` (the codec of a step sent as its changes).
 
-Each way weights travel is one registered transport (`register_transport`, in the manner of vLLM's weight-transfer
-engine factory): the trainer's sender (`Sender`: one `publish` per step) and a server's receiver, imported only when
-a config names them. Nothing else asks which transport a run uses.
+Each way weights travel is one engine per side, registered by name (`SENDERS.register_engine(name, module,
+class)`, `RECEIVERS` likewise, in the manner of vLLM's weight-transfer engine factory): the trainer's sender
+(`Sender`: one `publish` per step) and a server's receiver (`Receiver`: one `receive` per step), imported only when a
+config names them (`transfer.engine`: filesystem, gloo, nccl, sparse_gloo, sparse_nccl). Nothing else asks which
+way a run uses.
 
 With `transfer.backend = "gloo"` a step's weights travel trainer -> every server with no file in between:
 
@@ -45,7 +47,10 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rl.weights.offers import GroupSpec
 
 
 class TransferError(RuntimeError):
@@ -81,41 +86,61 @@ class Sender(ABC):
         """Release what the sender holds (stores, groups, buffers)."""
 
 
-@dataclass(frozen=True)
-class Transport:
-    """Where a transport's ends live, as "module:Class": imported when a config names the transport."""
+class Receiver(ABC):
+    """A server's end of a transport: each step received while generation goes on, into memory of the server's own,
+    and checked against the trainer's sealed checksum; the server then loads what it returns (nothing is loaded
+    here)."""
 
-    sender: str
-    receiver: str | None  # None: servers load its steps as files (`/update_weights {"path"}`)
+    @classmethod
+    @abstractmethod
+    def create(cls, engine, key: bytes, adapters: bool, hold_generation, served) -> Receiver:
+        """The receiver of one server. `engine`: vLLM's engine client (its workers answer `collective_rpc`); `key`:
+        the run's transfer key; `adapters`: whether the server serves LoRA adapters (what a step must be);
+        `hold_generation`: an async context manager factory inside which the server generates nothing; `served`: a
+        call that gives the full weights served (the server's staged step, a handle of the caller's own, to release)
+        where they came over the wire and verified, else None (what a step sent as changes applies to)."""
 
-    def load_sender(self) -> type[Sender]:
-        return _load(self.sender)
-
-    def load_receiver(self) -> type | None:
-        return None if self.receiver is None else _load(self.receiver)
-
-
-def _load(where: str) -> type:
-    module, _, name = where.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-TRANSPORTS: dict[str, Transport] = {}
-
-
-def register_transport(name: str, sender: str, receiver: str | None) -> None:
-    if name in TRANSPORTS:
-        raise ValueError(f"transport {name!r} is registered already")
-    TRANSPORTS[name] = Transport(sender, receiver)
+    @abstractmethod
+    async def receive(self, spec: GroupSpec, step: int):
+        """Step `step`, received through the group `spec` names and checked (the server's `Received`): StepRefused
+        for a step this server will not take, CorruptFileError for one that arrived altered, TransferError for one
+        that did not arrive."""
 
 
-def transport(name: str) -> Transport:
-    try:
-        return TRANSPORTS[name]
-    except KeyError:
-        raise ValueError(f"no transport {name!r} is registered (there are {sorted(TRANSPORTS)})") from None
+class Engines:
+    """One side's engines by name, each "module", "Class", imported when a config names it (vLLM's
+    `WeightTransferEngineFactory`). A name registered with no module has no engine on this side."""
+
+    def __init__(self, side: str):
+        self.side = side
+        self.registry: dict[str, tuple[str, str] | None] = {}
+
+    def register_engine(self, name: str, module: str | None, class_name: str | None) -> None:
+        if name in self.registry:
+            raise ValueError(f"the {self.side} engine {name!r} is registered already")
+        self.registry[name] = None if module is None else (module, class_name)
+
+    def load(self, name: str) -> type | None:
+        """The engine class registered as `name` (None: registered without one); ValueError for another name."""
+        if name not in self.registry:
+            raise ValueError(f"no {self.side} engine {name!r} is registered (there are {sorted(self.registry)})")
+        where = self.registry[name]
+        return None if where is None else getattr(importlib.import_module(where[0]), where[1])
+
+    def __iter__(self):
+        return iter(self.registry)
 
 
-register_transport("filesystem", "rl.trainer.weights:FilesSender", None)
-register_transport("gloo", "rl.trainer.transfer:CollectiveSender", "rl.inference.wire:ApiProcessReceiver")
-register_transport("nccl", "rl.trainer.transfer:CollectiveSender", "rl.inference.wire:FirstWorkerReceiver")
+SENDERS = Engines("sender")
+RECEIVERS = Engines("receiver")
+
+SENDERS.register_engine("filesystem", "rl.trainer.weights", "FilesSender")
+SENDERS.register_engine("gloo", "rl.trainer.transfer", "GlooSender")
+SENDERS.register_engine("nccl", "rl.trainer.transfer", "NcclSender")
+SENDERS.register_engine("sparse_gloo", "rl.trainer.transfer", "SparseGlooSender")
+SENDERS.register_engine("sparse_nccl", "rl.trainer.transfer", "SparseNcclSender")
+RECEIVERS.register_engine("filesystem", None, None)  # servers read its steps as files (`/update_weights {"path"}`)
+RECEIVERS.register_engine("gloo", "rl.inference.wire", "GlooReceiver")
+RECEIVERS.register_engine("nccl", "rl.inference.wire", "NcclReceiver")
+RECEIVERS.register_engine("sparse_gloo", "rl.inference.wire", "SparseGlooReceiver")
+RECEIVERS.register_engine("sparse_nccl", "rl.inference.wire", "SparseNcclReceiver")

@@ -1,8 +1,9 @@
 """The `[transfer]` section every process shares: how each step's weights reach inference (rl/weights/).
 
 A union on `type`: `filesystem` (the default: weights/step_k/ files every step) or `collective` (a broadcast from the
-trainer to every server, with its `backend` and whether it is `sparse`). Each resolves to one registered transport,
-its `way` (rl/weights/__init__.py), once: `backend = "auto"` becomes NCCL's on CUDA hosts and gloo's elsewhere.
+trainer to every server, with its `backend` and whether it is `sparse`). Each names one registered engine per side,
+its `engine` (rl/weights/__init__.py), once its `way` (the backend) is resolved: `backend = "auto"` becomes NCCL's on
+CUDA hosts and gloo's elsewhere.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ class FilesTransfer(Section):
 
     @property
     def way(self) -> str:
+        return "filesystem"
+
+    @property
+    def engine(self) -> str:
+        """The registered engines its steps travel by (rl/weights/__init__.py)."""
         return "filesystem"
 
     def key(self) -> None:
@@ -75,11 +81,17 @@ class CollectiveTransfer(Section):
 
     @property
     def way(self) -> str:
-        """The registered transport its steps travel by: the backend, once resolved."""
+        """The backend its steps travel over, once resolved."""
         if self.backend == "auto":
             raise ConfigError("transfer.backend = 'auto' is resolved on the process's device (trainer and inference "
                               "do so at start); name 'gloo' or 'nccl' where no device is known")
         return self.backend
+
+    @property
+    def engine(self) -> str:
+        """The registered engines its steps travel by (rl/weights/__init__.py): the way, and sparse_ before it where
+        steps go as their changes."""
+        return f"sparse_{self.way}" if self.sparse else self.way
 
     def key(self) -> bytes:
         """The key that seals each step over the wire (rl/weights/digest.py); ConfigError without a secret."""
