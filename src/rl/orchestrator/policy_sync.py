@@ -52,16 +52,13 @@ class PolicySync:
         """Every server that answers loads the newest published weights (none yet: each serves the base model, policy
         0, as a restarted one does)."""
         up = self.servers.up()
-        self.servers.stale -= set(up)
-        self.servers.usable = up
+        self.servers.caught_up(up)
         newest = max(stable_steps(self.paths.weights_root), default=None)
         if newest is None:
             return None
         served = await self.pool.update_weights(newest, str(self.paths.weights(newest).absolute()), up)
         self.logger.info(f"inference now serves policy {newest} ({len(served)} servers)")
-        self.servers.policy_step = newest
-        for i in up:
-            self.servers.served_steps[i] = newest
+        self.servers.all_serve(up, newest)
         return served
 
 
@@ -74,7 +71,7 @@ class FilesSync(PolicySync):
         await self.servers.wait_for_one()
         up = self.servers.up()
         if self.servers.policy_step >= required and not self.servers.stale.intersection(up):
-            self.servers.usable = up
+            self.servers.use(up)
             return None
         if self.servers.policy_step < required:
             what = f"weights of policy {required} (needed by batch {step} with async_level={self.config.async_level})"
@@ -131,9 +128,7 @@ class OffersSync(PolicySync):
                 await self.servers.wait_for_one()
                 served = await self.take(pending[0]) or served
                 continue
-            self.servers.usable = [i for i, s in enumerate(self.servers.served_steps) if s >= required]
-            if self.servers.usable:
-                self.servers.policy_step = min(self.servers.served_steps[i] for i in self.servers.usable)
+            if self.servers.use_those_serving(required):
                 return served
             if self.last_offer >= newest and (served := await self.catch_up_from_files(required)):
                 continue  # no offer will come before this batch: a checkpoint's files brought servers up to date
@@ -179,7 +174,7 @@ class OffersSync(PolicySync):
             if isinstance(result, str):
                 self.logger.warning(f"policy {step} did not reach server {i}: {result}")
             else:
-                self.servers.served_steps[i] = result["step"]
+                self.servers.serve([i], result["step"])
         taken = [r for r in results if not isinstance(r, str)]
         if len(taken) < len(results):
             await self.servers.check()  # one that stopped or restarted mid-transfer gets no requests until it is back
@@ -212,8 +207,7 @@ class OffersSync(PolicySync):
         if newest < required or not behind:
             return None
         served = await self.pool.update_weights(newest, str(self.paths.weights(newest).absolute()), behind)
-        for i in behind:
-            self.servers.served_steps[i] = newest
+        self.servers.serve(behind, newest)
         self.logger.info(f"servers {behind} load policy {newest} from its checkpoint's files (no offer of it is left)")
         return served
 

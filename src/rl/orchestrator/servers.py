@@ -17,7 +17,7 @@ class ServerBoard:
     """One owner of the servers' state: `served_steps` (per server; -1: not answering), `usable` (the servers given
     requests: up to date and up), `policy_step` (the oldest policy the usable ones serve), `instances` (the process
     each last answered from: a new one means it restarted) and `stale` (restarted or gone down since they were last
-    brought up to date)."""
+    brought up to date). Changed only through its methods; the policy sync and the orchestrator read it."""
 
     def __init__(self, pool: InferencePool, client: ClientConfig, logger):
         self.pool, self.client, self.logger = pool, client, logger
@@ -30,6 +30,33 @@ class ServerBoard:
 
     def up(self) -> list[int]:
         return [i for i, instance in enumerate(self.instances) if instance != DOWN]
+
+    def use(self, servers: list[int]) -> None:
+        """Give generation requests to `servers` (up, and up to date) alone."""
+        self.usable = servers
+
+    def caught_up(self, servers: list[int]) -> None:
+        """`servers` are being brought up to date: no longer stale, and the ones given requests."""
+        self.stale -= set(servers)
+        self.use(servers)
+
+    def serve(self, servers: list[int], step: int) -> None:
+        """`servers` now serve policy `step`."""
+        for i in servers:
+            self.served_steps[i] = step
+
+    def all_serve(self, servers: list[int], step: int) -> None:
+        """`servers` (the usable ones) now serve policy `step`, the oldest one in use."""
+        self.serve(servers, step)
+        self.policy_step = step
+
+    def use_those_serving(self, required: int) -> list[int]:
+        """Give requests to the servers that serve policy `required` or newer (the oldest of theirs becomes
+        `policy_step`); those servers."""
+        self.use([i for i, served in enumerate(self.served_steps) if served >= required])
+        if self.usable:
+            self.policy_step = min(self.served_steps[i] for i in self.usable)
+        return self.usable
 
     async def check(self) -> set[int]:
         """Ask every server what it serves; return those that restarted since the last answer (another instance: it
