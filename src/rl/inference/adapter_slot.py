@@ -21,7 +21,7 @@ class AdapterSlot:
 
     async def load(self, path: str, step: int, manifest: dict[str, Entry]) -> dict:
         """Serve the adapter at `path`, the server's private copy of a step (rl.inference.staging), in place of the
-        served adapter, under the one adapter name. Needs generation held (see `PolicyWeights._load`).
+        served adapter, under the one adapter name. Needs generation held (see `Reload.load`).
 
         a. each worker reads the copy's files once, checked against `manifest`, and refuses an adapter that does not
            fit the served LoRA layers (nothing is loaded then);

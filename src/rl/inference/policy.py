@@ -1,18 +1,20 @@
 """The served policy: which step's weights this server serves, and every change to them. `PolicyWeights` takes an
 update (a `step_<k>` directory the trainer published inside the weights dir) through resolution
 (`rl.inference.step_dirs`), the checks of its STABLE marker and manifest, a hold on generation, the reload on every
-vLLM worker (`rl.inference.worker`) and its verification, and rolls back, or refuses generation as broken, when a
-load fails. With LoRA on (InferenceConfig.lora: `--enable-lora --max-lora-rank R --max-loras 1`) a step is an
-adapter (its manifest lists `adapter_config.json`), which replaces the served adapter in place under the one adapter
-name; requests select it with `"model": <adapter name>` (the base model stays servable under its own name), and
-since vLLM's own adapter routes stay refused, adapters change only here. Requests reach this state through
+vLLM worker and its verification, and rolls back, or refuses generation as broken, when a load fails. Which requests
+may generate meanwhile is `rl.inference.admission`'s question; the reload and its verification
+`rl.inference.reload`'s; a step over the wire is received by the engine's receiver (`rl.inference.wire`).
+
+With LoRA on (InferenceConfig.lora: `--enable-lora --max-lora-rank R --max-loras 1`) a step is an adapter (its
+manifest lists `adapter_config.json`), which replaces the served adapter in place under the one adapter name;
+requests select it with `"model": <adapter name>` (the base model stays servable under its own name), and since
+vLLM's own adapter routes stay refused, adapters change only here. Requests reach this state through
 `rl.inference.gate`.
 """
 
 import asyncio
 import contextlib
 import logging
-import math
 import secrets
 import time
 import weakref
@@ -25,7 +27,9 @@ from fastapi import HTTPException
 from rl.adapter import ADAPTER_CONFIG
 from rl.inference import hooks
 from rl.inference.adapter_slot import AdapterSlot
-from rl.inference.reports import merge_reports, timings, why
+from rl.inference.admission import Admission
+from rl.inference.reload import Reload
+from rl.inference.reports import timings, why
 from rl.inference.staging import PrivateCopies, StagedStep, release, stage_weights
 from rl.inference.step_dirs import is_adapter_step, open_step_dir, published_step, resolve_step_dir
 from rl.manifest import CorruptFileError, Entry, OpenDir
@@ -34,9 +38,7 @@ from rl.weights.offers import GroupSpec
 
 logger = logging.getLogger(__name__)
 
-ADMIT_TIMEOUT_S = 900  # longest a generation request waits for a weight update (a large model's reload)
 PROBE_TIMEOUT_S = 60  # the one-token generation that proves the served state clean after a failed load
-PROBE_TOKENS = [0, 1, 2]  # any ids of the vocabulary
 
 
 @dataclass(frozen=True)
@@ -79,12 +81,17 @@ class PolicyWeights:
         receiver = RECEIVERS.load(settings.engine)  # None: steps come as files only
         self.receiver = receiver and receiver.create(engine, settings.transfer_key, settings.lora_name is not None,
                                                      self.generation_held, self._served_over_the_wire)
-        # Generation requests inside vLLM, counted by AdminMiddleware; new ones wait at `admitting`
-        # while the weights change, so only requests already in flight need vLLM to pause.
-        self.in_flight = 0
-        self.admitting = asyncio.Event()
-        self.admitting.set()
-        self.engine_paused = False
+        self.admission = Admission(engine)  # the generation requests, held while the weights change
+        self.reload = Reload(engine, settings.base_model)
+
+    @property
+    def in_flight(self) -> int:
+        """Generation requests inside vLLM, counted by AdminMiddleware."""
+        return self.admission.in_flight
+
+    @in_flight.setter
+    def in_flight(self, count: int) -> None:
+        self.admission.in_flight = count
 
     async def current(self) -> dict:
         if self.checksum is None:
@@ -102,13 +109,7 @@ class PolicyWeights:
 
     async def admit(self) -> str | None:
         """Wait while the weights change; None once a generation request may enter, else why it may not."""
-        deadline = time.monotonic() + ADMIT_TIMEOUT_S
-        while not self.admitting.is_set():  # re-checked on waking: another update may have begun since
-            try:
-                await asyncio.wait_for(self.admitting.wait(), max(deadline - time.monotonic(), 0))
-            except TimeoutError:
-                return f"waited {ADMIT_TIMEOUT_S} s for a weight update to finish"
-        return self.broken
+        return await self.admission.wait() or self.broken
 
     async def update(self, step: int, path: str) -> dict:
         target = resolve_step_dir(self.settings.weights_dir, path, step)
@@ -223,23 +224,16 @@ class PolicyWeights:
             logger.info("generation held (%d requests frozen)", frozen)
             yield
 
-    @contextlib.asynccontextmanager
-    async def _held(self, prove_clean_on_failure: bool = False) -> AsyncIterator[int]:
+    def _held(self, prove_clean_on_failure: bool = False) -> contextlib.AbstractAsyncContextManager[int]:
         """New generation requests wait in AdminMiddleware and those in flight are frozen (their number is yielded)
         until the block ends; a block that failed, with `prove_clean_on_failure`, has what is served proved clean
         before requests are admitted again. Needs the lock."""
-        self.admitting.clear()
-        failed = True
-        try:
-            yield await self._freeze_in_flight()
-            failed = False
-        finally:
-            try:
-                await self._release()
-                if failed and prove_clean_on_failure and not self.broken:
-                    await self._prove_clean()
-            finally:
-                self.admitting.set()
+        return self.admission.held(lambda: self.broken is not None,
+                                   self._prove_clean_unless_broken if prove_clean_on_failure else None)
+
+    async def _prove_clean_unless_broken(self) -> None:
+        if not self.broken:
+            await self._prove_clean()
 
     def _still_serving(self) -> str:
         if self.broken:
@@ -256,8 +250,9 @@ class PolicyWeights:
     async def _prove_clean(self) -> None:
         """After a failed load, prove that what is served computes finite logprobs (one token, the adapter's too
         when one is served); otherwise mark the weights broken and stop generation."""
+        lora = self.slot.request(self.adapter_copy, load_inplace=False) if self.adapter else None
         try:
-            finite = await asyncio.wait_for(self._probe(), PROBE_TIMEOUT_S)
+            finite = await asyncio.wait_for(self.reload.probe(lora), PROBE_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - any failure of the probe is a failure to prove
             finite, reason = False, f"the probe generation failed: {error!r}"
         else:
@@ -265,40 +260,7 @@ class PolicyWeights:
         if not finite:
             self.broken = (f"after a failed load, step {self.step} no longer serves cleanly ({reason}); generation is "
                            "refused until a checkpoint loads and verifies")
-            await self.engine.pause_generation(mode="abort", clear_cache=False)
-            self.engine_paused = True
-
-    async def _probe(self) -> bool:
-        from vllm import SamplingParams
-
-        params = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
-        lora = self.slot.request(self.adapter_copy, load_inplace=False) if self.adapter else None
-        finite = True
-        async for output in self.engine.generate({"prompt_token_ids": PROBE_TOKENS}, params,
-                                                 f"rl-probe-{time.monotonic_ns()}", lora_request=lora):
-            for completion in output.outputs:
-                for entry in completion.logprobs or []:
-                    finite &= all(math.isfinite(lp.logprob) for lp in entry.values())
-        return finite
-
-    async def _freeze_in_flight(self) -> int:
-        """Freeze the requests vLLM is running, so that no token is sampled between the reload and the new
-        weight version (vLLM labels each output token with the version that sampled it). New requests
-        wait at `admitting`, so with none in flight there is nothing to pause."""
-        frozen = self.in_flight
-        if frozen and not self.engine_paused:
-            await self.engine.pause_generation(mode="keep", clear_cache=False)
-            self.engine_paused = True
-        return frozen
-
-    async def _release(self) -> None:
-        """Resume what was frozen; if the weights are broken, abort it and keep vLLM paused instead."""
-        if self.broken:
-            await self.engine.pause_generation(mode="abort", clear_cache=False)
-            self.engine_paused = True
-        elif self.engine_paused:
-            await self.engine.resume_generation()
-            self.engine_paused = False
+            await self.admission.abort()
 
     def _check_kind(self, step: int, target: str, manifest: dict[str, Entry]) -> None:
         """400 unless the step is what this server loads: adapter steps with LoRA on, full weights without."""
@@ -315,7 +277,7 @@ class PolicyWeights:
                       staged: StagedStep | str) -> dict:
         """Load and verify the staged step while generation is held; needs the lock."""
         adapter = not isinstance(staged, StagedStep)
-        report = await (self.slot.load(staged, step, manifest) if adapter else self._load(staged, step))
+        report = await (self.slot.load(staged, step, manifest) if adapter else self.reload.load(staged, step))
         if not report["ok"]:
             raise await self._refuse(step, target, report)
         if adapter:
@@ -337,30 +299,10 @@ class PolicyWeights:
         """Verify the weights loaded at start-up once, giving step 0 its checksum. Needs the lock."""
         if self.checksum is not None:
             return
-        report = merge_reports(await self.engine.collective_rpc("rl_check_served", args=(self.path,)))
+        report = await self.reload.verify_base(self.path)
         if not report["ok"]:
             raise HTTPException(500, f"the base model's served weights do not match {self.path}: {why(report)}")
         self.checksum = report["checksum"]
-        await self.engine.update_weight_version("0")
-
-    async def _load(self, staged: StagedStep | None, step: int) -> dict:
-        """Reload on every worker (every tensor-parallel rank) from the staged step's files (None: the base model's
-        directory), and verify what each then serves; once verified, vLLM labels what it samples with `step`.
-
-        Needs generation held (no KV is computed until `_release`), so the prefix cache can be dropped
-        while the worker reloads: running requests are preempted and their prompts and tokens so far
-        recomputed with the new weights when generation resumes.
-        """
-        args = (None, self.settings.base_model) if staged is None else (staged.rpc(), None)
-        faults = hooks.reload_faults()
-        reset = asyncio.create_task(self.engine.reset_prefix_cache(reset_running_requests=True))
-        report = merge_reports(await self.engine.collective_rpc("rl_load_weights", args=(*args, faults)))
-        await reset
-        if staged is not None:
-            report["bytes_read"] = staged.bytes
-        if report["ok"]:
-            await self.engine.update_weight_version(str(step))
-        return report
 
     async def _refuse(self, step: int, target: str, report: dict) -> HTTPException:
         """Answer a failed load, rolling back to the served step when weights were touched. A file that failed
@@ -385,13 +327,13 @@ class PolicyWeights:
         staged again from their directory (checked against the manifest they verified with), or from the bytes kept
         when they came over the wire."""
         if self.wire_staged is not None:
-            return await self._load(self.wire_staged, self.step)
+            return await self.reload.load(self.wire_staged, self.step)
         if is_adapter_step(self.manifest):
             return await self.slot.load(self.adapter_copy, self.step, self.manifest)
         if self.settings.lora_name is not None:  # no adapter was served yet: the base model, step 0
             return await self.slot.remove()
         if self.manifest is None:
-            return await self._load(None, self.step)
+            return await self.reload.load(None, self.step)
         try:
             with open_step_dir(self.settings.weights_dir, self.path) as directory:
                 staged = await asyncio.to_thread(stage_weights, directory, self.manifest)
@@ -399,6 +341,6 @@ class PolicyWeights:
             return {"ok": False, "reloaded": False, "mismatched": [f"step {self.step}'s files: {error}"],
                     "differing": []}
         try:
-            return await self._load(staged, self.step)
+            return await self.reload.load(staged, self.step)
         finally:
             await release(staged)
