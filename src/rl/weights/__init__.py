@@ -127,9 +127,6 @@ class Engines:
         where = self.registry[name]
         return None if where is None else getattr(importlib.import_module(where[0]), where[1])
 
-    def __iter__(self):
-        return iter(self.registry)
-
 
 SENDERS = Engines("sender")
 RECEIVERS = Engines("receiver")
