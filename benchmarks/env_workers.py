@@ -2,7 +2,7 @@
 
 The environment (`tests/fixtures/environments/cpu_score`) spins for `--score-ms` (50) of CPU in each rollout's
 reward, on its worker's event loop, as parsers, code execution and judges do. One tiny-model inference server is
-shared by both sides; each round starts an env server (`rl.env_server`) with 1 or 2 workers, waits for it, warms
+shared by both sides; each round starts an env server (`rl.envs.server`) with 1 or 2 workers, waits for it, warms
 it with a few rollouts, then times `--rollouts` (64) rollouts, all sent at once through verifiers' `EnvClient`.
 Rounds alternate 1, 2, 2, 1, ... (the machine is noisy); the last line is the ratio of the medians:
 
@@ -73,7 +73,7 @@ def measure(root: Path, server: Server, workers: int, rollouts: int, score_ms: f
     log = root / f"env-server-{round_}-{workers}.log"
     args = json.dumps({"num_examples": 256, "score_ms": score_ms})
     process = subprocess.Popen(
-        [sys.executable, "-m", "rl.env_server", "--env.id", "cpu-score", "--env.args", args,
+        [sys.executable, "-m", "rl.envs.server", "--env.id", "cpu-score", "--env.args", args,
          "--workers", str(workers), "--address", address],
         cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
         env=os.environ | {"PYTHONPATH": str(FIXTURES)})

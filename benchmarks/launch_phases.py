@@ -43,7 +43,7 @@ PHASES = [  # (phase, log, the first line that ends it; None: the log's first st
 
 ROLES = [  # (kind of process, what its command line holds); the first that matches names it
     ("launcher", "rl.launcher.main"), ("inference", "rl.inference.main"), ("inference", "VLLM::"),
-    ("orchestrator", "rl.orchestrator.main"), ("env servers", "rl.env_server"), ("trainer ranks", "rl.trainer.main"),
+    ("orchestrator", "rl.orchestrator.main"), ("env servers", "rl.envs.server"), ("trainer ranks", "rl.trainer.main"),
     ("torchrun", "torch.distributed.run"),
 ]
 

@@ -44,13 +44,13 @@ import httpx
 import psutil
 from transformers import AutoTokenizer
 
-from rl.env_config import EnvConfig
+from rl.envs.config import EnvConfig
 from rl.orchestrator.config import GROUP_GAP_S
-from rl.orchestrator.environment import load_environment
-from rl.orchestrator.rollouts import (
+from rl.envs.loading import load_environment
+from rl.envs.rollouts import (
     InferenceClient, Sampling, apply_patches, run_group, tune_gc_for_serving,
 )
-from rl.orchestrator.slots import RolloutSlots
+from rl.envs.slots import RolloutSlots
 from rl.renderer import renderer_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +160,8 @@ async def measure(args, base_url: str, server_pid: int | None = None, plain: tup
                              group_gap_s=args.group_gap_s)
     async with env.serving():  # its env server, started as this process's child (none for --workers 0)
         tune_gc_for_serving()  # as the orchestrator does once its environments serve
-        env_server = env.served.child.process.pid if env.served else None
+        child = getattr(env.runner, "child", None)  # an env server this process started (--workers > 0)
+        env_server = child.process.pid if child else None
         await orchestrator_side(args, env, client)  # warm-up both paths
         await raw_side(args, prompts, base_url)
         ratios = []

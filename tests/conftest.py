@@ -13,7 +13,7 @@ FIXTURE_ENVIRONMENTS = ROOT / "tests" / "fixtures" / "environments"
 @pytest.fixture(autouse=True, scope="session")
 def environment_process_patches():
     """What the orchestrator's and eval's main() apply first (rl/patches/): tests run their parts in this process."""
-    from rl.orchestrator.rollouts import apply_patches
+    from rl.envs.worker import apply_patches
 
     apply_patches()
 

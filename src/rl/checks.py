@@ -99,7 +99,7 @@ def check_lora_targets(config: TrainerConfig) -> None:
 def check_environments(config: OrchestratorConfig) -> None:
     """Load every training and eval environment once, as the orchestrator will, and pick the model's
     renderer for them (one that can do tools where an environment serves tools)."""
-    from rl.orchestrator.environment import EnvLoadError, load_environments
+    from rl.envs.loading import EnvLoadError, load_environments
     from rl.renderer import chat_renderer
 
     loaded = []

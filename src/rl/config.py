@@ -26,6 +26,8 @@ from rl.config_help import config_help
 # it cannot take the files as an argument). Keyed by class so nested defaults do not pick it up.
 _toml_layer: ContextVar[tuple[type | None, dict[str, Any]]] = ContextVar("_toml_layer", default=(None, {}))
 
+API_KEY_VAR = "RL_INFERENCE_API_KEY"  # holds the key of rl's inference servers, read by each of their clients
+
 
 class ConfigError(ValueError):
     """A configuration mistake made by the user: the message names the field and the fix."""

@@ -97,8 +97,8 @@ class Launched:
 
     def stacks(self, settle_s: float = 2.0) -> str:
         """Where each of the run's processes waits: every rl process is asked for its threads' stacks (SIGUSR1,
-        rl/teardown.py), which it writes to its log; the end of each log, and of the launcher's output."""
-        from rl.teardown import STACKS_SIGNAL  # here: benchmarks/launch_phases.py runs older rl with this module
+        rl/process.py), which it writes to its log; the end of each log, and of the launcher's output."""
+        from rl.process import STACKS_SIGNAL  # here: benchmarks/launch_phases.py runs older rl with this module
 
         rl_processes = [p for p in [psutil.Process(self.proc.pid), *self.descendants()] if is_rl_process(p)]
         for process in rl_processes:

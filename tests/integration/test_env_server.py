@@ -1,4 +1,4 @@
-"""rl's env server (`env-server`, rl/env_server.py): an environment served by verifiers' env-server pool, its
+"""rl's env server (`env-server`, rl/envs/server.py): an environment served by verifiers' env-server pool, its
 episodes run in worker processes that call the real inference server themselves, sent and received through
 verifiers' own `EnvClient`."""
 
@@ -16,11 +16,12 @@ from verifiers.v1.episode import WireEpisode
 from verifiers.v1.serve import EnvClient
 from verifiers.v1.serve.delta import DeltaStreamer, EpisodeAssembly, TraceSummary, dump, pack, unpack
 
-from rl.env_config import EnvConfig
-from rl.orchestrator.environment import load_environment
-from rl.episode_groups import AgentConfigs, GroupClient, episode_record
-from rl.orchestrator.env_servers import ServedEpisodes
-from rl.orchestrator.rollouts import InferenceClient, Sampling, apply_patches, model_contexts, run_group, to_result
+from rl.envs.config import EnvConfig
+from rl.envs.loading import load_environment
+from rl.envs.groups import AgentConfigs, GroupClient, episode_record
+from rl.envs.client import ServedEpisodes
+from rl.envs.rollouts import InferenceClient, Sampling, model_contexts, run_group, to_result
+from rl.envs.worker import apply_patches
 from rl.protocol import RunPaths, read_metrics
 from rl.renderer import renderer_config
 from rl.tiny_model import build_tiny_model
@@ -45,7 +46,7 @@ def start_env_server(tmp_path, workers: int) -> tuple[subprocess.Popen, str]:
     address = f"ipc://{tmp_path}/reverse-text.sock"
     log = open(tmp_path / "env-server.log", "wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "rl.env_server", "--env.id", "reverse-text", "--env.args", str(ARGS).replace("'", '"'),
+        [sys.executable, "-m", "rl.envs.server", "--env.id", "reverse-text", "--env.args", str(ARGS).replace("'", '"'),
          "--workers", str(workers), "--address", address], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     return process, address
 
@@ -93,14 +94,14 @@ def test_episodes_run_in_the_pools_workers_and_come_back_as_token_samples(server
 
 
 def test_a_group_goes_to_a_worker_as_one_request_and_its_episodes_come_back_whole(server, tmp_path, monkeypatch):
-    """rl's `run_group` (rl/episode_groups.py): each group one request, answered with its episodes whole; an episode
+    """rl's `run_group` (rl/envs/groups.py): each group one request, answered with its episodes whole; an episode
     crosses as verifiers' client would assemble it from its deltas (compared on episodes run in this process)."""
     apply_patches()
     process, address = start_env_server(tmp_path, workers=2)
     client = InferenceClient(server.url, str(server.model), str(server.model),
                              renderer_config("auto", str(server.model))[0])
     served, local = (load_environment(EnvConfig(id="reverse-text", args=ARGS, workers=w)) for w in (1, 0))
-    served.served = ServedEpisodes("reverse-text", address)
+    served.runner = ServedEpisodes("reverse-text", address)
     sent = []
     run_request = GroupClient.run_group
 
@@ -111,11 +112,11 @@ def test_a_group_goes_to_a_worker_as_one_request_and_its_episodes_come_back_whol
     monkeypatch.setattr(GroupClient, "run_group", counted)
 
     async def go():
-        await served.served.start(120)
+        await served.runner.start(120)
         try:
             groups = await asyncio.gather(*(run_group(served, i, 4, client, Sampling(max_tokens=12)) for i in range(3)))
         finally:
-            await served.served.close()
+            await served.runner.close()
         async with local.serving():
             contexts = [*model_contexts(client, Sampling(max_tokens=12), 2), *model_contexts(client, Sampling(), 1)]
             # one at a time: renderers' first lookup of a server's context length takes a lock of the module's,
@@ -149,7 +150,7 @@ def assembled_from_deltas(episode: vf.Episode) -> dict:
 
 
 def test_a_wrong_env_table_fails_the_start_naming_the_key(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "rl.env_server", "--env.id", "reverse-text", "--env.args",
+    done = subprocess.run([sys.executable, "-m", "rl.envs.server", "--env.id", "reverse-text", "--env.args",
                            '{"num_examples": "many"}', "--address", f"ipc://{tmp_path}/x.sock"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "num_examples" in done.stderr, done.stderr[-2000:]

@@ -19,9 +19,9 @@ from transformers import AutoTokenizer
 from rl.orchestrator.advantage import compute_advantages
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.main import Orchestrator
-from rl.env_config import EnvConfig
-from rl.orchestrator.environment import load_environment
-from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group
+from rl.envs.config import EnvConfig
+from rl.envs.loading import load_environment
+from rl.envs.rollouts import InferenceClient, Sampling, run_group
 from rl.renderer import renderer_config
 from rl.protocol import RunPaths, is_stable, mark_stable, read_batch, read_metrics
 from rl.tiny_model import build_tiny_model
@@ -59,7 +59,7 @@ def client(server) -> InferenceClient:
 
 def env_servers_started() -> list[str]:
     """The env servers this process started (its children; their workers, forked, are theirs)."""
-    return [" ".join(p.cmdline()) for p in psutil.Process().children() if "rl.env_server" in p.cmdline()]
+    return [" ".join(p.cmdline()) for p in psutil.Process().children() if "rl.envs.server" in p.cmdline()]
 
 
 @pytest.mark.parametrize("workers", [None, 0], ids=["env-server", "in-process"])

@@ -12,9 +12,9 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from rl.env_config import EnvConfig
-from rl.orchestrator.environment import load_environment
-from rl.orchestrator.rollouts import InferenceClient, Sampling, run_group
+from rl.envs.config import EnvConfig
+from rl.envs.loading import load_environment
+from rl.envs.rollouts import InferenceClient, Sampling, run_group
 from rl.protocol import RunPaths, read_metrics
 from rl.renderer import renderer_config
 from tests.conftest import ROOT

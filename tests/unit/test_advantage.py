@@ -74,7 +74,7 @@ def test_the_gate_leaves_the_rollouts_outside_it_out_of_the_batch():
     """The orchestrator's group_samples with a gate: rewards 0, 0, 1, 1 give |A| = 1 each (admitted by [0.5, 1.5]);
     0, 1, 1, 1 give |A| = 1.73 for the 0 (dropped) and 0.58 for the others."""
     from rl.orchestrator.main import Orchestrator, StepBatch
-    from rl.orchestrator.rollouts import GroupOutcome, RolloutResult, TokenSegment
+    from rl.envs.rollouts import GroupOutcome, RolloutResult, TokenSegment
 
     orchestrator = Orchestrator.__new__(Orchestrator)  # group_samples reads only the config
     orchestrator.config = OrchestratorConfig(advantage={"gate": [0.5, 1.5]}, rollouts_per_example=4)

@@ -17,7 +17,8 @@ import torch
 from vllm.platforms import cpu
 
 from rl import patches
-from rl.inference import forked, server
+from rl import process
+from rl.inference import cpu_fork, server
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def test_after_the_platforms_own_check_vllm_forks(platform_check):
     cpu.CpuPlatform().check_and_update_config("config")
     assert seen == ["config"]  # the platform's other settings are still made, once
     assert os.environ[patches.START_METHOD_ENV] == "fork"
-    assert hooks == [{"before": forked.before_fork, "after_in_child": forked.child}]
+    assert hooks == [{"before": process.before_fork, "after_in_child": cpu_fork.child}]
 
 
 def test_a_start_method_the_user_set_is_kept(platform_check, monkeypatch):
@@ -66,7 +67,7 @@ def test_a_start_method_the_user_set_is_kept(platform_check, monkeypatch):
     ({"GOMP_CPU_AFFINITY": "0 x"}, None),
 ])
 def test_the_cores_openmp_would_bind_to(environ, cores):
-    assert forked.omp_cores(environ) == cores
+    assert cpu_fork.omp_cores(environ) == cores
 
 
 def in_a_fork(child) -> str:
@@ -93,7 +94,7 @@ def test_a_forked_child_takes_the_cores_and_threads_its_environment_names(monkey
     threads_before = torch.get_num_threads()
 
     def child() -> str:
-        forked.bind_threads_from_environment()
+        cpu_fork.bind_threads_from_environment()
         return json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads()])
 
     assert json.loads(in_a_fork(child)) == [[allowed[-1]], 1]
@@ -117,7 +118,7 @@ def test_a_forked_child_keeps_no_tcp_listener_of_its_parent():
                        "pair": connected_pair[0].fileno()}
 
         def child() -> str:
-            forked.close_inherited_listeners()
+            process.close_inherited_listeners()
             still = {}
             for name, fd in descriptors.items():
                 try:
@@ -139,17 +140,17 @@ def test_the_process_that_registered_the_hooks_freezes_its_objects_before_it_for
     """A forked child's collections skip its parent's objects; a child that forks again while it runs (a subprocess
     with a preexec_fn) must not freeze its garbage for good."""
     monkeypatch.setattr(os, "register_at_fork", lambda **hook: None)
-    monkeypatch.setattr(forked, "_hooks_owner", None)
-    forked.register_fork_hooks(after_in_child=forked.child)
+    monkeypatch.setattr(process, "_hooks_owner", None)
+    process.register_fork_hooks(after_in_child=cpu_fork.child)
     gc.unfreeze()
     try:
-        forked.before_fork()
+        process.before_fork()
         assert gc.get_freeze_count() > 0
         gc.unfreeze()
         child = os.fork()
         if child == 0:  # the hooks are inherited, their owner is not
             gc.unfreeze()
-            forked.before_fork()
+            process.before_fork()
             os._exit(0 if gc.get_freeze_count() == 0 else 1)
         assert os.waitpid(child, 0)[1] == 0, "a child of the hooks' owner froze its objects"
     finally:
@@ -162,11 +163,11 @@ def test_a_forked_child_ends_when_its_parent_dies():
     middle = os.fork()
     if middle == 0:  # forks the child, reports its pid, then dies
         try:
-            forked.remember_forking_parent()
+            process.remember_forking_parent()
             child = os.fork()
             if child == 0:
                 try:
-                    forked.end_with_parent()
+                    process.end_with_parent()
                     time.sleep(60)
                 finally:
                     os._exit(0)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from rl.env_config import DifficultySampling, EpochSampling
+from rl.envs.config import DifficultySampling, EpochSampling
 from rl.orchestrator.sampler import DifficultyPools, TaskSampler
 from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.protocol import RunPaths

@@ -212,7 +212,8 @@ def test_the_launcher_checks_a_run_without_torch_on_a_host_without_gpus():
 
     if any(any(Path("/dev").glob(node)) for node in GPU_DEVICE_NODES):
         pytest.skip("this host has a GPU device node: the launcher asks torch")
-    code = ("import sys; from rl.launcher.main import cuda_device_count; import rl.env_server as e; e.set_up_worker(); "
+    code = ("import sys; from rl.launcher.main import cuda_device_count; "
+            "import rl.envs.server as e; e.set_up_worker(); "
             "print(cuda_device_count(), sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

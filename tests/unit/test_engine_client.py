@@ -12,8 +12,8 @@ from renderers.client import generate
 from verifiers.v1.clients.train import TrainClient
 from verifiers.v1.errors import model_error
 
-from rl.orchestrator.engine_client import EngineClient
-from rl.orchestrator.rollouts import API_KEY_VAR
+from rl.envs.engine_client import EngineClient
+from rl.config import API_KEY_VAR
 
 TOKENS = [11, 12, 13]
 

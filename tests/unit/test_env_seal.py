@@ -1,4 +1,4 @@
-"""An env server beyond loopback is sealed with the run's secret (rl/env_seal.py): a real env server on TCP, reached
+"""An env server beyond loopback is sealed with the run's secret (rl/envs/seal.py): a real env server on TCP, reached
 by verifiers' own client sealed or not; a peer without the secret gets nothing run (the model it names is never
 called), and neither end starts beyond loopback without a secret."""
 
@@ -12,11 +12,11 @@ import verifiers.v1 as vf
 from pydantic import ValidationError
 from verifiers.v1.serve import EnvClient
 
-from rl.env_config import EnvConfig
-from rl.env_seal import beyond_loopback, seal_client
-from rl.env_server import EnvServerConfig
-from rl.orchestrator.environment import load_environment
-from rl.orchestrator.rollouts import apply_patches
+from rl.envs.config import EnvConfig
+from rl.envs.seal import beyond_loopback, seal_client
+from rl.envs.server import EnvServerConfig
+from rl.envs.loading import load_environment
+from rl.envs.worker import apply_patches
 from tests.conftest import ROOT
 from tests.integration.launched import free_port, stop_process
 from tests.unit.test_eval_chat_api import KEY, MODEL, FakeOpenAI, fake_openai  # noqa: F401, F811 - a fixture
@@ -50,7 +50,7 @@ def test_neither_end_goes_beyond_loopback_without_a_secret(monkeypatch):
 def sealed_server(tmp_path):
     address = f"tcp://127.0.0.1:{free_port()}"
     log = open(tmp_path / "env-server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "rl.env_server", "--env.id", "reverse-text", "--env.args",
+    proc = subprocess.Popen([sys.executable, "-m", "rl.envs.server", "--env.id", "reverse-text", "--env.args",
                              '{"num_examples": 4}', "--workers", "1", "--address", address, "--secret", SECRET],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"FAKE_KEY": KEY})
     yield address, tmp_path / "env-server.log"

@@ -1,4 +1,4 @@
-"""What the orchestrator does when an env server misbehaves (rl/orchestrator/env_servers.py), against a fake server
+"""What the orchestrator does when an env server misbehaves (rl/envs/client.py), against a fake server
 that speaks rl's env-server protocol (a ZMQ ROUTER: verifiers' health and cancel, rl's run_group) and misbehaves on
 purpose, and one real child server that dies."""
 
@@ -10,11 +10,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from rl.env_config import EnvConfig
-from rl.orchestrator import env_servers
-from rl.orchestrator.env_servers import EnvServerError, ServedEpisodes
-from rl.orchestrator.environment import load_environment
-from rl.orchestrator.rollouts import ChatClient, RolloutError, Sampling, apply_patches, run_group, run_group_retried
+from rl.envs.config import EnvConfig
+from rl.envs import client as env_servers
+from rl.envs.client import EnvServerError, ServedEpisodes
+from rl.envs.loading import load_environment
+from rl.envs.rollouts import ChatClient, RolloutError, Sampling, run_group, run_group_retried
+from rl.envs.worker import apply_patches
 
 OK = msgpack.packb({"success": True, "error": None})
 
@@ -60,7 +61,7 @@ def environment():
 
 def served_by_fake(environment, tmp_path) -> str:
     address = f"ipc://{tmp_path}/fake.sock"
-    environment.served = ServedEpisodes("reverse-text", address)
+    environment.runner = ServedEpisodes("reverse-text", address)
     return address
 
 
@@ -70,7 +71,7 @@ CLIENT = ChatClient("http://127.0.0.1:9/v1", "m")  # never called: the fake runs
 def test_an_episode_that_hangs_is_cancelled_on_its_server_at_the_rollout_deadline(environment, tmp_path):
     async def scenario() -> None:
         fake = FakeEnvServer(served_by_fake(environment, tmp_path), runs="hang")
-        await environment.served.start(10)
+        await environment.runner.start(10)
         started = time.monotonic()
         with pytest.raises(RolloutError, match="group of 2 rollouts of task 0 timed out after 1.0s"):
             await run_group(environment, 0, 2, CLIENT, Sampling(), timeout_s=1.0)
@@ -79,7 +80,7 @@ def test_an_episode_that_hangs_is_cancelled_on_its_server_at_the_rollout_deadlin
         while not fake.cancelled and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert fake.cancelled == fake.ran and fake.episodes == [2]  # the group's one request, on its server
-        await environment.served.close()
+        await environment.runner.close()
         await fake.stop()
 
     asyncio.run(scenario())
@@ -88,13 +89,13 @@ def test_an_episode_that_hangs_is_cancelled_on_its_server_at_the_rollout_deadlin
 def test_an_episode_that_raises_fails_its_group_which_is_run_again_then_dropped_with_the_error(environment, tmp_path):
     async def scenario() -> None:
         fake = FakeEnvServer(served_by_fake(environment, tmp_path), runs="fail")
-        await environment.served.start(10)
+        await environment.runner.start(10)
         warnings: list[str] = []
         outcome = await run_group_retried(environment, 1, 2, CLIENT, Sampling(), None, 30, 1, warnings.append)
         assert outcome.results is None and outcome.error == "EnvServerError" and outcome.retries == 1
         assert "failed a group: ZeroDivisionError: the scorer divided by 0" in outcome.message
         assert fake.episodes == [2, 2] and len(warnings) == 2  # a group of 2, 2 attempts, each failure logged
-        await environment.served.close()
+        await environment.runner.close()
         await fake.stop()
 
     asyncio.run(scenario())
@@ -106,9 +107,9 @@ def test_a_server_that_never_answers_fails_the_start_naming_it_within_its_deadli
         started = time.monotonic()
         with pytest.raises(EnvServerError, match=r"'reverse-text' at ipc://.*fake.sock did not answer its health "
                                                  r"check within 2 s"):
-            await environment.served.start(2)
+            await environment.runner.start(2)
         assert time.monotonic() - started < 4
-        await environment.served.close()
+        await environment.runner.close()
         await fake.stop()
 
     asyncio.run(scenario())
@@ -120,7 +121,7 @@ def test_a_server_that_stops_answering_loses_the_episodes_it_holds_at_once(envir
 
     async def scenario() -> None:
         fake = FakeEnvServer(served_by_fake(environment, tmp_path), runs="hang")
-        await environment.served.start(10)
+        await environment.runner.start(10)
         group = asyncio.ensure_future(run_group(environment, 0, 2, CLIENT, Sampling(), timeout_s=60))
         await asyncio.sleep(0.5)
         fake.healthy = False
@@ -128,7 +129,7 @@ def test_a_server_that_stops_answering_loses_the_episodes_it_holds_at_once(envir
         with pytest.raises(EnvServerError, match="stopped answering or was restarted: this group's episodes were lost"):
             await group
         assert time.monotonic() - started < 3  # two missed checks, not the rollout's 60 s
-        await environment.served.close()
+        await environment.runner.close()
         await fake.stop()
 
     asyncio.run(scenario())
@@ -145,7 +146,7 @@ def test_a_group_run_again_after_its_server_died_waits_for_the_restarted_server_
     async def scenario() -> None:
         address = served_by_fake(environment, tmp_path)
         first = FakeEnvServer(address, runs="hang")
-        await environment.served.start(10)
+        await environment.runner.start(10)
         group = asyncio.ensure_future(run_group_retried(environment, 0, 2, CLIENT, Sampling(), None, 30, 1,
                                                         lambda line: None))
         await asyncio.sleep(0.5)
@@ -156,7 +157,7 @@ def test_a_group_run_again_after_its_server_died_waits_for_the_restarted_server_
         outcome = await asyncio.wait_for(group, 10)
         assert outcome.retries == 1 and second.episodes == [2], (outcome, second.ran)  # the group, once
         assert "failed a group: ZeroDivisionError" in outcome.message  # the new server's answer, not a loss
-        await environment.served.close()
+        await environment.runner.close()
         await second.stop()
 
     asyncio.run(scenario())
@@ -168,7 +169,7 @@ def test_a_server_down_past_its_recovery_deadline_fails_what_waits(environment, 
 
     async def scenario() -> None:
         fake = FakeEnvServer(served_by_fake(environment, tmp_path), runs="hang")
-        await environment.served.start(2)
+        await environment.runner.start(2)
         group = asyncio.ensure_future(run_group_retried(environment, 0, 2, CLIENT, Sampling(), None, 30, 1,
                                                         lambda line: None))
         await asyncio.sleep(0.5)
@@ -177,7 +178,7 @@ def test_a_server_down_past_its_recovery_deadline_fails_what_waits(environment, 
         outcome = await asyncio.wait_for(group, 10)
         assert outcome.results is None and "has not answered since, for 2 s" in outcome.message, outcome
         assert time.monotonic() - started < 5
-        await environment.served.close()
+        await environment.runner.close()
         await fake.stop()
 
     asyncio.run(scenario())
@@ -192,14 +193,14 @@ def test_a_child_server_that_dies_ends_the_run_naming_it():
     async def scenario() -> None:
         async with environment.serving():
             deadline = time.monotonic() + 15
-            while environment.served.workers != 1 and time.monotonic() < deadline:  # its health reply says so
+            while environment.runner.workers != 1 and time.monotonic() < deadline:  # its health reply says so
                 await asyncio.sleep(0.1)
-            assert environment.served.workers == 1
-            environment.served.child.process.kill()
+            assert environment.runner.workers == 1
+            environment.runner.child.process.kill()
             await asyncio.sleep(30)
 
     started = time.monotonic()
     with pytest.raises(EnvServerError, match=r"the env server started for 'reverse-text' exited with code -9"):
         asyncio.run(scenario())
     assert time.monotonic() - started < 40
-    assert environment.served.child.directory is not None and not environment.served.child.directory.exists()
+    assert environment.runner.child.directory is not None and not environment.runner.child.directory.exists()

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from rl.env_config import EnvConfig
+from rl.envs.config import EnvConfig
 from rl.orchestrator.config import OrchestratorConfig
-from rl.orchestrator.environment import EnvLoadError, load_environment, load_environments
+from rl.envs.loading import EnvLoadError, load_environment, load_environments
 from tests.conftest import ROOT
 
 FIXTURES = ROOT / "tests" / "fixtures" / "environments"

@@ -15,7 +15,7 @@ from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.errors import ProviderError
 
 from rl.eval import main as eval_main
-from rl.orchestrator.rollouts import ChatClient
+from rl.envs.rollouts import ChatClient
 from tests.integration.launched import free_port
 
 KEY = "sk-test-not-a-real-key"

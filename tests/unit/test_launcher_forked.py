@@ -104,8 +104,8 @@ def test_the_child_shows_the_command_it_runs(child_module, tmp_path):
 
 
 def test_only_python_dash_m_of_this_interpreter_is_forked():
-    assert module_of([sys.executable, "-m", "rl.env_server", "@", "x.toml"]) == "rl.env_server"
-    assert module_of(["/usr/bin/python3", "-m", "rl.env_server"]) is None
+    assert module_of([sys.executable, "-m", "rl.envs.server", "@", "x.toml"]) == "rl.envs.server"
+    assert module_of(["/usr/bin/python3", "-m", "rl.envs.server"]) is None
     assert module_of([sys.executable, "script.py"]) is None
 
 

@@ -9,8 +9,8 @@ from aiohttp import web
 import in_process_chat
 from guess_number import feedback, parse_guess
 from in_process_chat import ModelCallError, SharedChatSession, complete
-from rl.env_config import EnvConfig
-from rl.orchestrator.environment import load_environment as load_spec
+from rl.envs.config import EnvConfig
+from rl.envs.loading import load_environment as load_spec
 from tool_calc import CalcToolset, ToolCalcTaskset, last_number
 
 
@@ -142,7 +142,7 @@ def test_rollouts_reach_their_interception_server_in_process_not_over_http(monke
     """An env server's worker offers in_process_chat each interception server's model route: a rollout's model calls
     go to verifiers' handler directly (HTTP to the server is refused here), and are recorded and answered as before.
     The episodes run here as a worker runs them (its environment serving, the shared session held)."""
-    from rl.orchestrator.rollouts import ChatClient, Sampling, model_contexts, to_chat_result
+    from rl.envs.rollouts import ChatClient, Sampling, model_contexts, to_chat_result
 
     async def over_http(*args, **kwargs):
         raise AssertionError("a model call went over HTTP to the interception server")

@@ -4,7 +4,7 @@ import pytest
 
 from rl.orchestrator.advantage import grpo_advantages
 from rl.orchestrator.batch import balance_by_tokens
-from rl.orchestrator.slots import RolloutSlots
+from rl.envs.slots import RolloutSlots
 from rl.orchestrator.sampler import TaskSampler
 from rl.protocol import Sample
 
@@ -55,7 +55,7 @@ def test_default_factories_behave_the_same_with_their_inspection_cached():
     from pydantic import BaseModel, Field
     from pydantic._internal import _fields
 
-    import rl.orchestrator.rollouts  # noqa: F401 - installs the cache
+    import rl.envs.worker  # noqa: F401 - installs the cache
 
     class Model(BaseModel):
         a: int = 1
@@ -74,7 +74,7 @@ def test_default_factories_behave_the_same_with_their_inspection_cached():
 def test_gc_tuned_for_serving_freezes_the_startup_heap_and_collects_young_objects_less_often():
     import gc
 
-    from rl.orchestrator.rollouts import YOUNG_GC_THRESHOLD, tune_gc_for_serving
+    from rl.envs.worker import YOUNG_GC_THRESHOLD, tune_gc_for_serving
 
     before = gc.get_threshold()
     try:
@@ -88,7 +88,7 @@ def test_gc_tuned_for_serving_freezes_the_startup_heap_and_collects_young_object
 
 
 def rollout(reward: float, metrics: dict | None = None, rewards: dict | None = None, task_index: int = 0, **tools):
-    from rl.orchestrator.rollouts import RolloutResult, TokenSegment
+    from rl.envs.rollouts import RolloutResult, TokenSegment
 
     segment = TokenSegment([1, 2], [3, 4], [1, 1], [-0.1, -0.2])
     return RolloutResult(task_index, "t", [segment], reward, rewards or {"r": reward}, metrics or {}, False, 1, **tools)
@@ -128,7 +128,7 @@ def test_a_failing_eval_group_is_retried_then_dropped_and_counted(monkeypatch):
     """One eval task's rollouts always fail: the others are scored, it is counted under eval/dropped."""
     import asyncio
 
-    from rl.orchestrator import rollouts
+    from rl.envs import rollouts
     from rl.orchestrator.config import EvalConfig
     from rl.orchestrator.eval import eval_stats, run_eval_groups
 
@@ -187,7 +187,7 @@ def test_an_env_pool_that_no_longer_starts_workers_from_a_context_is_refused_nam
 
 
 def test_training_rollouts_ask_vllm_for_tokens_only_unless_stop_strings_need_the_text():
-    from rl.orchestrator.rollouts import ChatClient, InferenceClient, Sampling, model_contexts
+    from rl.envs.rollouts import ChatClient, InferenceClient, Sampling, model_contexts
 
     def model_context(client, sampling, _):
         return model_contexts(client, sampling, 1)[0]
@@ -202,7 +202,7 @@ def test_training_rollouts_ask_vllm_for_tokens_only_unless_stop_strings_need_the
 
 
 def test_a_groups_rollouts_share_their_configs_and_seeded_ones_get_a_seed_each():
-    from rl.orchestrator.rollouts import InferenceClient, Sampling, model_contexts
+    from rl.envs.rollouts import InferenceClient, Sampling, model_contexts
 
     train = InferenceClient("http://127.0.0.1:8000", "m", "/models/m", renderer=None)
     unseeded = model_contexts(train, Sampling(max_tokens=4), 3)
@@ -217,7 +217,7 @@ def test_renderers_built_for_the_training_client_render_a_repeated_prompt_once_a
     import renderers
     from renderers.base import load_tokenizer
 
-    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
     from rl.renderer import renderer_config
 
     def build():
@@ -247,7 +247,7 @@ def test_a_rollouts_working_directory_is_made_at_its_first_use_and_removed_only_
 
     from verifiers.v1.runtimes import subprocess as runtimes
 
-    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
 
     monkeypatch.setattr(runtimes, "CACHE_DIR", tmp_path)
 
@@ -294,7 +294,7 @@ def test_a_renderers_tokenizer_encodes_a_short_string_once_and_hands_out_copies(
 def test_harness_classes_are_looked_up_once_per_id():
     from verifiers.v1.utils import loaders
 
-    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
 
     first = loaders.harness_class("in_process_chat")
     assert loaders.harness_class("in_process_chat") is first and loaders.harness_class.cache_info().hits >= 1
@@ -311,7 +311,7 @@ def test_a_renderer_slot_hands_out_a_remembered_render_on_the_loop_and_sends_oth
     from renderers.base import load_tokenizer
     from verifiers.v1.clients.train import RendererSlot
 
-    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
     from rl.renderer import renderer_config
 
     kind = type(renderers.create_renderer(load_tokenizer(str(tiny_model)), renderer_config("auto", str(tiny_model))[0])
@@ -348,7 +348,7 @@ def test_a_tasks_content_hash_is_computed_once_per_data_object(monkeypatch):
     import verifiers.v1 as vf
     from verifiers.v1 import task as task_module
 
-    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
 
     computed = []
     real = task_module.task_key
@@ -367,7 +367,7 @@ def test_verifiers_reads_a_hooks_signature_once_per_function():
 
     from verifiers.v1.utils import decorators
 
-    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
 
     reads = []
     real = inspect.signature
@@ -399,7 +399,7 @@ def test_engine_replies_are_decoded_by_msgspec_and_by_json_where_they_are_not_st
 
     from renderers import client as renderers_client
 
-    import rl.orchestrator.rollouts  # noqa: F401 - applies the orchestrator's patches
+    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
 
     decoder, decoded = renderers_client.json, []
     real_decode = decoder._decode
@@ -417,7 +417,7 @@ def test_engine_replies_are_decoded_by_msgspec_and_by_json_where_they_are_not_st
 def test_a_route_called_in_process_answers_as_http_would_and_never_outlives_its_caller():
     from aiohttp import web
 
-    from rl.patches.environments import local_route
+    from rl.patches.verifiers import local_route
 
     async def scenario() -> None:
         started, cancelled = asyncio.Event(), asyncio.Event()

@@ -12,7 +12,7 @@ from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.main import Orchestrator
 from rl.orchestrator.policy_sync import policy_sync
 from rl.orchestrator.servers import DOWN, ServerBoard
-from rl.orchestrator.rollouts import GroupOutcome
+from rl.envs.rollouts import GroupOutcome
 from rl.protocol import RunPaths, mark_stable
 
 

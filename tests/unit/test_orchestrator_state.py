@@ -3,7 +3,7 @@ import json
 import pytest
 
 from rl.orchestrator.main import to_sample
-from rl.orchestrator.rollouts import TokenSegment
+from rl.envs.rollouts import TokenSegment
 from rl.orchestrator.sampler import TaskSampler
 from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.protocol import RunPaths, mark_stable
@@ -75,7 +75,7 @@ def test_environment_tokens_stay_masked_and_masked_rollouts_train_nothing():
 def test_branches_sharing_a_sampled_node_train_it_once():
     from types import SimpleNamespace as NS
 
-    from rl.orchestrator.rollouts import to_segments
+    from rl.envs.rollouts import to_segments
 
     def branch(*nodes):
         ids = [t for n in nodes for t in n.token_ids]

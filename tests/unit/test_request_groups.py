@@ -12,9 +12,9 @@ from renderers import DefaultRendererConfig, create_renderer
 from renderers.base import load_tokenizer
 from renderers.client import generate
 
-from rl.orchestrator.engine_client import (MAX_SAMPLES_PER_REQUEST, EngineClient, GroupedTrainClientConfig,
+from rl.envs.engine_client import (MAX_SAMPLES_PER_REQUEST, EngineClient, GroupedTrainClientConfig,
                                           RequestGrouper, split_reply)
-from rl.orchestrator.rollouts import API_KEY_VAR, InferenceClient, Sampling, model_contexts
+from rl.envs.rollouts import API_KEY_VAR, InferenceClient, Sampling, model_contexts
 
 URL = "http://engine/inference/v1/generate"
 BODY = {"model": "m", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "logprobs": 1}}

@@ -2,11 +2,11 @@ import subprocess
 import sys
 import time
 
-from rl.teardown import STACKS_SIGNAL
+from rl.process import STACKS_SIGNAL
 
 WAITS = """
 import threading, time
-from rl.teardown import set_up_process
+from rl.process import set_up_process
 set_up_process()
 threading.Thread(target=lambda: time.sleep(60), name="a waiting thread", daemon=True).start()
 print("ready", flush=True)

@@ -10,8 +10,8 @@ import in_process_chat
 from in_process_chat import InProcessChatConfig, InProcessChatHarness
 from in_process_chat.tools import ERROR_PREFIX, MAX_ARGUMENT_DEPTH, Toolbox, parse_arguments, tool_messages
 from rl.config import ConfigError
-from rl.env_config import EnvConfig
-from rl.orchestrator.environment import EnvLoadError, load_environment
+from rl.envs.config import EnvConfig
+from rl.envs.loading import EnvLoadError, load_environment
 from rl.renderer import chat_renderer, renderer_config
 from rl.tiny_model import build_tiny_model, build_tokenizer
 from tests.conftest import ROOT

@@ -10,11 +10,11 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rl.config import ChatModelConfig, Section, Settings
-from rl.env_config import EnvConfig, check_env_labels
+from rl.envs.config import EnvConfig, check_env_labels
 from rl.inference.config import InferenceConfig
-from rl.eval.replies import MAX_REPLY_BYTES
+from rl.envs.chat_replies import MAX_REPLY_BYTES
 from rl.orchestrator.config import EvalSettings, RolloutConfig
-from rl.orchestrator.rollouts import API_KEY_VAR
+from rl.config import API_KEY_VAR
 
 ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

@@ -36,19 +36,18 @@ from rl.eval.serving import (
 )
 from rl.checks import check_model
 from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
-from rl.orchestrator.environment import (
+from rl.envs.loading import (
     EnvLoadError, Environment, load_environments, serving, start_env_servers, stop_env_servers,
 )
 from rl.orchestrator.eval import EvalGroups, eval_stats, group_scores, run_eval_groups
-from rl.orchestrator.rollouts import (
-    ChatClient, InferenceClient, RolloutResult, apply_patches, openai_api_root,
-)
-from rl.orchestrator.slots import RolloutSlots
+from rl.envs.rollouts import ChatClient, InferenceClient, RolloutResult, openai_api_root
+from rl.envs.worker import apply_patches
+from rl.envs.slots import RolloutSlots
 from rl.renderer import chat_renderer, load_tokenizer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.stats import mean, means, tool_stats
 from rl.protocol import atomic_write_text
-from rl.teardown import set_up_process
+from rl.process import set_up_process
 
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"

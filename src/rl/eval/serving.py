@@ -19,7 +19,7 @@ from rl.eval.config import EvalCommandConfig
 from rl.inference.config import LoraServingConfig, client_host
 from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.manifest import mark_stable
-from rl.orchestrator.rollouts import API_KEY_VAR
+from rl.config import API_KEY_VAR
 from rl.protocol import STABLE, CorruptFileError, RunPaths, verify_stable
 
 ADAPTER_LOAD_TIMEOUT_S = 600  # a load holds generation; the server's own bound on an update is the same order

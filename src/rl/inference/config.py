@@ -18,7 +18,6 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 by `ipaddress.is_loopback` in the server: without an admin token the admin routes answer only those.)"""
 
 
-API_KEY_VAR = "RL_INFERENCE_API_KEY"
 """Environment variable rl's clients (orchestrator, eval) read the servers' API key from (unset sends "EMPTY"); rl
 sets it from inference.api_key. Naming our own keeps verifiers from reading the Prime CLI config it falls back to
 for its default variable."""

@@ -10,7 +10,7 @@ import os
 from rl.config import local_model_dir, run_cli
 from rl.inference.config import InferenceConfig, cpu_server_env, resolve_device_defaults
 from rl.inference.server import serve
-from rl.teardown import set_up_process
+from rl.process import set_up_process
 
 # vLLM on CPU reserves this share of the NUMA node's memory for its KV cache; 0.9 fails there.
 CPU_MEMORY_SHARE = 0.2

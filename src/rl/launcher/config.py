@@ -12,7 +12,7 @@ from pydantic_settings import SettingsConfigDict
 
 from rl.config import CkptConfig, Section, Settings, WandbConfig, optional_section
 from rl.weights.config import TransferConfig
-from rl.env_server import EnvServerConfig
+from rl.envs.config import EnvServerConfig
 from rl.launcher.teacher import TeacherServerConfig
 from rl.inference.config import InferenceConfig
 from rl.launcher.placement import PlacementConfig

@@ -81,7 +81,7 @@ def fork_child(cmd: list[str], env: dict[str, str], log: Path, set_up: Callable[
     sys.stdout.flush()
     sys.stderr.flush()
     launcher_mask = signal.pthread_sigmask(signal.SIG_BLOCK, RESET_SIGNALS)  # none lands before the child resets them
-    gc.freeze()  # the child's collections skip the launcher's objects (`rl.inference.forked.before_fork`)
+    gc.freeze()  # the child's collections skip the launcher's objects (`rl.process.before_fork`)
     pid = os.fork()
     if pid == 0:
         os._exit(_run_child(module, cmd, env, log, set_up, launcher_mask))

@@ -17,7 +17,8 @@ from pydantic import BaseModel, ValidationError
 from rl.config import ConfigError, format_validation_error, parse_config, to_toml, write_config
 from rl.config_help import config_help
 from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir, check_same_tokenizer
-from rl.inference.config import API_KEY_VAR, cpu_server_env
+from rl.config import API_KEY_VAR
+from rl.inference.config import cpu_server_env
 from rl.launcher.config import RLConfig
 from rl.launcher.resolve import check_hosts, resolve
 from rl.launcher.devices import (
@@ -31,7 +32,7 @@ from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor
 from rl.trainer.config import check_device, cuda_device_count
 from rl.protocol import RunPaths
-from rl.teardown import set_up_process
+from rl.process import set_up_process
 
 
 def gpus_hidden_on_purpose() -> bool:
@@ -139,10 +140,10 @@ def torchrun_args(host: HostPlan, paths: RunPaths) -> list[str]:
 
 # The orchestrator and the env servers are forked from the launcher (rl/launcher/forked.py), which has imported
 # verifiers and the environments' packages for its check: these modules are imported there first, once. An env
-# server imports transformers before it forks its workers (rl/env_server.py), so the launcher does.
-ENV_SERVER_PRELOAD = ("rl.env_server", "rl.orchestrator.environment", "transformers.models.auto.tokenization_auto")
+# server imports transformers before it forks its workers (rl/envs/server.py), so the launcher does.
+ENV_SERVER_PRELOAD = ("rl.envs.server", "rl.envs.loading", "transformers.models.auto.tokenization_auto")
 ENV_SERVER_RESTARTS = 5  # an environment's server that dies is started again this often: the orchestrator runs its lost
-# episodes again (rl/orchestrator/env_servers.py); past that, its exit stops the run
+# episodes again (rl/envs/client.py); past that, its exit stops the run
 
 def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[ChildSpec]:
     """Plan GPU ids are indices into the launcher's visible GPUs; children get them as its CUDA_VISIBLE_DEVICES
@@ -173,7 +174,7 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
             specs.append(ChildSpec("teacher", cmd, visible, logs / "teacher.log", env))
     if host.runs("orchestrator"):
         for name in config.env_servers:  # no GPU; started before the orchestrator, which waits for each to answer
-            cmd = [python, "-m", "rl.env_server", "@", str(configs / f"{name}.toml")]
+            cmd = [python, "-m", "rl.envs.server", "@", str(configs / f"{name}.toml")]
             specs.append(ChildSpec(name, cmd, [], logs / f"{name}.log", restarts=ENV_SERVER_RESTARTS,
                                    preload=ENV_SERVER_PRELOAD))
         cmd = [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")]

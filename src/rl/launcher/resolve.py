@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from rl.config import ConfigError
 from rl.weights.config import CollectiveTransfer
 from rl.launcher.config import ROLES, RLConfig
-from rl.launcher.env_servers import place_env_servers
+from rl.envs.placement import place_env_servers
 from rl.launcher.teacher import check_distillation, place_teacher
 from rl.adapter import next_vllm_rank
 from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConfig
@@ -120,7 +120,7 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
     config._teacher_server = place_teacher(config, host)
     check_distillation(t, o)
     config._device_choices = resolve_devices(t, i, host.devices.device)
-    config._env_servers = place_env_servers(o)
+    config._env_servers = place_env_servers(o.output_dir.absolute(), {"env": o.env, "eval": o.eval.env})
     o.transfer.resolve_device(host.devices.device, "orchestrator")  # as trainer and inference resolved it
     return config
 

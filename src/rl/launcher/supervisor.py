@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -16,11 +15,11 @@ from pathlib import Path
 import psutil
 
 from rl.launcher.forked import ForkedChild, can_fork, fork_child, warm_up
+from rl.process import die_with_parent
 from rl.launcher.hosts import FINISHING, Host, HostBoard
 from rl.launcher.report import format_summary, summarize
 from rl.protocol import RunPaths
 
-PR_SET_PDEATHSIG = 1
 POLL_S = 0.5
 
 
@@ -45,10 +44,9 @@ class ChildSpec:
 
 
 def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it if the launcher dies, even by SIGKILL."""
+    """Runs in the child before exec: its own session, and SIGTERM if the launcher dies, even by SIGKILL."""
     os.setsid()
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent()
 
 
 class Stop(Exception):

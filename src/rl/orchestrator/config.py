@@ -9,11 +9,9 @@ from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rl.config import ChatModelConfig, CkptConfig, Section, Settings, WandbConfig, optional_section
-from rl.env_config import EnvConfig, check_env_labels
+from rl.envs.config import GROUP_GAP_S, EnvConfig, check_env_labels
 from rl.weights.config import FilesTransfer, TransferConfig
-
-GROUP_GAP_S = 0.003
-"""How long a generate request waits for an identical one after the last joined (rl/orchestrator/engine_client.py).
+"""How long a generate request waits for an identical one after the last joined (rl/envs/engine_client.py).
 A group's first requests reach the client ~0.2-2 ms apart under the benchmark's load (the rollouts' own work
 between them); a later turn does not wait."""
 

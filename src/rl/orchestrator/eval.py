@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from math import comb
 
 from rl.orchestrator.config import EvalConfig, EvalSettings, SamplingConfig
-from rl.orchestrator.environment import Environment
-from rl.orchestrator.rollouts import (
+from rl.envs.loading import Environment
+from rl.envs.rollouts import (
     ChatClient, InferenceClient, RolloutResult, Sampling, run_group_retried,
 )
-from rl.orchestrator.slots import RolloutSlots
+from rl.envs.slots import RolloutSlots
 from rl.orchestrator.stats import mean, rollout_stats
 
 Groups = dict[str, list[list[RolloutResult]]]

@@ -14,7 +14,7 @@ from rl.metrics import PER_REQUEST_LOGGERS, MetricsLogger, setup_logging
 from rl.orchestrator.advantage import admitted, group_advantages
 from rl.orchestrator.batch import balance_by_tokens
 from rl.orchestrator.config import OrchestratorConfig
-from rl.orchestrator.environment import (
+from rl.envs.loading import (
     Environment, EnvLoadError, load_environments, serving, start_env_servers, stop_env_servers,
 )
 from rl.renderer import chat_renderer
@@ -23,18 +23,16 @@ from rl.orchestrator.eval import eval_due, evaluate, to_sampling
 from rl.orchestrator.fill import Filled, fill_batch
 from rl.orchestrator.inference_pool import InferencePool
 from rl.orchestrator.policy_sync import policy_sync
-from rl.orchestrator.rollouts import (
-    GroupOutcome, InferenceClient, RolloutResult, TokenSegment, apply_patches, run_group_retried,
-    tune_gc_for_serving,
-)
+from rl.envs.rollouts import GroupOutcome, InferenceClient, RolloutResult, TokenSegment, run_group_retried
+from rl.envs.worker import apply_patches, tune_gc_for_serving
 from rl.orchestrator.sampler import DifficultyPools, make_sampler
-from rl.orchestrator.slots import RolloutSlots
+from rl.envs.slots import RolloutSlots
 from rl.orchestrator.servers import ServerBoard
 from rl.orchestrator.state import load_state, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
 from rl.orchestrator.teacher import Teacher, TeacherError
 from rl.protocol import RunPaths, Sample, write_batch
-from rl.teardown import set_up_process
+from rl.process import set_up_process
 
 REMAKE_ROUNDS = 3  # a batch's groups made again after servers changed under them
 LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "dropped", "tokens_per_s", "gen_s", "wait_s")
@@ -147,8 +145,7 @@ class Orchestrator:
         rollouts = sum(self.config.rollouts_per_example * (1 + o.retries) for o in outcomes)
         stats = self.step_stats(batch, outcomes) | self.fill_stats(filled) | self.curriculum_stats() | {
             "orchestrator/cpu_ms_per_rollout": 1000 * (time.process_time() - cpu_start) / rollouts,
-            **{f"env/{env.name}/workers": env.served.workers for env in self.envs
-               if env.served is not None and env.served.workers is not None},
+            **{f"env/{env.name}/workers": env.runner.workers for env in self.envs if env.runner.workers is not None},
             "policy_step": self.servers.policy_step,
             "staleness": step - min(s.policy_version for s in batch.samples),
             "gen_s": gen_time,

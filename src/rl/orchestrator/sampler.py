@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import random
 
-from rl.env_config import DifficultySampling, EpochSampling
+from rl.envs.config import DifficultySampling, EpochSampling
 
 
 class TaskSampler:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from rl.env_config import EpochSampling
+from rl.envs.config import EpochSampling
 from rl.orchestrator.sampler import Sampler, restored_sampler
 from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable, mark_stable, verify_stable
 

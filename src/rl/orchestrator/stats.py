@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from rl.orchestrator.rollouts import RolloutResult
+from rl.envs.rollouts import RolloutResult
 
 
 def mean(values: list[float]) -> float:

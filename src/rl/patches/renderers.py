@@ -8,7 +8,7 @@ import functools
 import logging
 import threading
 
-from rl.patches import patch_target
+from rl.patches.targets import patch_target
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import logging
 import os
 import time
 
-from rl.patches import PatchTargetMissing, patch_target
+from rl.patches.targets import PatchTargetMissing, patch_target
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def vllm_cpu_fork() -> None:
     This keeps the platform's other settings and puts fork back after them; forked processes inherit the patched
     class, so the engine core forks its workers too.
 
-    A forked process must not keep what a spawned one never had, nor outlive its parent (`rl.inference.forked`). Above
+    A forked process must not keep what a spawned one never had, nor outlive its parent (`rl.inference.cpu_fork`). Above
     all it must get the cores and threads vLLM chose for it: vLLM's CPU executor binds each worker through the
     environment only (it preloads torch's OpenMP with LD_PRELOAD and sets GOMP_CPU_AFFINITY or OMP_PLACES, and
     OMP_NUM_THREADS, around the worker's start), which the loader and OpenMP read when a process starts. A forked
@@ -98,6 +98,7 @@ def vllm_cpu_fork() -> None:
 
     check_and_fork.rl_forks = True
     platform.check_and_update_config = staticmethod(check_and_fork)
-    from rl.inference import forked  # rl's own code, not a patch: what a forked process undoes of its parent's
+    from rl.inference.cpu_fork import child  # rl's own code, not a patch: what a forked process undoes of its parent's
+    from rl.process import register_fork_hooks
 
-    forked.register_fork_hooks(after_in_child=forked.child)
+    register_fork_hooks(after_in_child=child)

@@ -26,7 +26,7 @@ from rl.trainer.step import train_step
 from rl.trainer.weights import WeightPublisher
 from rl.trainer.world import World, init_world
 from rl.weights import SENDERS
-from rl.teardown import set_up_process
+from rl.process import set_up_process
 
 LINE_KEYS = (
     "loss", "reward", "entropy", "clip_frac", "mismatch_kl", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s",

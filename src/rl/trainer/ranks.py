@@ -59,7 +59,7 @@ def launch(argv: list[str]) -> None:
 
 
 def main() -> None:
-    from rl.teardown import set_up_process
+    from rl.process import set_up_process
 
     set_up_process()  # this process imports the trainer too: its exit skips the final collection
     launch(sys.argv[1:])

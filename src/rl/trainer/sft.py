@@ -23,7 +23,7 @@ from pydantic_settings import SettingsConfigDict
 from transformers import AutoTokenizer
 
 from rl.config import ModelConfig, Settings, run_cli
-from rl.env_config import EnvConfig
+from rl.envs.config import EnvConfig
 from rl.metrics import setup_logging
 from rl.protocol import Sample
 from rl.trainer.data import build_micro_batches, empty_micro_batch, filler_token_id, trained_tokens, truncate
@@ -70,7 +70,7 @@ class SFTConfig(Settings):
 
 def build_examples(config: SFTConfig, tokenizer) -> list[Sample]:
     """One prompt + answer example per task of the environment."""
-    from rl.orchestrator.environment import load_environment
+    from rl.envs.loading import load_environment
 
     env = load_environment(config.env)
     examples = []

@@ -1,5 +1,5 @@
 """The env servers `rl` starts beside the orchestrator: one per `[[env]]` (and eval `[[env]]`) without an `address`
-(rl/env_server.py), each at a socket of its own, which is filled into the orchestrator's table; none for a table with
+(rl/envs/server.py), each at a socket of its own, which is filled into the orchestrator's table; none for a table with
 `workers = 0`, whose episodes run in the orchestrator's process."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from rl.env_server import EnvServerConfig, started_for
-from rl.orchestrator.config import OrchestratorConfig
+from rl.envs.config import EnvConfig, EnvServerConfig, started_for
 
 MAX_SOCKET_PATH = 100  # a Unix socket's path must fit sockaddr_un's 108 bytes
 
@@ -24,16 +23,16 @@ def socket_address(run_dir: Path, name: str) -> str:
     return f"ipc://{path}"
 
 
-def place_env_servers(o: OrchestratorConfig) -> dict[str, EnvServerConfig]:
-    """Each env server rl starts, by its process name (`env-<label>`, `eval-<label>`), with the orchestrator's
-    table now naming its socket."""
+def place_env_servers(run_dir: Path, envs_by_kind: dict[str, list[EnvConfig]]) -> dict[str, EnvServerConfig]:
+    """Each env server rl starts, by its process name (`<kind>-<label>`: `env-...` for training, `eval-...`), with
+    its `[[env]]` table now naming its socket in `run_dir`."""
     servers = {}
-    for prefix, envs in (("env", o.env), ("eval", o.eval.env)):
+    for prefix, envs in envs_by_kind.items():
         for spec in envs:
             if spec.address is not None or spec.in_process:
                 continue
             name = f"{prefix}-{re.sub(r'[^A-Za-z0-9._-]', '-', spec.label)}"
-            address = socket_address(o.output_dir.absolute(), name)
+            address = socket_address(run_dir, name)
             servers[name] = started_for(spec, address)
             spec.address = address
     return servers

@@ -16,7 +16,6 @@ validates it; its errors are reported under the `[[env]]` keys that caused them.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
 import importlib.util
@@ -25,17 +24,17 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import verifiers.v1 as vf
-from in_process_chat import shared_session
 from pydantic import ValidationError
 from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.interception.tunnel import CustomTunnelConfig
 from verifiers.v1.runtimes import runtime_is_local
 from verifiers.v1.utils.compile import validate_pairing
-from verifiers.v1.utils.loaders import default_harness_id, env_config_type
+from verifiers.v1.utils.loaders import default_harness_id, env_config_type, load_harness
 from verifiers.v1.utils.prime import ensure_prime_auth
 
-from rl.env_config import EnvConfig
-from rl.orchestrator.env_servers import ChildEnvServer, EnvServerError, ServedEpisodes
+from rl.envs.client import ChildEnvServer, ServedEpisodes
+from rl.envs.config import EnvConfig
+from rl.envs.runner import EpisodeRunner, InProcessEpisodes
 
 DEFAULT_HARNESS = "in-process-chat"
 LOCAL_RUNTIME = "subprocess"
@@ -47,26 +46,22 @@ small pools were faster; with `EngineClient` (aiohttp) 8 and 32 measure alike (b
 `overrides.interception` chooses otherwise."""
 
 
-ENV_SERVER_START_S = 300.0
-"""Longest the orchestrator waits for an environment's server to answer: its workers import the environment's
-package and load it (verifiers, a tokenizer, the environment's own dependencies) before the broker answers."""
-
-
 class EnvLoadError(ValueError):
     """An environment cannot be loaded as configured; the message names the environment and the key."""
 
 
 class Environment:
-    """A loaded verifiers environment with its tasks materialized for deterministic index access."""
+    """A loaded verifiers environment with its tasks materialized for deterministic index access, and the runner of
+    its episodes (rl/envs/runner.py)."""
 
     def __init__(
         self, name: str, env: vf.Env, tasks: list[vf.Task], seats: dict[str, str], toolsets: list[str],
-        served: ServedEpisodes | None,
+        runner: EpisodeRunner,
     ) -> None:
         self.name = name  # the label of its metrics
         self.env = env
         self.tasks = tasks
-        self.served = served  # its env server, where its episodes run; None: in this process (`workers = 0`)
+        self.runner = runner  # where its episodes run
         self.seats = seats  # seat -> how it runs, for the log
         self.toolsets = toolsets  # the MCP tool servers its rollouts get (names), none for a chat environment
 
@@ -82,43 +77,26 @@ class Environment:
     def describe(self) -> str:
         seats = "; ".join(f"seat {seat!r}: {how}" for seat, how in self.seats.items())
         tools = f"; toolsets {', '.join(self.toolsets)}" if self.toolsets else ""
-        where = "this process" if self.served is None else self.served.address or "a server this process starts"
+        where = self.runner.where()
         return f"environment {self.name!r}: {self.num_tasks} tasks; {seats}{tools}; episodes run by {where}"
 
-    @contextlib.asynccontextmanager
-    async def serving(self) -> AsyncIterator[None]:
-        """Connected to its env server once it answers (started first, where this process starts it); a child
-        server's death ends what runs inside, with EnvServerError naming it. In this process: verifiers' interception
-        server kept up across groups (otherwise each episode starts one), and the in-process harness's HTTP session
-        open (otherwise each model call opens one), as an env server's worker keeps them."""
-        if self.served is None:
-            async with shared_session(), self.env.serving():
-                yield
-            return
-        try:
-            await self.served.start(ENV_SERVER_START_S)
-            yield
-        except asyncio.CancelledError:
-            if self.served.died:
-                raise EnvServerError(self.served.died) from None
-            raise
-        finally:
-            await self.served.close()
+    def serving(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Ready to run episodes while entered (rl/envs/runner.py)."""
+        return self.runner.serving(self.env)
 
 
 def start_env_servers(environments: list[Environment]) -> None:
-    """Start now the env servers this process owns (its children), so that they load while inference starts;
-    `serving` then waits for them. Each stops when its environment stops serving, or by `stop_env_servers`."""
+    """Start now what each environment's episodes run on (the env servers this process owns, its children), so that
+    they load while inference starts; `serving` then waits for them. Each stops when its environment stops serving,
+    or by `stop_env_servers`."""
     for environment in environments:
-        if environment.served is not None and environment.served.child is not None:
-            environment.served.child.start()
+        environment.runner.launch()
 
 
 def stop_env_servers(environments: list[Environment]) -> None:
-    """Stop the env servers this process started (a no-op for those already stopped)."""
+    """Stop what `start_env_servers` started (a no-op for what has stopped)."""
     for environment in environments:
-        if environment.served is not None and environment.served.child is not None:
-            environment.served.child.stop()
+        environment.runner.shut_down()
 
 
 @contextlib.asynccontextmanager
@@ -161,13 +139,17 @@ def load_environment(spec: EnvConfig) -> Environment:
     check_runnable(spec, env, toolsets)
     if not env.taskset.bounded:
         raise EnvLoadError(f"environment {spec.label!r} has an infinite taskset; bound it with its args")
+    return Environment(spec.label, env, list(env.taskset), seats, [toolset_name(t) for t in toolsets], runner_for(spec))
+
+
+def runner_for(spec: EnvConfig) -> EpisodeRunner:
+    """Where `spec`'s episodes run, chosen once: this process (`workers = 0`), the env server at its address, or one
+    this process starts as its child."""
     if spec.in_process:
-        served = None
-    elif spec.address is not None:
-        served = ServedEpisodes(spec.label, spec.address, secret=spec.secret)
-    else:
-        served = ServedEpisodes(spec.label, child=ChildEnvServer(spec))
-    return Environment(spec.label, env, list(env.taskset), seats, [toolset_name(t) for t in toolsets], served)
+        return InProcessEpisodes()
+    if spec.address is not None:
+        return ServedEpisodes(spec.label, spec.address, secret=spec.secret)
+    return ServedEpisodes(spec.label, child=ChildEnvServer(spec))
 
 
 def load_environments(specs: list[EnvConfig], where: str) -> list[Environment]:
@@ -316,7 +298,7 @@ def check_runnable(spec: EnvConfig, env: vf.Env, toolsets: list) -> None:
     task_class = type(env.taskset).task_type()
     agents = agent_config_fields(env.config)
     for seat, agent in agents.items():
-        harness = env._harnesses[seat]
+        harness = load_harness(agent.harness)  # as verifiers loaded it for the seat (a stateless value)
         if toolsets and not harness.SUPPORTS_MCP:
             raise EnvLoadError(
                 f"environment {spec.label!r}, seat {seat!r}: its tasks call tools (MCP toolsets "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 from collections.abc import Callable, Coroutine
@@ -23,38 +22,12 @@ from typing import Any
 import verifiers.v1 as vf
 from in_process_chat.tools import tool_messages
 
-from rl.inference.config import API_KEY_VAR
-from rl.eval.replies import MAX_REPLY_BYTES, BoundedChatConfig, build_client
-from rl.orchestrator.config import GROUP_GAP_S
-from rl.episode_groups import RL_CLIENT_CONFIGS
-from rl.orchestrator.engine_client import EngineClient, GroupedTrainClientConfig
-from rl.orchestrator.environment import Environment
-from rl.orchestrator.slots import RolloutSlots
-from rl.patches import apply_orchestrator_patches, bound_eval_client, serve_rl_client_configs
-
-
-def apply_patches() -> None:
-    """What rl changes in verifiers, renderers and pydantic (rl/patches/) in a process that runs environments:
-    applied first by the main() of the orchestrator and of `eval`."""
-    apply_orchestrator_patches(EngineClient)
-    bound_eval_client(build_client)
-    serve_rl_client_configs(RL_CLIENT_CONFIGS)
-
-
-YOUNG_GC_THRESHOLD = 10_000
-"""Net container allocations between young-generation collections (CPython's default: 700). A rollout
-allocates thousands of short-lived objects: at 700 the young collections took a tenth of the orchestrator's
-CPU, at 10,000 next to none (benchmarks/RESULTS.md). Garbage in cycles waits one collection
-longer: a few MB at most."""
-
-
-def tune_gc_for_serving() -> None:
-    """Once environments serve: keep the objects that live for the whole run (modules, environments, their
-    tasks: hundreds of thousands) out of the cyclic GC (a full collection over them stalled every rollout for
-    a good part of a second), and collect the young generation less often."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
+from rl.config import API_KEY_VAR
+from rl.envs.chat_replies import MAX_REPLY_BYTES, BoundedChatConfig
+from rl.envs.config import GROUP_GAP_S
+from rl.envs.engine_client import GroupedTrainClientConfig
+from rl.envs.loading import Environment
+from rl.envs.slots import RolloutSlots
 
 
 @dataclass(frozen=True)
@@ -89,7 +62,7 @@ class ChatClient:
     base_url: str  # the API root (https://api.openai.com/v1), or a server root, which gets /v1
     model: str
     api_key_var: str = API_KEY_VAR
-    max_reply_bytes: int = MAX_REPLY_BYTES  # a reply past this is refused as it streams (eval/replies.py)
+    max_reply_bytes: int = MAX_REPLY_BYTES  # a reply past this is refused as it streams (envs/chat_replies.py)
     reply_deadline_s: float | None = None  # each reply is read whole within this of its request, or refused
 
     def client_config(self, group_size: int = 1) -> BoundedChatConfig:  # one sample per chat request: no groups
@@ -177,16 +150,15 @@ async def run_group(
 ) -> list[RolloutResult]:
     """Run `n` rollouts of task `task_index` concurrently, once `slots` has room for them.
 
-    They must finish within `timeout_s` of getting their slots, else RolloutError. The rollouts run in the
-    environment's env server as one request (rl/orchestrator/env_servers.py), or with `workers = 0` in this process,
-    each in a slot of its own."""
+    They must finish within `timeout_s` of getting their slots, else RolloutError. The environment's runner
+    (rl/envs/runner.py) says where they run, and whether the group takes its slots and deadline as one."""
     task = environment.task(task_index)
     contexts = model_contexts(client, sampling, n)
-    if environment.served is None:  # `workers = 0`
-        runs = [environment.env.run_slot(slot, ctx) for slot, ctx in zip(environment.env.slots(task, n), contexts)]
-        episodes = await asyncio.gather(*(bounded(task_index, run, 1, slots, timeout_s) for run in runs))
-    else:
-        episodes = await bounded(task_index, environment.served.run_group(task, contexts), n, slots, timeout_s)
+
+    def bound(run: Coroutine[Any, Any, Any], k: int) -> Coroutine[Any, Any, Any]:
+        return bounded(task_index, run, k, slots, timeout_s)
+
+    episodes = await environment.runner.run_group(environment.env, task, contexts, bound)
     convert = to_chat_result if isinstance(client, ChatClient) else to_result
     return [convert(task_index, task, episode) for episode in episodes]
 

@@ -1,5 +1,5 @@
 """How many rollouts are in flight: the orchestrator's and eval's bound (`rollouts_in_flight`, `max_concurrent`), taken
-a group at a time, as an env server runs a group's episodes together (rl/episode_groups.py)."""
+a group at a time, as an env server runs a group's episodes together (rl/envs/groups.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Episodes of an environment served by an env server (`env-server`, rl/env_server.py): the orchestrator keeps the
-taskset and samples it; each group goes to the server as one request (rl/episode_groups.py: its task's data, the model
+"""Episodes of an environment served by an env server (`env-server`, rl/envs/server.py): the orchestrator keeps the
+taskset and samples it; each group goes to the server as one request (rl/envs/groups.py: its task's data, the model
 endpoint and each episode's sampling), runs in one of the server's workers (which calls inference itself), and comes
 back as episodes to score into a batch. A group abandoned at its deadline is cancelled on the server.
 
@@ -16,37 +16,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import verifiers.v1 as vf
-from verifiers.v1.serve.types import HealthRequest, HealthResponse
 
 from rl.config import write_config
-from rl.env_config import EnvConfig
-from rl.env_seal import seal_client
-from rl.env_server import started_for
-from rl.episode_groups import GroupClient, GroupRunRequest
+from rl.envs.config import EnvConfig, started_for
+from rl.envs.groups import GroupClient, GroupRunRequest
+from rl.envs.runner import Bound, EpisodeRunner
+from rl.envs.seal import seal_client
+from rl.process import die_with_parent
 
 HEALTH_INTERVAL_S = 1.0  # while waiting for the server to answer first
 WATCH_INTERVAL_S = 2.0  # between the watchdog's checks while groups are out
 HEALTH_TIMEOUT_S = 5.0  # a broker answers health itself; a single worker answers between its episodes' steps
 MISSED_HEALTH_CHECKS = 2  # in a row, before the server counts as gone
 CHILD_STOP_S = 30.0  # a child server's grace to stop its workers after SIGTERM
-PR_SET_PDEATHSIG = 1
-
-
-class ServerHealth(HealthResponse):
-    """A health reply; rl's env server adds its live workers (rl/patches: `answer_health_with`)."""
-
-    workers: int | None = None
+ENV_SERVER_START_S = 300.0
+"""Longest this process waits for an environment's server to answer: its workers import the environment's package
+and load it (verifiers, a tokenizer, the environment's own dependencies) before the broker answers."""
 
 
 class EnvServerError(RuntimeError):
@@ -65,11 +60,6 @@ def socket_identity(address: str) -> tuple[int, int] | None:
     return found.st_ino, found.st_ctime_ns
 
 
-def die_with_parent() -> None:
-    """In a child between fork and exec: SIGTERM it when the process that started it dies, however it dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class ChildEnvServer:
     """An env server this process starts for one `[[env]]` and owns: its config and socket in a directory of its own
     (made when it starts), its output beside this process's own."""
@@ -85,8 +75,8 @@ class ChildEnvServer:
             self.directory = Path(tempfile.mkdtemp(prefix="rl-env-server-"))
             config = started_for(self.spec, self.address)
             write_config(config, self.directory / "env-server.toml")
-            cmd = [sys.executable, "-m", "rl.env_server", "@", str(self.directory / "env-server.toml")]
-            self.process = subprocess.Popen(cmd, preexec_fn=die_with_parent)
+            cmd = [sys.executable, "-m", "rl.envs.server", "@", str(self.directory / "env-server.toml")]
+            self.process = subprocess.Popen(cmd, preexec_fn=die_with_parent)  # it ends with this process
         return self.address
 
     @property
@@ -110,14 +100,15 @@ class ChildEnvServer:
         self.process = None  # the next start() starts another (a new serving of the environment)
 
 
-class ServedEpisodes:
-    """The orchestrator's connection to one environment's server at `address`, or to `child`'s."""
+class ServedEpisodes(EpisodeRunner):
+    """The orchestrator's connection to one environment's server at `address`, or to `child`'s: the runner of an
+    environment whose episodes an env server runs."""
 
     def __init__(self, label: str, address: str | None = None, child: ChildEnvServer | None = None,
                  secret: str | None = None):
         assert (address is None) != (child is None), "a server's address, or a child server to start"
         self.label, self.child, self.address = label, child, address
-        self.secret = secret  # a tcp:// server's, which seals the connection (rl/env_seal.py)
+        self.secret = secret  # a tcp:// server's, which seals the connection (rl/envs/seal.py)
         self.died: str | None = None  # why the child server this process started is gone
         self.owner: asyncio.Task | None = None  # cancelled when the child dies: the run ends, naming it
         self.client: GroupClient | None = None
@@ -131,6 +122,36 @@ class ServedEpisodes:
         self.answering: asyncio.Event | None = None
         self.recovery_s = 0.0
         self.workers: int | None = None  # live, as its last health reply said (a server not rl's does not say)
+
+    def where(self) -> str:
+        return self.address or "a server this process starts"
+
+    def launch(self) -> None:
+        if self.child is not None:
+            self.child.start()
+
+    def shut_down(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+
+    @contextlib.asynccontextmanager
+    async def serving(self, env: vf.Env) -> AsyncIterator[None]:
+        """Connected to the server once it answers (started first, where this process starts it); a child server's
+        death ends what runs inside, with EnvServerError naming it."""
+        try:
+            await self.start(ENV_SERVER_START_S)
+            yield
+        except asyncio.CancelledError:
+            if self.died:
+                raise EnvServerError(self.died) from None
+            raise
+        finally:
+            await self.close()
+
+    async def run_group(self, env: vf.Env, task: vf.Task, contexts: list[vf.ModelContext], bound: Bound
+                        ) -> list[vf.Episode]:
+        """The group as one request, its slots and deadline taken as one."""
+        return await bound(self.run_served(task, contexts), len(contexts))
 
     async def start(self, timeout_s: float) -> None:
         """Start the child server if there is one; connect and wait until the server answers its health check, at
@@ -166,8 +187,8 @@ class ServedEpisodes:
         self.answering.set()
         self.watchdog = asyncio.create_task(self._watch())
 
-    async def run_group(self, task: vf.Task, contexts: list[vf.ModelContext]) -> list[vf.Episode]:
-        """A group's episodes of `task` on the server, one per context, sent as one request (rl/episode_groups.py).
+    async def run_served(self, task: vf.Task, contexts: list[vf.ModelContext]) -> list[vf.Episode]:
+        """A group's episodes of `task` on the server, one per context, sent as one request (rl/envs/groups.py).
         The contexts share their client config, which goes with rl's fields whole, so the worker groups the
         group's identical requests as this process would."""
         assert self.client is not None, "start() first"
@@ -226,9 +247,8 @@ class ServedEpisodes:
 
     async def check_health(self) -> bool:
         """Whether the server answered its health check in time; its live workers as it said (0 if it did not)."""
-        try:  # bounded as a whole: with no server to connect to, even the send waits (verifiers' own request)
-            reply = await asyncio.wait_for(
-                self.client._request(HealthRequest(), ServerHealth, timeout=HEALTH_TIMEOUT_S), HEALTH_TIMEOUT_S)
+        try:
+            reply = await self.client.health_reply(HEALTH_TIMEOUT_S)
         except TimeoutError:
             self.workers = 0 if self.workers is not None else None
             return False

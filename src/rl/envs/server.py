@@ -1,10 +1,10 @@
 """`env-server`: one `[[env]]` served over ZMQ by verifiers' env-server pool (`verifiers.v1.serve.serve_env`).
 
 A broker binds `address` and dispatches each request it is sent (rl's orchestrator sends a group's episodes as one:
-the task's data, the model endpoint and each episode's sampling, rl/episode_groups.py; verifiers' clients one episode)
+the task's data, the model endpoint and each episode's sampling, rl/envs/groups.py; verifiers' clients one episode)
 to the least busy of `workers` processes, which it forks once it has imported everything and checked the environment.
 Each worker loads the environment once as rl's orchestrator does (its harness and runtime defaults:
-rl/orchestrator/environment.py), with rl's patches applied (rl/patches/), and runs its episodes itself: their model
+rl/envs/loading.py), with rl's patches applied (rl/patches/), and runs its episodes itself: their model
 calls go from the worker straight to inference. The client owns the taskset and samples it; a worker never loads
 the environment's data.
 
@@ -21,82 +21,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import Field, model_validator
-from pydantic_settings import SettingsConfigDict
+from rl.config import ConfigError, run_cli
+from rl.envs.config import EnvServerConfig
+from rl.envs.seal import seal_server
+from rl.envs.worker import set_up_worker
 
-from rl.config import ConfigError, Settings, run_cli
-from rl.env_config import EnvConfig
-from rl.env_seal import beyond_loopback, seal_server
-
-MAX_DEFAULT_WORKERS = 8
 WORKER_WATCH_S = 0.5
 WORKER_DIED = 3  # the exit code when a worker died
 logger = logging.getLogger("env-server")
 
-
-def default_workers() -> int:
-    """A quarter of this host's cores, 1 to 8: the orchestrator, inference's API processes and the trainer share
-    the host, and an episode of a chat environment is mostly waiting on inference."""
-    return max(1, min(MAX_DEFAULT_WORKERS, (os.cpu_count() or 1) // 4))
-
-
-class EnvServerConfig(Settings):
-    model_config = SettingsConfigDict(env_prefix="RL_ENV_SERVER__")
-
-    env: Annotated[EnvConfig, Field(description="the environment served, as an [[env]] table of the orchestrator")]
-    workers: Annotated[
-        int, Field(ge=1, default_factory=default_workers, description="worker processes, all started at once; "
-                                                                       "default: a quarter of the host's cores, 1-8")
-    ]
-    address: Annotated[
-        str, Field(min_length=1, description="ZMQ endpoint the broker binds: ipc://<path>, or tcp://<host>:<port> "
-                                             "(port 0: any free one, logged)")
-    ] = "tcp://127.0.0.1:5000"
-    max_concurrent: Annotated[
-        int | None, Field(ge=1, description="episodes in flight per worker; unset: no bound")
-    ] = None
-    secret: Annotated[
-        str | None, Field(min_length=16, description="the run's secret: a tcp:// address is sealed with it (ZMQ "
-                                                     "CURVE), admitting only clients that hold it; required beyond "
-                                                     "loopback (RL_ENV_SERVER__SECRET)")
-    ] = None
-
-    @model_validator(mode="after")
-    def _sealed_beyond_loopback(self) -> "EnvServerConfig":
-        if beyond_loopback(self.address) and self.secret is None:
-            raise ValueError(f"address {self.address} reaches beyond this host, and a request runs an episode (code, "
-                             "for a sandboxed environment): set secret (or RL_ENV_SERVER__SECRET) to the run's secret, "
-                             "which the orchestrator's [[env]] table then needs too")
-        return self
-
-
-def started_for(spec: EnvConfig, address: str) -> EnvServerConfig:
-    """The env server started for an `[[env]]` table without an address (by `rl`, or by an orchestrator started by
-    hand): the table's environment, its workers, at `address` (local: no secret)."""
-    env = spec.model_copy(update={"address": None, "workers": None, "secret": None})
-    return EnvServerConfig(env=env, workers=spec.workers or default_workers(), address=address)
-
-
-def set_up_worker() -> None:
-    """Run by serve_env in the broker and in every worker it spawns (as its `log_setup`): rl's log format, and
-    rl's patches to verifiers, renderers and pydantic, before the worker loads the environment."""
-    from in_process_chat import shared_session
-
-    from rl.episode_groups import ROUTE, serve_group
-    from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
-    from rl.orchestrator.rollouts import apply_patches, tune_gc_for_serving
-    from rl.patches import send_traces_once, serve_episodes_holding, serve_group_runs
-    from rl.teardown import set_up_process
-
-    set_up_process()
-    setup_logging(f"env-server[{os.getpid()}]", quiet=PER_REQUEST_LOGGERS)
-    logging.getLogger("verifiers.v1.serve").setLevel(logging.INFO)  # the pool's and each worker's up and down
-    apply_patches()
-    serve_episodes_holding(shared_session, tune_gc_for_serving)
-    send_traces_once()
-    serve_group_runs(ROUTE, serve_group)
 
 
 def serve(config: EnvServerConfig) -> None:
@@ -105,7 +39,7 @@ def serve(config: EnvServerConfig) -> None:
     and the orchestrator runs the lost episodes again (verifiers' pool does not replace a dead worker)."""
     from verifiers.v1.serve import env_config_data
 
-    from rl.orchestrator.environment import EnvLoadError, resolved_env_config
+    from rl.envs.loading import EnvLoadError, resolved_env_config
 
     try:  # checked here, so that a wrong table fails the start with rl's message rather than in every worker
         env_config, seats = resolved_env_config(config.env)
@@ -132,7 +66,7 @@ def serve(config: EnvServerConfig) -> None:
 
 
 def open_pool(config: EnvServerConfig, server_kwargs: dict):
-    """verifiers' pool bound at the config's address; with a secret, a tcp:// address sealed (rl/env_seal.py): the
+    """verifiers' pool bound at the config's address; with a secret, a tcp:// address sealed (rl/envs/seal.py): the
     pool is bound first at a private socket, which is closed once the sealed address is bound, before any peer."""
     from verifiers.v1.serve import EnvServerPool
 
@@ -158,19 +92,19 @@ def _stop(*_) -> None:
 
 def exit_when_a_worker_dies(pool) -> None:
     """Also keeps the count of live workers in the pool's health reply, which the orchestrator logs."""
-    from rl.patches import answer_health_with
+    from rl.patches import answer_health_with, pool_workers
 
     live = None
     while True:
         time.sleep(WORKER_WATCH_S)
-        for worker in list(pool.workers):
-            process = worker["process"]
+        workers = pool_workers(pool)
+        for index, process in workers:
             if process.exitcode is not None:
-                logger.error(f"worker {worker['index']} (pid {process.pid}) died (exit code {process.exitcode}); "
+                logger.error(f"worker {index} (pid {process.pid}) died (exit code {process.exitcode}); "
                              "this env server stops with it, to be restarted and its episodes run again")
                 os._exit(WORKER_DIED)
-        if len(pool.workers) != live:
-            live = len(pool.workers)
+        if len(workers) != live:
+            live = len(workers)
             answer_health_with({"workers": live})
 
 

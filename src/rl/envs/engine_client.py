@@ -35,7 +35,7 @@ from pydantic import Field
 from verifiers.v1.clients.client import SESSION_ID_HEADER
 from verifiers.v1.configs.client import BaseClientConfig, resolve_api_key, resolve_headers
 
-from rl.orchestrator.config import GROUP_GAP_S
+from rl.envs.config import GROUP_GAP_S
 
 IDLE_CONNECTION_S = 15.0
 GENERATE_ROUTE = "/inference/v1/generate"

@@ -1,5 +1,5 @@
 """An `[[env]]` table: one verifiers environment of a run, how its tasks are drawn and where its episodes run
-(shared by the orchestrator, eval, the env server and `rl`)."""
+(shared by the orchestrator, eval, the env server and `rl`); and the config of an env server (`env-server`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import os
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
 
-from rl.config import Section
+from rl.config import Section, Settings
 
 ENV_SERVER_SECRET_VAR = "RL_ENV_SERVER__SECRET"  # an env server's secret, read by it and by its clients
+GROUP_GAP_S = 0.003  # the default wait for a group's identical generate requests (rl/envs/engine_client.py)
 
 
 class EpochSampling(Section):
@@ -103,7 +105,7 @@ class EnvConfig(Section):
 
     @model_validator(mode="after")
     def _sealed_beyond_loopback(self) -> "EnvConfig":
-        from rl.env_seal import beyond_loopback
+        from rl.envs.seal import beyond_loopback
 
         if self.address is not None and beyond_loopback(self.address) and self.secret is None:
             raise ValueError(f"address {self.address} is an env server beyond this host, which admits only clients "
@@ -133,3 +135,51 @@ def check_env_labels(envs: list[EnvConfig], where: str) -> None:
     for label in labels:
         if labels.count(label) > 1:
             raise ValueError(f"{where}: two environments are labelled {label!r}; give each a distinct `name`")
+
+
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_workers() -> int:
+    """A quarter of this host's cores, 1 to 8: the orchestrator, inference's API processes and the trainer share
+    the host, and an episode of a chat environment is mostly waiting on inference."""
+    return max(1, min(MAX_DEFAULT_WORKERS, (os.cpu_count() or 1) // 4))
+
+
+class EnvServerConfig(Settings):
+    model_config = SettingsConfigDict(env_prefix="RL_ENV_SERVER__")
+
+    env: Annotated[EnvConfig, Field(description="the environment served, as an [[env]] table of the orchestrator")]
+    workers: Annotated[
+        int, Field(ge=1, default_factory=default_workers, description="worker processes, all started at once; "
+                                                                       "default: a quarter of the host's cores, 1-8")
+    ]
+    address: Annotated[
+        str, Field(min_length=1, description="ZMQ endpoint the broker binds: ipc://<path>, or tcp://<host>:<port> "
+                                             "(port 0: any free one, logged)")
+    ] = "tcp://127.0.0.1:5000"
+    max_concurrent: Annotated[
+        int | None, Field(ge=1, description="episodes in flight per worker; unset: no bound")
+    ] = None
+    secret: Annotated[
+        str | None, Field(min_length=16, description="the run's secret: a tcp:// address is sealed with it (ZMQ "
+                                                     "CURVE), admitting only clients that hold it; required beyond "
+                                                     "loopback (RL_ENV_SERVER__SECRET)")
+    ] = None
+
+    @model_validator(mode="after")
+    def _sealed_beyond_loopback(self) -> "EnvServerConfig":
+        from rl.envs.seal import beyond_loopback
+
+        if beyond_loopback(self.address) and self.secret is None:
+            raise ValueError(f"address {self.address} reaches beyond this host, and a request runs an episode (code, "
+                             "for a sandboxed environment): set secret (or RL_ENV_SERVER__SECRET) to the run's secret, "
+                             "which the orchestrator's [[env]] table then needs too")
+        return self
+
+
+def started_for(spec: EnvConfig, address: str) -> EnvServerConfig:
+    """The env server started for an `[[env]]` table without an address (by `rl`, or by an orchestrator started by
+    hand): the table's environment, its workers, at `address` (local: no secret)."""
+    env = spec.model_copy(update={"address": None, "workers": None, "secret": None})
+    return EnvServerConfig(env=env, workers=spec.workers or default_workers(), address=address)

@@ -1,50 +1,27 @@
-"""rl's changes to pydantic and verifiers, in the processes that run environments (the orchestrator and `eval`,
-whose main() applies them: `rl.orchestrator.rollouts.apply_patches`). rl/patches/__init__.py lists them."""
+"""Every change rl makes to verifiers, and every read of its env-server pool's private structure, in one file (with
+rl/envs/groups.py, which reads its env server's and client's private members, the only places rl touches verifiers'
+internals; docs/architecture.md lists each with the verifiers version it was read from). Applied in the processes
+that run or send episodes (`rl.envs.worker.apply_patches`) and in rl's env server (`rl.envs.server`).
+rl/patches/__init__.py lists them."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import inspect
 import logging
 import types
 
-from rl.patches import PatchTargetMissing, installed_version, once, patch_target
+import multiprocessing
+
+from rl.patches.targets import PatchTargetMissing, installed_version, once, patch_target, require_members
+from rl.patches.local_route import local_route
+from rl.patches.pydantic import cache_default_factory_inspection
 from rl.patches.renderers import (
     decode_engine_replies_with_msgspec, remember_renders, remembered_on_loop,
 )
 
 logger = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------------------------------
-# pydantic
-# --------------------------------------------------------------------------------------------------
-
-
-def cache_default_factory_inspection() -> None:
-    """pydantic (2.14) inspects a field's `default_factory` signature on every `model_construct`; for a
-    builtin factory (`list`) `inspect` copies `sys.modules` (thousands of modules once verifiers is imported),
-    and verifiers constructs several such models per turn: the orchestrator's largest CPU cost. The answer
-    depends only on the factory, so it is cached (pydantic/pydantic#13376 fixed the same for private
-    attributes only)."""
-    from pydantic._internal import _fields as pydantic_fields
-
-    inspect_factory = patch_target(pydantic_fields, "takes_validated_data_argument", "pydantic")
-    if hasattr(inspect_factory, "cache_info"):
-        return
-    cached = functools.lru_cache(maxsize=4096)(inspect_factory)
-
-    @functools.wraps(inspect_factory)
-    def takes_validated_data_argument(default_factory) -> bool:
-        try:
-            return cached(default_factory)
-        except TypeError:  # an unhashable callable
-            return inspect_factory(default_factory)
-
-    takes_validated_data_argument.cache_info = cached.cache_info
-    pydantic_fields.takes_validated_data_argument = takes_validated_data_argument
-
 
 # --------------------------------------------------------------------------------------------------
 # verifiers
@@ -53,7 +30,7 @@ def cache_default_factory_inspection() -> None:
 
 def use_engine_client(client_class: type) -> None:
     """verifiers' training client builds an OpenAI SDK client for vLLM's generate route; it builds
-    `client_class` (rl's `EngineClient`, orchestrator/engine_client.py: the members it uses, over aiohttp, at a
+    `client_class` (rl's `EngineClient`, envs/engine_client.py: the members it uses, over aiohttp, at a
     fraction of the SDK's CPU per request) instead."""
     import verifiers.v1.clients.train as verifiers_train
 
@@ -65,7 +42,7 @@ def use_engine_client(client_class: type) -> None:
 def bound_eval_client(build_client) -> None:
     """verifiers' eval client (chat completions at any OpenAI-compatible server: what `eval` samples through with
     `client.api = "chat"`) reads every reply whole, however large and however long it takes; it builds its httpx
-    client with `build_client` instead (rl's `eval/replies.py`: where the config carries them, a size bound and a
+    client with `build_client` instead (rl's `envs/chat_replies.py`: where the config carries them, a size bound and a
     deadline enforced as each reply's bytes arrive; verifiers' own client otherwise)."""
     import verifiers.v1.clients.eval as verifiers_eval
 
@@ -95,7 +72,7 @@ def serve_rl_client_configs(client_configs: tuple[type, ...]) -> None:
                               (patch_target(agent, "WireAgentConfig", "verifiers"), Optional[client_config])):
         if "client" not in model.model_fields:
             raise PatchTargetMissing(f"verifiers' {model.__name__} has no client field (verifiers "
-                                     f"{installed_version('verifiers')}): update rl/patches/environments.py")
+                                     f"{installed_version('verifiers')}): update rl/patches/verifiers.py")
         default = model.model_fields["client"].default  # verifiers' field, its discriminator dropped with it
         model.model_fields["client"] = FieldInfo.from_annotated_attribute(annotation, default)
         model.model_rebuild(force=True)
@@ -110,7 +87,7 @@ def serve_episodes_holding(hold, settle) -> None:
     """verifiers' env server (what each env-server worker runs) keeps its environment serving across episodes; it
     also holds `hold` while it serves (in_process_chat's shared HTTP session: one kept-alive session for the
     worker's model calls, not one per call) and calls `settle` once the environment is loaded (rl's GC tuning),
-    as the orchestrator did around the environments it ran; applied by each worker (rl/env_server.py)."""
+    as the orchestrator did around the environments it ran; applied by each worker (rl/envs/server.py)."""
     from verifiers.v1.serve import server
 
     env_server = patch_target(server, "EnvServer", "verifiers")
@@ -126,18 +103,16 @@ def serve_episodes_holding(hold, settle) -> None:
 
 
 @once
-def serve_group_runs(route: bytes, serve) -> None:
+def serve_group_runs(route: bytes, serve, members: tuple[str, ...]) -> None:
     """verifiers' env server answers `run`, `health` and `cancel`; a request on `route` (rl's `run_group`: a group's
-    episodes in one request, rl/episode_groups.py) goes to `serve(server, client_id, request_id, payload)`, and
-    every other one to verifiers as before. Applied by every env-server worker (rl/env_server.py)."""
+    episodes in one request, rl/envs/groups.py) goes to `serve(server, client_id, request_id, payload)`, and
+    every other one to verifiers as before. `serve` reads the server's `members` (some private): each is checked
+    once the server is built, as it starts to serve, before any request. Applied by every env-server worker."""
     from verifiers.v1.serve import server
 
     env_server = patch_target(server, "EnvServer", "verifiers")
     handle = patch_target(env_server, "_handle", "verifiers")
-    for used in ("_running", "_build_task", "_context", "_gate", "frontend"):  # what `serve` reads of a server
-        if used not in inspect.getsource(env_server):
-            raise PatchTargetMissing(f"verifiers' EnvServer has no {used} (verifiers "
-                                     f"{installed_version('verifiers')}): update rl/episode_groups.py")
+    run = patch_target(env_server, "run", "verifiers")
 
     @functools.wraps(handle)
     async def handle_groups_too(self, client_id: bytes, request_id: bytes, method: bytes, payload: bytes) -> None:
@@ -145,7 +120,13 @@ def serve_group_runs(route: bytes, serve) -> None:
             return await serve(self, client_id, request_id, payload)
         return await handle(self, client_id, request_id, method, payload)
 
+    @functools.wraps(run)
+    async def run_checked(self) -> None:
+        require_members(self, members, "verifiers")
+        await run(self)
+
     env_server._handle = handle_groups_too
+    env_server.run = run_checked
 
 
 @once
@@ -161,6 +142,52 @@ def send_traces_once() -> None:
     streamer = patch_target(delta, "DeltaStreamer", "verifiers")
     patch_target(streamer, "watch", "verifiers")
     streamer.watch = lambda self, trace: None  # no flush per change; __aexit__'s final flush sends it all
+
+
+# --------------------------------------------------------------------------------------------------
+# verifiers' env-server pool, in rl's env server (rl/envs/server.py)
+# --------------------------------------------------------------------------------------------------
+
+
+def answer_health_with(fields: dict) -> None:
+    """verifiers' env-server pool answers `health` itself, with a fixed reply (`pool._HEALTH`, read as it answers);
+    rl's env server has the reply carry `fields` too (its live workers, which the orchestrator logs per step),
+    set again by its worker watch whenever they change. verifiers' own client ignores fields it does not know."""
+    import msgpack
+    from verifiers.v1.serve import pool
+
+    patch_target(pool, "_HEALTH", "verifiers")
+    pool._HEALTH = msgpack.packb({"success": True, "error": None, **fields}, use_bin_type=True)
+
+
+def fork_pool_workers(env_pool) -> None:
+    """verifiers' pool spawns its workers: each imports verifiers, rl and the environment's package anew before it
+    loads the environment, which the broker has already imported and checked (~18 s of a core per worker on a
+    2-core CPU host, where the broker took ~12 s). Forked from the broker, a worker starts with all of it imported.
+
+    The broker holds no accelerator, and a worker uses nothing of its parent's ZMQ context or event loop: it makes
+    its own, as a spawned one does. What a forked process inherits and a spawned one never has is undone in the
+    child (rl/process.py, as for vLLM's forked processes): the broker's TCP port is closed, and the child
+    ends with the broker (the death pipe verifiers gives a worker cannot tell it: a forked worker holds the pipe's
+    other end too). Apply to the pool before it runs."""
+    from rl.process import cut_from_parent, register_fork_hooks  # rl's own code: what a forked child undoes
+
+    if not isinstance(getattr(env_pool, "_mpctx", None), multiprocessing.context.BaseContext):
+        raise PatchTargetMissing(f"verifiers' EnvServerPool no longer starts its workers from `_mpctx` in verifiers "
+                                 f"{installed_version('verifiers')}: update rl/patches/verifiers.py")
+    env_pool._mpctx = multiprocessing.get_context("fork")
+    register_fork_hooks(after_in_child=cut_from_parent)
+
+
+def pool_workers(env_pool) -> list[tuple[int, object]]:
+    """Each worker of verifiers' pool as (its index, its process): the pool keeps them as dicts (`workers`)."""
+    workers = patch_target(env_pool, "workers", "verifiers")
+    return [(worker["index"], worker["process"]) for worker in list(workers)]
+
+
+# --------------------------------------------------------------------------------------------------
+# verifiers' runtimes, loaders and interception, in the processes that run episodes
+# --------------------------------------------------------------------------------------------------
 
 
 WORKDIR_USES = ("run", "open_process", "run_background", "_read", "write")  # every use of a runtime's workdir
@@ -337,48 +364,6 @@ def interception_in_process() -> None:
 
     start_routing_in_process.routes_in_process = True
     server_class.start = start_routing_in_process
-
-
-def local_route(handler, path: str, max_body: int):
-    """An aiohttp route handler called in process: (headers, body) -> (status, body), as HTTP would have answered.
-    Requests with streamed replies are not served here (in_process_chat asks for none)."""
-    from multidict import CIMultiDict, CIMultiDictProxy
-
-    async def call(headers: dict[str, str], body: bytes) -> tuple[int, bytes]:
-        if len(body) > max_body:  # aiohttp's client_max_size, which the server sets
-            return 413, f"request body of {len(body)} bytes exceeds {max_body}".encode()
-        request = LocalRequest(path, CIMultiDictProxy(CIMultiDict(headers)), body)
-        del body  # the request holds it until the handler has parsed it
-        served = asyncio.ensure_future(handler(request))
-        try:
-            await asyncio.wait([served])
-        except asyncio.CancelledError:  # the caller is gone, as a client that disconnects
-            served.cancel()
-            raise
-        if served.cancelled():
-            return 503, f"{path}: the handler was cancelled (its rollout concluded)".encode()
-        if served.exception() is not None:
-            logger.error("in-process request to %s failed", path, exc_info=served.exception())
-            return 500, f"{path}: {served.exception()!r}".encode()
-        response = served.result()
-        if not isinstance(getattr(response, "body", None), (bytes, bytearray)):
-            return 500, f"{path}: the handler answered with a stream, which is served over HTTP only".encode()
-        return response.status, bytes(response.body)
-
-    return call
-
-
-class LocalRequest(dict):
-    """What verifiers' interception handler reads of an `aiohttp.web.Request`: its path, headers (case-insensitive)
-    and body, and a mapping for per-request state."""
-
-    def __init__(self, path: str, headers, body: bytes) -> None:
-        super().__init__()
-        self.path, self.headers, self.content_length = path, headers, len(body)
-        self._read_bytes: bytes | None = body  # aiohttp's cache of the body, which the handler drops once parsed
-
-    async def read(self) -> bytes:
-        return self._read_bytes if self._read_bytes is not None else b""  # once dropped, as a drained stream
 
 
 @once

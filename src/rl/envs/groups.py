@@ -28,15 +28,20 @@ from verifiers.v1.configs.client import EvalClientConfig, TrainClientConfig
 from verifiers.v1.episode import WireEpisode
 from verifiers.v1.serve import EnvClient
 from verifiers.v1.serve.delta import HEADER_FIELDS, LIST_FIELDS, SCALAR_FIELDS, dump, pack, unpack
-from verifiers.v1.serve.types import BaseRequest
+from verifiers.v1.serve.types import BaseRequest, HealthRequest, HealthResponse
 
-from rl.eval.replies import BoundedChatConfig
-from rl.orchestrator.engine_client import GroupedTrainClientConfig
+from rl.envs.chat_replies import BoundedChatConfig
+from rl.envs.engine_client import GroupedTrainClientConfig
+from rl.patches import require_members
 
 ROUTE = b"run_group"
 RL_CLIENT_CONFIGS = (BoundedChatConfig, GroupedTrainClientConfig)  # rl's, which go whole (`serve_rl_client_configs`)
 AGENT_CONFIGS_KEPT = 256  # distinct agent configs remembered (seeded samplings make one per rollout)
 TRACE_FIELDS = {*HEADER_FIELDS, *LIST_FIELDS, *SCALAR_FIELDS}  # what verifiers' delta stream assembles of a trace
+# verifiers' private members each end reads (verifiers 0.4.0; docs/architecture.md lists them): checked where the
+# server starts serving (rl/patches/verifiers.py: `serve_group_runs`) and where a client is made.
+SERVER_MEMBERS = ("_running", "_build_task", "_context", "_gate", "frontend", "env")
+CLIENT_MEMBERS = ("_pending", "_ensure_receiver", "_send_cancel", "_cancel_tasks", "_request", "socket")
 logger = logging.getLogger(__name__)
 
 
@@ -99,12 +104,24 @@ async def serve_group(server, client_id: bytes, request_id: bytes, payload: byte
         logger.warning("could not send a group's reply: %s", e)
 
 
+class ServerHealth(HealthResponse):
+    """A health reply; rl's env server adds its live workers (rl/patches/verifiers.py: `answer_health_with`)."""
+
+    workers: int | None = None
+
+
 class GroupClient(EnvClient):
-    """verifiers' `EnvClient`, which also runs groups (`run_group`)."""
+    """verifiers' `EnvClient`, which also runs groups (`run_group`) and reads rl's health reply (`health_reply`)."""
 
     def __init__(self, address: str) -> None:
         super().__init__(address)
+        require_members(self, CLIENT_MEMBERS, "verifiers")
         self.agent_configs = AgentConfigs()
+
+    async def health_reply(self, timeout_s: float) -> ServerHealth:
+        """The server's health reply; TimeoutError where none came within `timeout_s`. Bounded as a whole: with no
+        server to connect to, even the send waits (verifiers' own request)."""
+        return await asyncio.wait_for(self._request(HealthRequest(), ServerHealth, timeout=timeout_s), timeout_s)
 
     async def run_group(self, request: GroupRunRequest) -> list[vf.Episode]:
         """The group's episodes, in the order of its samplings; RuntimeError with the server's error where it failed

@@ -1,0 +1,58 @@
+"""What a process that runs or sends episodes sets up first: rl's patches to verifiers, renderers and pydantic
+(rl/patches/), with rl's own classes handed to them; the GC tuned once environments serve; and, in an env-server
+worker, its whole start (`set_up_worker`)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+
+from rl.envs.chat_replies import build_client
+from rl.envs.engine_client import EngineClient
+from rl.envs.groups import ROUTE, RL_CLIENT_CONFIGS, SERVER_MEMBERS, serve_group
+from rl.patches import (
+    apply_orchestrator_patches, bound_eval_client, send_traces_once, serve_episodes_holding, serve_group_runs,
+    serve_rl_client_configs,
+)
+from rl.process import set_up_process
+
+
+def apply_patches() -> None:
+    """What rl changes in verifiers, renderers and pydantic (rl/patches/) in a process that runs or sends
+    episodes: applied first by the main() of the orchestrator, of `eval` and by every env-server worker."""
+    apply_orchestrator_patches(EngineClient)
+    bound_eval_client(build_client)
+    serve_rl_client_configs(RL_CLIENT_CONFIGS)
+
+
+YOUNG_GC_THRESHOLD = 10_000
+"""Net container allocations between young-generation collections (CPython's default: 700). A rollout
+allocates thousands of short-lived objects: at 700 the young collections took a tenth of the orchestrator's
+CPU, at 10,000 next to none (benchmarks/RESULTS.md). Garbage in cycles waits one collection
+longer: a few MB at most."""
+
+
+def tune_gc_for_serving() -> None:
+    """Once environments serve: keep the objects that live for the whole run (modules, environments, their
+    tasks: hundreds of thousands) out of the cyclic GC (a full collection over them stalled every rollout for
+    a good part of a second), and collect the young generation less often."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
+
+
+def set_up_worker() -> None:
+    """Run by serve_env in the broker and in every worker it spawns (as its `log_setup`): rl's log format, and
+    rl's patches to verifiers, renderers and pydantic, before the worker loads the environment."""
+    from in_process_chat import shared_session
+
+    from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
+
+    set_up_process()
+    setup_logging(f"env-server[{os.getpid()}]", quiet=PER_REQUEST_LOGGERS)
+    logging.getLogger("verifiers.v1.serve").setLevel(logging.INFO)  # the pool's and each worker's up and down
+    apply_patches()
+    serve_episodes_holding(shared_session, tune_gc_for_serving)
+    send_traces_once()
+    serve_group_runs(ROUTE, serve_group, SERVER_MEMBERS)
