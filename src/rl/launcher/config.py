@@ -13,11 +13,32 @@ from pydantic_settings import SettingsConfigDict
 from rl.config import CkptConfig, Section, Settings, WandbConfig, optional_section
 from rl.weights.config import TransferConfig
 from rl.envs.config import EnvServerConfig
-from rl.launcher.teacher import TeacherServerConfig
 from rl.inference.config import InferenceConfig
 from rl.launcher.placement import PlacementConfig
 from rl.orchestrator.config import OrchestratorConfig
 from rl.trainer.config import TrainerConfig
+
+
+class TeacherServerConfig(Section):
+    """On-policy distillation's teacher, served by `rl` beside inference: a frozen vLLM server of `model` with
+    inference's settings, never sent weights. It fills orchestrator.teacher."""
+
+    model: Annotated[
+        str, Field(min_length=1, description="the teacher model (Hugging Face id or local directory); it must "
+                                             "tokenize as the student does")
+    ]
+    port: Annotated[
+        int | None, Field(ge=1, le=65535, description="its port (default: the one after inference's servers)")
+    ] = None
+    gpus: Annotated[
+        int, Field(ge=1, description="GPU hosts: its GPUs, the last ones visible (its tensor-parallel size); the "
+                                     "trainer and inference split the others")
+    ] = 1
+    top_k: Annotated[
+        int, Field(ge=0, le=20, description="orchestrator.teacher.top_k: the teacher's k likeliest tokens at every "
+                                            "trained token, for trainer.loss.distill_top_k (at most vLLM's default "
+                                            "max_logprobs, 20)")
+    ] = 0
 
 
 class SharedModelConfig(Section):

@@ -1,13 +1,12 @@
-"""The teacher `rl` serves for on-policy distillation: its section, where it goes (after inference's servers, on the
-last GPUs of a GPU host) and the pairing of a teacher with the loss's distillation term."""
+"""The teacher `rl` serves for on-policy distillation (its section, `TeacherServerConfig`, is in rl/launcher/config.py):
+where it goes (after inference's servers, on the last GPUs of a GPU host) and the pairing of a teacher with the loss's
+distillation term."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
-from pydantic import Field
-
-from rl.config import ConfigError, Section
+from rl.config import ConfigError
 from rl.inference.config import InferenceConfig
 from rl.orchestrator.config import OrchestratorConfig, TeacherConfig
 from rl.trainer.config import TrainerConfig
@@ -15,28 +14,6 @@ from rl.trainer.config import TrainerConfig
 if TYPE_CHECKING:
     from rl.launcher.config import RLConfig
     from rl.launcher.placement import HostPlan
-
-
-class TeacherServerConfig(Section):
-    """On-policy distillation's teacher, served by `rl` beside inference: a frozen vLLM server of `model` with
-    inference's settings, never sent weights. It fills orchestrator.teacher."""
-
-    model: Annotated[
-        str, Field(min_length=1, description="the teacher model (Hugging Face id or local directory); it must "
-                                             "tokenize as the student does")
-    ]
-    port: Annotated[
-        int | None, Field(ge=1, le=65535, description="its port (default: the one after inference's servers)")
-    ] = None
-    gpus: Annotated[
-        int, Field(ge=1, description="GPU hosts: its GPUs, the last ones visible (its tensor-parallel size); the "
-                                     "trainer and inference split the others")
-    ] = 1
-    top_k: Annotated[
-        int, Field(ge=0, le=20, description="orchestrator.teacher.top_k: the teacher's k likeliest tokens at every "
-                                            "trained token, for trainer.loss.distill_top_k (at most vLLM's default "
-                                            "max_logprobs, 20)")
-    ] = 0
 
 
 def place_teacher(config: RLConfig, host: HostPlan) -> InferenceConfig | None:
