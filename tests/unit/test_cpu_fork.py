@@ -39,8 +39,8 @@ def platform_check(monkeypatch):
 
 def test_after_the_platforms_own_check_vllm_forks(platform_check):
     seen, hooks = platform_check
-    patches.vllm_cpu_fork()
-    patches.vllm_cpu_fork()  # applied once however often it is asked
+    patches.vllm_cpu_fork(cpu_fork.child)
+    patches.vllm_cpu_fork(cpu_fork.child)  # applied once however often it is asked
     cpu.CpuPlatform().check_and_update_config("config")
     assert seen == ["config"]  # the platform's other settings are still made, once
     assert os.environ[patches.START_METHOD_ENV] == "fork"

@@ -13,6 +13,8 @@ tied checkpoint reloads correctly either way; the verification would catch it if
 from __future__ import annotations
 
 import json
+import mmap
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,6 @@ import torch
 from safetensors import safe_open
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from rl.inference.staging import map_staged
 from rl.listed_files import read_listed
 from rl.manifest import CorruptFileError, Entry
 from rl.safetensors_io import MAX_HEADER_BYTES, parse_header, tensors_of
@@ -137,3 +138,16 @@ def checkpoint_shapes(path: str | Path, tied: bool) -> dict[str, tuple[int, ...]
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return with_tied_shape(shapes, tied)
 
+
+def map_staged(staged: dict) -> Iterator[tuple[str, mmap.mmap]]:
+    """In a worker: each staged file of `StagedStep.rpc()`, mapped copy-on-write (writable views for torch, pages
+    shared with the server and every other worker until written, which nothing does)."""
+    pid = staged["pid"]
+    for name, (fd, size) in sorted(staged["files"].items()):
+        if size == 0:
+            raise CorruptFileError(f"{name} is empty: not a safetensors file")
+        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            yield name, mmap.mmap(own, size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(own)

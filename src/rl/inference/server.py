@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from rl import patches
+from rl.inference import cpu_fork
 from rl.inference.config import InferenceConfig
 from rl.inference.gate import AdminMiddleware, AnsweredGenerationFilter
 from rl.inference.policy import AdminSettings
@@ -142,7 +143,7 @@ def cpu_start_method() -> bool:
 
     if not current_platform.is_cpu() or patches.START_METHOD_ENV in os.environ:
         return False
-    patches.vllm_cpu_fork()
+    patches.vllm_cpu_fork(cpu_fork.child)
     return True
 
 

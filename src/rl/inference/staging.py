@@ -6,9 +6,9 @@ sealed memfd (`stage_weights`), where its size, CRC-32 and safetensors header (e
 overlapping) are checked. The step's `weights_checksum` is taken here as well, once per server, from the bytes in
 hand (a step over the wire: as it arrives), while generation goes on; the workers only fingerprint what they load.
 The workers, every tensor-parallel rank of the server, map those memfds read-only through
-`/proc/<server pid>/fd/<fd>` (`map_staged`): no worker opens the user's directory, nothing can change the bytes
-after the check (the memfd is sealed against writes), and they are in memory once per server however many workers
-map them. A step's memory is given back off the event loop (`release`). An adapter step is copied the same way
+`/proc/<server pid>/fd/<fd>` (`map_staged`, rl/inference/reading.py): no worker opens the user's directory, nothing
+can change the bytes after the check (the memfd is sealed against writes), and they are in memory once per server
+however many workers map them. A step's memory is given back off the event loop (`release`). An adapter step is copied the same way
 into a private directory the server owns (`stage_adapter`), from which the workers read it and vLLM's `add_lora`
 loads it: vLLM never opens the user's path.
 """
@@ -21,7 +21,6 @@ import mmap
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ from zlib_ng import zlib_ng
 
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.inference import hooks
+from rl.inference.reading import map_staged
 from rl.listed_files import copy_listed, read_listed
 from rl.manifest import CorruptFileError, Entry, OpenDir
 from rl.safetensors_io import read_file_header, tensors_of
@@ -317,20 +317,6 @@ def take_over(received: dict) -> Received:
         os.close(fd)
         raise CorruptFileError(f"the memfd worker {received['pid']} received into is not sealed")
     return Received(StagedStep({WIRE_FILE: (fd, received["size"])}, received["checksum"]), received["adapter_config"])
-
-
-def map_staged(staged: dict) -> Iterator[tuple[str, mmap.mmap]]:
-    """In a worker: each staged file of `StagedStep.rpc()`, mapped copy-on-write (writable views for torch, pages
-    shared with the server and every other worker until written, which nothing does)."""
-    pid = staged["pid"]
-    for name, (fd, size) in sorted(staged["files"].items()):
-        if size == 0:
-            raise CorruptFileError(f"{name} is empty: not a safetensors file")
-        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            yield name, mmap.mmap(own, size, access=mmap.ACCESS_COPY)
-        finally:
-            os.close(own)
 
 
 class PrivateCopies:

@@ -70,7 +70,7 @@ def vllm_shm_polling() -> None:
 START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
-def vllm_cpu_fork() -> None:
+def vllm_cpu_fork(child_set_up) -> None:
     """vLLM's CLI sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` where nothing is set, and its CPU platform sets it again as
     it checks the config (in the API process, and in the engine core), so on CPU its engine core and every worker
     import vLLM, torch and transformers anew, one after the other. Spawn is vLLM's safe choice for accelerators (CUDA
@@ -78,7 +78,8 @@ def vllm_cpu_fork() -> None:
     This keeps the platform's other settings and puts fork back after them; forked processes inherit the patched
     class, so the engine core forks its workers too.
 
-    A forked process must not keep what a spawned one never had, nor outlive its parent (`rl.inference.cpu_fork`). Above
+    A forked process must not keep what a spawned one never had, nor outlive its parent: `child_set_up` runs first in
+    each (the inference server gives `rl.inference.cpu_fork.child`; this module imports nothing of a process). Above
     all it must get the cores and threads vLLM chose for it: vLLM's CPU executor binds each worker through the
     environment only (it preloads torch's OpenMP with LD_PRELOAD and sets GOMP_CPU_AFFINITY or OMP_PLACES, and
     OMP_NUM_THREADS, around the worker's start), which the loader and OpenMP read when a process starts. A forked
@@ -98,7 +99,6 @@ def vllm_cpu_fork() -> None:
 
     check_and_fork.rl_forks = True
     platform.check_and_update_config = staticmethod(check_and_fork)
-    from rl.inference.cpu_fork import child  # rl's own code, not a patch: what a forked process undoes of its parent's
-    from rl.process import register_fork_hooks
+    from rl.process import register_fork_hooks  # rl's own code, not a patch: the hooks around each fork
 
-    register_fork_hooks(after_in_child=child)
+    register_fork_hooks(after_in_child=child_set_up)
