@@ -9,8 +9,8 @@ The workers, every tensor-parallel rank of the server, map those memfds read-onl
 `/proc/<server pid>/fd/<fd>` (`map_staged`, rl/inference/reading.py): no worker opens the user's directory, nothing
 can change the bytes after the check (the memfd is sealed against writes), and they are in memory once per server
 however many workers map them. A step's memory is given back off the event loop (`release`). An adapter step is
-copied the same way into a private directory the server owns (`stage_adapter`), from which the workers read it and vLLM's `add_lora`
-loads it: vLLM never opens the user's path.
+copied the same way into a private directory the server owns (`stage_adapter`), from which the workers read it and
+vLLM's `add_lora` loads it: vLLM never opens the user's path.
 """
 
 from __future__ import annotations
