@@ -1,6 +1,6 @@
 """Every change rl makes to another library's code at run time, in one place. Nothing else in rl assigns into
 another library's modules. Each patch says what it replaces, why, and who applies it; what each was measured to
-save is in docs/architecture.md ("Patches of other libraries"):
+save is in benchmarks/RESULTS.md, why each exists in docs/architecture.md ("Patches of other libraries"):
 
 - pydantic: its inspection of default factories is cached (`cache_default_factory_inspection`);
 - verifiers: its training client sends requests through our `EngineClient` (`use_engine_client`);
@@ -14,15 +14,16 @@ save is in docs/architecture.md ("Patches of other libraries"):
   hash, per data object (`remember_task_hashes`); renderers decodes
   engine replies with msgspec (`decode_engine_replies_with_msgspec`); each interception server offers rl's
   in-process chat harness its model routes, called without HTTP (`interception_in_process`);
-  all applied by the main() of the orchestrator and of `eval` (`rl.envs.rollouts.apply_patches`, which
-  hands `apply_orchestrator_patches` the client class: this module imports nothing of rl's);
+  all applied by the main() of the orchestrator and of `eval` and by every env-server worker
+  (`rl.envs.worker.apply_patches`, which hands `apply_orchestrator_patches` the client class: the patches import
+  nothing of rl's outside this package but `rl.process`);
 - verifiers: its eval client reads chat replies through an httpx client that bounds their size and the time to
   read them (`bound_eval_client`), applied with those; its env-server requests carry rl's client configs whole
   (`serve_rl_client_configs`), applied with those in the orchestrator, `eval` and every env-server worker;
 - verifiers: its env server holds rl's shared HTTP session and tunes the GC while it serves
   (`serve_episodes_holding`), sends each episode's traces once, when it ends (`send_traces_once`), and answers rl's
   requests for a group's episodes (`serve_group_runs`, rl/envs/groups.py), all applied by every env-server
-  worker (`rl.envs.server.set_up_worker`); its pool's health reply carries the live workers (`answer_health_with`),
+  worker (`rl.envs.worker.set_up_worker`); its pool's health reply carries the live workers (`answer_health_with`),
   set by the env server's worker watch; its pool forks its workers from the broker instead of spawning them
   (`fork_pool_workers`), applied by rl's env server;
 - vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
@@ -34,11 +35,11 @@ save is in docs/architecture.md ("Patches of other libraries"):
 - vLLM: its generate route answers through the inference gate's response class, which adds token strings and
   writes the response once (`render_generate_responses`), applied by the gate when vLLM builds it.
 
-The package: `environments` (pydantic, verifiers and renderers, in the processes that run environments), `env_pool`
-(verifiers' env-server pool, in rl's env server) and `vllm`
-(in vLLM's processes); this module holds what they share and names every patch. The imports of the patched
-libraries stay inside the functions: vLLM loads this module in every process
-it starts, where neither pydantic's internals nor verifiers are needed. A patch whose target is gone (the
+The package: `verifiers` (verifiers, its env-server pool included), `pydantic`, `renderers` (in the processes that
+run episodes), `vllm` (in vLLM's processes), `local_route` (an aiohttp handler called in process); `targets` holds
+what they share, and this module names every patch. The imports of the patched libraries stay inside the
+functions: vLLM loads this module in every process it starts, where neither pydantic's internals nor verifiers are
+needed. A patch whose target is gone (the
 library changed) raises `PatchTargetMissing` when it is applied, at start-up: it never silently stops applying.
 """
 
