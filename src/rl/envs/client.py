@@ -3,9 +3,10 @@ taskset and samples it; each group goes to the server as one request (rl/envs/gr
 endpoint and each episode's sampling), runs in one of the server's workers (which calls inference itself), and comes
 back as episodes to score into a batch. A group abandoned at its deadline is cancelled on the server.
 
-An environment's episodes run in an env server unless its table says `workers = 0` (rl/envs/runner.py): one `rl` starts (supervised, restarted when it dies), one started
-elsewhere (`[[env]] address`), or, for an orchestrator or `eval` started by hand, one this process starts as its
-child (`ChildEnvServer`): it dies with this process, and its death ends the run, naming it.
+An environment's episodes run in an env server unless its table says `workers = 0` (rl/envs/runner.py): one `rl`
+starts (supervised, restarted when it dies), one started elsewhere (`[[env]] address`), or, for an orchestrator or
+`eval` started by hand, one this process starts as its child (`ChildEnvServer`): it dies with this process, and its
+death ends the run, naming it.
 
 A server that stops answering, or is restarted (`rl` restarts a dead one at the same socket), has lost the episodes
 it held: while any is out, a watchdog checks the server's health and, for an ipc:// socket, the socket's identity
