@@ -3,6 +3,7 @@ a teacher that tokenizes otherwise than the student before anything starts."""
 
 import asyncio
 import json
+import math
 import re
 import shutil
 
@@ -16,7 +17,7 @@ from rl.protocol import Sample
 
 
 def fake_logprob(token: int) -> float:
-    return -1.0 - 0.01 * token
+    return -3.0 - 0.01 * token
 
 
 def fake_vllm(requests: list, drop_token: int | None = None, tokenize=lambda text: [ord(c) for c in text]):
@@ -41,8 +42,9 @@ def fake_vllm(requests: list, drop_token: int | None = None, tokenize=lambda tex
 
 def ranked(token: int, k: int) -> dict:
     """A position's prompt logprobs as vLLM lists them, in no particular order (here the likeliest last): the token
-    itself, ranked 4th, and the top k, tokens 100 + token + i for the other ranks i + 1."""
-    others = {str(100 + token + i): {"logprob": -0.1 * (i + 1) if i < 3 else -2.0 - 0.1 * i, "rank": i + 1}
+    itself, ranked 4th, and the top k, tokens 100 + token + i for the other ranks i + 1 (the probabilities sum to
+    less than 1)."""
+    others = {str(100 + token + i): {"logprob": -1.0 - 0.1 * (i + 1) if i < 3 else -4.0 - 0.1 * i, "rank": i + 1}
               for i in range(k) if i != 3}
     return dict(reversed([*others.items(), (str(token), {"logprob": fake_logprob(token), "rank": 4})]))
 
@@ -84,7 +86,7 @@ def test_with_top_k_every_trained_token_also_gets_the_teachers_k_likeliest_token
                 assert ids == [0] * 5 and logprobs == [0.0] * 5
                 continue
             assert ids == [100 + token, 101 + token, 102 + token, token, 104 + token]
-            assert logprobs == pytest.approx([-0.1, -0.2, -0.3, fake_logprob(token), -2.4])
+            assert logprobs == pytest.approx([-1.1, -1.2, -1.3, fake_logprob(token), -4.4])
 
 
 def test_a_top_k_reply_with_too_few_entries_or_tokens_past_the_vocabulary_is_an_error():
@@ -200,3 +202,81 @@ def test_on_a_gpu_host_the_teacher_takes_the_last_gpus_and_the_others_split_as_w
     monkeypatch.setattr(launcher, "cuda_device_count", lambda: 2)
     with pytest.raises(ConfigError, match="teacher.gpus = 1 of 2 visible GPUs leaves 1 for the trainer and inference"):
         load(argv[:-6] + ["--trainer.loss.distill", "1"])  # the teacher's default: 1 GPU
+
+
+def replying(position: str | dict, size: int = 3):
+    """A teacher whose reply ranks, at the last position of a `size`-token sample, `position` (a dict, or raw JSON
+    text for what a dict cannot hold), and at the others the fake's ranking with k = 2."""
+    def handle(request: httpx.Request) -> httpx.Response:
+        ids = json.loads(request.content)["prompt"][0]
+        marker = {"marker": 1}
+        rows = [None, *(ranked(t, 2) for t in ids[1:-1]), marker if isinstance(position, str) else position]
+        text = json.dumps({"choices": [{"index": 0, "prompt_logprobs": rows}]})
+        if isinstance(position, str):
+            text = text.replace(json.dumps(marker), position)
+        return httpx.Response(200, content=text.encode(), headers={"content-type": "application/json"})
+
+    t = teacher(httpx.MockTransport(handle))
+    t.config = t.config.model_copy(update={"top_k": 2})
+    t.vocab_size = 1000
+    return t, [sample(list(range(1, size + 1)), 1)]
+
+
+@pytest.mark.parametrize("key", ["03", "0_3", "+3", " 3", "3.0", "\u0663", "03 "])  # \u0663: Arabic-Indic three
+def test_a_top_k_id_not_in_canonical_decimal_form_is_refused(key):
+    t, samples = replying({"3": {"logprob": -1.0}, key: {"logprob": -2.0}})
+    with pytest.raises(TeacherError, match=f"token id {re.escape(repr(key))}: ids are written in canonical decimal"):
+        asyncio.run(t.score(samples))
+
+
+def test_a_top_k_id_named_twice_at_one_position_is_refused():
+    t, samples = replying('{"3": {"logprob": -1.0}, "7": {"logprob": -2.0}, "7": {"logprob": -3.0}}')
+    with pytest.raises(TeacherError, match="names key '7' twice"):
+        asyncio.run(t.score(samples))
+
+
+def test_top_k_probabilities_summing_past_one_are_refused_and_up_to_one_accepted():
+    t, samples = replying({"3": {"logprob": -0.1}, "7": {"logprob": -0.2}, "8": {"logprob": -0.3}})
+    with pytest.raises(TeacherError, match=r"probabilities at one position sum to 2\.4\d* > 1 \(\+ 0\.001"):
+        asyncio.run(t.score(samples))
+    half = math.log(0.5)
+    t, samples = replying({"3": {"logprob": half}, "7": {"logprob": half + 1e-4}})  # 1.0001: float slack
+    assert asyncio.run(t.score(samples))[0].teacher_top_ids[2] == [7, 3]
+
+
+def test_a_position_ranking_more_than_top_k_tokens_besides_its_own_is_refused():
+    t, samples = replying({"3": {"logprob": -9.0}, "7": {"logprob": -2.0}, "8": {"logprob": -3.0},
+                           "9": {"logprob": -4.0}})
+    with pytest.raises(TeacherError, match="ranks 3 tokens besides token 3 where top_k = 2"):
+        asyncio.run(t.score(samples))
+    t, samples = replying({"3": {"logprob": -9.0}, "7": {"logprob": -2.0}, "8": {"logprob": -3.0}})
+    assert asyncio.run(t.score(samples))[0].teacher_top_ids[2] == [7, 8]  # the top 2 and the token itself
+
+
+def test_a_reply_past_its_size_bound_is_refused_while_it_streams():
+    from rl.orchestrator.teacher import reply_bound
+
+    sent = []
+
+    async def endless():
+        yield b'{"choices": [{"index": 0, "prompt_logprobs": [null, {"3": {"logprob": -1.0, "pad": "'
+        while True:
+            sent.append(1 << 16)
+            yield b"x" * (1 << 16)
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=endless())
+
+    t = teacher(httpx.MockTransport(handle))
+    bound = reply_bound(3, 0)
+    with pytest.raises(TeacherError, match=f"reply to /v1/completions passed {bound} bytes, its bound for 3 tokens"):
+        asyncio.run(t.score([sample([1, 2, 3], 1)]))
+    assert sum(sent) <= bound + (1 << 17)  # read as it came, not to its end
+
+    def announced(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=endless(), headers={"content-length": str(bound + 1)})
+
+    sent.clear()
+    with pytest.raises(TeacherError, match=f"announces {bound + 1} bytes"):
+        asyncio.run(teacher(httpx.MockTransport(announced)).score([sample([1, 2, 3], 1)]))
+    assert sum(sent) <= 1 << 17
