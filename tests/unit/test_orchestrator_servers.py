@@ -171,8 +171,7 @@ def test_a_server_that_does_not_answer_an_offer_is_a_failed_receiver_not_the_end
 
 def test_over_the_wire_a_server_that_serves_a_checksum_the_trainer_did_not_send_is_refused_and_named(tmp_path, caplog):
     """Whatever a server says it loaded, the orchestrator holds it to the checksum the trainer sent: a server that
-    reports another (or reports a step the trainer sent none of) gets no requests, as if its transfer had failed,
-    and the log names it; the next step brings it up to date."""
+    reports another (or reports a step the trainer sent none of) serves it, gets no requests, and the log names it."""
     from rl.weights.offers import Offer, write_offer, write_sent
 
     class WirePool(FakePool):
@@ -188,7 +187,38 @@ def test_over_the_wire_a_server_that_serves_a_checksum_the_trainer_did_not_send_
     write_offer(tmp_path, Offer(1, "127.0.0.1", 1234, 10))
     with caplog.at_level(logging.ERROR):
         assert asyncio.run(o.sync.take(1)) == [{"step": 1, "weights_checksum": "trainers"}]
-    assert o.servers.served_steps == [1, 0]
+    assert o.servers.served_steps == [1, 1] and o.servers.refused == {1} and o.servers.use_those_serving(0) == [0]
     assert "server 1 serves weights the trainer did not send as policy 1" in caplog.text and "forged" in caplog.text
     write_offer(tmp_path, Offer(2, "127.0.0.1", 1234, 10))  # the trainer's transfer of step 2 failed: it sent none
-    assert asyncio.run(o.sync.take(2)) is None and o.servers.served_steps == [1, 0]
+    assert asyncio.run(o.sync.take(2)) is None and o.servers.served_steps == [2, 2] and o.servers.refused == {0, 1}
+    assert o.servers.use_those_serving(0) == []
+
+
+def test_over_the_wire_a_server_serving_refused_weights_gets_no_requests_until_it_serves_a_step_the_trainer_sent(
+        tmp_path):
+    """A server that reports a step with a checksum the trainer did not send serves those weights (it loaded them):
+    it is not left usable at the step it served before, even where the batch may use that older policy
+    (async_level 2), until a step the trainer sent reaches it."""
+    from rl.weights.offers import Offer, write_offer, write_sent
+
+    class WirePool(FakePool):
+        async def receive_weights(self, step, host, port, timeout_s, servers):
+            write_sent(tmp_path, step, f"sent {step}")
+            for i in servers:
+                self.replies[i] = {"step": step, "instance": self.replies[i]["instance"]}
+            return [{"step": step, "weights_checksum": f"sent {step}"},
+                    {"step": step, "weights_checksum": "forged" if step == 1 else f"sent {step}"}]
+
+    pool = WirePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
+    o = orchestrator(tmp_path, pool, collective=True)
+    o.config.async_level = 2
+    asyncio.run(o.servers.check())
+    write_offer(tmp_path, Offer(1, "127.0.0.1", 1234, 10))
+    asyncio.run(o.sync.ensure(2))  # batch 2 may use policy 0 or newer: server 1 serves one, but not the trainer's
+    assert o.servers.usable == [0] and [o.server_of(g) for g in range(4)] == [0] * 4
+    asyncio.run(o.servers.check())  # it still answers, as the same process: still refused
+    asyncio.run(o.sync.ensure(2))
+    assert o.servers.usable == [0]
+    write_offer(tmp_path, Offer(2, "127.0.0.1", 1234, 10))
+    asyncio.run(o.sync.ensure(3))  # policy 2 reaches both, as the trainer sent it
+    assert o.servers.usable == [0, 1] and o.servers.served_steps == [2, 2] and o.servers.policy_step == 2

@@ -122,7 +122,7 @@ class OffersSync(PolicySync):
         deadline = time.monotonic() + self.config.weights_timeout_s
         while True:
             pending = [k for k in self.offered_up_to(newest) if k > self.last_offer]
-            deferred = defer_newest and pending[:1] == [newest] and max(self.servers.served_steps) >= required
+            deferred = defer_newest and pending[:1] == [newest] and bool(self.servers.serving(required))
             if pending and not deferred:
                 await self.servers.check()
                 await self.servers.wait_for_one()
@@ -134,9 +134,10 @@ class OffersSync(PolicySync):
                 continue  # no offer will come before this batch: a checkpoint's files brought servers up to date
             if self.last_offer >= newest:  # the last offer possible failed everywhere, and the next needs this batch
                 raise InferenceError(f"{needed_by} needs policy {required}, but no server serves it (they serve "
-                                     f"policies {self.servers.served_steps}; -1: not answering): its transfer failed "
-                                     "or the servers restarted since, and no checkpoint's files hold it (see the "
-                                     "warnings above)")
+                                     f"policies {self.servers.served_steps}; -1: not answering; servers "
+                                     f"{sorted(self.servers.refused)} serve weights the trainer did not send): its "
+                                     "transfer failed or the servers restarted since, and no checkpoint's files hold "
+                                     "it (see the warnings above)")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waited {self.config.weights_timeout_s:.0f} s for the trainer's offer of policy "
                                    f"{required} (needed by {needed_by})")
@@ -155,8 +156,9 @@ class OffersSync(PolicySync):
 
     async def take(self, step: int) -> list[dict] | None:
         """Take the trainer's offer of `step`: every server receives it at once; one that refuses or fails keeps the
-        weights it verified last (the next offer brings it up to date). An offer that is not as the trainer writes
-        them is not taken (read off the event loop: it may be anything)."""
+        weights it verified last (the next offer brings it up to date), one that serves other weights than the
+        trainer sent gets no requests until it serves a step the trainer sent. An offer that is not as the trainer
+        writes them is not taken (read off the event loop: it may be anything)."""
         try:
             offer = await asyncio.to_thread(read_offer, self.config.output_dir, step, self.config.transfer.host)
         except TransferError as e:
@@ -185,8 +187,9 @@ class OffersSync(PolicySync):
     async def held_to_the_trainers_checksum(self, step: int, servers: list[int], results: list[dict | str]
                                             ) -> list[dict | str]:
         """A server that reports step `step` with a checksum other than the one the trainer sent (or where the
-        trainer sent none) is refused as if its transfer had failed: it gets no requests until a later step brings it
-        up to date."""
+        trainer sent none) is refused: it serves those weights (a server keeps what it loaded and verified), so it gets
+        no requests, even where the batch may use the policy it served before, until a later step the trainer sent
+        brings it up to date (`ServerBoard.refuse`); its result is why."""
         if all(isinstance(r, str) for r in results):
             return results
         sent = await asyncio.to_thread(read_sent, self.config.output_dir, step, self.config.transfer.timeout_s)
@@ -195,7 +198,9 @@ class OffersSync(PolicySync):
             if not isinstance(result, str) and result.get("weights_checksum") != sent:
                 result = (f"it reports it serves checksum {result.get('weights_checksum')}, but the trainer sent "
                           f"{sent or 'no step'}: its policy {step} is refused")
-                self.logger.error(f"server {i} serves weights the trainer did not send as policy {step}: {result}")
+                self.logger.error(f"server {i} serves weights the trainer did not send as policy {step}, and gets no "
+                                  f"requests until it serves a step the trainer sent: {result}")
+                self.servers.refuse([i], step)
             held.append(result)
         return held
 

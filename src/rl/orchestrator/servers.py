@@ -16,8 +16,9 @@ DOWN = "down"  # a server's instance while it does not answer
 class ServerBoard:
     """One owner of the servers' state: `served_steps` (per server; -1: not answering), `usable` (the servers given
     requests: up to date and up), `policy_step` (the oldest policy the usable ones serve), `instances` (the process
-    each last answered from: a new one means it restarted) and `stale` (restarted or gone down since they were last
-    brought up to date). Changed only through its methods; the policy sync and the orchestrator read it."""
+    each last answered from: a new one means it restarted), `stale` (restarted or gone down since they were last
+    brought up to date) and `refused` (they serve weights the trainer did not send: no requests until they serve a
+    step it sent, or restart). Changed only through its methods; the policy sync and the orchestrator read it."""
 
     def __init__(self, pool: InferencePool, client: ClientConfig, logger):
         self.pool, self.client, self.logger = pool, client, logger
@@ -27,13 +28,14 @@ class ServerBoard:
         self.usable = list(range(servers))
         self.instances: list[str | None] = [None] * servers
         self.stale: set[int] = set()
+        self.refused: set[int] = set()
 
     def up(self) -> list[int]:
         return [i for i, instance in enumerate(self.instances) if instance != DOWN]
 
     def use(self, servers: list[int]) -> None:
-        """Give generation requests to `servers` (up, and up to date) alone."""
-        self.usable = servers
+        """Give generation requests to `servers` (up, and up to date) alone; never to a refused one."""
+        self.usable = [i for i in servers if i not in self.refused]
 
     def caught_up(self, servers: list[int]) -> None:
         """`servers` are being brought up to date: no longer stale, and the ones given requests."""
@@ -41,9 +43,22 @@ class ServerBoard:
         self.use(servers)
 
     def serve(self, servers: list[int], step: int) -> None:
-        """`servers` now serve policy `step`."""
+        """`servers` now serve policy `step`, as the trainer made it."""
         for i in servers:
             self.served_steps[i] = step
+        self.refused -= set(servers)
+
+    def refuse(self, servers: list[int], step: int) -> None:
+        """`servers` now serve, as policy `step`, weights the trainer did not send (they loaded them: what they
+        served before is gone): no requests from now until they serve a step the trainer sent (`serve`)."""
+        for i in servers:
+            self.served_steps[i] = step
+        self.refused |= set(servers)
+        self.use(self.usable)
+
+    def serving(self, required: int) -> list[int]:
+        """The servers that serve policy `required` or newer as the trainer made it."""
+        return [i for i, served in enumerate(self.served_steps) if served >= required and i not in self.refused]
 
     def all_serve(self, servers: list[int], step: int) -> None:
         """`servers` (the usable ones) now serve policy `step`, the oldest one in use."""
@@ -53,7 +68,7 @@ class ServerBoard:
     def use_those_serving(self, required: int) -> list[int]:
         """Give requests to the servers that serve policy `required` or newer (the oldest of theirs becomes
         `policy_step`); those servers."""
-        self.use([i for i, served in enumerate(self.served_steps) if served >= required])
+        self.use(self.serving(required))
         if self.usable:
             self.policy_step = min(self.served_steps[i] for i in self.usable)
         return self.usable
@@ -78,6 +93,7 @@ class ServerBoard:
                 changed.add(i)
                 self.served_steps[i] = reply["step"]
                 self.stale.add(i)
+                self.refused.discard(i)  # another process: it serves its start-up weights, not the refused ones
             self.instances[i] = reply["instance"]
         return changed
 
