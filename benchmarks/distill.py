@@ -70,11 +70,15 @@ def run(command: list[str], log: Path, timeout: float) -> None:
         raise RuntimeError(f"exited {done.returncode}; see {log}")
 
 
+def sft_command(model: Path, out: Path) -> list[str]:
+    """The quickstart's SFT of `model` into `out`, on 2 ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "rl.trainer.sft", "@", str(CONFIGS / "sft.toml"), "--model.name", str(model),
+            "--output-dir", str(out)]
+
+
 def sft(model: Path, out: Path, timeout: float) -> Path:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "rl.trainer.sft", "@", str(CONFIGS / "sft.toml"), "--model.name", str(model),
-               "--output-dir", str(out)]
-    run(command, out.parent / f"{out.name}.log", timeout)
+    run(sft_command(model, out), out.parent / f"{out.name}.log", timeout)
     return out
 
 
@@ -89,12 +93,16 @@ def rl(model: Path, out: Path, steps: int, timeout: float, *extra: str) -> list[
     return records
 
 
+def rl_command(model: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    """The quickstart's RL run from `model`, `extra` (a side's flags) beside it."""
+    return [sys.executable, "-m", "rl.launcher.main",
+            "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
+            "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(model), "--max-steps", str(steps),
+            "--seq-len", "128", "--async-level", str(ASYNC_LEVEL), "--output-dir", str(out), *extra]
+
+
 def start_run(model: Path, out: Path, steps: int, timeout: float, *extra: str) -> None:
-    command = [sys.executable, "-m", "rl.launcher.main",
-               "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
-               "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(model), "--max-steps", str(steps),
-               "--seq-len", "128", "--async-level", str(ASYNC_LEVEL), "--output-dir", str(out), *extra]
-    run(command, out.parent / f"{out.name}.log", timeout)
+    run(rl_command(model, out, steps, *extra), out.parent / f"{out.name}.log", timeout)
 
 
 def rewards(records: list[dict]) -> list[float]:
@@ -116,6 +124,17 @@ def shown(steps: list[int | None], limit: int) -> str:
     return f">{limit}" if median > limit else f"{median:g}"
 
 
+def side_flags(args: argparse.Namespace, teacher: Path) -> dict[str, list[str]]:
+    """The flags of each side that runs (`--sides`) beside the quickstart's: distillation from `teacher`, RL alone."""
+    distill = ["--teacher.model", str(teacher), "--trainer.loss.distill", str(args.distill),
+               "--trainer.loss.reward-weight", str(args.reward_weight)]
+    distill += ["--trainer.optim.lr", str(args.distill_lr)] if args.distill_lr else []
+    distill += ["--trainer.optim.warmup-steps", str(args.distill_warmup)] if args.distill_warmup is not None else []
+    distill += ["--teacher.top-k", str(args.top_k), "--trainer.loss.distill-top-k", str(args.distill_top_k)] \
+        if args.top_k else []
+    return {side: flags for side, flags in (("distill", distill), ("rl", [])) if side in args.sides.split(",")}
+
+
 def main() -> None:
     args = parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="rl-distill-"))
@@ -131,13 +150,7 @@ def main() -> None:
     print(f"teacher: {teacher} (reward {teacher_reward:.3f} over its last {WINDOW} steps; "
           f"first {ASYNC_LEVEL + 1} steps {statistics.fmean(teacher_curve[:ASYNC_LEVEL + 1]):.3f})", flush=True)
 
-    distill = ["--teacher.model", str(teacher), "--trainer.loss.distill", str(args.distill),
-               "--trainer.loss.reward-weight", str(args.reward_weight)]
-    distill += ["--trainer.optim.lr", str(args.distill_lr)] if args.distill_lr else []
-    distill += ["--trainer.optim.warmup-steps", str(args.distill_warmup)] if args.distill_warmup is not None else []
-    distill += ["--teacher.top-k", str(args.top_k), "--trainer.loss.distill-top-k", str(args.distill_top_k)] \
-        if args.top_k else []
-    sides = {side: flags for side, flags in (("distill", distill), ("rl", [])) if side in args.sides.split(",")}
+    sides = side_flags(args, teacher)
     lr = f"-lr{args.distill_lr:g}" if args.distill_lr else ""
     lr += f"-warmup{args.distill_warmup}" if args.distill_warmup is not None else ""
     top_k = f"-top{args.top_k}x{args.distill_top_k:g}" if args.top_k else ""

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import verifiers.v1 as vf  # noqa: E402
 from verifiers.v1.serve import EnvClient  # noqa: E402
 
+from rl.config import API_KEY_VAR  # noqa: E402
 from rl.renderer import renderer_config  # noqa: E402
 from rl.tiny_model import build_tiny_model  # noqa: E402
 from tests.integration.inference_server import Server, stop_process  # noqa: E402
@@ -47,7 +48,8 @@ def tasks_data(score_ms: float) -> list[dict]:
 
 async def rollouts_per_s(address: str, server: Server, rollouts: int, tasks: list[dict]) -> float:
     renderer = renderer_config("auto", str(server.model))[0]
-    client_config = vf.TrainClientConfig(base_url=f"{server.url}/v1", renderer=renderer,
+    # rl's inference key's variable, as the orchestrator's client names it: the one an env server lets a request read
+    client_config = vf.TrainClientConfig(base_url=f"{server.url}/v1", renderer=renderer, api_key_var=API_KEY_VAR,
                                          renderer_model_name=str(server.model))
     sampling = vf.SamplingConfig(temperature=1.0, max_tokens=8)
     client = EnvClient(address)

@@ -37,14 +37,19 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def rl_command(model: Path, out: Path, args, *extra: str) -> list[str]:
+    """One side's run: the quickstart's, on the short strings, dropping groups that score all alike."""
+    return [sys.executable, "-m", "rl.launcher.main",
+            "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
+            "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(model),
+            "--max-steps", str(args.steps), "--seq-len", "128", "--async-level", "1", "--output-dir", str(out),
+            "--orchestrator.batch-size", str(args.batch_size),
+            "--orchestrator.env", json.dumps([{"id": "reverse-text", "args": json.loads(args.env_args)}]),
+            "--orchestrator.advantage.drop-zero-variance", "true", *extra]
+
+
 def run(model: Path, out: Path, args, *extra: str) -> list[dict]:
-    command = [sys.executable, "-m", "rl.launcher.main",
-               "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
-               "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(model),
-               "--max-steps", str(args.steps), "--seq-len", "128", "--async-level", "1", "--output-dir", str(out),
-               "--orchestrator.batch-size", str(args.batch_size),
-               "--orchestrator.env", json.dumps([{"id": "reverse-text", "args": json.loads(args.env_args)}]),
-               "--orchestrator.advantage.drop-zero-variance", "true", *extra]
+    command = rl_command(model, out, args, *extra)
     print("+", out.name, *extra, flush=True)
     with out.with_suffix(".log").open("w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, cwd=ROOT)
@@ -54,15 +59,17 @@ def run(model: Path, out: Path, args, *extra: str) -> list[dict]:
     return sorted((r for r in records if r["process"] == "orchestrator"), key=lambda r: r["step"])
 
 
+SIDES = {"drop": [], "fill": ["--orchestrator.advantage.fill-batch", "true"]}  # each side's flags beside the run's
+
+
 def main() -> None:
     args = parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="rl-fill-"))
     root.mkdir(parents=True, exist_ok=True)
-    sides = {"drop": [], "fill": ["--orchestrator.advantage.fill-batch", "true"]}
-    results: dict[str, list[dict]] = {side: [] for side in sides}
+    results: dict[str, list[dict]] = {side: [] for side in SIDES}
     for round_ in range(args.rounds):
-        for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
-            steps = run(args.model, root / f"{side}-{round_}", args, *sides[side])
+        for side in list(SIDES) if round_ % 2 == 0 else list(SIDES)[::-1]:
+            steps = run(args.model, root / f"{side}-{round_}", args, *SIDES[side])
             rewards = [r["reward"] for r in steps]
             result = {"samples": statistics.fmean(r["samples"] for r in steps),
                       "extra": statistics.fmean(r.get("fill/extra_groups", 0) for r in steps),

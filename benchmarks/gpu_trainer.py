@@ -39,23 +39,31 @@ def build_model(out: Path) -> Path:
     return out
 
 
-def main() -> None:
+def trainer_command(model: Path, out: Path, args: argparse.Namespace) -> list[str]:
+    """The trainer on one rank, on the batches written under `out`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29533",
+            "-m", "rl.trainer.main", "--model.name", str(model), "--output-dir", str(out),
+            "--max-steps", str(args.steps), "--seq-len", str(args.seq_len), "--optim.lr", "1e-6",
+            "--micro-batch-tokens", str(2 * args.seq_len), *(["--compile"] if args.compile else [])]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--compile", action="store_true", help="trainer.compile (per-block torch.compile)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "qwen3-0.6b-shape")
         out = Path(tmp) / "run"
         for step in range(args.steps):
             write_batch(RunPaths(out), step, [fake_samples(step, args.samples, args.seq_len)])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29533",
-               "-m", "rl.trainer.main", "--model.name", str(model), "--output-dir", str(out),
-               "--max-steps", str(args.steps), "--seq-len", str(args.seq_len), "--optim.lr", "1e-6",
-               "--micro-batch-tokens", str(2 * args.seq_len), *(["--compile"] if args.compile else [])]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(trainer_command(model, out, args), cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"the trainer failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
         rows = sorted((m for m in read_metrics(RunPaths(out)) if m["process"] == "trainer"), key=lambda m: m["step"])

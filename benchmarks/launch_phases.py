@@ -91,14 +91,19 @@ def first_stamp(log: Path, pattern: re.Pattern | None, launched: datetime.dateti
     return None
 
 
-def main() -> None:
-    args = parse_args()
+def launch_command(args: argparse.Namespace, out: Path) -> list[str]:
+    """The integration tests' `rl` command line, at this benchmark's steps and tensor-parallel size."""
     sys.path.insert(0, str(ROOT))
     from tests.integration.launched import rl_command
 
+    return rl_command(Path(args.model), out, args.steps, "--inference.tensor-parallel-size", str(args.tp))
+
+
+def main() -> None:
+    args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = args.keep or Path(tmp) / "run"
-        cmd = rl_command(Path(args.model), out, args.steps, "--inference.tensor-parallel-size", str(args.tp))
+        cmd = launch_command(args, out)
         launched, start = datetime.datetime.now(), time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         arrivals: list[tuple[float, str]] = []

@@ -40,17 +40,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def trainer_command(model_dir: Path, out: Path, steps: int, seq_len: int, lora: bool) -> list[str]:
+    """The trainer on one rank, on the batches written under `out`, every step's weights kept."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+            str(free_port()), "-m", "rl.trainer.main", "--model.name", str(model_dir), "--output-dir", str(out),
+            "--max-steps", str(steps), "--seq-len", str(seq_len), "--keep-weights", str(steps + 2),
+            *(LORA if lora else ())]
+
+
 def trainer_run(model_dir: Path, steps: int, samples: int, seq_len: int, lora: bool) -> tuple[list[float], float, int]:
     """(train_s per step, peak memory GiB, bytes of weights/step_1) of one trainer run."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         for step in range(steps):
             write_batch(RunPaths(out), step, [fake_samples(step, samples, seq_len)])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-               str(free_port()), "-m", "rl.trainer.main", "--model.name", str(model_dir), "--output-dir", str(out),
-               "--max-steps", str(steps), "--seq-len", str(seq_len), "--keep-weights", str(steps + 2),
-               *(LORA if lora else ())]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(trainer_command(model_dir, out, steps, seq_len, lora), cwd=ROOT, capture_output=True,
+                              text=True)
         if done.returncode:
             raise RuntimeError(f"trainer failed:\n{done.stderr[-3000:]}")
         rows = sorted((m for m in read_metrics(RunPaths(out)) if m["process"] == "trainer"), key=lambda m: m["step"])

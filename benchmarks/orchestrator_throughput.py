@@ -44,13 +44,11 @@ import httpx
 import psutil
 from transformers import AutoTokenizer
 
-from rl.envs.config import EnvConfig
-from rl.orchestrator.config import GROUP_GAP_S
+from rl.envs.config import GROUP_GAP_S, EnvConfig
 from rl.envs.loading import load_environment
-from rl.envs.rollouts import (
-    InferenceClient, Sampling, apply_patches, run_group, tune_gc_for_serving,
-)
+from rl.envs.rollouts import InferenceClient, Sampling, run_group
 from rl.envs.slots import RolloutSlots
+from rl.envs.worker import apply_patches, tune_gc_for_serving
 from rl.renderer import renderer_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +96,7 @@ async def raw_side(args, prompts: list[list[int]], base_url: str) -> tuple[int, 
             body = {
                 "model": args.model,
                 "token_ids": prompt,
-                "sampling_params": {  # as the training client sends them (rollouts.model_context)
+                "sampling_params": {  # as the training client sends them (rl/envs/rollouts.py: sampling_config)
                     "max_tokens": args.max_tokens, "min_tokens": args.max_tokens, "temperature": 1.0,
                     "logprobs": 1, "detokenize": False, "n": n,
                 },

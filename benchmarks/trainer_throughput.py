@@ -76,6 +76,16 @@ def plain_loop(model_dir: str, steps: int, samples_per_step: int, seq_len: int) 
     return seconds
 
 
+def trainer_command(model_dir: str, out: Path, steps: int, seq_len: int, ranks: int) -> list[str]:
+    """The trainer on `ranks` ranks, on the batches written under `out`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+            str(port), "-m", "rl.trainer.main", "--model.name", model_dir, "--output-dir", str(out),
+            "--max-steps", str(steps), "--seq-len", str(seq_len), "--optim.lr", "1e-5"]
+
+
 def trainer_run(model_dir: str, steps: int, samples_per_step: int, seq_len: int, ranks: int) -> list[float]:
     """Seconds per step of the trainer (its train_s: forward/backward/optimizer, no waiting or publishing)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,13 +93,8 @@ def trainer_run(model_dir: str, steps: int, samples_per_step: int, seq_len: int,
         for step in range(steps):
             samples = fake_samples(step, samples_per_step, seq_len)
             write_batch(RunPaths(out), step, [samples[r::ranks] for r in range(ranks)])
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-               str(port), "-m", "rl.trainer.main", "--model.name", model_dir, "--output-dir", str(out),
-               "--max-steps", str(steps), "--seq-len", str(seq_len), "--optim.lr", "1e-5"]
-        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)  # inherits OMP_NUM_THREADS=1
+        command = trainer_command(model_dir, out, steps, seq_len, ranks)
+        subprocess.run(command, cwd=ROOT, check=True, capture_output=True)  # inherits OMP_NUM_THREADS=1
         rows = sorted((m for m in read_metrics(RunPaths(out)) if m["process"] == "trainer"), key=lambda m: m["step"])
         return [m["train_s"] for m in rows]
 

@@ -136,10 +136,10 @@ def in_process_envs() -> str:
     return json.dumps([env | {"workers": 0} for env in envs])
 
 
-def run_rl(model: Path, shape: Shape, args, out: Path, side: str) -> dict:
+def rl_command(model: Path, shape: Shape, args, out: Path, side: str, port: int) -> list[str]:
+    """rl's run of `side` (`rl-async<k>`, `-in-process` where the episodes run in the orchestrator's process)."""
     async_level, in_process = int(side.removeprefix("rl-async").split("-")[0]), side.endswith("-in-process")
-    port = free_port()
-    command = [
+    return [
         sys.executable, "-m", "rl.launcher.main",
         "--trainer", "@", str(ROOT / "configs/reverse_text/train.toml"),
         "--orchestrator", "@", str(ROOT / "configs/reverse_text/orch.toml"),
@@ -151,6 +151,10 @@ def run_rl(model: Path, shape: Shape, args, out: Path, side: str) -> dict:
         "--orchestrator.sampling.max-tokens", str(shape.max_tokens),
         "--trainer.optim.lr", str(args.lr), "--trainer.optim.warmup-steps", "0",
     ] + (["--orchestrator.env", in_process_envs()] if in_process else [])
+
+
+def run_rl(model: Path, shape: Shape, args, out: Path, side: str) -> dict:
+    command = rl_command(model, shape, args, out, side, free_port())
     log = out.parent / f"{out.name}.log"
     with log.open("w") as sink:
         done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=args.timeout)
@@ -193,14 +197,19 @@ def run_trl(python: Path, model: Path, tasks: Path, shape: Shape, args, out: Pat
     }
 
 
+def side_names(args) -> list[str]:
+    """rl at each async level (and with the episodes in process, where asked), then TRL's sides."""
+    sides = [f"rl-async{level}{where}" for level in args.async_levels
+             for where in ([""] + (["-in-process"] if args.in_process else []))]
+    return sides + ["trl-default"] + (["trl-vllm"] if args.trl_vllm else [])
+
+
 def compare(name: str, shape: Shape, python: Path, args, root: Path) -> dict[str, list[dict]]:
     """Every side's run of each round: {side: [result per round]}."""
     model = build_tiny_model(root / f"model-{name}", **shape.model)
     tasks = root / "tasks.jsonl"
     write_tasks(tasks, 2000)
-    sides = [f"rl-async{level}{where}" for level in args.async_levels
-             for where in ([""] + (["-in-process"] if args.in_process else []))]
-    sides += ["trl-default"] + (["trl-vllm"] if args.trl_vllm else [])
+    sides = side_names(args)
     results: dict[str, list[dict]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
         for side in sides if round_ % 2 == 0 else sides[::-1]:

@@ -47,12 +47,12 @@ logger = logging.getLogger(__name__)
 
 class GroupRunRequest(BaseRequest):
     """`n = len(samplings)` episodes of one task: its dumped data, the client config every episode shares (rl's
-    classes first, as verifiers' own `run` takes them: rl/patches `serve_rl_client_configs`), and each one's
+    classes or verifiers', as verifiers' own `run` takes them: rl/patches `serve_rl_client_configs`), and each one's
     sampling (seeded rollouts differ by their seed)."""
 
     method: ClassVar[str] = ROUTE.decode()
     task_data: dict
-    client: Union[(*RL_CLIENT_CONFIGS, EvalClientConfig, TrainClientConfig)]  # as verifiers' `run` takes it, patched
+    client: Union[(EvalClientConfig, TrainClientConfig, *RL_CLIENT_CONFIGS)]  # as verifiers' `run` takes it, patched
     model: str
     samplings: list[vf.SamplingConfig] = Field(min_length=1)
 

@@ -1,0 +1,195 @@
+"""Every benchmark in benchmarks/ still runs at the head, checked as cheaply as each allows: all its imports resolve
+(those inside its functions too), its `--help` parses, the command lines it hands rl's launcher and trainer are
+accepted (`--dry-run`, or the trainer's config parsed), and where a part runs in seconds it runs at its smallest
+setting. A real run of the rest needs an inference server or torchrun, minutes each: those keep to their set-up here."""
+
+import ast
+import importlib
+import json
+import os
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FIXTURE_ENVIRONMENTS, ROOT
+
+BENCHMARKS = ROOT / "benchmarks"
+FILES = sorted(p.name for p in BENCHMARKS.glob("*.py"))
+HELPERS = {"slow_link.py"}  # imported by weight_sync.py; no command of its own
+OTHER_INTERPRETER = {"trl_grpo.py": {"trl", "datasets"}}  # run by trl_side_by_side.py with TRL's own venv
+LAUNCHER = [sys.executable, "-m", "rl.launcher.main"]
+
+
+@pytest.fixture(autouse=True)
+def benchmark_process(monkeypatch):
+    """What a benchmark finds when run as a script (the repository, benchmarks/ and the fixture environments
+    importable), and what it changes of this process (sys.path, os.environ) undone after."""
+    monkeypatch.setattr(sys, "path", [str(ROOT), str(BENCHMARKS), str(FIXTURE_ENVIRONMENTS), *sys.path])
+    environ = os.environ.copy()
+    yield
+    for name in set(os.environ) - set(environ):
+        del os.environ[name]
+    os.environ.update(environ)
+
+
+def benchmark(name: str):
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names imported from it) of every import statement in the file, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            assert node.level == 0, f"{path.name}: relative import"
+            found.append((node.module, [alias.name for alias in node.names]))
+    return found
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_every_import_resolves(name):
+    """Imports inside a benchmark's functions run only minutes into a real run: each one is resolved here."""
+    missing = []
+    for module, names in imports(BENCHMARKS / name):
+        if module.split(".")[0] in OTHER_INTERPRETER.get(name, ()):
+            continue
+        try:
+            imported = importlib.import_module(module)
+        except ImportError as e:
+            missing.append(f"{module}: {e}")
+            continue
+        for attr in names:
+            if not hasattr(imported, attr) and importlib.util.find_spec(f"{module}.{attr}") is None:
+                missing.append(f"{module}.{attr}")
+    assert not missing, f"benchmarks/{name} imports what is not there: {missing}"
+
+
+@pytest.mark.parametrize("name", [n for n in FILES if n not in HELPERS])
+def test_help(name, monkeypatch, capsys):
+    """The script as `python benchmarks/<name> --help` runs it: its module-level code, then its argument parser."""
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / name), "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(BENCHMARKS / name), run_name="__main__")
+    assert exit_.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    """Enough of a model directory for the launcher's and the trainer's config checks."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    return path
+
+
+def parsed(module, argv: list[str]):
+    """The namespace of the benchmark's own `parse_args`, given `argv`."""
+    sys.argv = ["benchmark", *argv]
+    return module.parse_args()
+
+
+def dry_run(command: list[str], capsys) -> None:
+    """rl's launcher takes `command` (as the benchmark would start it) and resolves every process's config."""
+    from rl.launcher import main as launcher
+
+    assert command[:3] == LAUNCHER, command[:3]
+    launcher.main(command[3:] + ["--dry-run"])
+    assert "orchestrator" in capsys.readouterr().out
+
+
+def test_launcher_command_lines_of_fill_batch_distill_trl_side_by_side_and_launch_phases(model, tmp_path, monkeypatch,
+                                                                                         capsys):
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    fill_batch, distill, trl = benchmark("fill_batch"), benchmark("distill"), benchmark("trl_side_by_side")
+    launch_phases = benchmark("launch_phases")
+    dry_run(launch_phases.launch_command(parsed(launch_phases, ["--model", str(model)]), tmp_path / "launch"), capsys)
+    args = parsed(fill_batch, ["--model", str(model)])
+    for side, flags in fill_batch.SIDES.items():
+        dry_run(fill_batch.rl_command(model, tmp_path / f"fill-{side}", args, *flags), capsys)
+    args = parsed(distill, ["--top-k", "8"])
+    for side, flags in distill.side_flags(args, teacher=model).items():
+        dry_run(distill.rl_command(model, tmp_path / f"distill-{side}", args.steps, *flags), capsys)
+    args = parsed(trl, ["--models", "tiny", "--in-process", "--async-levels", "0,1"])
+    for side in trl.side_names(args):
+        if side.startswith("rl-"):
+            dry_run(trl.rl_command(model, trl.SHAPES["tiny"], args, tmp_path / side, side, 8123), capsys)
+
+
+def after(command: list[str], module: str) -> list[str]:
+    """The arguments `command` gives `python -m <module>`."""
+    at = command.index(module)
+    assert command[at - 1] == "-m", command
+    return command[at + 1:]
+
+
+def test_trainer_command_lines_of_lora_gpu_trainer_trainer_throughput_and_distills_sft(model, tmp_path, monkeypatch):
+    from rl.config import parse_config
+    from rl.trainer.config import TrainerConfig
+    from rl.trainer.sft import SFTConfig
+
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    lora, gpu_trainer = benchmark("lora"), benchmark("gpu_trainer")
+    commands = [lora.trainer_command(model, tmp_path, 4, 256, lora=side) for side in (False, True)]
+    sys.argv = ["gpu_trainer", "--compile"]
+    commands.append(gpu_trainer.trainer_command(model, tmp_path, gpu_trainer.parse_args()))
+    commands.append(benchmark("trainer_throughput").trainer_command(str(model), tmp_path, 6, 256, 2))
+    configs = [parse_config(TrainerConfig, after(command, "rl.trainer.main")) for command in commands]
+    assert [config.lora is not None and config.lora.rank == 16 for config in configs[:2]] == [False, True]
+    assert configs[2].compile and configs[2].micro_batch_tokens == 2 * 4096
+    sft = parse_config(SFTConfig, after(benchmark("distill").sft_command(model, tmp_path / "sft"), "rl.trainer.sft"))
+    assert sft.output_dir == tmp_path / "sft"
+
+
+def test_memory_at_its_smallest(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["memory.py", "--tokens", "32", "--hidden", "8", "--vocab", "512", "--chunk",
+                                      "16", "--repeats", "1"])
+    runpy.run_path(str(BENCHMARKS / "memory.py"), run_name="__main__")
+    assert re.search(r"peak memory [\d.]+x naive, tokens/s [\d.]+x naive\n$", capsys.readouterr().out)
+
+
+def test_cpu_owners_attributes_a_profile(tmp_path, monkeypatch, capsys):
+    profile = tmp_path / "raw.txt"
+    profile.write_text(
+        "run (rl/orchestrator/main.py:9);validate (verifiers/v1/episode.py:3);encode (json/encoder.py:5) 6\n"
+        "run (rl/orchestrator/main.py:9);render (renderers/base.py:2) 2\n"
+        "run (rl/orchestrator/main.py:9);select (selectors.py:451) 40\n")  # a wait: left out
+    monkeypatch.setattr(sys, "argv", ["cpu_owners.py", str(profile)])
+    runpy.run_path(str(BENCHMARKS / "cpu_owners.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.startswith("8 busy samples\n") and " 75.0% verifiers\n" in out and " 25.0% renderers\n" in out
+
+
+def test_trainer_throughputs_plain_loop_runs_a_step(tmp_path):
+    """The floor the trainer is compared with: rl's batching, logprobs and loss in one process (also the fake
+    batches lora.py and gpu_trainer.py write)."""
+    from rl.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", hidden_size=64, layers=1, heads=2, kv_heads=1)
+    (seconds,) = benchmark("trainer_throughput").plain_loop(str(model), 1, 2, 64)
+    assert seconds > 0
+
+
+def test_env_workers_and_orchestrator_throughput_set_up(tmp_path, monkeypatch):
+    """What each does before its inference server is up: the tasks env_workers ships, and the prompts and client
+    orchestrator_throughput's two sides send."""
+    from transformers import AutoTokenizer
+
+    from rl.envs.config import EnvConfig
+    from rl.envs.loading import load_environment
+    from rl.tiny_model import build_tiny_model
+
+    tasks = benchmark("env_workers").tasks_data(score_ms=1.0)
+    assert len(tasks) == 256 and tasks[0]["score_ms"] == 1.0
+    orch = benchmark("orchestrator_throughput")
+    model = str(build_tiny_model(tmp_path / "tiny", hidden_size=64, layers=1, heads=2, kv_heads=1))
+    env = load_environment(EnvConfig(id="reverse-text", args={"num_examples": 2}, workers=0))
+    prompts = orch.rendered_prompts(env, AutoTokenizer.from_pretrained(model), 2)
+    assert len(prompts) == 2 and all(prompts)
+    monkeypatch.setattr(sys, "argv", ["orchestrator_throughput", "--model", model, "--max-tokens", "4"])
+    assert orch.sampling(orch.parse_args()).extra == {"min_tokens": 4}
