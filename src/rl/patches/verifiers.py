@@ -56,9 +56,10 @@ def serve_rl_client_configs(client_configs: tuple[type, ...]) -> None:
     subclasses (`client_configs`: the training client's grouping of a group's identical requests, the eval client's
     bounds on each reply) would be dumped without their fields by the orchestrator and refused by a worker; and the
     episode a worker sends back records the config on each trace, which the orchestrator reads as verifiers' own
-    (`WireAgentConfig`, extra fields refused). Both fields take rl's classes first, then verifiers' own (an instance
-    keeps its class; a dict with rl's fields validates only as rl's), and the wire models are built over them again;
-    applied on both ends, where `apply_patches` runs."""
+    (`WireAgentConfig`, extra fields refused). Both fields take verifiers' own classes first, then rl's (an instance
+    keeps its class; a dict with rl's fields validates only as rl's, one without them as verifiers' own, so that a
+    plain verifiers client's episode comes back with the config it sent, which that client can read), and the wire
+    models are built over them again; applied on both ends, where `apply_patches` runs."""
     from typing import Optional, Union
 
     from pydantic.fields import FieldInfo
@@ -67,7 +68,7 @@ def serve_rl_client_configs(client_configs: tuple[type, ...]) -> None:
     from verifiers.v1.configs.client import EvalClientConfig, TrainClientConfig
     from verifiers.v1.serve import types as serve_types
 
-    client_config = Union[(*client_configs, EvalClientConfig, TrainClientConfig)]
+    client_config = Union[(EvalClientConfig, TrainClientConfig, *client_configs)]
     for model, annotation in ((patch_target(serve_types, "RunRequest", "verifiers"), client_config),
                               (patch_target(agent, "WireAgentConfig", "verifiers"), Optional[client_config])):
         if "client" not in model.model_fields:
