@@ -47,10 +47,6 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rl.weights.offers import GroupSpec
 
 
 class TransferError(RuntimeError):
@@ -101,8 +97,8 @@ class Receiver(ABC):
         where they came over the wire and verified, else None (what a step sent as changes applies to)."""
 
     @abstractmethod
-    async def receive(self, spec: GroupSpec, step: int):
-        """Step `step`, received through the group `spec` names and checked (the server's `Received`): StepRefused
+    async def receive(self, spec, step: int):
+        """Step `step`, received through the group `spec` names (an `offers.GroupSpec`) and checked (the server's `Received`): StepRefused
         for a step this server will not take, CorruptFileError for one that arrived altered, TransferError for one
         that did not arrive."""
 
