@@ -98,9 +98,9 @@ class Receiver(ABC):
 
     @abstractmethod
     async def receive(self, spec, step: int):
-        """Step `step`, received through the group `spec` names (an `offers.GroupSpec`) and checked (the server's `Received`): StepRefused
-        for a step this server will not take, CorruptFileError for one that arrived altered, TransferError for one
-        that did not arrive."""
+        """Step `step`, received through the group `spec` names (an `offers.GroupSpec`) and checked (the server's
+        `Received`): StepRefused for a step this server will not take, CorruptFileError for one that arrived altered,
+        TransferError for one that did not arrive."""
 
 
 class Engines:
