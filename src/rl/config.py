@@ -12,11 +12,13 @@ import sys
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from functools import cache
+from typing import Annotated, Any, Literal, TypeVar, get_args
 from urllib.parse import urlsplit, urlunsplit
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, ValidationError, model_serializer
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, InitSettingsSource, SettingsConfigDict
 
 from rl.atomic import atomic_write_text
@@ -33,18 +35,40 @@ class ConfigError(ValueError):
     """A configuration mistake made by the user: the message names the field and the fix."""
 
 
+def _hide_secrets(self, handler, info: SerializationInfo) -> Any:
+    """Every dump of a config (model_dump, to_toml, W&B) with each secret field that holds a value as SECRET_MASK,
+    unless the dump asks for `WITH_SECRETS` (to_toml, for the 0600 file a process reads its config back from)."""
+    data = handler(self)
+    if isinstance(data, dict) and not (info.context or {}).get(WITH_SECRETS):
+        for name in secret_fields(type(self)):
+            if data.get(name) is not None:
+                data[name] = SECRET_MASK
+    return data
+
+
+def _repr_args_without_secrets(self):
+    """repr(config), str(config) (a traceback, an error message, a log line): secrets as SECRET_MASK."""
+    hidden = secret_fields(type(self))
+    for name, value in BaseModel.__repr_args__(self):
+        yield name, SECRET_MASK if name in hidden and value is not None else value
+
+
 class Section(BaseModel):
-    """A nested config table: unknown keys are errors."""
+    """A nested config table: unknown keys are errors; secrets are hidden from its dumps and its repr."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    _hide_secrets = model_serializer(mode="wrap")(_hide_secrets)
+    __repr_args__ = _repr_args_without_secrets
 
 
 class Settings(BaseSettings):
-    """Base of the per-process configs: defaults < TOML < environment < CLI."""
+    """Base of the per-process configs: defaults < TOML < environment < CLI; secrets hidden as in Section."""
 
     model_config = SettingsConfigDict(
         extra="forbid", env_nested_delimiter="__", validate_assignment=True, nested_model_default_partial_update=True
     )
+    _hide_secrets = model_serializer(mode="wrap")(_hide_secrets)
+    __repr_args__ = _repr_args_without_secrets
 
     @classmethod
     def settings_customise_sources(
@@ -255,20 +279,60 @@ def run_cli(cls: type[C], argv: list[str] | None = None) -> C:
         print(config_help(cls))
         sys.exit(0)
     try:
-        return parse_config(cls, argv)
+        config = parse_config(cls, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    warn_secrets_on_command_line(config, argv, Path(sys.argv[0]).name)
+    return config
 
 
-SECRET_FIELDS = ("admin_token", "api_key", "secret")
+# --------------------------------------------------------------------------------------------------
+# Secrets: declared as such, so that every dump of a config but the one its process reads back hides them
+# --------------------------------------------------------------------------------------------------
+
 SECRET_MASK = "<hidden>"
+WITH_SECRETS = "with_secrets"  # in a dump's context: the real values (to_toml, for the 0600 file a process reads)
+
+
+class _SecretMarker:
+    def __repr__(self) -> str:
+        return "Secret"
+
+
+SECRET = _SecretMarker()
+Secret = Annotated[str, SECRET]
+"""A secret (a token, a key, the run's secret): the code that uses it reads the value; every dump and repr of its
+config (Section, Settings) shows SECRET_MASK instead. Declare the field `Annotated[Secret | None, Field(...)]`."""
+
+# Secret fields found by name too: one not declared `Secret` yet (transfer.secret, rl/weights/config.py) is hidden
+# all the same, and so are these keys in a dump that is no config's (without_secrets).
+SECRET_FIELDS = ("admin_token", "api_key", "secret")
+
+
+def is_secret(name: str, field: FieldInfo) -> bool:
+    """Whether a config field holds a secret: declared `Secret`, or named as one (SECRET_FIELDS)."""
+    def marked(annotation: Any) -> bool:
+        return any(arg is SECRET or marked(arg) for arg in get_args(annotation))
+
+    return name in SECRET_FIELDS or any(m is SECRET for m in field.metadata) or marked(field.annotation)
+
+
+@cache
+def secret_fields(cls: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for name, field in cls.model_fields.items() if is_secret(name, field))
+
+
+def public_config(config: BaseModel) -> dict:
+    """The config as W&B and any other record outside the run's 0600 files get it: every secret masked (it still
+    shows which are set), and the password of every URL."""
+    return without_secrets(config.model_dump(mode="json"), drop=False)
 
 
 def to_toml(config: BaseModel, mask_secrets: bool = False) -> str:
-    """Serialise a config so that `@ file.toml` reproduces it (None fields are left out); `mask_secrets`
-    replaces the value of every secret field, for printing."""
-    data = config.model_dump(mode="json", exclude_none=True)
+    """Serialise a config so that `@ file.toml` reproduces it (None fields are left out), its secrets included (for
+    the 0600 file its process reads it back from: write_config); `mask_secrets`: every secret masked, for printing."""
+    data = config.model_dump(mode="json", exclude_none=True, context=None if mask_secrets else {WITH_SECRETS: True})
     return tomli_w.dumps(without_secrets(data, drop=False) if mask_secrets else data)
 
 
@@ -291,6 +355,40 @@ def without_secrets(data: Any, drop: bool) -> Any:
     return public
 
 
+def secrets_on_command_line(config: BaseModel, cli_data: dict, prefix: str = "") -> list[str]:
+    """The dotted names of the secret fields of `config` that `cli_data` (the command line's layer) sets."""
+    found = []
+    for key, value in cli_data.items():
+        field = type(config).model_fields.get(key)
+        if value is not None and (is_secret(key, field) if field else key in SECRET_FIELDS):
+            found.append(prefix + key)
+        part = getattr(config, key, None) if field else None
+        if isinstance(part, BaseModel) and isinstance(value, dict):
+            found += secrets_on_command_line(part, value, f"{prefix}{key}.")
+        elif isinstance(part, list) and isinstance(value, list):
+            for item, given in zip(part, value):
+                if isinstance(item, BaseModel) and isinstance(given, dict):
+                    found += secrets_on_command_line(item, given, f"{prefix}{key}[].")
+    return found
+
+
+def warn_secrets_on_command_line(config: BaseModel, argv: list[str], program: str) -> None:
+    """A secret given as a flag is in the process's command line, which every user of the host can read (`ps`,
+    /proc/<pid>/cmdline) for as long as it runs: warned about (as `docker login --password` and `mysql -p` do), not
+    refused, for it is already out when this runs; the docs give secrets by environment or in a file."""
+    _, cli_data = parse_argv(argv, sections=tuple(getattr(type(config), "file_sections", ())))
+    names = secrets_on_command_line(config, cli_data)
+    if not names:
+        return
+    flags = ", ".join(sorted({"--" + name.partition("[")[0].replace("_", "-") for name in names}))
+    prefix = type(config).model_config.get("env_prefix", "")
+    variables = [prefix + name.replace(".", "__").upper() for name in names if "[" not in name]
+    where = f"the environment ({', '.join(variables)}) or " if variables else ""
+    print(f"{program}: warning: {flags} puts a secret on the command line, which every user of this host can read "
+          f"(ps, /proc/<pid>/cmdline); give it in {where}a TOML file only you can read (@ secrets.toml)",
+          file=sys.stderr)
+
+
 def url_without_password(text: str) -> str:
     """`scheme://user:password@host/...` with the password masked; any other text as it is."""
     try:
@@ -304,7 +402,7 @@ def url_without_password(text: str) -> str:
 
 
 def write_config(config: BaseModel, path: Path, mask_secrets: bool = False) -> None:
-    """Write the config readable by its owner only: resolved configs carry the admin token. `mask_secrets`: for
-    a record of the config that nothing reads back (see to_toml)."""
+    """Write the config readable by its owner only: resolved configs carry their process's secrets. `mask_secrets`:
+    for a record of the config that nothing reads back (see to_toml)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     atomic_write_text(path, to_toml(config, mask_secrets), private=True)

@@ -7,7 +7,9 @@ import sys
 import time
 import uuid
 
-from rl.config import WandbConfig
+from pydantic import BaseModel
+
+from rl.config import WandbConfig, public_config
 from rl.protocol import RunPaths, append_metrics, atomic_write_text
 
 
@@ -47,7 +49,8 @@ def wandb_run_id(paths: RunPaths, process: str) -> str:
 class MetricsLogger:
     """Owns the per-step record of one process: log line, metrics.jsonl row and W&B row."""
 
-    def __init__(self, process: str, paths: RunPaths, wandb_config: WandbConfig, config: dict, logger):
+    def __init__(self, process: str, paths: RunPaths, wandb_config: WandbConfig, config: BaseModel, logger):
+        """`config`: the process's, recorded in W&B without its secrets (`public_config`)."""
         self.process = process
         self.paths = paths
         self.logger = logger
@@ -60,7 +63,7 @@ class MetricsLogger:
                 name=f"{wandb_config.name or paths.root.name}-{process}",
                 mode=wandb_config.mode,
                 dir=str(paths.root),
-                config=config,
+                config=public_config(config),
                 id=wandb_run_id(paths, process),
                 resume="allow",  # a resumed run continues the same W&B run
             )

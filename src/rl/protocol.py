@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,15 @@ class RunPaths:
     """Every path of a run directory."""
 
     root: Path
+
+    def make_private(self) -> None:
+        """Create the run directory readable by its user only (0700), or make an existing one of theirs so: what rl
+        and the libraries it runs write in it (configs, logs, weights, W&B's files, env servers' sockets) is then out
+        of other users' reach, whatever mode each file has. One owned by another user (a shared volume) is left be."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = self.root.stat()
+        if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) & 0o077:
+            os.chmod(self.root, stat.S_IMODE(info.st_mode) & 0o700)
 
     @property
     def configs(self) -> Path:

@@ -3,6 +3,7 @@ import logging
 from rl.config import WandbConfig
 from rl.metrics import MetricsLogger, wandb_run_id
 from rl.protocol import RunPaths, read_metrics
+from rl.trainer.config import TrainerConfig
 
 
 def test_wandb_run_id_is_kept_per_process(tmp_path):
@@ -17,7 +18,7 @@ def test_a_resumed_process_continues_its_wandb_run(tmp_path):
     paths = RunPaths(tmp_path)
     config = WandbConfig(project="rl-test", mode="offline")
     for step in (0, 1):
-        metrics = MetricsLogger("trainer", paths, config, {"lr": 1e-3}, logging.getLogger("test"))
+        metrics = MetricsLogger("trainer", paths, config, TrainerConfig(), logging.getLogger("test"))
         metrics.log(step, {"loss": 0.5}, ("loss",))
         metrics.close()
     run_id = wandb_run_id(paths, "trainer")

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import Section, Settings
+from rl.config import Secret, Section, Settings
 
 ENV_SERVER_SECRET_VAR = "RL_ENV_SERVER__SECRET"  # an env server's secret, read by it and by its clients
 GROUP_GAP_S = 0.003  # the default wait for a group's identical generate requests (rl/envs/engine_client.py)
@@ -91,9 +91,9 @@ class EnvConfig(Section):
                                             "host, but an environment that crashes or blocks takes the run down)")
     ] = None
     secret: Annotated[
-        str | None, Field(min_length=16, description="the secret of the env server at a tcp:// `address` (its "
-                                                     "`secret`), which seals the connection; required beyond "
-                                                     "loopback; unset: RL_ENV_SERVER__SECRET")
+        Secret | None, Field(min_length=16, description="the secret of the env server at a tcp:// `address` (its "
+                                                        "`secret`), which seals the connection; required beyond "
+                                                        "loopback; unset: RL_ENV_SERVER__SECRET")
     ] = None
 
     @model_validator(mode="before")
@@ -162,9 +162,10 @@ class EnvServerConfig(Settings):
         int | None, Field(ge=1, description="episodes in flight per worker; unset: no bound")
     ] = None
     secret: Annotated[
-        str | None, Field(min_length=16, description="the run's secret: a tcp:// address is sealed with it (ZMQ "
-                                                     "CURVE), admitting only clients that hold it; required beyond "
-                                                     "loopback (RL_ENV_SERVER__SECRET)")
+        Secret | None, Field(min_length=16, description="the run's secret: a tcp:// address is sealed with it (ZMQ "
+                                                        "CURVE), admitting only clients that hold it; required beyond "
+                                                        "loopback; give it by environment (RL_ENV_SERVER__SECRET) or "
+                                                        "in a file (@ secret.toml), not as a flag, which ps shows")
     ] = None
 
     @model_validator(mode="after")

@@ -10,7 +10,7 @@ from pydantic import AfterValidator, Field
 from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import VLLM_MAX_RANKS
-from rl.config import ConfigError, ModelConfig, Section, Settings
+from rl.config import ConfigError, ModelConfig, Secret, Section, Settings
 from rl.weights.config import FilesTransfer, TransferConfig
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -136,10 +136,10 @@ class InferenceConfig(Settings):
         Path | None, Field(description="only weights inside this directory may be loaded by /update_weights")
     ] = None
     admin_token: Annotated[
-        str | None, Field(min_length=1, description="bearer token required by the admin routes")
+        Secret | None, Field(min_length=1, description="bearer token required by the admin routes")
     ] = None
     api_key: Annotated[
-        str | None,
+        Secret | None,
         Field(min_length=1, description="vLLM's API key, required on every generation route and sent by rl's "
                                         "clients; a secret: give it by environment (RL_INFERENCE__API_KEY)"),
     ] = None

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from rl.config import ConfigError, format_validation_error, parse_config, to_toml, write_config
+from rl.config import (
+    ConfigError, format_validation_error, parse_config, to_toml, warn_secrets_on_command_line, write_config,
+)
 from rl.config_help import config_help
 from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir, check_same_tokenizer
 from rl.config import API_KEY_VAR
@@ -245,6 +247,7 @@ def deploy(config: RLConfig, host: HostPlan, given: RLConfig, paths: RunPaths) -
     if config.dry_run:
         print(render_slurm(given, paths, paths.slurm / "rl.toml", paths.slurm / "placement.toml"), end="")
         return
+    paths.make_private()
     script = slurm_job(given, paths)
     if not config.slurm.submit:
         exported = " with RL_INFERENCE__API_KEY exported" if given.inference.api_key else ""
@@ -283,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         config, host = load(argv)
+        warn_secrets_on_command_line(config, argv, "rl")
         paths = RunPaths(config.trainer.output_dir.absolute())
         if config.slurm or config.k8s:
             return deploy(config, host, parse_config(RLConfig, argv), paths)
@@ -295,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     if config.dry_run:
         print_dry_run(config, host, specs)
         return
+    paths.make_private()
     if resuming and host.runs("orchestrator"):
         removed = discard_after(paths, config.trainer.resume_step)
         print(f"rl: resuming from step {config.trainer.resume_step}; discarded {', '.join(removed) or 'nothing'}")
@@ -306,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     if host.runs("orchestrator"):
         for name, server in config.env_servers.items():
             write_config(server, configs / f"{name}.toml")
-    write_config(config, configs / "rl.toml")
+    write_config(config, configs / "rl.toml", mask_secrets=True)  # a record: nothing reads it back
     board = HostBoard(paths, host.name, host.roles, host.node_rank, host.trainer_nodes, config.host_timeout_s)
     supervisor = Supervisor(paths, config.log_tail_lines, config.shutdown_timeout_s)
     sys.exit(supervisor.run(specs, board))

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rl.config import ConfigError
+from rl.config import SECRET_MASK, ConfigError, secret_fields, to_toml
 from rl.weights.config import CollectiveTransfer
 from rl.launcher.config import ROLES, RLConfig
 from rl.envs.placement import place_env_servers
@@ -25,10 +25,15 @@ from rl.trainer.config import resolve_device_defaults as resolve_trainer_device
 
 
 def _fill(value: Any, target: BaseModel, field: str, flag: str, where: str) -> None:
-    """Set target.field to the shared value unless the sub-config set a different one explicitly."""
+    """Set target.field to the shared value unless the sub-config set a different one explicitly (a secret's value
+    is not repeated in the error: it lands in logs)."""
     if field in target.model_fields_set and getattr(target, field) != value:
+        def shown(v: Any) -> str:
+            return SECRET_MASK if v is not None and field in secret_fields(type(target)) else repr(v)
+
         raise ConfigError(
-            f"--{flag} = {value!r} contradicts {where}.{field} = {getattr(target, field)!r}; set it in one place"
+            f"--{flag} = {shown(value)} contradicts {where}.{field} = {shown(getattr(target, field))}; set it in one "
+            "place"
         )
     setattr(target, field, value)
 
@@ -46,7 +51,11 @@ def _fill_section(shared: BaseModel, parent: BaseModel, flag: str, where: str) -
 
 
 def _require_equal(name: str, values: dict[str, Any]) -> None:
-    if len({str(v) for v in values.values()}) > 1:
+    """A section is compared with its secrets, and shown without them (its repr)."""
+    def compared(v: Any) -> str:
+        return to_toml(v) if isinstance(v, BaseModel) else str(v)
+
+    if len({compared(v) for v in values.values()}) > 1:
         listed = ", ".join(f"{where} = {v!r}" for where, v in values.items())
         raise ConfigError(f"{name} differs between processes ({listed}); set it once with --{name.replace('_', '-')}")
 
@@ -83,7 +92,7 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
     _require_equal("model.name", {w: s.model.name for w, s in sections.items()})
     _require_equal("output_dir", {"trainer": t.output_dir, "orchestrator": o.output_dir})
     _require_equal("max_steps", {"trainer": t.max_steps, "orchestrator": o.max_steps})
-    _require_equal("transfer", {w: s.transfer.model_dump() for w, s in sections.items()})
+    _require_equal("transfer", {w: s.transfer for w, s in sections.items()})
 
     # Derived cross-process values.
     if isinstance(t.transfer, CollectiveTransfer):  # the fields only a collective has

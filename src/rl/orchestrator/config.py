@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import ChatModelConfig, CkptConfig, Section, Settings, WandbConfig, optional_section
+from rl.config import ChatModelConfig, CkptConfig, Secret, Section, Settings, WandbConfig, optional_section
 from rl.envs.config import GROUP_GAP_S, EnvConfig, check_env_labels
 from rl.weights.config import FilesTransfer, TransferConfig
 """How long a generate request waits for an identical one after the last joined (rl/envs/engine_client.py).
@@ -64,7 +64,7 @@ class ClientConfig(Section):
         list[str], Field(min_length=1, description="inference servers, one per data-parallel replica")
     ] = ["http://127.0.0.1:8000"]
     admin_token: Annotated[
-        str | None, Field(min_length=1, description="bearer token for the servers' admin routes")
+        Secret | None, Field(min_length=1, description="bearer token for the servers' admin routes")
     ] = None
     timeout_s: Annotated[
         float,

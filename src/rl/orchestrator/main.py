@@ -70,6 +70,7 @@ class Orchestrator:
         self.config = config
         self.logger = logger
         self.paths = RunPaths(config.output_dir)
+        self.paths.make_private()
         self.pool = InferencePool(config.client.base_urls, config.client.admin_token, config.client.timeout_s)
         served = config.adapter or config.model.name  # with LoRA, requests select the adapter by name
         self.envs: list[Environment] = load_environments(config.env, "env")
@@ -89,7 +90,7 @@ class Orchestrator:
         self.start_step = 0
         if config.resume_step is not None:
             self.restore(config.resume_step)
-        self.metrics = MetricsLogger("orchestrator", self.paths, config.wandb, config.model_dump(mode="json"), logger)
+        self.metrics = MetricsLogger("orchestrator", self.paths, config.wandb, config, logger)
         self.tokenizer = None
         self.teacher = Teacher(config.teacher) if config.teacher is not None else None
 

@@ -108,6 +108,7 @@ def main() -> None:
     logger = setup_logging("trainer")
     world = init_world()
     paths = RunPaths(config.output_dir)
+    paths.make_private()
     torch.manual_seed(config.seed)
     policy = load_policy(config, world)
     reference = load_reference(config, world, policy)
@@ -124,7 +125,7 @@ def main() -> None:
     if config.resume_step is not None:
         checkpointer.load(config.resume_step, policy, optimizer, scheduler)
     metrics = (
-        MetricsLogger("trainer", paths, config.wandb, config.model_dump(mode="json"), logger) if world.is_main else None
+        MetricsLogger("trainer", paths, config.wandb, config, logger) if world.is_main else None
     )
     publisher = WeightPublisher.for_config(config, paths, policy, tokenizer, world)
     sender = SENDERS.load(config.transfer.engine).create(config, publisher, world, first_step)
