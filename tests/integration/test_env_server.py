@@ -16,6 +16,7 @@ from verifiers.v1.episode import WireEpisode
 from verifiers.v1.serve import EnvClient
 from verifiers.v1.serve.delta import DeltaStreamer, EpisodeAssembly, TraceSummary, dump, pack, unpack
 
+from rl.config import API_KEY_VAR
 from rl.envs.config import EnvConfig
 from rl.envs.loading import load_environment
 from rl.envs.groups import AgentConfigs, GroupClient, episode_record
@@ -53,7 +54,9 @@ def start_env_server(tmp_path, workers: int) -> tuple[subprocess.Popen, str]:
 
 def train_client(server) -> vf.TrainClientConfig:
     renderer = renderer_config("auto", str(server.model))[0]
-    return vf.TrainClientConfig(base_url=f"{server.url}/v1", renderer=renderer, renderer_model_name=str(server.model))
+    # the variable rl's env server lets a request's client read (`client_env_vars`), not verifiers' PRIME_API_KEY
+    return vf.TrainClientConfig(base_url=f"{server.url}/v1", renderer=renderer, renderer_model_name=str(server.model),
+                                api_key_var=API_KEY_VAR)
 
 
 def test_episodes_run_in_the_pools_workers_and_come_back_as_token_samples(server, tmp_path):

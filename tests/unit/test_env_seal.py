@@ -51,7 +51,8 @@ def sealed_server(tmp_path):
     address = f"tcp://127.0.0.1:{free_port()}"
     log = open(tmp_path / "env-server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "rl.envs.server", "--env.id", "reverse-text", "--env.args",
-                             '{"num_examples": 4}', "--workers", "1", "--address", address, "--secret", SECRET],
+                             '{"num_examples": 4}', "--workers", "1", "--address", address, "--secret", SECRET,
+                             "--client-env-vars", '["FAKE_KEY"]'],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"FAKE_KEY": KEY})
     yield address, tmp_path / "env-server.log"
     stop_process(proc)

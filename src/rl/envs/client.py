@@ -33,6 +33,7 @@ from rl.envs.config import EnvConfig, started_for
 from rl.envs.groups import GroupClient, GroupRunRequest
 from rl.envs.runner import Bound, EpisodeRunner
 from rl.envs.seal import seal_client
+from rl.envs.trust import ANY
 from rl.process import die_with_parent
 
 HEALTH_INTERVAL_S = 1.0  # while waiting for the server to answer first
@@ -74,7 +75,8 @@ class ChildEnvServer:
         """Start it, unless it was started and not stopped since; its address."""
         if self.process is None:
             self.directory = Path(tempfile.mkdtemp(prefix="rl-env-server-"))
-            config = started_for(self.spec, self.address)
+            # its socket is in a directory only this user enters: it calls what this process names
+            config = started_for(self.spec, self.address, [ANY], [ANY])
             write_config(config, self.directory / "env-server.toml")
             cmd = [sys.executable, "-m", "rl.envs.server", "@", str(self.directory / "env-server.toml")]
             self.process = subprocess.Popen(cmd, preexec_fn=die_with_parent)  # it ends with this process

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from rl.config import Secret, Section, Settings
+from rl.config import API_KEY_VAR, Secret, Section, Settings
 
 ENV_SERVER_SECRET_VAR = "RL_ENV_SERVER__SECRET"  # an env server's secret, read by it and by its clients
 GROUP_GAP_S = 0.003  # the default wait for a group's identical generate requests (rl/envs/engine_client.py)
@@ -167,6 +167,24 @@ class EnvServerConfig(Settings):
                                                         "loopback; give it by environment (RL_ENV_SERVER__SECRET) or "
                                                         "in a file (@ secret.toml), not as a flag, which ps shows")
     ] = None
+    max_message_bytes: Annotated[
+        int, Field(ge=1 << 16, description="largest request a peer may send; a larger one disconnects the peer, and "
+                                           "nothing of it is kept")
+    ] = 64 << 20
+    worker_stall_s: Annotated[
+        float, Field(gt=0, description="a worker whose event loop has not run for this long (stopped, or blocked by "
+                                       "the environment's code) is hung: the server stops, naming it, to be restarted "
+                                       "and its episodes run again")
+    ] = 120.0
+    client_env_vars: Annotated[
+        list[str], Field(description="the environment variables a request's model client may have a worker read "
+                                     "(its api_key_var, headers_from_env); a request naming another is refused; "
+                                     "'*': any")
+    ] = [API_KEY_VAR]
+    model_endpoints: Annotated[
+        list[str] | None, Field(description="the model servers (URLs; their scheme, host and port count) a "
+                                            "request's episodes may call; '*': any; unset: any on loopback")
+    ] = None
 
     @model_validator(mode="after")
     def _sealed_beyond_loopback(self) -> "EnvServerConfig":
@@ -179,8 +197,11 @@ class EnvServerConfig(Settings):
         return self
 
 
-def started_for(spec: EnvConfig, address: str) -> EnvServerConfig:
-    """The env server started for an `[[env]]` table without an address (by `rl`, or by an orchestrator started by
-    hand): the table's environment, its workers, at `address` (local: no secret)."""
+def started_for(spec: EnvConfig, address: str, model_endpoints: list[str], client_env_vars: list[str] | None = None
+                ) -> EnvServerConfig:
+    """The env server started for an `[[env]]` table without an address (by `rl`, or by an orchestrator or `eval`
+    started by hand): the table's environment, its workers, at `address` (local: no secret), its episodes calling
+    `model_endpoints` with `client_env_vars` (default: rl's inference key's) only."""
     env = spec.model_copy(update={"address": None, "workers": None, "secret": None})
-    return EnvServerConfig(env=env, workers=spec.workers or default_workers(), address=address)
+    return EnvServerConfig(env=env, workers=spec.workers or default_workers(), address=address,
+                           model_endpoints=model_endpoints, client_env_vars=client_env_vars or [API_KEY_VAR])

@@ -66,12 +66,10 @@ class AdmitOneKey:
         return domain == ZAP_DOMAIN and key == self.client_public
 
 
-def seal_server(socket: zmq.Socket, placeholder: str, endpoint: str, secret: str) -> tuple[
-        zmq.auth.thread.ThreadAuthenticator, str]:
-    """Bind `socket` at `endpoint` as a CURVE server that admits the run's clients only, and unbind `placeholder`:
-    where verifiers bound it (setting its options and binding in one call), on a private ipc:// path. A listener takes
-    the socket's options as they are when it is bound, so the placeholder stays open until then and only the sealed
-    endpoint is left. The authenticator must run as long as the socket; the endpoint as bound (port 0: the port)."""
+def seal_server(socket: zmq.Socket, secret: str) -> zmq.auth.thread.ThreadAuthenticator:
+    """Make `socket` a CURVE server that admits the run's clients only, for the endpoints it binds from now on (a
+    listener takes the socket's options as they are when it is bound). The authenticator must run as long as the
+    socket."""
     keys = seal_keys(secret)
     authenticator = zmq.auth.thread.ThreadAuthenticator(zmq.Context.shadow(socket.context.underlying))
     authenticator.start()
@@ -79,10 +77,7 @@ def seal_server(socket: zmq.Socket, placeholder: str, endpoint: str, secret: str
     socket.curve_secretkey, socket.curve_publickey = keys.server_secret, keys.server_public
     socket.curve_server = True
     socket.zap_domain = ZAP_DOMAIN.encode()
-    socket.bind(endpoint)
-    bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-    socket.unbind(placeholder)
-    return authenticator, bound
+    return authenticator
 
 
 CLIENT_OPTIONS = (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM)  # what verifiers sets on its client's socket

@@ -19,16 +19,18 @@ import os
 import signal
 import tempfile
 import threading
-import time
 from pathlib import Path
+
+import zmq
 
 from rl.config import ConfigError, run_cli
 from rl.envs.config import EnvServerConfig
 from rl.envs.seal import seal_server
+from rl.envs.trust import ClientPolicy, screen_request
+from rl.envs.watch import BEATS_VAR, watch_workers
 from rl.envs.worker import set_up_worker
+from rl.patches import guard_requests
 
-WORKER_WATCH_S = 0.5
-WORKER_DIED = 3  # the exit code when a worker died
 logger = logging.getLogger("env-server")
 
 
@@ -53,59 +55,49 @@ def serve(config: EnvServerConfig) -> None:
     logger.info(f"environment {config.env.label!r} at {config.address}, {config.workers} workers; "
                 + "; ".join(f"seat {seat!r}: {how}" for seat, how in seats.items()))
     signal.signal(signal.SIGTERM, _stop)  # asyncio.run's clean-up then stops the workers
+    policy = ClientPolicy.of(config.client_env_vars, config.model_endpoints)
+    guard_requests(screen_request, policy.check)  # in the broker: its forked workers inherit it
     server_kwargs = {"config_data": env_config_data(env_config), "max_concurrent": config.max_concurrent}
-    pool, authenticator = open_pool(config, server_kwargs)
-    threading.Thread(target=exit_when_a_worker_dies, args=(pool,), name="worker watch", daemon=True).start()
-    try:
-        asyncio.run(pool.run())
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if authenticator is not None:
-            authenticator.stop()
+    with tempfile.TemporaryDirectory(prefix="rl-env-beats-") as beats:
+        os.environ[BEATS_VAR] = beats  # the workers forked from here beat there (rl/envs/watch.py)
+        pool, authenticator = open_pool(config, server_kwargs)
+        threading.Thread(target=watch_workers, args=(pool, Path(beats), config.worker_stall_s), name="worker watch",
+                         daemon=True).start()
+        try:
+            asyncio.run(pool.run())
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if authenticator is not None:
+                authenticator.stop()
 
 
 def open_pool(config: EnvServerConfig, server_kwargs: dict):
-    """verifiers' pool bound at the config's address; with a secret, a tcp:// address sealed (rl/envs/seal.py): the
-    pool is bound first at a private socket, which is closed once the sealed address is bound, before any peer."""
+    """verifiers' pool at the config's address. The pool is bound first at a private socket, closed once the address
+    is bound: a listener takes its socket's options as they are when it is bound, so the size bound (and, with a
+    secret, a tcp:// address's seal: rl/envs/seal.py) is set between the two, before any peer can connect."""
     from verifiers.v1.serve import EnvServerPool
 
     from rl.patches import fork_pool_workers
 
-    if config.secret is None or not config.address.startswith("tcp://"):
-        pool = EnvServerPool(server_kwargs, config.workers, config.address, set_up_worker, elastic=False)
-        fork_pool_workers(pool)
-        return pool, None
     with tempfile.TemporaryDirectory(prefix="rl-env-server-") as private:
-        unsealed = f"ipc://{private}/unsealed.sock"
-        pool = EnvServerPool(server_kwargs, config.workers, unsealed, set_up_worker, elastic=False)
-        authenticator, pool.address = seal_server(pool.frontend, unsealed, config.address, config.secret)
+        placeholder = f"ipc://{private}/unbound.sock"
+        pool = EnvServerPool(server_kwargs, config.workers, placeholder, set_up_worker, elastic=False)
+        pool.frontend.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        sealed = config.secret is not None and config.address.startswith("tcp://")
+        authenticator = seal_server(pool.frontend, config.secret) if sealed else None
+        pool.frontend.bind(config.address)
+        pool.address = pool.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        pool.frontend.unbind(placeholder)
     fork_pool_workers(pool)
-    logger.info(f"{pool.address} is sealed: only clients that hold the run's secret are admitted")
+    if sealed:
+        logger.info(f"{pool.address} is sealed: only clients that hold the run's secret are admitted")
     return pool, authenticator
 
 
 def _stop(*_) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
-
-
-def exit_when_a_worker_dies(pool) -> None:
-    """Also keeps the count of live workers in the pool's health reply, which the orchestrator logs."""
-    from rl.patches import answer_health_with, pool_workers
-
-    live = None
-    while True:
-        time.sleep(WORKER_WATCH_S)
-        workers = pool_workers(pool)
-        for index, process in workers:
-            if process.exitcode is not None:
-                logger.error(f"worker {index} (pid {process.pid}) died (exit code {process.exitcode}); "
-                             "this env server stops with it, to be restarted and its episodes run again")
-                os._exit(WORKER_DIED)
-        if len(workers) != live:
-            live = len(workers)
-            answer_health_with({"workers": live})
 
 
 def main() -> None:

@@ -4,12 +4,15 @@ worker, its whole start (`set_up_worker`)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+from collections.abc import AsyncIterator
 
 from rl.envs.chat_replies import build_client
 from rl.envs.engine_client import EngineClient
+from rl.envs.watch import beating
 from rl.envs.groups import ROUTE, RL_CLIENT_CONFIGS, SERVER_MEMBERS, serve_group
 from rl.patches import (
     apply_orchestrator_patches, bound_eval_client, send_traces_once, serve_episodes_holding, serve_group_runs,
@@ -45,14 +48,22 @@ def tune_gc_for_serving() -> None:
 def set_up_worker() -> None:
     """Run by serve_env in the broker and in every worker it spawns (as its `log_setup`): rl's log format, and
     rl's patches to verifiers, renderers and pydantic, before the worker loads the environment."""
-    from in_process_chat import shared_session
-
     from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
 
     set_up_process()
     setup_logging(f"env-server[{os.getpid()}]", quiet=PER_REQUEST_LOGGERS)
     logging.getLogger("verifiers.v1.serve").setLevel(logging.INFO)  # the pool's and each worker's up and down
     apply_patches()
-    serve_episodes_holding(shared_session, tune_gc_for_serving)
+    serve_episodes_holding(worker_holds, tune_gc_for_serving)
     send_traces_once()
     serve_group_runs(ROUTE, serve_group, SERVER_MEMBERS)
+
+
+@contextlib.asynccontextmanager
+async def worker_holds() -> AsyncIterator[None]:
+    """What a worker holds while it serves: in_process_chat's shared HTTP session (one kept-alive session for the
+    worker's model calls, not one per call), and its heartbeat (rl/envs/watch.py)."""
+    from in_process_chat import shared_session
+
+    async with shared_session(), beating():
+        yield

@@ -20,6 +20,7 @@ from rl.config import (
 from rl.config_help import config_help
 from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir, check_same_tokenizer
 from rl.config import API_KEY_VAR
+from rl.envs.config import ENV_SERVER_SECRET_VAR
 from rl.inference.config import cpu_server_env
 from rl.launcher.config import RLConfig
 from rl.launcher.resolve import check_hosts, resolve
@@ -144,6 +145,9 @@ def torchrun_args(host: HostPlan, paths: RunPaths) -> list[str]:
 # verifiers and the environments' packages for its check: these modules are imported there first, once. An env
 # server imports transformers before it forks its workers (rl/envs/server.py), so the launcher does.
 ENV_SERVER_PRELOAD = ("rl.envs.server", "rl.envs.loading", "transformers.models.auto.tokenization_auto")
+ORCHESTRATOR_SECRETS = (API_KEY_VAR, ENV_SERVER_SECRET_VAR, "WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+"""The launcher's secrets the orchestrator needs: its servers' key, remote env servers' secret, W&B's and the hub's
+keys; not the transfer secret or the admin token (its config file holds what it uses of those)."""
 ENV_SERVER_RESTARTS = 5  # an environment's server that dies is started again this often: the orchestrator runs its lost
 # episodes again (rl/envs/client.py); past that, its exit stops the run
 
@@ -175,15 +179,16 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
             )
             specs.append(ChildSpec("teacher", cmd, visible, logs / "teacher.log", env))
     if host.runs("orchestrator"):
+        # verifiers' clients read the servers' API key from the variable they are given the name of; the processes
+        # that run environments' code get no other secret of the launcher's but what they need (ORCHESTRATOR_SECRETS)
+        key = {API_KEY_VAR: config.inference.api_key} if config.inference.api_key else {}
         for name in config.env_servers:  # no GPU; started before the orchestrator, which waits for each to answer
             cmd = [python, "-m", "rl.envs.server", "@", str(configs / f"{name}.toml")]
-            specs.append(ChildSpec(name, cmd, [], logs / f"{name}.log", restarts=ENV_SERVER_RESTARTS,
-                                   preload=ENV_SERVER_PRELOAD))
+            specs.append(ChildSpec(name, cmd, [], logs / f"{name}.log", secret_env=key, keep_secrets=(API_KEY_VAR,),
+                                   restarts=ENV_SERVER_RESTARTS, preload=ENV_SERVER_PRELOAD))
         cmd = [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")]
-        # verifiers' clients read the servers' API key from the variable they are given the name of
-        key = {API_KEY_VAR: config.inference.api_key} if config.inference.api_key else {}
         specs.append(ChildSpec("orchestrator", cmd, [], logs / "orchestrator.log", secret_env=key,  # no GPU
-                               preload=("rl.orchestrator.main",)))
+                               keep_secrets=ORCHESTRATOR_SECRETS, preload=("rl.orchestrator.main",)))
     if host.runs("trainer"):
         cmd = torchrun_args(host, paths) + ["-m", "rl.trainer.main", "@", str(configs / "trainer.toml")]
         gpus = plan.trainer_gpus

@@ -129,7 +129,8 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
     config._teacher_server = place_teacher(config, host)
     check_distillation(t, o)
     config._device_choices = resolve_devices(t, i, host.devices.device)
-    config._env_servers = place_env_servers(o.output_dir.absolute(), {"env": o.env, "eval": o.eval.env})
+    config._env_servers = place_env_servers(o.output_dir.absolute(), {"env": o.env, "eval": o.eval.env},
+                                            o.client.base_urls)
     o.transfer.resolve_device(host.devices.device, "orchestrator")  # as trainer and inference resolved it
     return config
 

@@ -31,6 +31,9 @@ class ChildSpec:
     log: Path
     env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
     secret_env: dict[str, str] = field(default_factory=dict)  # added too, and never printed (not in extra_env)
+    # None: the launcher's whole environment; else none of its secrets (`is_secret`) but these, for a child that
+    # runs environments' code (the orchestrator, env servers), which then holds only what it needs
+    keep_secrets: tuple[str, ...] | None = None
     restarts: int = 0  # a server restarted this often when it exits during the run (then its exit fails the run)
     # Non-empty: the child is forked from the launcher (rl/launcher/forked.py) once these modules are imported
     # there; `cmd` must then be `python -m <module> ...` of the launcher's interpreter.
@@ -41,6 +44,24 @@ class ChildSpec:
         """What the child's environment adds to or changes in the launcher's."""
         gpus = {} if self.gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus)}
         return self.env | gpus
+
+
+SECRET_WORDS = {"SECRET", "SECRETS", "TOKEN", "TOKENS", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "AUTH",
+                "KEY", "APIKEY"}
+
+
+def is_secret(name: str) -> bool:
+    """A variable whose name says it holds a credential: a word of it (between underscores) is one of SECRET_WORDS
+    (RL_TRANSFER__SECRET, RL_INFERENCE__ADMIN_TOKEN, WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, SSH_AUTH_SOCK;
+    not TOKENIZERS_PARALLELISM)."""
+    return any(word in SECRET_WORDS for word in name.upper().split("_"))
+
+
+def inherited_environment(environ, keep_secrets: tuple[str, ...] | None) -> dict[str, str]:
+    """The launcher's environment as a child gets it: whole, or without the secrets it is not given."""
+    if keep_secrets is None:
+        return dict(environ)
+    return {name: value for name, value in environ.items() if not is_secret(name) or name in keep_secrets}
 
 
 def _die_with_parent() -> None:
@@ -71,7 +92,8 @@ class Supervisor:
         self.restarted: dict[str, int] = {}
 
     def start(self, spec: ChildSpec) -> None:
-        env = dict(os.environ) | spec.extra_env | spec.secret_env | {"PYTHONUNBUFFERED": "1"}
+        env = inherited_environment(os.environ, spec.keep_secrets) | spec.extra_env | spec.secret_env
+        env |= {"PYTHONUNBUFFERED": "1"}
         spec.log.parent.mkdir(parents=True, exist_ok=True)
         if spec.preload and can_fork():  # run() imported the preload; a child imports what is missing itself
             self.procs[spec.name] = fork_child(spec.cmd, env, spec.log, _die_with_parent)

@@ -23,7 +23,9 @@ save is in benchmarks/RESULTS.md, why each exists in docs/architecture.md ("Patc
 - verifiers: its env server holds rl's shared HTTP session and tunes the GC while it serves
   (`serve_episodes_holding`), sends each episode's traces once, when it ends (`send_traces_once`), and answers rl's
   requests for a group's episodes (`serve_group_runs`, rl/envs/groups.py), all applied by every env-server
-  worker (`rl.envs.worker.set_up_worker`); its pool's health reply carries the live workers (`answer_health_with`),
+  worker (`rl.envs.worker.set_up_worker`); each worker drops a request whose id it could not decode and runs no
+  episode whose client names a variable or endpoint the server does not allow (`guard_requests`, applied by rl's env
+  server before its workers fork); its pool's health reply carries the live workers (`answer_health_with`),
   set by the env server's worker watch; its pool forks its workers from the broker instead of spawning them
   (`fork_pool_workers`), applied by rl's env server;
 - vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
@@ -52,7 +54,7 @@ from rl.patches.verifiers import (  # noqa: F401 - the patches, by name
     apply_orchestrator_patches, bound_eval_client, cache_default_factory_inspection,
     interception_in_process, lazy_runtime_workdirs, remember_harness_classes, remember_signatures,
     remember_task_hashes, send_traces_once, serve_episodes_holding, serve_group_runs, serve_rl_client_configs,
-    use_engine_client, answer_health_with, fork_pool_workers, pool_workers,
+    use_engine_client, answer_health_with, fork_pool_workers, guard_requests, pool_workers,
 )
 from rl.patches.renderers import (  # noqa: F401
     decode_engine_replies_with_msgspec, remember_renders, remember_short_encodes, remembered_on_loop,

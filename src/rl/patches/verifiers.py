@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
-import types
 
 import multiprocessing
 
 from rl.patches.targets import PatchTargetMissing, installed_version, once, patch_target, require_members
 from rl.patches.local_route import local_route
 from rl.patches.pydantic import cache_default_factory_inspection
+from rl.patches.signatures import RememberingInspect
 from rl.patches.renderers import (
     decode_engine_replies_with_msgspec, remember_renders, remembered_on_loop,
 )
@@ -128,6 +127,46 @@ def serve_group_runs(route: bytes, serve, members: tuple[str, ...]) -> None:
 
     env_server._handle = handle_groups_too
     env_server.run = run_checked
+
+
+@once
+def guard_requests(screen, check_client) -> None:
+    """verifiers' env server takes whatever frames reach it and runs a request with whatever client it names. Each
+    worker's receive answers and drops the frames `screen(frames)` gives a reason for (a request id verifiers would
+    fail to decode outside its try, ending the worker), and every episode's context is made only once
+    `check_client(client_config)` has passed it (what a request's client may read and call: rl/envs/trust.py; a
+    refusal fails the request as data). Applied by rl's env server in its broker, before its workers fork."""
+    import msgpack
+    from verifiers.v1.serve import server
+
+    env_server = patch_target(server, "EnvServer", "verifiers")
+    run = patch_target(env_server, "run", "verifiers")
+    context = patch_target(env_server, "_context", "verifiers")
+
+    @functools.wraps(run)
+    async def run_screened(self) -> None:
+        receive = self.frontend.recv_multipart
+
+        async def screened(*args, **kwargs):
+            while True:
+                frames = await receive(*args, **kwargs)
+                why = screen(frames)
+                if why is None:
+                    return frames
+                logger.warning("request dropped: %s", why)
+                refusal = msgpack.packb({"success": False, "error": why}, use_bin_type=True)
+                await self.frontend.send_multipart([frames[0], frames[1], b"reply", refusal])
+
+        self.frontend.recv_multipart = screened
+        await run(self)
+
+    @functools.wraps(context)
+    def checked_context(self, client_config, model, sampling):
+        check_client(client_config)
+        return context(self, client_config, model, sampling)
+
+    env_server.run = run_screened
+    env_server._context = checked_context
 
 
 @once
@@ -306,32 +345,6 @@ def remember_signatures() -> None:
     decorators.inspect = RememberingInspect()
 
 
-SIGNATURES_REMEMBERED = 4096  # functions; more than any environment's hooks and scoring functions
-
-
-class RememberingInspect:
-    """`inspect`, with `signature` remembered per function; a bound method's per function, as it does not depend on
-    the instance. Past SIGNATURES_REMEMBERED functions (callables made per call) it starts again."""
-
-    def __init__(self) -> None:
-        self._inspect = inspect
-        self._memory: dict[tuple, object] = {}
-
-    def __getattr__(self, name: str):
-        return getattr(self._inspect, name)
-
-    def signature(self, fn):
-        bound = isinstance(fn, types.MethodType)
-        key = (fn.__func__ if bound else fn, bound)
-        try:
-            signature = self._memory.get(key)
-        except TypeError:  # an unhashable callable
-            return self._inspect.signature(fn)
-        if signature is None:
-            if len(self._memory) >= SIGNATURES_REMEMBERED:
-                self._memory.clear()
-            signature = self._memory[key] = self._inspect.signature(fn)
-        return signature
 
 
 def interception_in_process() -> None:

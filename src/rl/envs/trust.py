@@ -1,0 +1,77 @@
+"""What an env server takes from its peers (a request runs an episode: for a sandboxed environment, code).
+
+- Frames: a message past `max_message_bytes` is refused by ZMQ at the broker's socket (`MAXMSGSIZE`: the peer is
+  disconnected, nothing of the message is kept); a request whose id is not short ASCII text is answered with an error
+  and dropped by the worker before verifiers or rl decode it (`screen_request`), so one frame cannot end a worker.
+- Model clients: a request names the client its episodes call the model through (verifiers resolves the API key and
+  headers from environment variables the request names, and sends them to the URL it names). A worker runs an episode
+  only where every variable named is one the server allows (`client_env_vars`) and the URL's origin is one it allows
+  (`model_endpoints`; unset: loopback only), so a request can neither read another variable of the worker's nor send
+  one elsewhere (`ClientPolicy`). `*` allows any: the env server an orchestrator or `eval` started by hand starts as
+  its child is reached through a socket in a directory only its user can enter, and calls whatever that user's
+  process names.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+ANY = "*"
+MAX_REQUEST_ID_BYTES = 128  # verifiers' and rl's clients send 32 hex characters
+
+
+def screen_request(frames: list) -> str | None:
+    """Why a worker must not take these frames ([peer, request id, method, payload]), or None."""
+    request_id = bytes(frames[1]) if len(frames) == 4 else b""
+    if len(frames) == 4 and (len(request_id) > MAX_REQUEST_ID_BYTES or not request_id.isascii()):
+        return f"the request id is not ASCII text of at most {MAX_REQUEST_ID_BYTES} bytes"
+    return None
+
+
+def origin(url: str) -> str:
+    """`scheme://host:port` of a URL, the port made explicit."""
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme, 0)
+    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
+    return f"{parts.scheme}://{host}:{port}"
+
+
+def on_loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ClientPolicy:
+    """The environment variables and model endpoints a request's model client may name."""
+
+    env_vars: frozenset[str]  # `*`: any
+    endpoints: frozenset[str] | None  # origins, or `*`: any; None: any on loopback
+
+    @classmethod
+    def of(cls, env_vars: list[str], endpoints: list[str] | None) -> "ClientPolicy":
+        origins = None if endpoints is None else frozenset(e if e == ANY else origin(e) for e in endpoints)
+        return cls(frozenset(env_vars), origins)
+
+    def check(self, client) -> None:
+        """ValueError naming what `client` (verifiers' client config) may not do here."""
+        named = {client.api_key_var, *client.headers_from_env.values()}
+        refused = [] if ANY in self.env_vars else sorted(named - self.env_vars)
+        if refused:
+            raise ValueError(f"the request's client names environment variables this env server does not allow: "
+                             f"{', '.join(refused)} (allowed: client_env_vars = {sorted(self.env_vars)})")
+        if self.endpoints is None:
+            allowed = on_loopback(client.base_url)
+        else:
+            allowed = ANY in self.endpoints or origin(client.base_url) in self.endpoints
+        if not allowed:
+            where = "loopback only" if self.endpoints is None else f"model_endpoints = {sorted(self.endpoints)}"
+            raise ValueError(f"the request's client calls {origin(client.base_url)}, which this env server does not "
+                             f"allow ({where})")
