@@ -92,6 +92,32 @@ def test_a_store_that_never_answers_and_a_closed_port_are_answered_within_the_st
         silent.close()
 
 
+def test_a_stale_rank_0_address_in_the_store_holds_the_server_no_longer_than_the_steps_deadline(server):
+    """Trust round 5: a store client writes an address of rank 0 that no one listens behind, one the server waits to
+    be connected from (gloo alone held it ~5x the step's timeout). The server answers by the step's deadline,
+    naming the group that did not form and why, and keeps serving."""
+    import threading
+
+    from rl.weights.group import NOTHING_HELD, start_store
+    from tests.unit.test_wire_deadlines import moved
+
+    store = start_store("127.0.0.1", 0, 30)
+    before = served(server)
+    step = before["step"] + 1
+    store.set(f"step_{step}/holds/0", NOTHING_HELD)  # as the trainer holding no group reports
+    outcome = {}
+    asking = threading.Thread(target=lambda: outcome.update(answer=update_over_the_wire(server, step, store.port, 3)))
+    asking.start()
+    published = store.get(f"step_{step}/group/0/1")  # once the server published where it listens
+    store.set(f"step_{step}/group/0/0", moved(published, 65535))
+    asking.join(60)
+    answer, took = outcome["answer"]
+    assert took < 3 + 2, took
+    assert answer.status_code == 504, answer.text
+    assert "did not form within 3 s" in answer.text and "not every member connected" in answer.text, answer.text
+    assert served(server) == before
+
+
 def test_a_step_that_is_not_newer_is_refused_before_the_store_is_reached(server):
     nobody = socket.create_server(("127.0.0.1", 0))  # it would never answer: a refusal must not wait for it
     try:

@@ -214,21 +214,55 @@ def open_group(store: dist.Store, step: int, rank: int, world_size: int, deadlin
                name: str) -> StepGroup:
     """The step's own group over `store` (gloo, or NCCL between GPUs: each member on its current CUDA device), whose
     members all joined by the step's deadline. Its own timeout for any one collective is what was left of that
-    deadline when it formed; each wait on it, in this step or a later one that keeps it, takes that step's deadline."""
+    deadline when it formed; each wait on it, in this step or a later one that keeps it, takes that step's deadline.
+
+    It forms in a thread of its own, waited on until the deadline only: a member's address comes from the store,
+    which any store client can write, and a member waiting for a peer that connected elsewhere (an old address) is
+    held by gloo for about five times the timeout it was given. A group that forms after the step gave up on it is
+    released by that thread; the thread itself ends by gloo's (or NCCL's) own timeout."""
     prefixed = dist.PrefixStore(f"step_{step}/group", store)
     timeout = deadline.delta(f"the transfer group of step {step} formed")
-    try:
-        if backend == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-            return StepGroup(_nccl_group(prefixed, step, rank, world_size, timeout), device, name, deadline)
-        return StepGroup(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), torch.device("cpu"), name,
-                         deadline)
-    except Exception as e:  # the store's wait timed out, or the store went away
-        raise TransferError(f"the transfer group of step {step} did not form within {deadline.seconds:g} s "
-                            f"(rank {rank} of {world_size}): {e}") from None
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    outcome: dict = {}
+    settled = threading.Lock()  # the group goes either to the caller, or, once the caller gave up, to release
+
+    def form() -> None:
+        try:
+            if backend == "nccl":
+                torch.cuda.set_device(device)  # the current device is per thread
+                group = StepGroup(_nccl_group(prefixed, rank, world_size, timeout, device), device, name, deadline)
+            else:
+                group = StepGroup(dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), device, name, deadline)
+        except Exception as e:  # noqa: BLE001 - reported by the caller, if it still waits
+            outcome["error"] = e
+            return
+        with settled:
+            if outcome.setdefault("group", group) is not group:
+                release_group(group)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=form, name=f"forming the transfer group of step {step} (rank {rank})",
+                              daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds())
+    with settled:
+        group = outcome.setdefault("group", None)
+    if group is not None:
+        return group
+    where = f"the transfer group of step {step}"
+    unconnected = ("not every member connected by the step's deadline: one failed, or connected to an address in the "
+                   "store that is not this member's (any client of the store can write one)")
+    if "error" not in outcome or deadline.expired:
+        why = f": {outcome['error']}" if "error" in outcome else ""
+        raise TransferError(f"{where} did not form within {deadline.seconds:g} s (rank {rank} of {world_size}): "
+                            f"{unconnected}{why}")
+    raise TransferError(f"{where} failed to form after {time.monotonic() - start:.2f} s of its {deadline.seconds:g} s "
+                        f"(rank {rank} of {world_size}), connecting to the members' addresses in the store: "
+                        f"{outcome['error']}")
 
 
-def _nccl_group(store: dist.Store, step: int, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+def _nccl_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+                device: torch.device) -> dist.ProcessGroup:
     """An NCCL group whose failure (a member died, a deadline passed) aborts the group and raises, leaving the process
     (a vLLM worker, the trainer) running: NCCL's default tears the process down. The setting is read as the group is
     made. Its communicator is set up here, with every member (NCCL's own default is at the first collective): a
@@ -241,7 +275,7 @@ def _nccl_group(store: dist.Store, step: int, rank: int, world_size: int, timeou
     try:
         group = dist.ProcessGroupNCCL(store, rank, world_size, options)
         try:
-            group.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+            group.eager_connect_single_device(device)
         except BaseException:
             with contextlib.suppress(Exception):  # what it set up so far goes; why it failed is raised
                 group.abort()
@@ -266,9 +300,22 @@ def release_group(group: StepGroup | None) -> None:
 
 
 def connect_store(host: str, port: int, deadline: Deadline) -> dist.Store:
-    """A client of the trainer's store, by the step's deadline. The store client's handshake has no deadline of its
-    own (a peer that accepts and never answers holds it for good), so it runs in a daemon thread of its own, left
-    behind if it does not finish in time; the client's later waits are bounded by what is left of the deadline."""
+    """A client of the trainer's store, by the step's deadline. A plain connection first tells a port where nothing
+    listens (refused: the store is gone) or a host that does not answer from a store that is slow. The store
+    client's handshake has no deadline of its own (a peer that accepts and never answers holds it for good), so it
+    runs in a daemon thread of its own, left behind if it does not finish in time; the client's later waits are
+    bounded by what is left of the deadline."""
+    where = f"the trainer's transfer store at {host}:{port}"
+    try:
+        socket.create_connection((host, port), timeout=deadline.left(f"reaching {where}")).close()
+    except ConnectionRefusedError:
+        raise TransferError(f"cannot reach {where}: nothing listens at {host}:{port} (connection refused); the "
+                            "trainer's store has stopped, or the offer names another") from None
+    except TimeoutError:
+        raise TransferError(f"cannot reach {where} within {deadline.seconds:g} s: it did not accept a connection"
+                            ) from None
+    except OSError as e:
+        raise TransferError(f"cannot reach {where}: {e}") from None
     outcome: dict = {}
 
     def connect() -> None:
@@ -279,13 +326,12 @@ def connect_store(host: str, port: int, deadline: Deadline) -> dist.Store:
 
     thread = threading.Thread(target=connect, name=f"connect to {host}:{port}", daemon=True)
     thread.start()
-    thread.join(deadline.left(f"reaching the trainer's transfer store at {host}:{port}"))
+    thread.join(deadline.left(f"reaching {where}"))
     if "store" in outcome:
         outcome["store"].set_timeout(deadline.delta("the store answered"))
         return outcome["store"]
     why = outcome.get("error", "it accepted the connection but never answered")
-    raise TransferError(f"cannot reach the trainer's transfer store at {host}:{port} within {deadline.seconds:g} s: "
-                        f"{why}")
+    raise TransferError(f"cannot reach {where} within {deadline.seconds:g} s: {why}")
 
 
 @dataclass
