@@ -231,3 +231,24 @@ def test_rls_env_servers_call_the_runs_servers_only_and_a_child_server_what_its_
         assert oct(child.directory.stat().st_mode & 0o777) == "0o700"  # only its user reaches its socket
     finally:
         child.stop()
+
+
+def test_children_that_run_environments_code_are_forked_only_from_a_launcher_holding_nothing_they_may_not_have(
+        tmp_path, monkeypatch):
+    """A child forked from the launcher holds what the launcher holds (its configs' secrets, its first environment
+    block): env servers never are, the orchestrator only while the launcher holds no transfer secret or other secret
+    variable."""
+    from rl.launcher.main import child_specs
+    from tests.unit.test_deploy import FILES, load
+
+    def specs(*argv: str) -> dict:
+        config, host = load(FILES + ["--output-dir", str(tmp_path / "run"), *argv])
+        return {spec.name: spec for spec in child_specs(config, host, RunPaths(tmp_path / "run"))}
+
+    monkeypatch.delenv("GITHUB_TOKEN", raising=False)
+    files = specs()
+    assert files["env-reverse-text"].preload == () and files["env-reverse-text"].keep_secrets == (API_KEY_VAR,)
+    assert files["orchestrator"].preload and files["orchestrator"].keep_secrets is not None
+    assert specs("--transfer.backend", "gloo")["orchestrator"].preload == ()  # the launcher made a transfer secret
+    monkeypatch.setenv("GITHUB_TOKEN", "x")
+    assert specs()["orchestrator"].preload == ()

@@ -32,7 +32,8 @@ from rl.launcher.placement import HostPlan, given_host, plan
 from rl.launcher.resume import choose_checkpoint, discard_after
 from rl.launcher.deploy import describe, render_k8s, render_slurm, slurm_job, submit
 from rl.launcher.hosts import HostBoard
-from rl.launcher.supervisor import ChildSpec, Supervisor
+from rl.launcher.supervisor import ChildSpec, Supervisor, is_secret
+from rl.weights.config import CollectiveTransfer
 from rl.trainer.config import check_device, cuda_device_count
 from rl.protocol import RunPaths
 from rl.process import set_up_process
@@ -141,15 +142,24 @@ def torchrun_args(host: HostPlan, paths: RunPaths) -> list[str]:
     return args + ([f"--local-addr={host.node_addr}"] if host.node_addr else [])
 
 
-# The orchestrator and the env servers are forked from the launcher (rl/launcher/forked.py), which has imported
-# verifiers and the environments' packages for its check: these modules are imported there first, once. An env
-# server imports transformers before it forks its workers (rl/envs/server.py), so the launcher does.
-ENV_SERVER_PRELOAD = ("rl.envs.server", "rl.envs.loading", "transformers.models.auto.tokenization_auto")
+# A child forked from the launcher (rl/launcher/forked.py) starts with what the launcher imported for its checks
+# (verifiers, the environments' packages), but also with all it holds: its configs with the secrets it read or made,
+# and its first environment block (/proc/<pid>/environ), whatever the child's own environment. So the processes that
+# run environments' code are forked only where that holds nothing they may not have: env servers never (the launcher
+# always holds the run's admin token); the orchestrator unless the launcher holds the transfer secret or a variable
+# of ORCHESTRATOR_SECRETS' kind that it does not pass on.
 ORCHESTRATOR_SECRETS = (API_KEY_VAR, ENV_SERVER_SECRET_VAR, "WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 """The launcher's secrets the orchestrator needs: its servers' key, remote env servers' secret, W&B's and the hub's
 keys; not the transfer secret or the admin token (its config file holds what it uses of those)."""
 ENV_SERVER_RESTARTS = 5  # an environment's server that dies is started again this often: the orchestrator runs its lost
 # episodes again (rl/envs/client.py); past that, its exit stops the run
+
+def holds_more_than(config: RLConfig, secrets: tuple[str, ...]) -> bool:
+    """Whether this launcher holds a secret beyond `secrets` (and the admin token): the transfer secret, or a
+    secret variable of its environment."""
+    transfer = isinstance(config.trainer.transfer, CollectiveTransfer) and config.trainer.transfer.secret is not None
+    return transfer or any(is_secret(name) and name not in secrets for name in os.environ)
+
 
 def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[ChildSpec]:
     """Plan GPU ids are indices into the launcher's visible GPUs; children get them as its CUDA_VISIBLE_DEVICES
@@ -185,10 +195,11 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
         for name in config.env_servers:  # no GPU; started before the orchestrator, which waits for each to answer
             cmd = [python, "-m", "rl.envs.server", "@", str(configs / f"{name}.toml")]
             specs.append(ChildSpec(name, cmd, [], logs / f"{name}.log", secret_env=key, keep_secrets=(API_KEY_VAR,),
-                                   restarts=ENV_SERVER_RESTARTS, preload=ENV_SERVER_PRELOAD))
+                                   restarts=ENV_SERVER_RESTARTS))
         cmd = [python, "-m", "rl.orchestrator.main", "@", str(configs / "orchestrator.toml")]
+        fork = not holds_more_than(config, ORCHESTRATOR_SECRETS)
         specs.append(ChildSpec("orchestrator", cmd, [], logs / "orchestrator.log", secret_env=key,  # no GPU
-                               keep_secrets=ORCHESTRATOR_SECRETS, preload=("rl.orchestrator.main",)))
+                               keep_secrets=ORCHESTRATOR_SECRETS, preload=("rl.orchestrator.main",) if fork else ()))
     if host.runs("trainer"):
         cmd = torchrun_args(host, paths) + ["-m", "rl.trainer.main", "@", str(configs / "trainer.toml")]
         gpus = plan.trainer_gpus

@@ -130,8 +130,10 @@ AdvantageConfig = Annotated[GrpoAdvantage | DrGrpoAdvantage | RlooAdvantage, Fie
 
 class RolloutConfig(Section):
     timeout_s: Annotated[
-        float | None, Field(gt=0, description="deadline for one rollout, from when it holds a concurrency slot")
-    ] = None
+        float, Field(gt=0, description="deadline for one group of rollouts, from when it holds its concurrency slots: "
+                                       "a group past it is cancelled (on its env server too) and run again "
+                                       "(max_retries), so an episode that hangs holds the run no longer")
+    ] = 3600.0
     max_retries: Annotated[
         int, Field(ge=0, description="times a failed group is run again before it is dropped (and counted)")
     ] = 1
