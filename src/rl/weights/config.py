@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BeforeValidator, Field
 
-from rl.config import ConfigError, Section
+from rl.config import ConfigError, Secret, Section
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,10 @@ class CollectiveTransfer(Section):
                                        "longer over the link)")
     ] = 60.0
     secret: Annotated[
-        str | None, Field(min_length=16, description="the run's secret: every step over the wire is sealed with a key "
-                                                     "derived from it, and servers load only sealed steps; rl makes "
-                                                     "one per run (for processes started by hand, set the same "
-                                                     "one in each one's environment)")
+        Secret | None, Field(min_length=16, description="the run's secret: every step over the wire is sealed with a "
+                                                        "key derived from it, and servers load only sealed steps; rl "
+                                                        "makes one per run (for processes started by hand, set the "
+                                                        "same one in each one's environment)")
     ] = None
     offer_timeout_s: Annotated[
         float, Field(gt=0, description="longest the trainer waits for the orchestrator to take an offered step")
