@@ -468,9 +468,10 @@ def test_weights_over_the_wire_reach_every_pod_and_node_with_one_secret_and_no_f
     assert re.fullmatch(r"[0-9a-f]{64}", secret)
     assert secret not in str(next(d for d in documents if d["kind"] == "ConfigMap"))
     for job in (d for d in documents if d["kind"] == "Job"):
-        assert {"name": "RL_TRANSFER__SECRET", "valueFrom": {"secretKeyRef": {"name": "rl-transfer-secret",
-                                                                              "key": "secret"}}} \
+        given = {"name": "RL_TRANSFER__SECRET", "valueFrom": {"secretKeyRef": {"name": "rl-transfer-secret",
+                                                                               "key": "secret"}}} \
             in job["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert given == (job["metadata"]["labels"]["rl/role"] != "orchestrator")  # it runs environments' code
 
     config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm",
                                              "--transfer.backend", "gloo"])
@@ -484,3 +485,17 @@ def test_weights_over_the_wire_reach_every_pod_and_node_with_one_secret_and_no_f
     given = seen.read_text().split()
     assert len(given) == 2 and len(set(given)) == 1 and re.fullmatch(r"[0-9a-f]{64}", given[0])
     assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file() and given[0] in p.read_text()]
+
+
+def test_an_orchestrators_host_needs_and_holds_no_transfer_secret(tmp_path, monkeypatch):
+    """The orchestrator runs environments' code: its host's launcher neither asks for the transfer secret nor makes
+    one, so its pod gets none and its orchestrator may be forked."""
+    from rl.launcher.main import ORCHESTRATOR_SECRETS, holds_more_than
+
+    monkeypatch.delenv("RL_TRANSFER__SECRET", raising=False)
+    config, host = load(FILES + ["--output-dir", str(tmp_path / "run"), "--roles", '["orchestrator"]',
+                                 "--orchestrator.client.base-urls", '["http://a:8000"]', "--inference.admin-token", "t",
+                                 "--transfer.backend", "gloo", "--transfer.host", "10.0.0.1", "--trainer-nodes", "2"])
+    assert host.spans_hosts and not host.runs("trainer")
+    assert config.trainer.transfer.secret is None and config.orchestrator.transfer.secret is None
+    assert not holds_more_than(config, ORCHESTRATOR_SECRETS)

@@ -41,6 +41,9 @@ SBATCH_TIMEOUT_S = 60
 HOST_SECRETS = (("inference.admin_token", "RL_INFERENCE__ADMIN_TOKEN", "admin-token", "token"),
                 ("inference.api_key", "RL_INFERENCE__API_KEY", "api-key", "key"),
                 ("transfer.secret", "RL_TRANSFER__SECRET", "transfer-secret", "secret"))
+# Which of them each role's pods get: the orchestrator runs environments' code and needs no transfer secret.
+ROLE_SECRETS = {"inference": {var for _, var, _, _ in HOST_SECRETS}, "trainer": {var for _, var, _, _ in HOST_SECRETS},
+                "orchestrator": {"RL_INFERENCE__ADMIN_TOKEN", "RL_INFERENCE__API_KEY"}}
 
 
 def as_given(config: RLConfig, output_dir: str | None) -> str:
@@ -222,7 +225,7 @@ def render_k8s(config: RLConfig, paths: RunPaths, token: str | None = None) -> s
         documents.append(k8s_volume_claim(k8s))
     documents += [k8s_service(k8s, role, port) for role, port in (("inference", config.inference.port),
                                                                    ("trainer", k8s.rdzv_port))]
-    documents += [k8s_job(k8s, role, pods, gpus, command, pod_secrets)
+    documents += [k8s_job(k8s, role, pods, gpus, command, [s for s in pod_secrets if s[0] in ROLE_SECRETS[role]])
                   for role, pods, gpus, command in k8s_roles(config, paths)]
     layout = "".join(f"#   {line}\n" for line in describe(plan(config, k8s_topology(config)), config.env_servers))
     return (K8S_HEADER.format(namespace=k8s.namespace) + layout

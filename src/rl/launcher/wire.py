@@ -31,6 +31,9 @@ def give_transfer_secret(t: TrainerConfig, i: InferenceConfig, o: OrchestratorCo
     """The secret that seals every step over the wire (rl/weights/digest.py): one per run, made here unless set, in
     the trainer's and the servers' configs only (the orchestrator runs environments' code and needs none of it).
     Every host of a run across hosts must hold the same one, so there it must be given."""
+    if not (host.runs("trainer") or host.runs("inference")):  # an orchestrator's host: it neither sends nor loads
+        t.transfer.secret = i.transfer.secret = o.transfer.secret = None
+        return
     if t.transfer.secret is None and host.spans_hosts:
         raise ConfigError("weights over the wire across hosts need the same transfer.secret on every host: export "
                           "RL_TRANSFER__SECRET=$(openssl rand -hex 32) on each (--slurm and --k8s make one per job)")
