@@ -12,17 +12,18 @@ import sys
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from functools import cache
-from typing import Annotated, Any, Literal, TypeVar, get_args
-from urllib.parse import urlsplit, urlunsplit
+from typing import Annotated, Any, Literal, TypeVar
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, ValidationError, model_serializer
-from pydantic.fields import FieldInfo
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 from pydantic_settings import BaseSettings, EnvSettingsSource, InitSettingsSource, SettingsConfigDict
 
 from rl.atomic import atomic_write_text
 from rl.config_help import config_help
+from rl.config_secrets import (  # noqa: F401 - what rl's configs and their readers import from here
+    SECRET, SECRET_FIELDS, SECRET_MASK, WITH_SECRETS, Secret, hide_secrets, is_secret, public_config,
+    repr_args_without_secrets, secret_fields, secrets_on_command_line, url_without_password, without_secrets,
+)
 
 # (class, TOML layer) of the config being built; read by settings_customise_sources (a classmethod, so
 # it cannot take the files as an argument). Keyed by class so nested defaults do not pick it up.
@@ -35,30 +36,12 @@ class ConfigError(ValueError):
     """A configuration mistake made by the user: the message names the field and the fix."""
 
 
-def _hide_secrets(self, handler, info: SerializationInfo) -> Any:
-    """Every dump of a config (model_dump, to_toml, W&B) with each secret field that holds a value as SECRET_MASK,
-    unless the dump asks for `WITH_SECRETS` (to_toml, for the 0600 file a process reads its config back from)."""
-    data = handler(self)
-    if isinstance(data, dict) and not (info.context or {}).get(WITH_SECRETS):
-        for name in secret_fields(type(self)):
-            if data.get(name) is not None:
-                data[name] = SECRET_MASK
-    return data
-
-
-def _repr_args_without_secrets(self):
-    """repr(config), str(config) (a traceback, an error message, a log line): secrets as SECRET_MASK."""
-    hidden = secret_fields(type(self))
-    for name, value in BaseModel.__repr_args__(self):
-        yield name, SECRET_MASK if name in hidden and value is not None else value
-
-
 class Section(BaseModel):
     """A nested config table: unknown keys are errors; secrets are hidden from its dumps and its repr."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-    _hide_secrets = model_serializer(mode="wrap")(_hide_secrets)
-    __repr_args__ = _repr_args_without_secrets
+    _hide_secrets = model_serializer(mode="wrap")(hide_secrets)
+    __repr_args__ = repr_args_without_secrets
 
 
 class Settings(BaseSettings):
@@ -67,8 +50,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         extra="forbid", env_nested_delimiter="__", validate_assignment=True, nested_model_default_partial_update=True
     )
-    _hide_secrets = model_serializer(mode="wrap")(_hide_secrets)
-    __repr_args__ = _repr_args_without_secrets
+    _hide_secrets = model_serializer(mode="wrap")(hide_secrets)
+    __repr_args__ = repr_args_without_secrets
 
     @classmethod
     def settings_customise_sources(
@@ -287,89 +270,11 @@ def run_cli(cls: type[C], argv: list[str] | None = None) -> C:
     return config
 
 
-# --------------------------------------------------------------------------------------------------
-# Secrets: declared as such, so that every dump of a config but the one its process reads back hides them
-# --------------------------------------------------------------------------------------------------
-
-SECRET_MASK = "<hidden>"
-WITH_SECRETS = "with_secrets"  # in a dump's context: the real values (to_toml, for the 0600 file a process reads)
-
-
-class _SecretMarker:
-    def __repr__(self) -> str:
-        return "Secret"
-
-
-SECRET = _SecretMarker()
-Secret = Annotated[str, SECRET]
-"""A secret (a token, a key, the run's secret): the code that uses it reads the value; every dump and repr of its
-config (Section, Settings) shows SECRET_MASK instead. Declare the field `Annotated[Secret | None, Field(...)]`."""
-
-# Secret fields found by name too: one not declared `Secret` yet (transfer.secret, rl/weights/config.py) is hidden
-# all the same, and so are these keys in a dump that is no config's (without_secrets).
-SECRET_FIELDS = ("admin_token", "api_key", "secret")
-
-
-def is_secret(name: str, field: FieldInfo) -> bool:
-    """Whether a config field holds a secret: declared `Secret`, or named as one (SECRET_FIELDS)."""
-    def marked(annotation: Any) -> bool:
-        return any(arg is SECRET or marked(arg) for arg in get_args(annotation))
-
-    return name in SECRET_FIELDS or any(m is SECRET for m in field.metadata) or marked(field.annotation)
-
-
-@cache
-def secret_fields(cls: type[BaseModel]) -> frozenset[str]:
-    return frozenset(name for name, field in cls.model_fields.items() if is_secret(name, field))
-
-
-def public_config(config: BaseModel) -> dict:
-    """The config as W&B and any other record outside the run's 0600 files get it: every secret masked (it still
-    shows which are set), and the password of every URL."""
-    return without_secrets(config.model_dump(mode="json"), drop=False)
-
-
 def to_toml(config: BaseModel, mask_secrets: bool = False) -> str:
     """Serialise a config so that `@ file.toml` reproduces it (None fields are left out), its secrets included (for
     the 0600 file its process reads it back from: write_config); `mask_secrets`: every secret masked, for printing."""
     data = config.model_dump(mode="json", exclude_none=True, context=None if mask_secrets else {WITH_SECRETS: True})
     return tomli_w.dumps(without_secrets(data, drop=False) if mask_secrets else data)
-
-
-def without_secrets(data: Any, drop: bool) -> Any:
-    """A config dump (nested dicts and lists) with every secret field that holds a value masked (`SECRET_MASK`:
-    printed, it still shows the field is set) or dropped (`drop`: for a file that must not carry it), and the
-    password of every URL masked (a URL without it would name another server)."""
-    if isinstance(data, str):
-        return url_without_password(data)
-    if isinstance(data, list):
-        return [without_secrets(v, drop) for v in data]
-    if not isinstance(data, dict):
-        return data
-    public = {}
-    for key, value in data.items():
-        if key not in SECRET_FIELDS:
-            public[key] = without_secrets(value, drop)
-        elif not drop:
-            public[key] = None if value is None else SECRET_MASK
-    return public
-
-
-def secrets_on_command_line(config: BaseModel, cli_data: dict, prefix: str = "") -> list[str]:
-    """The dotted names of the secret fields of `config` that `cli_data` (the command line's layer) sets."""
-    found = []
-    for key, value in cli_data.items():
-        field = type(config).model_fields.get(key)
-        if value is not None and (is_secret(key, field) if field else key in SECRET_FIELDS):
-            found.append(prefix + key)
-        part = getattr(config, key, None) if field else None
-        if isinstance(part, BaseModel) and isinstance(value, dict):
-            found += secrets_on_command_line(part, value, f"{prefix}{key}.")
-        elif isinstance(part, list) and isinstance(value, list):
-            for item, given in zip(part, value):
-                if isinstance(item, BaseModel) and isinstance(given, dict):
-                    found += secrets_on_command_line(item, given, f"{prefix}{key}[].")
-    return found
 
 
 def warn_secrets_on_command_line(config: BaseModel, argv: list[str], program: str) -> None:
@@ -387,18 +292,6 @@ def warn_secrets_on_command_line(config: BaseModel, argv: list[str], program: st
     print(f"{program}: warning: {flags} puts a secret on the command line, which every user of this host can read "
           f"(ps, /proc/<pid>/cmdline); give it in {where}a TOML file only you can read (@ secrets.toml)",
           file=sys.stderr)
-
-
-def url_without_password(text: str) -> str:
-    """`scheme://user:password@host/...` with the password masked; any other text as it is."""
-    try:
-        url = urlsplit(text) if "@" in text else None
-    except ValueError:  # not a URL (an unclosed '[' in what would be its host)
-        return text
-    if url is None or url.password is None:
-        return text
-    user = url.netloc.rpartition("@")[0].partition(":")[0]
-    return urlunsplit(url._replace(netloc=f"{user}:{SECRET_MASK}@{url.netloc.rpartition('@')[2]}"))
 
 
 def write_config(config: BaseModel, path: Path, mask_secrets: bool = False) -> None:
