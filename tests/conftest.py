@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import subprocess
@@ -8,6 +9,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE_ENVIRONMENTS = ROOT / "tests" / "fixtures" / "environments"
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    """Enough of a model directory for the launcher's and the trainer's config checks (nothing is loaded before the
+    start)."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    return path
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -2,7 +2,6 @@
 run directories as they were; malformed markers, batches and checkpoints are refused by their readers, naming
 the problem, and run no code. (Bad requests to a real inference server: tests/integration/test_bad_requests.py.)"""
 
-import json
 import re
 from pathlib import Path
 
@@ -13,15 +12,6 @@ from rl.protocol import RunPaths, append_metrics, mark_stable
 from tests.conftest import ROOT
 
 CONFIGS = ROOT / "configs" / "reverse_text"
-
-
-@pytest.fixture
-def model(tmp_path) -> Path:
-    """Enough of a model directory for the launcher's checks (nothing is loaded before the start)."""
-    path = tmp_path / "model"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    return path
 
 
 @pytest.fixture

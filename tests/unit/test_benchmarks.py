@@ -5,7 +5,6 @@ setting. A real run of the rest needs an inference server or torchrun, minutes e
 
 import ast
 import importlib
-import json
 import os
 import re
 import runpy
@@ -77,15 +76,6 @@ def test_help(name, monkeypatch, capsys):
         runpy.run_path(str(BENCHMARKS / name), run_name="__main__")
     assert exit_.value.code == 0
     assert "usage:" in capsys.readouterr().out
-
-
-@pytest.fixture
-def model(tmp_path) -> Path:
-    """Enough of a model directory for the launcher's and the trainer's config checks."""
-    path = tmp_path / "model"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    return path
 
 
 def parsed(module, argv: list[str]):
