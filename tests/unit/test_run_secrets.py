@@ -20,7 +20,7 @@ from rl.metrics import MetricsLogger
 from rl.orchestrator.config import OrchestratorConfig
 from rl.protocol import RunPaths
 from rl.trainer.config import TrainerConfig
-from tests.unit.test_bad_input import fails, model, refuse_to_start, rl_argv  # noqa: F401 (fixtures)
+from tests.unit.test_bad_input import fails, refuse_to_start, rl_argv  # noqa: F401 (fixtures; `model` is conftest's)
 
 TRANSFER_SECRET = "transfer-s3cret-" + "t" * 16
 ADMIN_TOKEN = "admin-s3cret-token"
