@@ -10,8 +10,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import msgpack
 import psutil
@@ -131,8 +133,15 @@ def test_a_hung_worker_stops_the_server_naming_it_by_a_deadline_of_its_own(serve
     assert EnvServerConfig(env=EnvConfig(id="reverse-text")).worker_stall_s > 0  # a deadline by default
     proc, address = server("--worker-stall-s", "3")
     worker = worker_of(proc)
-    time.sleep(2)  # it beats
-    assert proc.poll() is None
+    deadline = time.monotonic() + 120
+
+    def beats() -> list[Path]:  # its beat file, in the broker's directory of them (rl/envs/watch.py)
+        return list(Path(tempfile.gettempdir()).glob(f"rl-env-beats-*/{worker.pid}"))
+
+    while not beats() and time.monotonic() < deadline:  # it has loaded its environment and serves
+        time.sleep(0.2)
+    time.sleep(2)  # and beats past the stall bound's first seconds
+    assert beats() and proc.poll() is None
     worker.send_signal(signal.SIGSTOP)
     assert proc.wait(30) == WORKER_DIED
     log = (tmp_path / "env-server.log").read_text()
@@ -252,3 +261,14 @@ def test_children_that_run_environments_code_are_forked_only_from_a_launcher_hol
     assert specs("--transfer.backend", "gloo")["orchestrator"].preload == ()  # the launcher made a transfer secret
     monkeypatch.setenv("GITHUB_TOKEN", "x")
     assert specs()["orchestrator"].preload == ()
+
+
+def test_a_worker_still_loading_its_environment_is_not_counted_hung_by_the_stall_bound(tmp_path):
+    from rl.envs.watch import FIRST_BEAT_S, stalled_for
+
+    started = time.time()
+    assert stalled_for(tmp_path, 4242, started, started + 200) == (200, False)  # no beat yet: loading
+    assert FIRST_BEAT_S >= EnvServerConfig(env=EnvConfig(id="reverse-text")).worker_stall_s
+    (tmp_path / "4242").touch()
+    stalled, beaten = stalled_for(tmp_path, 4242, started, time.time() + 5)
+    assert beaten and 4 < stalled < 6

@@ -20,6 +20,7 @@ from pathlib import Path
 
 BEATS_VAR = "RL_ENV_SERVER_BEATS"
 BEAT_S = 1.0
+FIRST_BEAT_S = 300.0  # a worker loads its environment before its loop first beats: as long as a server has to answer
 WATCH_S = 0.5
 WORKER_DIED = 3  # the env server's exit code when a worker died or hung
 logger = logging.getLogger("env-server")
@@ -46,13 +47,14 @@ async def beating() -> AsyncIterator[None]:
         task.cancel()
 
 
-def stalled_for(beats: Path, pid: int, started: float, now: float) -> float:
-    """Seconds since the worker's loop last beat (since `started`, the watch's start, where it has not yet)."""
+def stalled_for(beats: Path, pid: int, started: float, now: float) -> tuple[float, bool]:
+    """Seconds since the worker's loop last beat (since `started`, the watch's start, where it has not yet), and
+    whether it has beaten at all."""
     try:
         last = (beats / str(pid)).stat().st_mtime
     except FileNotFoundError:
-        last = started  # still loading its environment: counted from the watch's start
-    return now - max(last, started)
+        return now - started, False  # still loading its environment
+    return now - max(last, started), True
 
 
 def watch_workers(pool, beats: Path, stall_s: float) -> None:
@@ -69,9 +71,10 @@ def watch_workers(pool, beats: Path, stall_s: float) -> None:
                 logger.error(f"worker {index} (pid {process.pid}) died (exit code {process.exitcode}); "
                              "this env server stops with it, to be restarted and its episodes run again")
                 os._exit(WORKER_DIED)
-            stalled = stalled_for(beats, process.pid, started, now)
-            if stalled > stall_s:
-                logger.error(f"worker {index} (pid {process.pid}) hung: its event loop has not run for {stalled:.0f} s "
+            stalled, beaten = stalled_for(beats, process.pid, started, now)
+            if stalled > (stall_s if beaten else max(stall_s, FIRST_BEAT_S)):
+                what = "its event loop has not run" if beaten else "it has not started serving"
+                logger.error(f"worker {index} (pid {process.pid}) hung: {what} for {stalled:.0f} s "
                              f"(worker_stall_s = {stall_s:g}); this env server stops with it, to be restarted and its "
                              "episodes run again")
                 with contextlib.suppress(ProcessLookupError):

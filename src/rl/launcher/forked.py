@@ -2,8 +2,9 @@
 imported that module (and verifiers, transformers and the environments' packages with it) once, instead of a fresh
 interpreter importing them all again.
 
-The orchestrator and the env servers are forked so: each new interpreter spent ~6-15 s of a core importing what the
-launcher's environment check had just imported (benchmarks/RESULTS.md). The launcher holds no accelerator and runs
+The orchestrator is forked so, where the launcher holds no secret it may not have (rl/launcher/main.py; env servers
+never are): a new interpreter spent seconds of a core importing what the launcher's environment check had just
+imported (benchmarks/RESULTS.md). The launcher holds no accelerator and runs
 no thread of its own when it forks (a fork is refused otherwise, and the child exec'd as before); a forked child
 takes the command line it would have run (its process title, its `sys.argv`), its own environment, log, session and
 signal handlers, and runs the module's `main()` as `python -m` would."""
