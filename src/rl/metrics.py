@@ -10,7 +10,8 @@ import uuid
 from pydantic import BaseModel
 
 from rl.config import WandbConfig, public_config
-from rl.protocol import RunPaths, append_metrics, atomic_write_text
+from rl.metrics_file import append_metrics
+from rl.protocol import RunPaths, atomic_write_text
 
 
 PER_REQUEST_LOGGERS = ("verifiers", "httpx", "httpx2", "mcp", "aiohttp.access")

@@ -9,7 +9,6 @@ anything unlisted. Batches are safetensors (no pickle crosses processes).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -23,6 +22,7 @@ from safetensors import SafetensorError
 
 from rl.atomic import atomic_write_text, temp_path  # noqa: F401 - re-exported: writers import them from here
 from rl.listed_files import read_listed, verify_stable  # noqa: F401 - re-exported with the marker API
+from rl.metrics_file import append_metrics, read_metrics  # noqa: F401 - re-exported: tests and benchmarks read them here
 from rl.manifest import (  # noqa: F401 - the marker API, re-exported: readers and writers import it from here
     STABLE,
     CorruptFileError,
@@ -229,10 +229,13 @@ class Sample:
     # and, per token, its k likeliest tokens given the ones before (teacher.top_k > 0): ids and logprobs, [T][k]
     teacher_top_ids: list[list[int]] | None = None
     teacher_top_logprobs: list[list[float]] | None = None
+    token_versions: list[int] | None = None  # the policy version behind each token (its sampler's, where sampled)
 
     def __post_init__(self):
         if not len(self.input_ids) == len(self.loss_mask) == len(self.logprobs):
             raise ValueError("input_ids, loss_mask and logprobs must have the same length")
+        if self.token_versions is not None and len(self.token_versions) != len(self.input_ids):
+            raise ValueError("token_versions must have one entry per token")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.input_ids):
             raise ValueError("teacher_logprobs must have one entry per token")
         if (self.teacher_top_ids is None) != (self.teacher_top_logprobs is None):
@@ -247,7 +250,7 @@ class Sample:
 
 def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
     """Flatten samples into tensors: tokens concatenated, per-sample values in parallel arrays; `teacher_logprobs`
-    only where every sample has them."""
+    only where every sample has them, `token_policy_versions` only where every sample has its `token_versions`."""
     import torch
 
     scored = [s.teacher_logprobs is not None for s in samples]
@@ -258,6 +261,9 @@ def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
     ranked = [s.teacher_top_ids is not None for s in samples]
     if any(ranked) and not all(ranked):
         raise ValueError(f"{ranked.count(False)} of {len(samples)} samples lack the teacher's top-k the others have")
+    if samples and all(s.token_versions is not None for s in samples):
+        teacher["token_policy_versions"] = torch.tensor([v for s in samples for v in s.token_versions],
+                                                        dtype=torch.int64)  # [T]
     if samples and all(ranked):
         teacher |= {  # [T, k]
             "teacher_top_ids": torch.tensor([row for s in samples for row in s.teacher_top_ids], dtype=torch.int64),
@@ -288,6 +294,7 @@ OPTIONAL_FIELDS = {  # on-policy distillation: [T], and [T, k] with teacher.top_
     "teacher_logprobs": ("float32", "token", 1),
     "teacher_top_ids": ("int64", "token", 2),
     "teacher_top_logprobs": ("float32", "token", 2),
+    "token_policy_versions": ("int64", "token", 1),  # Sample.token_versions
 }
 
 
@@ -327,13 +334,13 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
     check_batch(tensors)
     lengths = tensors["lengths"].tolist()
     ids, mask, lps = (tensors[k].split(lengths) for k in ("input_ids", "loss_mask", "logprobs"))
-    teacher, top_ids, top_logprobs = (
+    teacher, top_ids, top_logprobs, versions = (
         tensors[k].split(lengths) if k in tensors else [None] * len(lengths)
-        for k in ("teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs"))
+        for k in ("teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs", "token_policy_versions"))
     return [
         Sample(i.tolist(), m.int().tolist(), lp.tolist(), a, r, v,
-               *(None if x is None else x.tolist() for x in (t, ti, tl)))
-        for i, m, lp, a, r, v, t, ti, tl in zip(
+               *(None if x is None else x.tolist() for x in (t, ti, tl, tv)))
+        for i, m, lp, a, r, v, t, ti, tl, tv in zip(
             ids,
             mask,
             lps,
@@ -343,6 +350,7 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
             teacher,
             top_ids,
             top_logprobs,
+            versions,
             strict=True,
         )
     ]
@@ -375,25 +383,3 @@ def read_batch(paths: RunPaths, step: int, rank: int) -> list[Sample]:
         return decode_samples(load(bytes(read_listed(path.parent, path.name, manifest[path.name]))))
     except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
         raise ValueError(f"rollout batch {path} is missing or corrupt: {e}") from e
-
-
-# ---------------------------------------------------------------------------------------------------
-# Metrics: one JSON object per line, appended by every process
-# ---------------------------------------------------------------------------------------------------
-
-
-def append_metrics(paths: RunPaths, record: dict) -> None:
-    """Append one line; O_APPEND writes of one short line do not interleave between processes."""
-    line = (json.dumps(record) + "\n").encode()
-    paths.root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(paths.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
-
-
-def read_metrics(paths: RunPaths) -> list[dict]:
-    if not paths.metrics.exists():
-        return []
-    return [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()]

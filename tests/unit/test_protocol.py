@@ -92,6 +92,30 @@ def test_the_teachers_top_k_round_trips_as_tokens_by_k_and_is_all_or_none(tmp_pa
         Sample([1, 2], [0, 1], [0.0, -1.0], 0.0, 0.0, 0, None, [[1], [3]])
 
 
+def test_token_versions_round_trip_where_every_sample_has_them(tmp_path):
+    from dataclasses import replace
+
+    from rl.protocol import check_batch, decode_samples, encode_samples
+
+    paths = RunPaths(tmp_path)
+    versioned = [replace(sample(4, version=3), token_versions=[3, 3, 3, 4]), replace(sample(3), token_versions=[0] * 3)]
+    write_batch(paths, 0, [versioned])
+    assert read_batch(paths, 0, 0) == versioned
+    tensors = encode_samples(versioned)
+    assert tensors["token_policy_versions"].tolist() == [3, 3, 3, 4, 0, 0, 0]
+    assert "token_policy_versions" not in encode_samples([versioned[0], sample(3)])  # not every sample has them
+    assert decode_samples(encode_samples([sample(3)]))[0].token_versions is None
+    for broken, message in (
+        (tensors["token_policy_versions"][:-1], "token_policy_versions has 6 entries for 7 tokens"),
+        (tensors["token_policy_versions"].float(), "token_policy_versions must be int64"),
+        (tensors["token_policy_versions"][None], "token_policy_versions must be one-dimensional"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check_batch(tensors | {"token_policy_versions": broken})
+    with pytest.raises(ValueError, match="token_versions must have one entry per token"):
+        Sample([1, 2], [0, 1], [0.0, -1.0], 0.0, 0.0, 0, token_versions=[0])
+
+
 def test_unstable_directory_is_not_a_step(tmp_path):
     paths = RunPaths(tmp_path)
     paths.weights(2).mkdir(parents=True)

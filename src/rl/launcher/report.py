@@ -6,7 +6,8 @@ import json
 import statistics
 
 from rl.atomic import atomic_write
-from rl.protocol import RunPaths, atomic_write_text, read_metrics
+from rl.metrics_file import read_metrics
+from rl.protocol import RunPaths, atomic_write_text
 
 
 def per_step(records: list[dict], process: str, key: str) -> dict[int, float]:

@@ -1,0 +1,25 @@
+"""metrics.jsonl: one JSON object per line, appended by every process (`RunPaths.metrics`) and read back whole."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def append_metrics(paths, record: dict) -> None:
+    """Append one line to `paths.metrics` (`paths`: a `rl.protocol.RunPaths`); O_APPEND writes of one short line do
+    not interleave between processes."""
+    line = (json.dumps(record) + "\n").encode()
+    paths.root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(paths.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_metrics(paths) -> list[dict]:
+    """Every record of `paths.metrics`, in the order written; none before the first."""
+    if not paths.metrics.exists():
+        return []
+    return [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()]
