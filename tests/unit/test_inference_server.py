@@ -587,6 +587,24 @@ def test_a_failed_rollback_breaks_the_server(tmp_path):
     assert refusal_of(weights.current())[0] == 503 and run(weights.admit()) == weights.broken
 
 
+def test_the_first_generation_request_waits_for_the_base_model_verified_and_labelled_step_0(tmp_path):
+    """vLLM labels what it samples "default" until a version is set: no generation request enters before step 0 is
+    set, once the base model verifies; one that does not is refused, each time."""
+    weights, _ = lora_weights(tmp_path / "ok", engine := FakeEngine())
+    assert run(weights.admit()) is None and engine.version == "0" and engine.calls == ["rl_check_served"]
+    assert run(weights.admit()) is None and engine.calls == ["rl_check_served"]  # verified once
+
+    class Mismatched(FakeEngine):
+        async def collective_rpc(self, method, args=()):
+            self.calls.append(method)
+            return [{"ok": False, "mismatched": ["model.norm.weight differs"], "differing": []}]
+
+    weights, _ = lora_weights(tmp_path / "mismatched", engine := Mismatched())
+    for _ in range(2):
+        assert "do not match" in run(weights.admit()) and engine.version is None
+    assert engine.calls == ["rl_check_served"] * 2
+
+
 def test_a_refused_adapter_reaches_nothing_of_vllm(tmp_path):
     corrupt = {"ok": False, "reloaded": False, "corrupt": "step_1/adapter_model.safetensors fails its CRC-32 check",
                "mismatched": [], "differing": []}

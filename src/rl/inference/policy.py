@@ -108,7 +108,15 @@ class PolicyWeights:
         return self.settings.lora_name if is_adapter_step(self.manifest) else None
 
     async def admit(self) -> str | None:
-        """Wait while the weights change; None once a generation request may enter, else why it may not."""
+        """Wait while the weights change; None once a generation request may enter, else why it may not. The first
+        requests wait for the base model's verification (once, as `current` does), which labels what vLLM samples
+        as step 0: no token is sampled unlabelled ("default")."""
+        if self.checksum is None:
+            try:
+                async with self.lock:
+                    await self._verify_base()
+            except HTTPException as e:
+                return e.detail
         return await self.admission.wait() or self.broken
 
     async def update(self, step: int, path: str) -> dict:
