@@ -1,0 +1,158 @@
+"""Continuous dispatch against step-synchronous on a long-tailed environment: trained samples/s.
+
+The environment (`tests/fixtures/environments/long_tail`, id `long-tail`) gives every `--long-every`-th task (8)
+`--long-turns` (16) model turns and the rest one, so with the tiny random model (nearly every turn runs to
+`--max-tokens`) a long episode samples ~16x the tokens of a short one and a step's slowest group is many times its
+median one. Two sides run the real `rl` launcher, async level 1, the same `--steps` and batch (so the same number of
+samples to train), their order alternated over `--rounds`:
+
+- step: `--orchestrator.dispatch step`: each step's groups start together and its batch waits for the slowest;
+- continuous: `--orchestrator.dispatch continuous --orchestrator.max-off-policy-steps K`: groups run across steps,
+  a batch is made of the groups that finished, no trained token older than K steps.
+
+Per run, from the orchestrator's records in `metrics.jsonl`: trained samples/s past the warm-up, the samples of steps
+1..N-1 over the time from step 0's record to step N-1's (step 0 waits for the servers and fills the pipeline), and
+the staleness of what was trained (`off_policy/max`, the oldest trained token's age in steps). A sample is a token
+segment: the tiny model's long episodes split into several (its random replies do not always re-render as sampled),
+so each round also prints trained rollouts/s and sampled tokens/s over the same window. The last line reads
+(X the ratio of the medians over rounds, s the largest `off_policy/max` of the continuous runs):
+
+continuous <X>x trained samples/s of step-synchronous on a long-tailed env (max_off_policy_steps <k>, staleness max <s>)
+
+    uv run --no-sync tiny-model --out /tmp/tiny
+    uv run --no-sync python benchmarks/continuous.py --model /tmp/tiny [--rounds 2] [--steps 16] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs" / "reverse_text"
+FIXTURES = ROOT / "tests" / "fixtures" / "environments"
+SIDES = ("step", "continuous")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True, help="the tiny model (`tiny-model --out ...`)")
+    parser.add_argument("--steps", type=int, default=16, help="steps per run (the first is warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, their order alternated")
+    parser.add_argument("--batch-size", type=int, default=64, help="rollouts per step")
+    parser.add_argument("--group-size", type=int, default=4, help="rollouts per task")
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens sampled per turn")
+    parser.add_argument("--seq-len", type=int, default=1024, help="a long episode of the tiny model takes ~700")
+    parser.add_argument("--long-every", type=int, default=8, help="task i is long when i %% long_every == 0")
+    parser.add_argument("--long-turns", type=int, default=16, help="model turns of a long task (a short one: 1)")
+    parser.add_argument("--max-off-policy-steps", type=int, default=2, help="the continuous side's bound")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"sides to run, comma-separated ({','.join(SIDES)})")
+    parser.add_argument("--out", type=Path, help="runs' directory (default: a new temporary one)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--dry-run", action="store_true", help="print each side's command line and run nothing")
+    args = parser.parse_args()
+    args.sides = [side.strip() for side in args.sides.split(",") if side.strip()]
+    unknown = set(args.sides) - set(SIDES)
+    if unknown or not args.sides:
+        parser.error(f"--sides: {','.join(sorted(unknown)) or 'none given'}; choose from {','.join(SIDES)}")
+    return args
+
+
+def side_flags(args) -> dict[str, list[str]]:
+    """Each side's flags beside the run's."""
+    return {"step": ["--orchestrator.dispatch", "step"],
+            "continuous": ["--orchestrator.dispatch", "continuous",
+                           "--orchestrator.max-off-policy-steps", str(args.max_off_policy_steps)]}
+
+
+def rl_command(model: Path, out: Path, args, *extra: str) -> list[str]:
+    """One side's run: the quickstart's configs on the long-tail environment, async level 1."""
+    env = [{"id": "long-tail", "args": {"num_examples": 256, "long_every": args.long_every,
+                                        "long_turns": args.long_turns}}]
+    return [sys.executable, "-m", "rl.launcher.main",
+            "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
+            "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(model),
+            "--max-steps", str(args.steps), "--seq-len", str(args.seq_len), "--async-level", "1",
+            "--output-dir", str(out), "--orchestrator.batch-size", str(args.batch_size),
+            "--orchestrator.rollouts-per-example", str(args.group_size),
+            "--orchestrator.sampling.max-tokens", str(args.max_tokens),
+            "--orchestrator.env", json.dumps(env), *extra]
+
+
+def launcher_env() -> dict[str, str]:
+    """This process's environment with the fixture environments importable by every process rl starts."""
+    path = os.environ.get("PYTHONPATH")
+    return os.environ | {"PYTHONPATH": os.pathsep.join([str(FIXTURES), *([path] if path else [])])}
+
+
+def run(model: Path, out: Path, args, *extra: str) -> list[dict]:
+    """The run's orchestrator records, by step."""
+    command = rl_command(model, out, args, *extra)
+    print("+", out.name, *extra, flush=True)
+    with out.with_suffix(".log").open("w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, cwd=ROOT,
+                              env=launcher_env())
+    if done.returncode != 0:
+        raise RuntimeError(f"{out.name} exited {done.returncode}; see {out.with_suffix('.log')}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return sorted((r for r in records if r["process"] == "orchestrator"), key=lambda r: r["step"])
+
+
+def measure(steps: list[dict]) -> dict:
+    """Trained samples/s past the warm-up: the samples of steps 1..N-1 over the time from step 0's record to the
+    last step's; the oldest trained token's age in steps (`off_policy/max`, 0 where not logged)."""
+    if len(steps) < 2 or [r["step"] for r in steps] != list(range(len(steps))):
+        raise RuntimeError(f"orchestrator records of steps {[r['step'] for r in steps]}: want 0..N-1, N >= 2")
+    samples = sum(r["samples"] for r in steps[1:])
+    rollouts = sum(v for r in steps[1:] for k, v in r.items() if k.startswith("rollouts/"))
+    tokens = sum(r["completion_tokens"] for r in steps[1:])
+    seconds = steps[-1]["time"] - steps[0]["time"]
+    in_flight = [r["rollouts_in_flight"] for r in steps if "rollouts_in_flight" in r]
+    return {"samples_per_s": samples / seconds, "samples": samples, "seconds": seconds,
+            "rollouts_per_s": rollouts / seconds, "tokens_per_s": tokens / seconds,
+            "staleness": max((r.get("off_policy/max", 0) for r in steps), default=0),
+            "in_flight": statistics.fmean(in_flight) if in_flight else None}
+
+
+def main() -> None:
+    args = parse_args()
+    flags = side_flags(args)
+    if args.dry_run:
+        root = args.out or Path(tempfile.gettempdir()) / "rl-continuous-XXXX"
+        for side in args.sides:
+            print(f"{side}: PYTHONPATH={shlex.quote(str(FIXTURES))} "
+                  f"{shlex.join(rl_command(args.model, root / f'{side}-0', args, *flags[side]))}")
+        return
+    root = args.out or Path(tempfile.mkdtemp(prefix="rl-continuous-"))
+    root.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {side: [] for side in args.sides}
+    for round_ in range(args.rounds):
+        for side in args.sides if round_ % 2 == 0 else args.sides[::-1]:
+            result = measure(run(args.model, root / f"{side}-{round_}", args, *flags[side]))
+            results[side].append(result)
+            in_flight = f", {result['in_flight']:.1f} rollouts in flight" if result["in_flight"] is not None else ""
+            print(f"round {round_ + 1} {side}: {result['samples_per_s']:.2f} trained samples/s ({result['samples']} "
+                  f"samples of steps 1..{args.steps - 1} in {result['seconds']:.1f} s; {result['rollouts_per_s']:.2f} "
+                  f"rollouts/s, {result['tokens_per_s']:.0f} sampled tokens/s), staleness max "
+                  f"{result['staleness']}{in_flight}", flush=True)
+    (root / "results.json").write_text(json.dumps(results, indent=1))
+    median = {side: statistics.median(r["samples_per_s"] for r in runs) for side, runs in results.items()}
+    for side, rate in median.items():
+        print(f"{side}: median {rate:.2f} trained samples/s over {args.rounds} round(s)")
+    if set(results) != set(SIDES):
+        print(f"only {', '.join(results)} run: no ratio; runs in {root}")
+        return
+    staleness = max(r["staleness"] for r in results["continuous"])
+    print(f"continuous {median['continuous'] / median['step']:.2f}x trained samples/s of step-synchronous on a "
+          f"long-tailed env (max_off_policy_steps {args.max_off_policy_steps}, staleness max {staleness})")
+
+
+if __name__ == "__main__":
+    main()
