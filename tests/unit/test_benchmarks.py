@@ -111,6 +111,34 @@ def test_launcher_command_lines_of_fill_batch_distill_trl_side_by_side_and_launc
             dry_run(trl.rl_command(model, trl.SHAPES["tiny"], args, tmp_path / side, side, 8123), capsys)
 
 
+def test_launcher_command_lines_of_continuous(model, tmp_path, monkeypatch, capsys):
+    """Both sides' command lines (the long-tail fixture environment among them) as its `--dry-run` prints them."""
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    continuous = benchmark("continuous")
+    args = parsed(continuous, ["--model", str(model), "--max-off-policy-steps", "3"])
+    flags = continuous.side_flags(args)
+    assert list(flags) == ["step", "continuous"] and flags["continuous"][-1] == "3"
+    for side in flags:
+        dry_run(continuous.rl_command(model, tmp_path / side, args, *flags[side]), capsys)
+    sys.argv = ["continuous.py", "--model", str(model), "--sides", "step", "--out", str(tmp_path), "--dry-run"]
+    continuous.main()
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("step: PYTHONPATH=") and "--orchestrator.dispatch step" in line
+    assert not list(tmp_path.glob("step-*"))  # nothing run
+
+
+def test_continuous_measures_past_the_warm_up():
+    """Samples of steps 1..N-1 over step 0's record to the last one's; the largest off_policy/max."""
+    steps = [{"step": i, "time": 100.0 + 10 * i, "samples": 50 + i, "rollouts/long-tail": 32, "completion_tokens": 400,
+              "off_policy/max": i % 3} for i in range(4)]
+    result = benchmark("continuous").measure(steps)
+    assert result["samples"] == 51 + 52 + 53 and result["seconds"] == 30.0
+    assert result["samples_per_s"] == 156 / 30 and result["rollouts_per_s"] == 96 / 30
+    assert result["staleness"] == 2 and result["in_flight"] is None
+    with pytest.raises(RuntimeError, match="want 0..N-1"):
+        benchmark("continuous").measure(steps[1:])
+
+
 def after(command: list[str], module: str) -> list[str]:
     """The arguments `command` gives `python -m <module>`."""
     at = command.index(module)
