@@ -14,7 +14,10 @@ Per run, from the orchestrator's records in `metrics.jsonl`: trained samples/s p
 1..N-1 over the time from step 0's record to step N-1's (step 0 waits for the servers and fills the pipeline), and
 the staleness of what was trained (`off_policy/max`, the oldest trained token's age in steps). A sample is a token
 segment: the tiny model's long episodes split into several (its random replies do not always re-render as sampled),
-so each round also prints trained rollouts/s and sampled tokens/s over the same window. The last line reads
+so each round also prints trained rollouts/s and sampled tokens/s over the same window, the mean turns of a trained
+rollout (1 + (long_turns - 1) / long_every ~ 2.9 where none is lost) and the rollouts dropped as too old
+(`off_policy/dropped`): a continuous side that drops the long episodes trains only short ones, and its samples/s
+is then not the same work's. The last line reads
 (X the ratio of the medians over rounds, s the largest `off_policy/max` of the continuous runs):
 
 continuous <X>x trained samples/s of step-synchronous on a long-tailed env (max_off_policy_steps <k>, staleness max <s>)
@@ -111,12 +114,15 @@ def measure(steps: list[dict]) -> dict:
     if len(steps) < 2 or [r["step"] for r in steps] != list(range(len(steps))):
         raise RuntimeError(f"orchestrator records of steps {[r['step'] for r in steps]}: want 0..N-1, N >= 2")
     samples = sum(r["samples"] for r in steps[1:])
-    rollouts = sum(v for r in steps[1:] for k, v in r.items() if k.startswith("rollouts/"))
+    per_step = [sum(v for k, v in r.items() if k.startswith("rollouts/")) for r in steps[1:]]
+    rollouts = sum(per_step)
+    turns = sum(r["num_turns"] * n for r, n in zip(steps[1:], per_step, strict=True))
     tokens = sum(r["completion_tokens"] for r in steps[1:])
     seconds = steps[-1]["time"] - steps[0]["time"]
     in_flight = [r["rollouts_in_flight"] for r in steps if "rollouts_in_flight" in r]
     return {"samples_per_s": samples / seconds, "samples": samples, "seconds": seconds,
             "rollouts_per_s": rollouts / seconds, "tokens_per_s": tokens / seconds,
+            "turns": turns / max(rollouts, 1), "too_old": sum(r.get("off_policy/dropped", 0) for r in steps[1:]),
             "staleness": max((r.get("off_policy/max", 0) for r in steps), default=0),
             "in_flight": statistics.fmean(in_flight) if in_flight else None}
 
@@ -140,8 +146,9 @@ def main() -> None:
             in_flight = f", {result['in_flight']:.1f} rollouts in flight" if result["in_flight"] is not None else ""
             print(f"round {round_ + 1} {side}: {result['samples_per_s']:.2f} trained samples/s ({result['samples']} "
                   f"samples of steps 1..{args.steps - 1} in {result['seconds']:.1f} s; {result['rollouts_per_s']:.2f} "
-                  f"rollouts/s, {result['tokens_per_s']:.0f} sampled tokens/s), staleness max "
-                  f"{result['staleness']}{in_flight}", flush=True)
+                  f"rollouts/s, {result['tokens_per_s']:.0f} sampled tokens/s; {result['turns']:.2f} turns per trained "
+                  f"rollout, {result['too_old']} rollouts dropped as too old), staleness max {result['staleness']}"
+                  f"{in_flight}", flush=True)
     (root / "results.json").write_text(json.dumps(results, indent=1))
     median = {side: statistics.median(r["samples_per_s"] for r in runs) for side, runs in results.items()}
     for side, rate in median.items():

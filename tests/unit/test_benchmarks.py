@@ -130,11 +130,12 @@ def test_launcher_command_lines_of_continuous(model, tmp_path, monkeypatch, caps
 def test_continuous_measures_past_the_warm_up():
     """Samples of steps 1..N-1 over step 0's record to the last one's; the largest off_policy/max."""
     steps = [{"step": i, "time": 100.0 + 10 * i, "samples": 50 + i, "rollouts/long-tail": 32, "completion_tokens": 400,
-              "off_policy/max": i % 3} for i in range(4)]
+              "num_turns": 1.0 + i, "off_policy/max": i % 3, "off_policy/dropped": 4} for i in range(4)]
     result = benchmark("continuous").measure(steps)
     assert result["samples"] == 51 + 52 + 53 and result["seconds"] == 30.0
     assert result["samples_per_s"] == 156 / 30 and result["rollouts_per_s"] == 96 / 30
     assert result["staleness"] == 2 and result["in_flight"] is None
+    assert result["turns"] == 3.0 and result["too_old"] == 12
     with pytest.raises(RuntimeError, match="want 0..N-1"):
         benchmark("continuous").measure(steps[1:])
 
