@@ -17,6 +17,9 @@ per group, not once per rollout (benchmarks/RESULTS.md). A rollout's first gener
 identical ones at most `group_gap_s` after the last one joined, and a full group (`group_size`) goes at once; its
 later requests do not wait. Seeded requests are never grouped: n samples of one seeded request are not the n
 seeds' samples.
+
+Each generate reply's weight-version spans (which policy sampled each token) are recorded under the rollout's
+session id for its turn's commit to take (rl/envs/policy_versions.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from verifiers.v1.clients.client import SESSION_ID_HEADER
 from verifiers.v1.configs.client import BaseClientConfig, resolve_api_key, resolve_headers
 
 from rl.envs.config import GROUP_GAP_S
+from rl.envs.policy_versions import POLICY_VERSIONS
 
 IDLE_CONNECTION_S = 15.0
 GENERATE_ROUTE = "/inference/v1/generate"
@@ -89,10 +93,16 @@ class EngineClient:
 
     async def post(self, path: str, *, cast_to: type, body: Any = None, options: dict | None = None) -> Any:
         url = self._url(path)
+        generate = cast_to is httpx.Response and url.endswith(GENERATE_ROUTE)
         # msgspec: a 2,000-token prompt's body in 0.01 ms against json's 0.11 ms
-        if self.grouper is not None and cast_to is httpx.Response and url.endswith(GENERATE_ROUTE) and groupable(body):
-            return httpx.Response(200, content=await self.grouper.submit(url, body, options))
-        return await self._request("POST", url, cast_to, options, msgspec.json.encode(body))
+        if generate and self.grouper is not None and groupable(body):
+            response = httpx.Response(200, content=await self.grouper.submit(url, body, options))
+        else:
+            response = await self._request("POST", url, cast_to, options, msgspec.json.encode(body))
+        session = ((options or {}).get("headers") or {}).get(SESSION_ID_HEADER) if generate else None
+        if session is not None:  # which policy sampled each token, for the turn's commit (rl/envs/policy_versions.py)
+            POLICY_VERSIONS.record(session, response.content)
+        return response
 
     async def _generate(self, url: str, body: dict, options: dict | None) -> bytes:
         return (await self._request("POST", url, httpx.Response, options, msgspec.json.encode(body))).content

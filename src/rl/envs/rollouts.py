@@ -27,6 +27,7 @@ from rl.envs.chat_replies import MAX_REPLY_BYTES, BoundedChatConfig
 from rl.envs.config import GROUP_GAP_S
 from rl.envs.engine_client import GroupedTrainClientConfig
 from rl.envs.loading import Environment
+from rl.envs.policy_versions import POLICY_VERSION_STREAM, token_versions
 from rl.envs.slots import RolloutSlots
 
 
@@ -96,6 +97,9 @@ class TokenSegment:
     completion_ids: list[int]
     completion_mask: list[int]  # 1 = sampled by the policy, 0 = inserted by the environment
     completion_logprobs: list[float]  # sampling logprobs; 0.0 where completion_mask is 0
+    # the policy version (step) that sampled each token; None where unknown: a token not sampled (completion_mask 0),
+    # or one vLLM gave no step label (rl/envs/policy_versions.py)
+    completion_versions: list[int | None] = field(default_factory=list)
 
 
 @dataclass
@@ -310,6 +314,7 @@ def to_segments(task_index: int, branches: list) -> list[TokenSegment]:
     segments = []
     for branch in branches:
         ids, mask, logprobs = branch.token_ids, list(branch.sampled_mask), list(branch.logprobs)
+        versions: list[int | None] = []
         position = 0
         for node in branch.nodes:
             end = position + len(node.token_ids)
@@ -318,15 +323,26 @@ def to_segments(task_index: int, branches: list) -> list[TokenSegment]:
                 logprobs[position:end] = [0.0] * (end - position)
             elif any(node.mask):
                 trained.add(id(node))
+            versions.extend(node_versions(node))
             position = end
         if True in mask:
-            segments.append(to_segment(ids, mask, logprobs))
+            versions = [v if m else None for v, m in zip(versions, mask, strict=True)]
+            segments.append(to_segment(ids, mask, logprobs, versions))
     if not segments:
         raise RolloutError(f"rollout of task {task_index} sampled no token")
     return segments
 
 
-def to_segment(ids: list[int], mask: list[bool], logprobs: list[float]) -> TokenSegment:
+def node_versions(node: vf.MessageNode) -> list[int | None]:
+    """The policy version of each of a node's tokens, as its turn's commit stamped them; None for all where it
+    did not (rl/patches/token_versions.py)."""
+    stream = (node.loss_weights or {}).get(POLICY_VERSION_STREAM)
+    if stream is None or len(stream) != len(node.token_ids):
+        return [None] * len(node.token_ids)
+    return token_versions(stream)
+
+
+def to_segment(ids: list[int], mask: list[bool], logprobs: list[float], versions: list[int | None]) -> TokenSegment:
     """The prompt of a segment ends where its first trained token starts."""
     start = mask.index(True)
     return TokenSegment(
@@ -334,4 +350,5 @@ def to_segment(ids: list[int], mask: list[bool], logprobs: list[float]) -> Token
         completion_ids=ids[start:],
         completion_mask=[int(m) for m in mask[start:]],
         completion_logprobs=logprobs[start:],
+        completion_versions=versions[start:],
     )

@@ -14,9 +14,10 @@ from rl.envs.chat_replies import build_client
 from rl.envs.engine_client import EngineClient
 from rl.envs.watch import beating
 from rl.envs.groups import ROUTE, RL_CLIENT_CONFIGS, SERVER_MEMBERS, serve_group
+from rl.envs.policy_versions import POLICY_VERSION_STREAM, POLICY_VERSIONS
 from rl.patches import (
     apply_orchestrator_patches, bound_eval_client, send_traces_once, serve_episodes_holding, serve_group_runs,
-    serve_rl_client_configs,
+    serve_rl_client_configs, stamp_policy_versions,
 )
 from rl.process import set_up_process
 
@@ -27,6 +28,7 @@ def apply_patches() -> None:
     apply_orchestrator_patches(EngineClient)
     bound_eval_client(build_client)
     serve_rl_client_configs(RL_CLIENT_CONFIGS)
+    stamp_policy_versions(POLICY_VERSIONS.node_versions, POLICY_VERSION_STREAM)
 
 
 YOUNG_GC_THRESHOLD = 10_000

@@ -17,6 +17,8 @@ save is in benchmarks/RESULTS.md, why each exists in docs/architecture.md ("Patc
   all applied by the main() of the orchestrator and of `eval` and by every env-server worker
   (`rl.envs.worker.apply_patches`, which hands `apply_orchestrator_patches` the client class: the patches import
   nothing of rl's outside this package but `rl.process`);
+- verifiers: each sampled node is stamped, as its turn commits, with the policy version of each token, which rl's
+  `EngineClient` read off vLLM's reply (`stamp_policy_versions`, patches/token_versions.py), applied with those;
 - verifiers: its eval client reads chat replies through an httpx client that bounds their size and the time to
   read them (`bound_eval_client`), applied with those; its env-server requests carry rl's client configs whole
   (`serve_rl_client_configs`), applied with those in the orchestrator, `eval` and every env-server worker;
@@ -37,12 +39,12 @@ save is in benchmarks/RESULTS.md, why each exists in docs/architecture.md ("Patc
 - vLLM: its generate route answers through the inference gate's response class, which adds token strings and
   writes the response once (`render_generate_responses`), applied by the gate when vLLM builds it.
 
-The package: `verifiers` (verifiers, its env-server pool included), `pydantic`, `renderers` (in the processes that
-run episodes), `vllm` (in vLLM's processes), `local_route` (an aiohttp handler called in process); `targets` holds
-what they share, and this module names every patch. The imports of the patched libraries stay inside the
-functions: vLLM loads this module in every process it starts, where neither pydantic's internals nor verifiers are
-needed. A patch whose target is gone (the
-library changed) raises `PatchTargetMissing` when it is applied, at start-up: it never silently stops applying.
+The package: `verifiers` (verifiers, its env-server pool included), `token_versions` (verifiers' sampled nodes,
+stamped), `pydantic`, `renderers` (in the processes that run episodes), `vllm` (in vLLM's processes), `local_route`
+(an aiohttp handler called in process); `targets` holds what they share, and this module names every patch. The
+imports of the patched libraries stay inside the functions: vLLM loads this module in every process it starts,
+where neither pydantic's internals nor verifiers are needed. A patch whose target is gone (the library changed)
+raises `PatchTargetMissing` when it is applied, at start-up: it never silently stops applying.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from rl.patches.verifiers import (  # noqa: F401 - the patches, by name
     remember_task_hashes, send_traces_once, serve_episodes_holding, serve_group_runs, serve_rl_client_configs,
     use_engine_client, answer_health_with, fork_pool_workers, guard_requests, pool_workers,
 )
+from rl.patches.token_versions import stamp_policy_versions  # noqa: F401
 from rl.patches.renderers import (  # noqa: F401
     decode_engine_replies_with_msgspec, remember_renders, remember_short_encodes, remembered_on_loop,
 )
