@@ -82,6 +82,10 @@ def max_mismatch(server, model_dir) -> float:
 
 
 def test_update_serves_new_weights_verified_and_refuses_bad_ones(server, run_dir):
+    # the server's first request: what it samples is labelled step 0 before it enters (never vLLM's "default")
+    first = httpx.post(f"{server.url}/inference/v1/generate", timeout=120, json={
+        "model": str(server.model), "token_ids": PROMPTS[0], "sampling_params": {"max_tokens": 4, "ignore_eos": True}})
+    assert first.json()["choices"][0]["weight_versions"] == [{"version": "0", "start": 0, "end": 4}], first.text
     assert server.admin("GET", "/policy_step").json()["step"] == 0
     assert max_mismatch(server, run_dir / "model") < TOLERANCE
 
@@ -252,6 +256,55 @@ def test_update_pauses_a_request_in_flight_which_then_finishes(server, run_dir):
     assert server.admin("GET", "/policy_step").json() | {"weights_checksum": None, "instance": None} == {
         "step": 5, "weights_checksum": None, "requests_in_flight": 0, "instance": None}
     assert max_mismatch(server, step) < TOLERANCE
+
+
+def test_a_request_that_spans_an_update_has_each_token_labelled_with_the_step_that_sampled_it(
+        server, run_dir, monkeypatch):
+    """A long request, sent as verifiers' training client sends it (EngineClient, a rollout's session id), with an
+    update in the middle: vLLM labels its tokens with the served step up to the pause and the new step after it, and
+    EngineClient records those spans for the rollout's turn to take."""
+    import verifiers.v1 as vf
+
+    from rl.config import API_KEY_VAR
+    from rl.envs.engine_client import EngineClient
+    from rl.envs.policy_versions import POLICY_VERSIONS
+
+    monkeypatch.setenv(API_KEY_VAR, "unused")  # the server takes no API key
+    before = server.admin("GET", "/policy_step").json()["step"]
+    after = before + 100  # a step directory no other test of this module makes
+    step = perturbed_step(run_dir, after, seed=after)
+    max_tokens = 512 - len(PROMPTS[0])
+    body = {"model": str(server.model), "token_ids": PROMPTS[0],
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, "logprobs": 1}}
+
+    async def scenario():
+        client = EngineClient(vf.TrainClientConfig(base_url=f"{server.url}/v1", api_key_var=API_KEY_VAR))
+        try:
+            request = asyncio.ensure_future(client.post(
+                f"{server.url}/inference/v1/generate", cast_to=httpx.Response, body=body,
+                options={"headers": {"X-Session-ID": "rollout-across-update"}}))
+            deadline = time.monotonic() + 60
+            while (await asyncio.to_thread(server.admin, "GET", "/policy_step")).json()["requests_in_flight"] == 0:
+                assert not request.done() and time.monotonic() < deadline, "the long request was never seen in flight"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # some tokens sampled by the served step
+            update = await asyncio.to_thread(server.admin, "POST", "/update_weights",
+                                             json={"step": after, "path": str(step)})
+            return update, await request
+        finally:
+            await client.close()
+
+    start = time.monotonic()
+    update, response = asyncio.run(scenario())
+    assert update.status_code == 200 and update.json()["paused_requests"] == 1, update.text
+    choice = response.json()["choices"][0]
+    spans = [(s["version"], s["start"], s["end"]) for s in choice["weight_versions"]]
+    print(f"{max_tokens} tokens in {time.monotonic() - start:.1f} s, spans {spans}")
+    assert len(spans) == 2 and (spans[0][0], spans[1][0]) == (str(before), str(after)), spans
+    assert spans[0][1] == 0 and spans[0][2] == spans[1][1] and spans[1][2] == len(choice["token_ids"]) == max_tokens
+    assert 0 < spans[0][2] < max_tokens
+    recorded = POLICY_VERSIONS.take("rollout-across-update", choice["token_ids"])
+    assert recorded == ((before, 0, spans[0][2]), (after, spans[0][2], max_tokens))
 
 
 def sharded_step(run_dir, step: int, seed: int) -> Path:
