@@ -195,7 +195,9 @@ def run_orchestrator(config: OrchestratorConfig, model_dir) -> list[dict]:
 
 @pytest.mark.parametrize("async_level", [0, 2])
 def test_env_mixing_and_staleness_bound(server, model_dir, tmp_path, async_level):
-    config = orchestrator_config(server, tmp_path / "run", async_level)
+    """async_level 0: step by step, on-policy; 2: continuous dispatch, tokens at most 2 policies old."""
+    bound = {"max_off_policy_steps": async_level} if async_level else {}
+    config = orchestrator_config(server, tmp_path / "run", async_level, **bound)
     metrics = run_orchestrator(config, server.model)
     paths = RunPaths(config.output_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2]
@@ -288,7 +290,8 @@ def test_fill_batch_replaces_dropped_groups_until_the_step_is_full(server, tmp_p
            {"id": "cpu-score", "args": {"score_ms": 0}}]
     max_extra = 16
     advantage = {"drop_zero_variance": True, "fill_batch": True, "max_extra_groups": max_extra}
-    config = orchestrator_config(server, tmp_path / "run", 2, max_steps=2, env=env, advantage=advantage)  # no loads
+    config = orchestrator_config(server, tmp_path / "run", 2, max_steps=2, env=env, advantage=advantage,
+                                 dispatch="step")  # no loads; continuous fill: tests/unit/test_dispatch.py
     metrics = run_orchestrator(config, server.model)
     assert [m["step"] for m in metrics] == [0, 1]
     for m in metrics:

@@ -73,11 +73,10 @@ def test_a_gate_that_is_not_a_range_is_refused():
 def test_the_gate_leaves_the_rollouts_outside_it_out_of_the_batch():
     """The orchestrator's group_samples with a gate: rewards 0, 0, 1, 1 give |A| = 1 each (admitted by [0.5, 1.5]);
     0, 1, 1, 1 give |A| = 1.73 for the 0 (dropped) and 0.58 for the others."""
-    from rl.orchestrator.main import Orchestrator, StepBatch
+    from rl.orchestrator.batch import StepBatch, group_samples
     from rl.envs.rollouts import GroupOutcome, RolloutResult, TokenSegment
 
-    orchestrator = Orchestrator.__new__(Orchestrator)  # group_samples reads only the config
-    orchestrator.config = OrchestratorConfig(advantage={"gate": [0.5, 1.5]}, rollouts_per_example=4)
+    config = OrchestratorConfig(advantage={"gate": [0.5, 1.5]}, rollouts_per_example=4)
 
     def group(rewards):
         segment = TokenSegment([1, 2], [3], [1], [-0.5])
@@ -85,6 +84,6 @@ def test_the_gate_leaves_the_rollouts_outside_it_out_of_the_batch():
         return GroupOutcome(env=type("Env", (), {"name": "e"})(), results=results)
 
     batch = StepBatch([])
-    assert [s.reward for s in orchestrator.group_samples(group([0.0, 0.0, 1.0, 1.0]), batch)] == [0, 0, 1, 1]
-    assert [s.reward for s in orchestrator.group_samples(group([0.0, 1.0, 1.0, 1.0]), batch)] == [1, 1, 1]
+    assert [s.reward for s in group_samples(config, group([0.0, 0.0, 1.0, 1.0]), batch)] == [0, 0, 1, 1]
+    assert [s.reward for s in group_samples(config, group([0.0, 1.0, 1.0, 1.0]), batch)] == [1, 1, 1]
     assert batch.dropped == {"advantage_gate": 1} and batch.dropped_by_env == {"e": 1}

@@ -10,6 +10,7 @@ import pytest
 
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.main import Orchestrator
+from rl.orchestrator.stepwise import StepwiseGroups
 from rl.orchestrator.policy_sync import policy_sync
 from rl.orchestrator.servers import DOWN, ServerBoard
 from rl.envs.rollouts import GroupOutcome
@@ -72,20 +73,20 @@ def test_groups_made_on_a_server_that_changed_meanwhile_are_made_again_on_server
     asyncio.run(o.servers.check())
     remade = []
 
-    async def run_one_group(env, task_index, server, step, g):
+    async def run_one_group(env, task_index, server, number):
         remade.append((task_index, server))
         return GroupOutcome(env, ["remade"], server=server, task_index=task_index)
 
     o.run_one_group = run_one_group
     outcomes = [GroupOutcome(None, ["kept"], server=0, task_index=7), GroupOutcome(None, None, server=1, task_index=8)]
     pool.replies[1] = "http://b:8000 did not answer /policy_step: ConnectError()"  # b went down during the batch
-    outcomes = asyncio.run(o.remake_groups_of_changed_servers(outcomes, 1))
+    outcomes = asyncio.run(StepwiseGroups(o).remake(outcomes, 1))
     assert remade == [(8, 0)]  # task 8 again, on a, the server left
     assert [outcome.results for outcome in outcomes] == [["kept"], ["remade"]]
 
     pool.replies[0] = {"step": 0, "instance": "a2"}  # every round finds a change: after the last, dropped
     o.servers.check = lambda: asyncio.sleep(0, {0})
-    outcomes = asyncio.run(o.remake_groups_of_changed_servers(outcomes, 1))
+    outcomes = asyncio.run(StepwiseGroups(o).remake(outcomes, 1))
     assert [(outcome.results, outcome.error) for outcome in outcomes] == [(None, "ServerChanged")] * 2
 
 

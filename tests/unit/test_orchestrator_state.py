@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from rl.orchestrator.main import to_sample
+from rl.orchestrator.batch import to_sample
 from rl.envs.rollouts import TokenSegment
 from rl.orchestrator.sampler import TaskSampler
 from rl.orchestrator.state import load_state, restore_samplers, save_state
@@ -66,7 +66,7 @@ def segment(mask):
 
 def test_environment_tokens_stay_masked_and_masked_rollouts_train_nothing():
     # turn 1 sampled (2 tokens), environment reply (3 tokens), turn 2 sampled (1 token)
-    sample = to_sample(segment([1, 1, 0, 0, 0, 1]), reward=1.0, advantage=0.5, policy_step=2)
+    sample = to_sample(segment([1, 1, 0, 0, 0, 1]), reward=1.0, advantage=0.5, dispatched=2)
     assert sample.loss_mask == [0, 0, 1, 1, 0, 0, 0, 1]
     assert sample.policy_version == 2
     assert to_sample(segment([1, 1, 0, 1]), 1.0, 0.5, 2, trainable=False).loss_mask == [0] * 6
@@ -82,10 +82,13 @@ def test_branches_sharing_a_sampled_node_train_it_once():
         mask = [m for n in nodes for m in n.mask]
         return NS(nodes=list(nodes), token_ids=ids, sampled_mask=mask, logprobs=[-0.1 if m else 0.0 for m in mask])
 
-    prompt = NS(token_ids=[1, 2], mask=[False, False])
-    turn1 = NS(token_ids=[3, 4], mask=[True, True])
-    env_a, turn2a = NS(token_ids=[5], mask=[False]), NS(token_ids=[6], mask=[True])
-    rerender, turn2b = NS(token_ids=[1, 2, 3, 9, 5], mask=[False] * 5), NS(token_ids=[7], mask=[True])
+    def node(ids, mask):
+        return NS(token_ids=ids, mask=mask, loss_weights=None)
+
+    prompt = node([1, 2], [False, False])
+    turn1 = node([3, 4], [True, True])
+    env_a, turn2a = node([5], [False]), node([6], [True])
+    rerender, turn2b = node([1, 2, 3, 9, 5], [False] * 5), node([7], [True])
     # branch 1: prompt, turn 1, env reply, turn 2;  branch 2 shares prompt and turn 1, then forks
     segments = to_segments(0, [branch(prompt, turn1, env_a, turn2a), branch(prompt, turn1, rerender, turn2b)])
     assert [s.completion_mask for s in segments] == [[1, 1, 0, 1], [1]]

@@ -1,8 +1,142 @@
-"""Assemble one trainer step's batch: samples from groups, balanced across trainer ranks by tokens."""
+"""Assemble one trainer step's batch: samples from finished groups (advantages, gates, the policy version of every
+sampled token), what was dropped and why, and the samples balanced across trainer ranks by tokens."""
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
+
+from rl.envs.rollouts import GroupOutcome, RolloutResult, TokenSegment
+from rl.orchestrator.advantage import admitted, group_advantages
+from rl.orchestrator.config import OrchestratorConfig
 from rl.protocol import Sample
+
+
+@dataclass
+class StepBatch:
+    samples: list[Sample]
+    kept: dict[str, list[RolloutResult]] = field(default_factory=dict)  # scored results by env name
+    dropped: Counter = field(default_factory=Counter)  # rollouts (samples, once split) dropped, by reason
+    dropped_by_env: Counter = field(default_factory=Counter)  # the same, by env name
+    dropped_groups: Counter = field(default_factory=Counter)  # groups left out whole, by env name
+    served_at_finish: list[int] = field(default_factory=list)  # per sample: the policy served when its group ended
+
+    def drop(self, reason: str, env: str, count: int) -> None:
+        self.dropped[reason] += count
+        self.dropped_by_env[env] += count
+
+    def drop_group(self, reason: str, env: str, count: int) -> None:
+        self.drop(reason, env, count)
+        self.dropped_groups[env] += 1
+
+
+def build_batch(config: OrchestratorConfig, outcomes: list[GroupOutcome], served_at_finish: list[int],
+                groups_wanted: int) -> StepBatch:
+    """The step's samples, group by group in order; with fill_batch, at most `groups_wanted` groups (a fill round
+    that overshot leaves its last trainable groups out, as `batch_full`). `served_at_finish`: per group, the oldest
+    policy the servers served when it ended."""
+    batch, groups, n = StepBatch([]), 0, config.rollouts_per_example
+    for outcome, served in zip(outcomes, served_at_finish, strict=True):
+        if outcome.results is None:
+            batch.drop_group(f"group_failed:{outcome.error}", outcome.env.name, n)
+            continue
+        if config.advantage.fill_batch and groups == groups_wanted:
+            batch.drop_group("batch_full", outcome.env.name, n)
+            continue
+        batch.kept.setdefault(outcome.env.name, []).extend(outcome.results)
+        samples = group_samples(config, outcome, batch)
+        groups += bool(samples)
+        batch.samples.extend(samples)
+        batch.served_at_finish.extend([served] * len(samples))
+    if not batch.samples:
+        raise RuntimeError(f"no rollout of the step is trainable ({dict(batch.dropped)}){failures(outcomes)}")
+    keep = len(batch.samples) - len(batch.samples) % config.trainer_world_size
+    batch.dropped["uneven_for_ranks"] += len(batch.samples) - keep
+    batch.samples, batch.served_at_finish = batch.samples[:keep], batch.served_at_finish[:keep]
+    return batch
+
+
+def group_samples(config: OrchestratorConfig, outcome: GroupOutcome, batch: StepBatch) -> list[Sample]:
+    results, env = outcome.results, outcome.env.name
+    computed = group_advantages(config.advantage, [r.reward for r in results], [r.is_truncated for r in results])
+    if computed is None:
+        batch.drop_group("zero_variance_group", env, len(results))
+        return []
+    samples = []
+    for result, advantage, trainable in zip(results, *computed):
+        if not admitted(config.advantage, advantage):
+            batch.drop("advantage_gate", env, len(result.segments))
+            continue
+        for segment in result.segments:
+            if len(segment.prompt_ids) + len(segment.completion_ids) > config.seq_len:
+                batch.drop("longer_than_seq_len", env, 1)
+                continue
+            samples.append(to_sample(segment, result.reward, advantage, outcome.policy_step, trainable))
+    return samples
+
+
+def sampled_versions(segment: TokenSegment, dispatched: int) -> list[int]:
+    """The policy version of each sampled token of the segment, as its server labelled it; a token without a label
+    takes the policy served when its group was dispatched, which is never newer than the real one."""
+    labels = segment.completion_versions or [None] * len(segment.completion_ids)
+    return [dispatched if label is None else label for label, sampled in zip(labels, segment.completion_mask)
+            if sampled]
+
+
+def group_oldest_version(outcome: GroupOutcome) -> int:
+    """The oldest policy among a finished group's sampled tokens (the dispatch policy where it has none)."""
+    versions = [v for result in outcome.results or () for segment in result.segments
+                for v in sampled_versions(segment, outcome.policy_step)]
+    return min(versions, default=outcome.policy_step)
+
+
+def to_sample(
+    segment: TokenSegment, reward: float, advantage: float, dispatched: int, trainable: bool = True
+) -> Sample:
+    """Prompt tokens and environment tokens are masked; an untrainable (masked) rollout has no loss tokens. Every
+    token carries a policy version: a sampled one the version that sampled it, the others the sample's oldest
+    (`policy_version`)."""
+    prompt = len(segment.prompt_ids)
+    mask = segment.completion_mask if trainable else [0] * len(segment.completion_mask)
+    sampled = iter(sampled_versions(segment, dispatched))
+    oldest = min(sampled_versions(segment, dispatched), default=dispatched)
+    versions = [next(sampled) if m else oldest for m in segment.completion_mask]
+    return Sample(
+        input_ids=segment.prompt_ids + segment.completion_ids,
+        loss_mask=[0] * prompt + mask,
+        logprobs=[0.0] * prompt + segment.completion_logprobs,
+        advantage=advantage,
+        reward=reward,
+        policy_version=oldest,
+        token_versions=[oldest] * prompt + versions,
+    )
+
+
+def off_policy_stats(step: int, batch: StepBatch) -> dict:
+    """How old the trained tokens are at `step` (mean over loss tokens, max), and each sample's age split into the
+    part gained in flight (its oldest token to the policy served when its group ended) and the part gained waiting
+    for this batch (from then to `step`), averaged over samples."""
+    ages, in_flight, in_queue = [], [], []
+    for sample, served in zip(batch.samples, batch.served_at_finish):
+        ages.extend(step - v for v, m in zip(sample.token_versions, sample.loss_mask) if m)
+        flight = max(0, served - sample.policy_version)
+        in_flight.append(flight)
+        in_queue.append(step - sample.policy_version - flight)
+    count = max(len(batch.samples), 1)
+    return {"off_policy/mean": sum(ages) / max(len(ages), 1), "off_policy/max": max(ages, default=0),
+            "off_policy/in_flight": sum(in_flight) / count, "off_policy/in_queue": sum(in_queue) / count}
+
+
+def failures(outcomes: list[GroupOutcome]) -> str:
+    """Per environment with failed groups: how its seats run, how many groups failed, and the first error."""
+    lines = []
+    for env in {id(o.env): o.env for o in outcomes if o.results is None}.values():
+        failed = [o for o in outcomes if o.env is env and o.results is None]
+        total = sum(o.env is env for o in outcomes)
+        first = failed[0]
+        lines.append(f"\n  {env.describe()}\n    {len(failed)} of {total} groups failed, "
+                     f"first: {first.error}: {first.message}")
+    return "".join(lines)
 
 
 def balance_by_tokens(samples: list[Sample], ranks: int) -> list[list[Sample]]:

@@ -204,8 +204,21 @@ class OrchestratorConfig(Settings):
     ] = Path("outputs/run")
     max_steps: Annotated[int, Field(ge=1, description="write batches for steps 0 .. max_steps - 1")] = 10
     async_level: Annotated[
-        int, Field(ge=0, description="batch k uses policies v_j with j >= k - async_level (0 = on-policy)")
+        int, Field(ge=0, description="batch k is written once the servers serve policy k - async_level or newer: "
+                                     "how far the orchestrator runs ahead of the trainer (0 = on-policy)")
     ] = 1
+    dispatch: Annotated[
+        Literal["continuous", "step"] | None,
+        Field(description="continuous: rollouts run across steps and weights change under them (a batch is made of "
+                          "the groups that finished; tokens age at most max_off_policy_steps); step: each step's "
+                          "groups start together and the batch waits for the slowest (strictly on-policy with "
+                          "async_level 0); unset: continuous, or step with async_level 0"),
+    ] = None
+    max_off_policy_steps: Annotated[
+        int, Field(ge=1, description="continuous dispatch: no trained token was sampled more than this many policies "
+                                     "before the step that trains it; older groups are cancelled or dropped "
+                                     "(off_policy/dropped)")
+    ] = 8
     seq_len: Annotated[int, Field(ge=16, description="longest sample (prompt + completion) in tokens")] = 2048
     env: Annotated[list[EnvConfig], Field(min_length=1, description="environments ([[env]] tables)")] = [
         EnvConfig(id="reverse-text")
@@ -261,11 +274,24 @@ class OrchestratorConfig(Settings):
                 f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_example "
                 f"({self.rollouts_per_example})"
             )
+        if self.dispatch == "continuous" and self.async_level == 0:
+            raise ValueError("dispatch = 'continuous' with async_level = 0: on-policy batches leave nothing to run "
+                             "across steps (every group in flight at an update would be dropped); set "
+                             "async_level >= 1 or dispatch = 'step'")
+        if self.continuous and self.max_off_policy_steps < self.async_level:
+            raise ValueError(f"max_off_policy_steps ({self.max_off_policy_steps}) < async_level ({self.async_level}): "
+                             "a batch may be written while the servers serve a policy async_level steps old, so "
+                             f"every token would be too old; set max_off_policy_steps >= {self.async_level}")
         if self.batch_size % self.trainer_world_size:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of trainer_world_size ({self.trainer_world_size})"
             )
         return self
+
+    @property
+    def continuous(self) -> bool:
+        """Whether groups run across steps (`dispatch`, by default whenever the orchestrator may run ahead)."""
+        return self.dispatch == "continuous" or (self.dispatch is None and self.async_level > 0)
 
     @property
     def rollouts_in_flight(self) -> int:

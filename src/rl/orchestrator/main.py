@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 from rl.config import ConfigError, run_cli, url_without_password
 from rl.metrics import PER_REQUEST_LOGGERS, MetricsLogger, setup_logging
-from rl.orchestrator.advantage import admitted, group_advantages
-from rl.orchestrator.batch import balance_by_tokens
+from rl.orchestrator.advantage import group_advantages
+from rl.orchestrator.batch import StepBatch, balance_by_tokens, build_batch, group_oldest_version, off_policy_stats
 from rl.orchestrator.config import OrchestratorConfig
 from rl.envs.loading import (
     Environment, EnvLoadError, load_environments, serving, start_env_servers, stop_env_servers,
@@ -20,49 +18,23 @@ from rl.envs.loading import (
 from rl.renderer import chat_renderer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.eval import eval_due, evaluate, to_sampling
-from rl.orchestrator.fill import Filled, fill_batch
+from rl.orchestrator.dispatch import Dispatcher
 from rl.orchestrator.inference_pool import InferencePool
 from rl.orchestrator.policy_sync import policy_sync
-from rl.envs.rollouts import GroupOutcome, InferenceClient, RolloutResult, TokenSegment, run_group_retried
+from rl.envs.rollouts import GroupOutcome, InferenceClient, run_group_retried
 from rl.envs.worker import apply_patches, tune_gc_for_serving
 from rl.orchestrator.sampler import DifficultyPools, make_sampler
 from rl.envs.slots import RolloutSlots
 from rl.orchestrator.servers import ServerBoard
-from rl.orchestrator.state import load_state, restore_samplers, save_state
+from rl.orchestrator.state import load_state, pending_groups, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
 from rl.orchestrator.teacher import Teacher, TeacherError
-from rl.protocol import RunPaths, Sample, write_batch
+from rl.orchestrator.stepwise import Collected, StepwiseGroups, groups_per_env
+from rl.protocol import RunPaths, write_batch
 from rl.process import set_up_process
 
-REMAKE_ROUNDS = 3  # a batch's groups made again after servers changed under them
-LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "dropped", "tokens_per_s", "gen_s", "wait_s")
-
-
-def groups_per_env(total: int, ratios: list[float]) -> list[int]:
-    """Split `total` groups by ratio, largest remainders first, so the counts always add up."""
-    exact = [total * r / sum(ratios) for r in ratios]
-    counts = [int(x) for x in exact]
-    by_remainder = sorted(range(len(ratios)), key=lambda i: exact[i] - counts[i], reverse=True)
-    for i in by_remainder[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
-
-
-@dataclass
-class StepBatch:
-    samples: list[Sample]
-    kept: dict[str, list[RolloutResult]] = field(default_factory=dict)  # scored results by env name
-    dropped: Counter = field(default_factory=Counter)  # rollouts (samples, once split) dropped, by reason
-    dropped_by_env: Counter = field(default_factory=Counter)  # the same, by env name
-    dropped_groups: Counter = field(default_factory=Counter)  # groups left out whole, by env name
-
-    def drop(self, reason: str, env: str, count: int) -> None:
-        self.dropped[reason] += count
-        self.dropped_by_env[env] += count
-
-    def drop_group(self, reason: str, env: str, count: int) -> None:
-        self.drop(reason, env, count)
-        self.dropped_groups[env] += 1
+LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "off_policy/max", "dropped", "tokens_per_s",
+             "rollouts_in_flight", "time/wait_for_policy")
 
 
 class Orchestrator:
@@ -87,19 +59,50 @@ class Orchestrator:
         self.servers = ServerBoard(self.pool, config.client, logger)
         self.sync = policy_sync(config, self.pool, self.servers, logger)  # files or offers, chosen once
         self.unlogged_served: list[dict] | None = None  # the step-0 adapter's load, logged with batch 0
-        self.start_step = 0
+        self.start_step, pending = 0, []
         if config.resume_step is not None:
-            self.restore(config.resume_step)
+            pending = self.restore(config.resume_step)
+        self.groups = self.group_source(pending)
         self.metrics = MetricsLogger("orchestrator", self.paths, config.wandb, config, logger)
         self.tokenizer = None
         self.teacher = Teacher(config.teacher) if config.teacher is not None else None
+        self.last_batch_at: float | None = None
 
-    def restore(self, step: int) -> None:
-        """Continue after batch step - 1: samplers where they were; inference catches up in run()."""
+    def restore(self, step: int) -> list[tuple[int, int]]:
+        """Continue after batch step - 1: samplers where they were; inference catches up in run(). The groups that
+        were in flight or waiting then (environment, task), to run first."""
         state = load_state(self.paths, step)
         self.samplers = restore_samplers(state, self.samplers, [spec.sampler for spec in self.config.env])
         self.start_step = step
-        self.logger.info(f"resuming at step {step}: samplers {[s.state_dict() for s in self.samplers]}")
+        pending = pending_groups(state, self.samplers)
+        self.logger.info(f"resuming at step {step}: samplers {[s.state_dict() for s in self.samplers]}"
+                         + (f", {len(pending)} groups not yet trained run first" if pending else ""))
+        return pending
+
+    def group_source(self, pending: list[tuple[int, int]]) -> Dispatcher | StepwiseGroups:
+        """Where each step's groups come from: the continuous dispatcher, or step by step (config.dispatch)."""
+        if not self.config.continuous:
+            if pending:
+                raise ConfigError(f"the checkpoint holds {len(pending)} groups of continuous dispatch not yet trained; "
+                                 "resume with dispatch = 'continuous', as the run was made")
+            return StepwiseGroups(self)
+        n = self.config.rollouts_per_example
+
+        async def start(env: int, task: int, server: int, number: int) -> GroupOutcome:
+            outcome = await self.run_one_group(self.envs[env], task, server, number)
+            self.observe([outcome])
+            return outcome
+
+        return Dispatcher(
+            capacity=self.config.rollouts_in_flight // n, shares=self.shares,
+            draw=lambda env: self.samplers[env].draw(1)[0], start=start,
+            served=lambda: self.servers.policy_step, servers=lambda: self.servers.usable,
+            oldest=group_oldest_version, pending=pending)
+
+    @property
+    def shares(self) -> list[int]:
+        """Each environment's groups in a step's batch."""
+        return groups_per_env(self.groups_per_step, [e.ratio for e in self.config.env])
 
     async def run(self) -> None:
         shown = [url_without_password(url) for url in self.config.client.base_urls]
@@ -115,8 +118,11 @@ class Orchestrator:
             async with serving(self.envs + self.eval_envs):
                 tune_gc_for_serving()
                 self.unlogged_served = await self.sync.start(resumed=self.start_step > 0)
-                for step in range(self.start_step, self.config.max_steps):
-                    await self.step(step)
+                try:
+                    for step in range(self.start_step, self.config.max_steps):
+                        await self.step(step)
+                finally:
+                    await self.groups.close()
                 await self.sync.finish()
         finally:
             stop_env_servers(self.envs + self.eval_envs)
@@ -127,33 +133,36 @@ class Orchestrator:
 
     async def step(self, step: int) -> None:
         wait_start = time.perf_counter()
-        await self.servers.check()
+        self.groups.servers_changed(await self.servers.check())
         served = await self.sync.ensure(step) or self.unlogged_served
         self.unlogged_served = None
         gen_start, cpu_start = time.perf_counter(), time.process_time()
-        outcomes = await self.generate(step, self.groups_per_step)
-        outcomes = await self.remake_groups_of_changed_servers(outcomes, step)
-        filled = await self.fill(outcomes, step)
-        outcomes = filled.outcomes
+        collected = await self.collect(step)
+        outcomes = collected.outcomes
         gen_time = time.perf_counter() - gen_start
-        self.observe(outcomes)
-        batch = self.build_batch(outcomes)
+        batch = build_batch(self.config, outcomes, collected.served_at_finish, self.groups_per_step)
         teacher_start = time.perf_counter()
         if self.teacher is not None:
             batch.samples = await self.teacher.score(batch.samples)
         teacher_time = time.perf_counter() - teacher_start
         write_batch(self.paths, step, balance_by_tokens(batch.samples, self.config.trainer_world_size))
+        written, since = time.perf_counter(), self.last_batch_at or wait_start
+        self.last_batch_at = written
         rollouts = sum(self.config.rollouts_per_example * (1 + o.retries) for o in outcomes)
-        stats = self.step_stats(batch, outcomes) | self.fill_stats(filled) | self.curriculum_stats() | {
-            "orchestrator/cpu_ms_per_rollout": 1000 * (time.process_time() - cpu_start) / rollouts,
+        stats = self.step_stats(batch, outcomes) | collected.stats | self.curriculum_stats() | {
+            "orchestrator/cpu_ms_per_rollout": 1000 * (time.process_time() - cpu_start) / max(rollouts, 1),
             **{f"env/{env.name}/workers": env.runner.workers for env in self.envs if env.runner.workers is not None},
             "policy_step": self.servers.policy_step,
             "staleness": step - min(s.policy_version for s in batch.samples),
+            **off_policy_stats(step, batch),
             "gen_s": gen_time,
-            "wait_s": gen_start - wait_start,
+            "time/wait_for_policy": gen_start - wait_start,
+            "time/step": written - since,
             **({"teacher_s": teacher_time} if self.teacher is not None else {}),
         }
-        stats["tokens_per_s"] = stats["completion_tokens"] / gen_time
+        # tokens of the batch per second of the step: in continuous dispatch generation also runs while the
+        # orchestrator waits for a policy, so the step's whole time is the denominator there
+        stats["tokens_per_s"] = stats["completion_tokens"] / (written - since if self.config.continuous else gen_time)
         if served:
             stats["served_checksums"] = [s.get("weights_checksum") for s in served]
         if eval_due(self.config.eval, step, self.config.max_steps):
@@ -162,59 +171,39 @@ class Orchestrator:
         self.log_samples(step, batch)
         # after the log: a resume from step + 1 never logs this step again
         if self.config.ckpt.due(step + 1, self.config.max_steps):
-            save_state(self.paths, step + 1, self.servers.policy_step, self.samplers, self.config.ckpt.keep)
+            save_state(self.paths, step + 1, self.servers.policy_step, self.samplers, self.config.ckpt.keep,
+                       self.groups.pending())
 
-    async def remake_groups_of_changed_servers(self, outcomes: list[GroupOutcome], step: int) -> list[GroupOutcome]:
-        """Groups generated on a server that restarted or stopped answering meanwhile may come from other weights than
-        the policy they are labelled with, or have failed for it: made again on the servers up to date, up to
-        REMAKE_ROUNDS times (each waits for a server to answer), then dropped."""
-        for _ in range(REMAKE_ROUNDS):
-            changed = await self.servers.check()
-            redo = [g for g, outcome in enumerate(outcomes) if outcome.server in changed]
-            if not redo:
-                return outcomes
-            self.logger.warning(f"batch {step}: {len(redo)} groups of servers {sorted(changed)} are made again")
-            await self.sync.ensure(step)
-            remade = await asyncio.gather(*(self.run_one_group(outcomes[g].env, outcomes[g].task_index,
-                                                               self.server_of(g), step, g) for g in redo))
-            for g, outcome in zip(redo, remade):
-                outcomes[g] = outcome
-        changed = await self.servers.check()
-        for outcome in outcomes:
-            if outcome.server in changed:
-                outcome.results, outcome.error = None, "ServerChanged"
-                outcome.message = f"server {outcome.server} restarted or stopped answering while batch {step} was made"
-        return outcomes
+    async def collect(self, step: int) -> Collected:
+        """The step's groups: step by step, or from the continuous dispatcher, where groups too old for this step
+        are cancelled (in flight) or dropped (finished) first."""
+        if isinstance(self.groups, StepwiseGroups):
+            return await self.groups.collect(step)
+        dispatcher, n = self.groups, self.config.rollouts_per_example
+        oldest_allowed = step - self.config.max_off_policy_steps
+        cancelled = dispatcher.cancel_older_than(oldest_allowed)
+        dispatcher.top_up()
+        fill = self.config.advantage.fill_batch
+        taken = await dispatcher.take(oldest_allowed, self.trainable if fill else None,
+                                      self.config.advantage.max_extra_groups or self.groups_per_step)
+        if taken.short:
+            self.logger.warning(f"batch {step}: {taken.short} of {self.groups_per_step} groups short after "
+                                f"{taken.extra} extra groups (advantage.max_extra_groups); the step trains on what "
+                                "it has")
+        if cancelled or taken.too_old:
+            self.logger.info(f"batch {step}: {cancelled} groups in flight cancelled and {taken.too_old} finished "
+                             f"dropped, older than max_off_policy_steps = {self.config.max_off_policy_steps}")
+        stats = {"off_policy/dropped": (cancelled + taken.too_old) * n,
+                 "rollouts_in_flight": len(dispatcher.running) * n, "rollouts_waiting": dispatcher.rollouts_waiting,
+                 "time/wait_for_rollouts": taken.waited_s}
+        if fill:
+            stats |= {"fill/extra_groups": taken.extra, "fill/short_groups": taken.short}
+        groups = taken.groups
+        return Collected([g.outcome for g in groups], [g.newest_served for g in groups], stats, taken.short)
 
     @property
     def groups_per_step(self) -> int:
         return self.config.batch_size // self.config.rollouts_per_example
-
-    async def generate(self, step: int, count: int, first: int = 0) -> list[GroupOutcome]:
-        """Run `count` groups, split between the environments by ratio; `first` numbers the first of them in the
-        step (its server and seed)."""
-        counts = groups_per_env(count, [e.ratio for e in self.config.env])
-        drawn = [(env, task) for env, sampler, n in zip(self.envs, self.samplers, counts) for task in sampler.draw(n)]
-        return await asyncio.gather(*(self.run_one_group(env, task, self.server_of(g), step, g)
-                                      for g, (env, task) in enumerate(drawn, start=first)))
-
-    async def fill(self, outcomes: list[GroupOutcome], step: int) -> Filled[GroupOutcome]:
-        """With advantage.fill_batch, more groups until the step has its groups' worth of trainable ones
-        (rl/orchestrator/fill.py); otherwise the outcomes as they are."""
-        advantage = self.config.advantage
-        if not advantage.fill_batch:
-            return Filled(outcomes)
-
-        async def run_more(count: int, outcomes: list[GroupOutcome]) -> list[GroupOutcome]:
-            extra = await self.generate(step, count, first=len(outcomes))
-            return await self.remake_groups_of_changed_servers(outcomes + extra, step)
-
-        wanted = self.groups_per_step
-        filled = await fill_batch(outcomes, wanted, advantage.max_extra_groups or wanted, self.trainable, run_more)
-        if filled.short:
-            self.logger.warning(f"batch {step}: {filled.short} of {wanted} groups short after {filled.extra_groups} "
-                                f"extra groups (advantage.max_extra_groups); the step trains on what it has")
-        return filled
 
     def observe(self, outcomes: list[GroupOutcome]) -> None:
         """Each group's mean reward to its environment's sampler (a curriculum pools tasks by it), in draw order."""
@@ -233,22 +222,16 @@ class Orchestrator:
         return results is not None and group_advantages(
             self.config.advantage, [r.reward for r in results], [r.is_truncated for r in results]) is not None
 
-    def fill_stats(self, filled: Filled[GroupOutcome]) -> dict:
-        if not self.config.advantage.fill_batch:
-            return {}
-        extra = Counter(o.env.name for o in filled.outcomes[self.groups_per_step:])
-        return {"fill/extra_groups": filled.extra_groups, "fill/rounds": filled.rounds,
-                "fill/short_groups": filled.short, **{f"extra_groups/{env.name}": extra[env.name] for env in self.envs}}
-
     def server_of(self, group: int) -> int:
         """The server a batch's group runs on: the usable ones in turn."""
         return self.servers.usable[group % len(self.servers.usable)]
 
-    async def run_one_group(self, env: Environment, task_index: int, server: int, step: int, g: int) -> GroupOutcome:
-        """Run the group; retry it up to rollout.max_retries times, then drop it with its error counted."""
+    async def run_one_group(self, env: Environment, task_index: int, server: int, number: int) -> GroupOutcome:
+        """Run the run's group `number` (its rollouts' seeds follow from it); retry it up to rollout.max_retries
+        times, then drop it with its error counted."""
         s = self.config.sampling
         n = self.config.rollouts_per_example
-        seed = None if s.seed is None else s.seed + (step * self.config.batch_size) + g * n
+        seed = None if s.seed is None else s.seed + number * n
         policy_step = self.servers.policy_step
         rollout = self.config.rollout
         outcome = await run_group_retried(
@@ -257,48 +240,6 @@ class Orchestrator:
         )
         outcome.policy_step, outcome.server, outcome.task_index = policy_step, server, task_index
         return outcome
-
-    def build_batch(self, outcomes: list[GroupOutcome]) -> StepBatch:
-        """The step's samples, group by group in draw order; with fill_batch, at most the batch's groups (a fill
-        round that overshot leaves its last trainable groups out, as `batch_full`)."""
-        batch, groups, n = StepBatch([]), 0, self.config.rollouts_per_example
-        for outcome in outcomes:
-            if outcome.results is None:
-                batch.drop_group(f"group_failed:{outcome.error}", outcome.env.name, n)
-                continue
-            if self.config.advantage.fill_batch and groups == self.groups_per_step:
-                batch.drop_group("batch_full", outcome.env.name, n)
-                continue
-            batch.kept.setdefault(outcome.env.name, []).extend(outcome.results)
-            samples = self.group_samples(outcome, batch)
-            groups += bool(samples)
-            batch.samples.extend(samples)
-        if not batch.samples:
-            raise RuntimeError(f"no rollout of the step is trainable ({dict(batch.dropped)}){failures(outcomes)}")
-        keep = len(batch.samples) - len(batch.samples) % self.config.trainer_world_size
-        batch.dropped["uneven_for_ranks"] += len(batch.samples) - keep
-        batch.samples = batch.samples[:keep]
-        return batch
-
-    def group_samples(self, outcome: GroupOutcome, batch: StepBatch) -> list[Sample]:
-        results, env = outcome.results, outcome.env.name
-        computed = group_advantages(
-            self.config.advantage, [r.reward for r in results], [r.is_truncated for r in results]
-        )
-        if computed is None:
-            batch.drop_group("zero_variance_group", env, len(results))
-            return []
-        samples = []
-        for result, advantage, trainable in zip(results, *computed):
-            if not admitted(self.config.advantage, advantage):
-                batch.drop("advantage_gate", env, len(result.segments))
-                continue
-            for segment in result.segments:
-                if len(segment.prompt_ids) + len(segment.completion_ids) > self.config.seq_len:
-                    batch.drop("longer_than_seq_len", env, 1)
-                    continue
-                samples.append(to_sample(segment, result.reward, advantage, outcome.policy_step, trainable))
-        return samples
 
     def step_stats(self, batch: StepBatch, outcomes: list[GroupOutcome]) -> dict:
         return rollout_stats(batch.kept) | {
@@ -339,34 +280,6 @@ class Orchestrator:
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.config.model.name)
         return self.tokenizer
-
-
-def failures(outcomes: list[GroupOutcome]) -> str:
-    """Per environment with failed groups: how its seats run, how many groups failed, and the first error."""
-    lines = []
-    for env in {id(o.env): o.env for o in outcomes if o.results is None}.values():
-        failed = [o for o in outcomes if o.env is env and o.results is None]
-        total = sum(o.env is env for o in outcomes)
-        first = failed[0]
-        lines.append(f"\n  {env.describe()}\n    {len(failed)} of {total} groups failed, "
-                     f"first: {first.error}: {first.message}")
-    return "".join(lines)
-
-
-def to_sample(
-    segment: TokenSegment, reward: float, advantage: float, policy_step: int, trainable: bool = True
-) -> Sample:
-    """Prompt tokens and environment tokens are masked; an untrainable (masked) rollout has no loss tokens."""
-    prompt = len(segment.prompt_ids)
-    mask = segment.completion_mask if trainable else [0] * len(segment.completion_mask)
-    return Sample(
-        input_ids=segment.prompt_ids + segment.completion_ids,
-        loss_mask=[0] * prompt + mask,
-        logprobs=[0.0] * prompt + segment.completion_logprobs,
-        advantage=advantage,
-        reward=reward,
-        policy_version=policy_step,
-    )
 
 
 def main() -> None:

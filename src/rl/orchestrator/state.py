@@ -1,5 +1,6 @@
 """The orchestrator's resume state: checkpoints/step_k/orchestrator/state.json holds the step, the
-policy step and each environment's sampler position after batch k - 1 was written."""
+policy step, each environment's sampler position after batch k - 1 was written, and (continuous dispatch) the
+groups drawn but not yet in a batch then, as [environment, task] pairs: a resume runs them first."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from rl.orchestrator.sampler import Sampler, restored_sampler
 from rl.protocol import STABLE, RunPaths, atomic_write_text, is_stable, mark_stable, verify_stable
 
 
-def save_state(paths: RunPaths, step: int, policy_step: int, samplers: list[Sampler], keep: int) -> None:
+def save_state(paths: RunPaths, step: int, policy_step: int, samplers: list[Sampler], keep: int,
+               pending: list[tuple[int, int]] = ()) -> None:
     """Write the state a resume at `step` needs, then drop orchestrator states beyond the last `keep`."""
-    state = {"step": step, "policy_step": policy_step, "samplers": [s.state_dict() for s in samplers]}
+    state = {"step": step, "policy_step": policy_step, "samplers": [s.state_dict() for s in samplers],
+             "pending": [list(group) for group in pending]}
     directory = paths.checkpoint(step) / "orchestrator"
     atomic_write_text(directory / "state.json", json.dumps(state, indent=1) + "\n")
     mark_stable(directory, step=step)
@@ -46,3 +49,14 @@ def restore_samplers(state: dict, samplers: list[Sampler], configs: list | None 
             )
         restored.append(restored_sampler(config, was))
     return restored
+
+
+def pending_groups(state: dict, samplers: list[Sampler]) -> list[tuple[int, int]]:
+    """The saved groups not yet trained, as (environment, task); each must name a task the config has."""
+    pending = []
+    for entry in state.get("pending", []):
+        if not (isinstance(entry, list) and len(entry) == 2 and all(type(x) is int for x in entry)
+                and 0 <= entry[0] < len(samplers) and 0 <= entry[1] < samplers[entry[0]].num_tasks):
+            raise ValueError(f"the saved state's pending group {entry!r} names no task of the configured environments")
+        pending.append((entry[0], entry[1]))
+    return pending

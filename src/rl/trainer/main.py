@@ -30,6 +30,7 @@ from rl.process import set_up_process
 
 LINE_KEYS = (
     "loss", "reward", "entropy", "clip_frac", "mismatch_kl", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s",
+    "time/wait_for_batch",
     "distill/reverse_kl", "distill/top_k_kl",  # with a teacher: the reverse KL per trained token, the top-k one
     "transfer_s", "transfer_bytes",  # over the wire: how long the step took to send, and how much of it travelled
 )
@@ -84,7 +85,7 @@ def timing_stats(
     reserved = world.peak_reserved_gib()
     peaks = world.all_reduce([world.peak_memory_gib()] + ([reserved] if reserved is not None else []), op="max")
     timing = {
-        "wait_s": wait_s,
+        "time/wait_for_batch": wait_s,  # the orchestrator's side of the same wait: its time/wait_for_policy
         "train_s": train_s,
         "step_time_s": step_s,
         "tokens_per_s": stats["tokens"] / train_s,

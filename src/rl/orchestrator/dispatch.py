@@ -1,0 +1,177 @@
+"""Continuous dispatch (as prime-rl's orchestrator and verl's fully async trainer do): groups of rollouts run across
+steps, weights change under them, and a step's batch is made of groups that have finished.
+
+- In flight: up to `capacity` groups (`rollouts_in_flight` over the group size) at all times: when one finishes, the
+  next starts, so inference never serves the shrinking tail of a step's slowest episode. Dispatch pauses for an
+  environment that has a batch's share of finished groups waiting (more would only age).
+- Which environment: the one furthest below its share of the batch, counting its groups in flight and waiting, so
+  that batches keep the environments' ratios whatever their episodes' lengths.
+- Age: a group's tokens are at least as new as the oldest policy the servers served when it was dispatched. At step
+  k, a group in flight dispatched under a policy older than the bound is cancelled (its requests abort on the
+  server), and a finished one whose oldest token is older is dropped: both are counted (`off_policy/dropped`).
+- Resume: the tasks of the groups in flight or waiting when a checkpoint is saved go into it (`pending`) and run
+  first after a resume; the samplers are already past them, so each task's group is trained once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from rl.envs.rollouts import GroupOutcome
+
+
+@dataclass
+class Running:
+    env: int  # index of the environment
+    task_index: int
+    server: int
+    dispatched: int  # the oldest policy the servers served when it started: its tokens are no older
+    job: asyncio.Task
+
+
+@dataclass
+class Finished:
+    env: int
+    outcome: GroupOutcome
+    oldest: int  # the oldest policy among its sampled tokens
+    newest_served: int  # the oldest policy the servers served when it finished (age gained waiting starts there)
+
+
+@dataclass
+class Taken:
+    """A step's groups, in the order they finished, and what was dropped on the way."""
+
+    groups: list[Finished] = field(default_factory=list)
+    too_old: int = 0  # finished groups dropped for age (their rollouts: too_old * group size)
+    extra: int = 0  # with fill_batch, groups taken beyond the batch's (for those that were not trainable)
+    short: int = 0  # with fill_batch, trainable groups missing when the extra groups ran out
+    waited_s: float = 0.0
+
+
+class Dispatcher:
+    """Owns the groups in flight and the finished ones waiting for a batch.
+
+    `draw(env)` gives the next task of an environment (its sampler), `start(env, task, server, number)` runs a group
+    (retries included) and returns its outcome; `served()` is the oldest policy the usable servers serve and
+    `servers()` those servers; `oldest(outcome)` the oldest policy among a finished group's sampled tokens."""
+
+    def __init__(self, capacity: int, shares: list[int], draw: Callable[[int], int],
+                 start: Callable[[int, int, int, int], Awaitable[GroupOutcome]], served: Callable[[], int],
+                 servers: Callable[[], list[int]], oldest: Callable[[GroupOutcome], int],
+                 pending: list[tuple[int, int]] = ()):
+        self.capacity, self.shares = max(1, capacity), shares
+        self.draw, self.start, self.served, self.servers, self.oldest = draw, start, served, servers, oldest
+        self.again: collections.deque[tuple[int, int]] = collections.deque(pending)  # run before new draws
+        self.running: list[Running] = []
+        self.finished: list[Finished] = []
+        self.arrived = asyncio.Event()
+        self.started = 0  # groups started: numbers each (its seeds) and spreads them over the servers
+        self.closed = False
+
+    def top_up(self) -> None:
+        """Start groups until `capacity` run, the next from the environment furthest below its share."""
+        while not self.closed and len(self.running) < self.capacity and self.servers():
+            if self.again:
+                env, task = self.again.popleft()
+            elif (env := self.neediest()) is None:
+                return
+            else:
+                task = self.draw(env)
+            self.launch(env, task)
+
+    def neediest(self) -> int | None:
+        """The environment with the fewest groups in flight and waiting for its share, among those without a
+        batch's share waiting; None when every one has."""
+        counts = collections.Counter(r.env for r in self.running)
+        waiting = collections.Counter(f.env for f in self.finished)
+        open_envs = [i for i, share in enumerate(self.shares) if share and waiting[i] < share]
+        return min(open_envs, key=lambda i: (counts[i] + waiting[i]) / self.shares[i], default=None)
+
+    def launch(self, env: int, task: int) -> None:
+        servers = self.servers()
+        server, number = servers[self.started % len(servers)], self.started
+        self.started += 1
+        running = Running(env, task, server, self.served(), None)  # type: ignore[arg-type]
+        running.job = asyncio.ensure_future(self.run(running, number))
+        self.running.append(running)
+
+    async def run(self, running: Running, number: int) -> None:
+        outcome = await self.start(running.env, running.task_index, running.server, number)
+        self.running.remove(running)
+        self.finished.append(Finished(running.env, outcome, self.oldest(outcome), self.served()))
+        self.arrived.set()
+        self.top_up()
+
+    def cancel(self, which: Callable[[Running], bool]) -> list[Running]:
+        """Cancel the groups in flight that `which` picks (their requests abort on the servers); them."""
+        cancelled = [r for r in self.running if which(r)]
+        for r in cancelled:
+            r.job.cancel()
+            self.running.remove(r)
+        return cancelled
+
+    def cancel_older_than(self, oldest_allowed: int) -> int:
+        """Cancel the groups in flight whose tokens may be older than `oldest_allowed`; how many."""
+        return len(self.cancel(lambda r: r.dispatched < oldest_allowed))
+
+    def servers_changed(self, servers: set[int]) -> int:
+        """Groups in flight on `servers` (they restarted or stopped answering) are cancelled and their tasks run
+        first, elsewhere; how many."""
+        cancelled = self.cancel(lambda r: r.server in servers)
+        self.again.extendleft((r.env, r.task_index) for r in reversed(cancelled))
+        return len(cancelled)
+
+    async def take(self, oldest_allowed: int, trainable: Callable[[GroupOutcome], bool] | None,
+                   max_extra: int) -> Taken:
+        """Wait for the step's groups, in the order they finished, none with a token older than `oldest_allowed`:
+        each environment's share of them; or with `trainable` (fill_batch) the batch's count of trainable groups
+        from any environment (dispatch keeps the ratios), taking at most `max_extra` groups beyond the batch's (the
+        untrainable ones are dropped when the batch is built)."""
+        taken, start = Taken(), time.perf_counter()
+        wanted = [sum(self.shares)] if trainable else list(self.shares)  # one pool, or one count per environment
+        limit = sum(self.shares) + max_extra if trainable else None
+
+        def room(group: Finished) -> bool:
+            return bool(wanted[0 if trainable else group.env]) and (limit is None or len(taken.groups) < limit)
+
+        while any(wanted) and (limit is None or len(taken.groups) < limit):
+            for group in [g for g in self.finished if room(g)]:
+                if not room(group):
+                    continue
+                self.finished.remove(group)
+                if group.oldest < oldest_allowed:
+                    taken.too_old += 1
+                    continue
+                taken.groups.append(group)
+                if not trainable or trainable(group.outcome):
+                    wanted[0 if trainable else group.env] -= 1
+            if any(wanted) and (limit is None or len(taken.groups) < limit):
+                self.top_up()
+                if not self.running:
+                    raise RuntimeError(f"no group in flight, yet the batch lacks {sum(wanted)} groups")
+                self.arrived.clear()
+                await self.arrived.wait()  # each group in flight ends within rollout.timeout_s per attempt
+        taken.short = sum(wanted)
+        taken.extra = max(0, len(taken.groups) - sum(self.shares))
+        self.top_up()
+        taken.waited_s = time.perf_counter() - start
+        return taken
+
+    def pending(self) -> list[tuple[int, int]]:
+        """(environment, task) of every group not yet in a batch: to run again first after a resume."""
+        return [*self.again, *((r.env, r.task_index) for r in self.running),
+                *((f.env, f.outcome.task_index) for f in self.finished)]
+
+    @property
+    def rollouts_waiting(self) -> int:
+        return sum(len(f.outcome.results or ()) for f in self.finished)
+
+    async def close(self) -> None:
+        self.closed = True
+        jobs = [r.job for r in self.running]
+        self.cancel(lambda r: True)
+        await asyncio.gather(*jobs, return_exceptions=True)
