@@ -88,6 +88,9 @@ def test_episodes_run_in_the_pools_workers_and_come_back_as_token_samples(server
         segment = result.segments[0]
         assert segment.prompt_ids and 1 <= len(segment.completion_ids) <= 12
         assert all(lp <= 0.0 for lp in segment.completion_logprobs)
+        # every sampled token was labelled with the step that sampled it, stamped in the worker, sent with the trace
+        assert [v for v, m in zip(segment.completion_versions, segment.completion_mask) if m] == [0] * sum(
+            segment.completion_mask)
         # each trace crosses the wire once, whole, when its episode ends (rl.patches.send_traces_once)
         assert [delta["trace"] for delta in deltas[i]] == [trace.id for trace in episode.traces]
         assert "open" in deltas[i][0] and len(deltas[i][0]["nodes"]) == len(episode.traces[0].nodes)
