@@ -156,12 +156,12 @@ def test_a_temp_directory_too_deep_for_a_socket_path_keeps_vllms_default(monkeyp
 class FakeWeights:
     """Stands in for PolicyWeights: admit() answers `refusal`; records how many were in flight and the updates."""
 
-    def __init__(self, refusal=None, admin_token="admin-secret", api_keys=("api-secret",)):
+    def __init__(self, refusal=None, admin_token="admin-secret", api_keys=("api-secret",), cache_salt=None):
         from rl.inference.policy import AdminSettings
 
         self.settings = AdminSettings("model", None, admin_token, api_keys)
         self.refusal, self.in_flight, self.seen_in_flight, self.updates = refusal, 0, [], []
-        self.instance = "fake"
+        self.instance, self.cache_salt, self.bodies = "fake", cache_salt, []
 
     async def admit(self):
         return self.refusal
@@ -185,6 +185,12 @@ def call(weights: FakeWeights, path: str, headers: dict | None = None, body: byt
 
     async def vllm_app(scope, receive, send):  # answers 200 "generated", noting the requests in flight
         weights.seen_in_flight.append(weights.in_flight)
+        if weights.cache_salt is not None:  # the body as vLLM reads it, and the length its headers give
+            message, body = {"more_body": True}, b""
+            while message.get("more_body"):
+                message = await receive()
+                body += message.get("body", b"")
+            weights.bodies.append((body, dict(scope["headers"]).get(b"content-length")))
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": b'{"detail": "generated"}'})
 
@@ -537,9 +543,8 @@ def test_an_adapter_loads_in_place_and_requests_get_it_without_load_inplace(tmp_
     calls = len(engine.calls)
     assert run(weights.update(1, step_1))["weights_checksum"] == "sum of step_1"
     loaded = engine.calls[calls:]
-    assert [c for c in loaded if c != "reset_prefix_cache"] == ["rl_read_adapter", ("add_lora", "step_1", True),
-                                                                 "rl_verify_adapter"]
-    assert "reset_prefix_cache" in loaded  # no KV of the previous adapter is reused
+    assert loaded == ["rl_read_adapter", ("add_lora", "step_1", True), "rl_verify_adapter"]  # no cache reset:
+    assert weights.cache_salt == "rl-policy-1"  # requests from now on are salted with the new step instead
     registered = weights.models.lora_requests[LORA]
     assert step_of(registered.lora_path) == "step_1" and not registered.load_inplace
     assert not copy_0.exists()  # the copy of the adapter served before is removed once another verifies
@@ -700,3 +705,30 @@ def test_a_compiling_cpu_server_compiles_into_a_cache_of_its_own_removed_when_it
     monkeypatch.setenv(INDUCTOR_CACHE, "/chosen")
     with cpu_compile_policy(enforce_eager=False):
         assert os.environ[INDUCTOR_CACHE] == "/chosen"  # the user's choice is kept
+
+
+@pytest.mark.parametrize("path", ["/inference/v1/generate", "/v1/chat/completions"])
+def test_generation_requests_are_salted_with_the_served_policy(path):
+    """Each policy's KV is its own (vLLM's cache_salt): the salt is the body's last member, so it replaces one the
+    client sent; the body's length is set again; a body that is no JSON object reaches vLLM as sent."""
+    weights = FakeWeights(cache_salt="rl-policy-3")
+    for body, salted in [(b'{"prompt": [1, 2]}', {"prompt": [1, 2], "cache_salt": "rl-policy-3"}),
+                         (b'{"cache_salt": "mine", "n": 2} \n', {"cache_salt": "rl-policy-3", "n": 2}),
+                         (b"{ }", {"cache_salt": "rl-policy-3"})]:
+        assert call(weights, path, API, body)[0] == 200
+        seen, length = weights.bodies.pop()
+        assert json.loads(seen) == salted and length == str(len(seen)).encode()
+    assert call(weights, path, API, b"[1, 2]")[0] == 200 and weights.bodies.pop()[0] == b"[1, 2]"
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_an_update_resets_the_prefix_cache_only_where_requests_are_not_salted(tmp_path, reset):
+    from rl.inference.policy import AdminSettings, PolicyWeights
+
+    engine = FakeEngine()
+    weights, root = lora_weights(tmp_path, engine)
+    weights = PolicyWeights(engine, AdminSettings(**(vars(weights.settings) | {"salt_per_policy": not reset})),
+                            FakeModels())
+    run(weights.update(1, adapter_step(root, 1)))
+    assert ("reset_prefix_cache" in engine.calls) == reset
+    assert weights.cache_salt == (None if reset else "rl-policy-1")

@@ -3,9 +3,9 @@ name, in vLLM's slot `ADAPTER_ID`, and verified by reading the slot back on ever
 
 from __future__ import annotations
 
-import asyncio
 import time
 
+from rl.inference.reload import prefix_cache_dropped
 from rl.inference.reports import merge_reports
 from rl.manifest import Entry
 
@@ -16,8 +16,8 @@ class AdapterSlot:
     """`engine`: vLLM's engine client; `name`: the served adapter's name; `models`: vLLM's OpenAI model registry,
     where requests find the adapter by name."""
 
-    def __init__(self, engine, name: str, models):
-        self.engine, self.name, self.models = engine, name, models
+    def __init__(self, engine, name: str, models, reset_cache: bool = False):
+        self.engine, self.name, self.models, self.reset_cache = engine, name, models, reset_cache
 
     async def load(self, path: str, step: int, manifest: dict[str, Entry]) -> dict:
         """Serve the adapter at `path`, the server's private copy of a step (rl.inference.staging), in place of the
@@ -36,8 +36,7 @@ class AdapterSlot:
         report = merge_reports(await self.engine.collective_rpc("rl_read_adapter", args=(path, files)))
         if not report["ok"]:
             return report
-        reset = asyncio.create_task(self.engine.reset_prefix_cache(reset_running_requests=True))
-        try:
+        async with prefix_cache_dropped(self.engine, self.reset_cache):  # else the gate salts requests per policy
             start = time.perf_counter()
             try:
                 await self.engine.add_lora(self.request(path, load_inplace=True))
@@ -45,8 +44,6 @@ class AdapterSlot:
                 return report | {"ok": False, "reloaded": True, "mismatched": [f"vLLM's add_lora failed: {error}"]}
             reload_s = time.perf_counter() - start
             verified = merge_reports(await self.engine.collective_rpc("rl_verify_adapter", args=(ADAPTER_ID,)))
-        finally:
-            await reset
         report = report | verified | {"reloaded": True, "reload_s": round(reload_s, 3)}
         if report["ok"]:
             self.register(path)

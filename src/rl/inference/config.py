@@ -150,6 +150,14 @@ class InferenceConfig(Settings):
         TransferConfig, Field(description="how weights arrive; a server takes updates over the wire only with a "
                                           "collective transport (rl fills it from --transfer.*)")
     ] = FilesTransfer()
+    prefix_cache_on_update: Annotated[
+        Literal["salt", "reset"],
+        Field(description="how KV computed under older weights is kept from newer requests: salt (every generation "
+                          "request is salted with the served policy, vLLM's cache_salt: requests in flight keep their "
+                          "KV across an update, as prime-rl's do, and the prefix cache of each policy stays whole); "
+                          "reset (the whole prefix cache is dropped at every update and requests in flight recompute "
+                          "their KV under the new weights)"),
+    ] = "salt"
     log_generation_requests: Annotated[
         bool, Field(description="a line in the server's access log for every answered generation request (one per "
                                 "rollout turn: thousands per step); refused and failed ones, and every other route, "

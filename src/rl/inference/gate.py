@@ -23,6 +23,7 @@ from pydantic import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl import patches
+from rl.inference.bodies import MAX_GENERATION_BODY, read_body, replay, salted, with_length
 from rl.inference.policy import AdminSettings, PolicyWeights
 from rl.inference.strict_json import parse_json
 from rl.weights.offers import HOST_PATTERN, GroupSpec
@@ -188,8 +189,10 @@ class AdminMiddleware:
     before any body is read; bodies are bounded); passes `OPEN_PATHS` through; treats `GENERATION_PATHS`
     as generation: checks vLLM's API key when one is set, holds the request while the weights change, counts
     those in flight (`PolicyWeights.admit`) and refuses them while the weights are broken; refuses every other
-    route (403). Installs `GenerateResponse` as the generate route's response, which adds the token strings
-    verifiers' training client reads (in each process vLLM builds this middleware in: every API server).
+    route (403). Salts every generation request with the served policy (`PolicyWeights.cache_salt`), so that no
+    request reuses KV computed under other weights. Installs `GenerateResponse` as the generate route's response,
+    which adds the token strings verifiers' training client reads (in each process vLLM builds this middleware in:
+    every API server).
     Websockets are refused: nothing of rl uses them.
     """
 
@@ -226,6 +229,13 @@ class AdminMiddleware:
             return await refused(scope, receive, send)
         weights.in_flight += 1  # no await since admit(): an update starting now sees this request
         try:
+            if (salt := weights.cache_salt) is not None:
+                body = await read_body(receive, MAX_GENERATION_BODY)
+                if body is None:
+                    return await refusal(413, f"the request body is over {MAX_GENERATION_BODY} bytes")(
+                        scope, receive, send)
+                body = salted(body, salt)
+                scope, receive = with_length(scope, len(body)), replay(body, receive)
             return await self.app(scope, receive, send)
         finally:
             weights.in_flight -= 1
@@ -300,36 +310,6 @@ def api_key_refusal(scope, settings: AdminSettings) -> JSONResponse | None:
     if settings.api_keys and not bearer_matches(scope, settings.api_keys):
         return refusal(401, "missing or wrong API key", {"WWW-Authenticate": "Bearer"})
     return None
-
-
-async def read_body(receive, limit: int) -> bytes | None:
-    """The whole request body, or None as soon as it passes `limit` bytes (the rest is never read)."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return b"".join(chunks)  # the client went away; the app sees an empty or partial body
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def replay(body: bytes, receive):
-    """A `receive` that gives the body already read, then defers to the connection's own."""
-    sent = False
-
-    async def replayed():
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replayed
 
 
 class GenerateResponse(JSONResponse):

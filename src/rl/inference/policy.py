@@ -53,6 +53,7 @@ class AdminSettings:
     engine: str = "filesystem"  # inference.transfer's registered engine (rl/weights/): all but files take steps
     # over the wire too
     transfer_key: bytes | None = None  # what steps over the wire are sealed with (inference.transfer.secret's key)
+    salt_per_policy: bool = True  # generation requests salted per policy (inference.prefix_cache_on_update)
 
 
 class PolicyWeights:
@@ -66,7 +67,8 @@ class PolicyWeights:
 
     def __init__(self, engine, settings: AdminSettings, models=None):
         self.engine, self.settings, self.models = engine, settings, models
-        self.slot = AdapterSlot(engine, settings.lora_name, models) if settings.lora_name else None
+        reset_cache = not settings.salt_per_policy
+        self.slot = AdapterSlot(engine, settings.lora_name, models, reset_cache) if settings.lora_name else None
         self.step, self.path, self.checksum = 0, str(Path(settings.base_model).resolve()), None
         self.instance = secrets.token_hex(8)  # this server process's: one restarted answers with another
         self.marker: bytes | None = None  # the STABLE marker of the served step directory, as loaded
@@ -82,7 +84,7 @@ class PolicyWeights:
         self.receiver = receiver and receiver.create(engine, settings.transfer_key, settings.lora_name is not None,
                                                      self.generation_held, self._served_over_the_wire)
         self.admission = Admission(engine)  # the generation requests, held while the weights change
-        self.reload = Reload(engine, settings.base_model)
+        self.reload = Reload(engine, settings.base_model, reset_cache)
 
     @property
     def in_flight(self) -> int:
@@ -101,6 +103,12 @@ class PolicyWeights:
             raise HTTPException(503, self.broken)
         served = {"step": self.step, "weights_checksum": self.checksum, "requests_in_flight": self.in_flight}
         return served | ({"adapter": self.adapter} if self.adapter else {})
+
+    @property
+    def cache_salt(self) -> str | None:
+        """What generation requests are salted with (vLLM's `cache_salt`): one per served policy, so that a request
+        never reuses KV another policy computed; None where the prefix cache is reset at each update instead."""
+        return f"rl-policy-{self.step}" if self.settings.salt_per_policy else None
 
     @property
     def adapter(self) -> str | None:

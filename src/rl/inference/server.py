@@ -126,6 +126,7 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
         base_model=model_dir, weights_dir=str(config.weights_dir) if config.weights_dir else None,
         admin_token=config.admin_token, api_keys=api_keys(args), lora_name=config.lora.name if config.lora else None,
         engine=config.transfer.engine, transfer_key=config.transfer.key(),
+        salt_per_policy=config.prefix_cache_on_update == "salt",
     )
     if forks:
         logger.info("vLLM's engine core and workers start by fork on CPU (%s was unset)", patches.START_METHOD_ENV)
