@@ -55,7 +55,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=1024, help="a long episode of the tiny model takes ~700")
     parser.add_argument("--long-every", type=int, default=8, help="task i is long when i %% long_every == 0")
     parser.add_argument("--long-turns", type=int, default=16, help="model turns of a long task (a short one: 1)")
-    parser.add_argument("--max-off-policy-steps", type=int, default=2, help="the continuous side's bound")
+    parser.add_argument("--reply-ms", type=float, default=0.0,
+                        help="wall time of each environment answer (a tool call's, which takes no CPU here)")
+    parser.add_argument("--max-off-policy-steps", type=int, default=8,
+                        help="the continuous side's bound (the config's default; below the length of the long "
+                             "episodes in steps, they are all dropped)")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"sides to run, comma-separated ({','.join(SIDES)})")
     parser.add_argument("--out", type=Path, help="runs' directory (default: a new temporary one)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -78,7 +82,7 @@ def side_flags(args) -> dict[str, list[str]]:
 def rl_command(model: Path, out: Path, args, *extra: str) -> list[str]:
     """One side's run: the quickstart's configs on the long-tail environment, async level 1."""
     env = [{"id": "long-tail", "args": {"num_examples": 256, "long_every": args.long_every,
-                                        "long_turns": args.long_turns}}]
+                                        "long_turns": args.long_turns, "reply_ms": args.reply_ms}}]
     return [sys.executable, "-m", "rl.launcher.main",
             "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
             "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(model),
@@ -157,8 +161,9 @@ def main() -> None:
         print(f"only {', '.join(results)} run: no ratio; runs in {root}")
         return
     staleness = max(r["staleness"] for r in results["continuous"])
+    tools = f", environment answers {args.reply_ms:g} ms" if args.reply_ms else ""
     print(f"continuous {median['continuous'] / median['step']:.2f}x trained samples/s of step-synchronous on a "
-          f"long-tailed env (max_off_policy_steps {args.max_off_policy_steps}, staleness max {staleness})")
+          f"long-tailed env (max_off_policy_steps {args.max_off_policy_steps}, staleness max {staleness}{tools})")
 
 
 if __name__ == "__main__":
