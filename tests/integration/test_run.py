@@ -43,7 +43,7 @@ def test_five_steps_end_to_end_of_a_taskset_only_environment_mixed_with_reverse_
     mixed.write_text(MIXED)
     out = tmp_path / "run"
     run = Launched(rl_command(tiny_model, out, 5, "--inference.tensor-parallel-size", "2",
-                              "--orchestrator", "@", str(mixed)))
+                              "--orchestrator", "@", str(mixed), "--orchestrator.max-off-policy-steps", "2"))
     code = run.wait(timeout=900)
     assert code == 0, run.output[-5000:]
     paths = RunPaths(out)
@@ -57,7 +57,8 @@ def test_five_steps_end_to_end_of_a_taskset_only_environment_mixed_with_reverse_
     served = [m["policy_step"] for m in metrics if m["process"] == "orchestrator"]
     assert all(k - 1 <= v <= k for k, v in enumerate(served)), served
     assert served == sorted(served) and served[-1] >= 3, served
-    assert all(m["staleness"] <= 1 for m in metrics if m["process"] == "orchestrator")
+    # continuous dispatch (the default): no trained token older than max_off_policy_steps (2 here)
+    assert all(m["staleness"] <= 2 and m["off_policy/max"] <= 2 for m in metrics if m["process"] == "orchestrator")
     # every load served exactly the published files: the checksum both workers computed of what they verified
     # (async_level 1 loads a policy only when a batch needs a newer one: 2 to 5 loads, as fast as the trainer is)
     loads = {m["policy_step"]: m["served_checksums"] for m in metrics if "served_checksums" in m}

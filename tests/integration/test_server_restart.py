@@ -76,4 +76,4 @@ def test_a_server_restarted_mid_run_rejoins_at_the_next_offer(tiny_model, tmp_pa
     for log_name in ("inference-1.log", "inference-2.log"):
         assert (tmp_path / log_name).read_text().count("formed the transfer group") == 1, log_name
     orchestrator = [m for m in metrics if m["process"] == "orchestrator"]
-    assert all(m["staleness"] <= 1 for m in orchestrator)
+    assert all(m["staleness"] <= 8 for m in orchestrator)  # continuous dispatch: max_off_policy_steps
