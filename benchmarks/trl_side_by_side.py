@@ -6,8 +6,9 @@ max tokens, learning rate and number of steps. Samples/s is batch size over the 
 the mean time between consecutive step ends after `--warmup-steps` (start-up and compilation excluded).
 
 rl's pipeline efficiency is its steady-state step time over max(generation busy time, training busy
-time), both from the same run's metrics.jsonl: the orchestrator's `gen_s` (rollouts of a batch) and the
-trainer's `step_time_s` (forward/backward/optimizer and weight publication, waiting excluded).
+time), both from the same run's metrics.jsonl: the orchestrator's `gen_s` (rollouts of a batch; under continuous
+dispatch only the wait for the batch's last groups, as generation runs across steps) and the trainer's
+`step_time_s` (forward/backward/optimizer and weight publication, waiting excluded).
 Target <= 1.1: the pipeline adds no stall beyond its slower side.
 
 Single runs on a shared machine swing from 0.5x to 2x, so each model runs `--rounds` rounds, each one run per
@@ -80,6 +81,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--in-process", action="store_true",
                         help="also run each rl side with `[[env]] workers = 0` (episodes in the orchestrator's "
                              "process, no env server), as side rl-async<k>-in-process")
+    parser.add_argument("--step-dispatch", action="store_true",
+                        help="also run each rl side with `--orchestrator.dispatch step` (each step's groups start "
+                             "together and its batch waits for the slowest: rl before continuous rollouts), as side "
+                             "rl-async<k>-step")
     args = parser.parse_args()
     args.async_levels = [int(level) for level in args.async_levels.split(",")]
     if args.steps <= args.warmup_steps + 1:
@@ -137,8 +142,10 @@ def in_process_envs() -> str:
 
 
 def rl_command(model: Path, shape: Shape, args, out: Path, side: str, port: int) -> list[str]:
-    """rl's run of `side` (`rl-async<k>`, `-in-process` where the episodes run in the orchestrator's process)."""
-    async_level, in_process = int(side.removeprefix("rl-async").split("-")[0]), side.endswith("-in-process")
+    """rl's run of `side` (`rl-async<k>`, `-in-process` where the episodes run in the orchestrator's process,
+    `-step` with step-synchronous dispatch)."""
+    async_level, in_process = int(side.removeprefix("rl-async").split("-")[0]), "-in-process" in side
+    step = ["--orchestrator.dispatch", "step"] if side.endswith("-step") else []
     return [
         sys.executable, "-m", "rl.launcher.main",
         "--trainer", "@", str(ROOT / "configs/reverse_text/train.toml"),
@@ -150,7 +157,7 @@ def rl_command(model: Path, shape: Shape, args, out: Path, side: str, port: int)
         "--orchestrator.rollouts-per-example", str(shape.group_size),
         "--orchestrator.sampling.max-tokens", str(shape.max_tokens),
         "--trainer.optim.lr", str(args.lr), "--trainer.optim.warmup-steps", "0",
-    ] + (["--orchestrator.env", in_process_envs()] if in_process else [])
+    ] + (["--orchestrator.env", in_process_envs()] if in_process else []) + step
 
 
 def run_rl(model: Path, shape: Shape, args, out: Path, side: str) -> dict:
@@ -199,8 +206,9 @@ def run_trl(python: Path, model: Path, tasks: Path, shape: Shape, args, out: Pat
 
 def side_names(args) -> list[str]:
     """rl at each async level (and with the episodes in process, where asked), then TRL's sides."""
-    sides = [f"rl-async{level}{where}" for level in args.async_levels
-             for where in ([""] + (["-in-process"] if args.in_process else []))]
+    sides = [f"rl-async{level}{where}{how}" for level in args.async_levels
+             for where in ([""] + (["-in-process"] if args.in_process else []))
+             for how in ([""] + (["-step"] if args.step_dispatch and level > 0 else []))]
     return sides + ["trl-default"] + (["trl-vllm"] if args.trl_vllm else [])
 
 
@@ -256,7 +264,8 @@ def report(name: str, shape: Shape, results: dict[str, list[dict]]) -> None:
         if ratios:
             print(f"  {side} / trl-default: {spread(ratios)} over {len(ratios)} rounds")
             if best is None or statistics.median(ratios) > statistics.median(best[1]):
-                best = (side.removeprefix("rl-async").replace("-in-process", ", episodes in process"), ratios)
+                best = (side.removeprefix("rl-async").replace("-in-process", ", episodes in process")
+                        .replace("-step", ", step-synchronous"), ratios)
     if best is not None:
         level, ratios = best
         print(f"{name}: rl {statistics.median(ratios):.2f}x TRL (async {level}, median of {len(ratios)}, "
