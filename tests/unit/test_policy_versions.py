@@ -210,3 +210,36 @@ def test_a_rollout_through_verifiers_interception_carries_the_versions_of_its_to
     assert segment.completion_ids[-5:] == completion
     sampled = [v for v, m in zip(segment.completion_versions, segment.completion_mask, strict=True) if m]
     assert sampled == [4, 4, 5, 5, 5]
+
+
+def test_a_multi_turn_episode_whose_turns_were_sampled_under_different_versions(tiny_model, monkeypatch):
+    """guess-number, two model turns through verifiers' interception server: the engine serves policy 4 for the
+    first and 5 for the second (an update between the turns, as continuous dispatch makes them); each turn's tokens
+    keep their own version, the environment's reply between them none."""
+    monkeypatch.setenv(API_KEY_VAR, "k1")
+    completion, turns = [72, 101, 108, 108, 111], []  # no number in it: the environment asks again
+
+    def answer(body: dict) -> bytes:
+        turns.append(body)
+        version = str(3 + len(turns))
+        return reply([(completion, spans((version, 0, len(completion))))])
+
+    async def scenario():
+        runner = await generate_engine(answer)
+        renderer, _ = renderer_config("auto", str(tiny_model))
+        client = InferenceClient(f"http://127.0.0.1:{runner.addresses[0][1]}", "m", str(tiny_model), renderer)
+        environment = load_environment(EnvConfig(id="guess-number", args={"num_examples": 2, "max_guesses": 1},
+                                                 workers=0))
+        try:
+            async with environment.serving():
+                return await run_group(environment, 0, 1, client, Sampling(max_tokens=5), timeout_s=60)
+        finally:
+            await runner.cleanup()
+
+    (result,) = asyncio.run(scenario())
+    assert len(turns) == 2 and result.num_turns == 2
+    sampled = [v for segment in result.segments
+               for v, m in zip(segment.completion_versions, segment.completion_mask, strict=True) if m]
+    assert sampled == [4] * 5 + [5] * 5
+    assert all(v is None for segment in result.segments
+               for v, m in zip(segment.completion_versions, segment.completion_mask, strict=True) if not m)
