@@ -19,7 +19,9 @@ def append_metrics(paths, record: dict) -> None:
 
 
 def read_metrics(paths) -> list[dict]:
-    """Every record of `paths.metrics`, in the order written; none before the first."""
+    """Every record of `paths.metrics`, in the order written; none before the first. A last line without its newline
+    is one being written while this reads (a running run's file: `rl report`), left for a later read."""
     if not paths.metrics.exists():
         return []
-    return [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()]
+    text = paths.metrics.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
