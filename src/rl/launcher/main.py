@@ -1,6 +1,7 @@
 """`rl`: resolve the three configs, start inference, orchestrator and trainer, and supervise them.
 
     uv run rl --trainer @ train.toml --orchestrator @ orch.toml --inference @ infer.toml --max-steps 5
+    uv run rl report <run-dir>    # <run-dir>/report.html: plots per step, progress, summary, configs
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rl.launcher.devices import (
 )
 from rl.launcher.placement import HostPlan, given_host, plan
 from rl.launcher.resume import choose_checkpoint, discard_after
+from rl.launcher.run_report import main as report_main
 from rl.launcher.deploy import describe, render_k8s, render_slurm, slurm_job, submit
 from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor, is_secret
@@ -296,6 +298,8 @@ def check_start(config: RLConfig, host: HostPlan, paths: RunPaths, resuming: boo
 def main(argv: list[str] | None = None) -> None:
     set_up_process()
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:  # a subcommand: no config flag is a bare word
+        return report_main(argv[1:])
     if "--help" in argv or "-h" in argv:
         print(__doc__)
         print(config_help(RLConfig))
@@ -329,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
             write_config(server, configs / f"{name}.toml")
     write_config(config, configs / "rl.toml", mask_secrets=True)  # a record: nothing reads it back
     board = HostBoard(paths, host.name, host.roles, host.node_rank, host.trainer_nodes, config.host_timeout_s)
-    supervisor = Supervisor(paths, config.log_tail_lines, config.shutdown_timeout_s)
+    supervisor = Supervisor(paths, config.log_tail_lines, config.shutdown_timeout_s, config.trainer.max_steps)
     sys.exit(supervisor.run(specs, board))
 
 

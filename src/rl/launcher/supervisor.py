@@ -17,7 +17,8 @@ import psutil
 from rl.launcher.forked import ForkedChild, can_fork, fork_child, warm_up
 from rl.process import die_with_parent
 from rl.launcher.hosts import FINISHING, Host, HostBoard
-from rl.launcher.report import format_summary, summarize
+from rl.launcher.report import PACE_WINDOW, duration, format_summary, progress, summarize, time_left_s
+from rl.launcher.run_report import NoRun, write_report
 from rl.protocol import RunPaths
 
 POLL_S = 0.5
@@ -78,8 +79,10 @@ class Stop(Exception):
 
 
 class Supervisor:
-    def __init__(self, paths: RunPaths, tail_lines: int, shutdown_timeout_s: float):
+    def __init__(self, paths: RunPaths, tail_lines: int, shutdown_timeout_s: float, max_steps: int | None = None):
+        """`max_steps`: the run's, for the time left on each step line and in the summary (None: not said)."""
         self.paths = paths
+        self.max_steps = max_steps
         self.tail_lines = tail_lines
         self.shutdown_timeout_s = shutdown_timeout_s
         self.procs: dict[str, subprocess.Popen | ForkedChild] = {}
@@ -90,6 +93,8 @@ class Supervisor:
         # ranks in sessions of their own) or outlives its parent is still found and stopped.
         self.descendants: dict[str, dict[int, psutil.Process]] = {}
         self.restarted: dict[str, int] = {}
+        self.started, self.launched_at = time.monotonic(), time.time()  # set again when run() starts
+        self.shown: list[dict] = []  # the trainer's last records shown: the pace of this launch's steps
 
     def start(self, spec: ChildSpec) -> None:
         env = inherited_environment(os.environ, spec.keep_secrets) | spec.extra_env | spec.secret_env
@@ -111,7 +116,7 @@ class Supervisor:
         """Supervise until the run finishes (0: this host's trainer and orchestrator, and every other host's,
         finished) or fails here or on another host (1)."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        start = time.monotonic()
+        self.started, self.launched_at = time.monotonic(), time.time()
         board.join()
         try:
             for spec in [s for s in specs if not s.preload]:
@@ -131,13 +136,24 @@ class Supervisor:
                 signal.signal(s, handler)
         if code != 0 and board.peers():
             self._name_first_host_down(board)
-        elapsed = time.monotonic() - start
+        elapsed = time.monotonic() - self.started
         if code == 0:
-            print(f"rl: finished: {format_summary(summarize(self.paths, elapsed))}", flush=True)
+            summary = summarize(self.paths, elapsed, self.max_steps, self.launched_at)
+            print(f"rl: finished: {format_summary(summary)}", flush=True)
             print(f"rl: plot {self.paths.reward_plot}, logs in {self.paths.logs}", flush=True)
         else:
             print(f"rl: failed after {elapsed:.0f}s (exit {code}); logs in {self.paths.logs}", flush=True)
+        self._write_report()
         return code
+
+    def _write_report(self) -> None:
+        """report.html of the run as it ended, failed or not (`rl report`); a run with no step recorded has none."""
+        try:
+            print(f"rl: report {write_report(self.paths)}", flush=True)
+        except NoRun as e:
+            print(f"rl: no report: {e}", flush=True)
+        except Exception as e:  # the run's outcome stands; a report that cannot be drawn is said, not raised
+            print(f"rl: no report: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def _warm_up(self, modules: tuple[str, ...], board: HostBoard) -> None:
         """Import what the forked children run (seconds of a core) in a thread, the launcher beating meanwhile (other
@@ -237,7 +253,16 @@ class Supervisor:
             record = json.loads(line)
             keys = ("reward", "loss", "policy_step", "staleness_max", "step_time_s")
             shown = " ".join(f"{k}={record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float)))
-            print(f"rl: step {record['step']} {record['process']:<12} {shown}", flush=True)
+            print(f"rl: step {record['step']} {record['process']:<12} {shown} [{self._progress(record)}]", flush=True)
+
+    def _progress(self, record: dict) -> str:
+        """Elapsed since this launch, and the time left to max_steps at the pace of this launch's trainer steps."""
+        if record.get("process") == "trainer":
+            self.shown = [*self.shown[-PACE_WINDOW:], record]  # all the pace needs
+        elapsed = time.monotonic() - self.started
+        if self.max_steps is None:
+            return f"{duration(elapsed)} elapsed"
+        return progress(elapsed, time_left_s(self.shown, self.max_steps))
 
     def _remember_descendants(self) -> None:
         for name, proc in self.procs.items():
