@@ -49,6 +49,7 @@ def test_five_steps_end_to_end_of_a_taskset_only_environment_mixed_with_reverse_
     paths = RunPaths(out)
     metrics = read_metrics(paths)
     check_environments_mixed(out, [m for m in metrics if m["process"] == "orchestrator"])
+    check_report(out, run.output)
     for process in ("trainer", "orchestrator"):
         steps = [m["step"] for m in metrics if m["process"] == process]
         assert steps == [0, 1, 2, 3, 4], f"{process} logged steps {steps}"
@@ -117,3 +118,21 @@ def check_environments_mixed(out, records: list[dict]) -> None:
     evaluated = [m["step"] for m in records if "eval/avg@2" in m]
     assert evaluated == [2, 4], evaluated  # every 3 batches, and after the last
     assert {"eval/pass@1/taskset-only", "eval/pass@2/taskset-only", "eval/avg@2"} <= set(records[-1])
+
+
+def check_report(out, output: str) -> None:
+    """Where the run's time went: each step line says the elapsed time and the time left, and the launcher wrote
+    report.html (launcher/run_report.py) at the end, with the plots of what this run logs."""
+    assert re.search(r"rl: step 1 trainer .* \[\S+ elapsed, ~\S+ left\]", output), output[-3000:]
+    assert re.search(r"rl: step 4 trainer .* \[\S+ elapsed, max_steps reached\]", output), output[-3000:]
+    assert re.search(r"rl: finished: 5 steps in .* elapsed, max_steps reached", output), output[-3000:]
+    assert f"rl: report {out / 'report.html'}" in output
+    page = (out / "report.html").read_text()
+    plots = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,', page)
+    assert {"Reward", "Trainer loss", "Tokens per second", "Staleness", "Each side&#x27;s wait",
+            "Rollouts in flight"} <= set(plots), plots
+    assert "orchestrator eval/reward" in page and "trainer time/wait_for_batch" in page  # the eval at steps 2 and 4
+    assert "5 of 5" in page and "none: max_steps reached" in page and "<p>summary.json</p>" in page
+    assert "configs/orchestrator.toml" in page and "admin_token = &quot;&lt;hidden&gt;&quot;" in page
+    token = re.search(r'admin_token = "([^"]+)"', (out / "configs" / "orchestrator.toml").read_text()).group(1)
+    assert token not in page
