@@ -58,6 +58,7 @@ def orchestrator(tmp_path, model, resume_step=None, **overrides) -> Orchestrator
     o = Orchestrator(config, logging.getLogger("test"))
     o.servers = FakeServers()
     o.sync = FakeSync(o)
+    o.pool.metrics = lambda: asyncio.sleep(0, [None])  # no server's /metrics
     o.run_one_group = lambda env, task, server, number: episode(o, env, task, server)
     return o
 

@@ -51,6 +51,17 @@ class InferencePool:
             return f"{url} answered /policy_step with {response.status_code} {response.text[:500]}"
         return response.json()
 
+    async def metrics(self) -> list[str | None]:
+        """Each server's Prometheus /metrics text, or None where it did not answer (in CHECK_TIMEOUT_S)."""
+        return await asyncio.gather(*(self._metrics(url) for url in self.base_urls))
+
+    async def _metrics(self, url: str) -> str | None:
+        try:
+            response = await self.http.get(f"{url}/metrics", timeout=CHECK_TIMEOUT_S)
+        except httpx.HTTPError:
+            return None
+        return response.text if response.status_code == 200 else None
+
     async def receive_weights(self, step: int, host: str, port: int, timeout_s: float,
                               servers: list[int]) -> list[dict | str]:
         """Ask the servers at the indices `servers` to receive step `step` over the wire, each at its rank (the

@@ -19,6 +19,7 @@ from rl.renderer import chat_renderer
 from rl.renderer import describe as describe_renderer
 from rl.orchestrator.eval import eval_due, evaluate, to_sampling
 from rl.orchestrator.dispatch import Dispatcher
+from rl.orchestrator.engine_metrics import EngineMetrics
 from rl.orchestrator.inference_pool import InferencePool
 from rl.orchestrator.policy_sync import policy_sync
 from rl.envs.rollouts import GroupOutcome, InferenceClient, run_group_retried
@@ -67,6 +68,7 @@ class Orchestrator:
         self.tokenizer = None
         self.teacher = Teacher(config.teacher) if config.teacher is not None else None
         self.last_batch_at: float | None = None
+        self.engine_metrics = EngineMetrics()  # the servers' /metrics between one step's record and the next
 
     def restore(self, step: int) -> list[tuple[int, int]]:
         """Continue after batch step - 1: samplers where they were; inference catches up in run(). The groups that
@@ -163,6 +165,7 @@ class Orchestrator:
         # tokens of the batch per second of the step: in continuous dispatch generation also runs while the
         # orchestrator waits for a policy, so the step's whole time is the denominator there
         stats["tokens_per_s"] = stats["completion_tokens"] / (written - since if self.config.continuous else gen_time)
+        stats |= self.engine_metrics.step_stats(await self.pool.metrics())
         if served:
             stats["served_checksums"] = [s.get("weights_checksum") for s in served]
         if eval_due(self.config.eval, step, self.config.max_steps):
