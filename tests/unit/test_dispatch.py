@@ -27,6 +27,8 @@ class FakeGroups:
         self.cancelled: list[tuple[int, int]] = []
         self.oldest_of: dict[int, int] = {}  # task -> its oldest token's policy, where it differs from the dispatch one
         self.untrainable: set[int] = set()
+        self.down: set[int] = set()  # servers whose requests fail; `check` reports each once and stops using it
+        self.checks = 0
 
     def draw(self, env):
         task = self.next_task[env]
@@ -42,9 +44,18 @@ class FakeGroups:
         except asyncio.CancelledError:
             self.cancelled.append((env, task))
             raise
+        if server in self.down:
+            return GroupOutcome(Env(f"env{env}"), None, "RolloutError", "connection refused", server=server,
+                                task_index=task)
         outcome = GroupOutcome(Env(f"env{env}"), ["result"], server=server, task_index=task)
         outcome.policy_step = dispatched
         return outcome
+
+    async def check(self):
+        self.checks += 1
+        changed = {i for i in self.down if i in self.usable}
+        self.usable = [i for i in self.usable if i not in changed]
+        return changed
 
     def oldest(self, outcome):
         return self.oldest_of.get(outcome.task_index, outcome.policy_step)
@@ -58,7 +69,7 @@ class FakeGroups:
 
     def dispatcher(self, capacity, shares=(2,), pending=()):
         return Dispatcher(capacity, list(shares), self.draw, self.start, lambda: self.policy, lambda: self.usable,
-                          self.oldest, list(pending))
+                          self.oldest, self.check, list(pending))
 
 
 async def settle():
@@ -174,6 +185,44 @@ def test_groups_on_a_changed_server_run_again_first_elsewhere():
         d.top_up()  # (the orchestrator tops up once the servers are brought up to date)
         await settle()
         assert fake.started[-1] == (0, 1, 0)  # task 1 again, on server 0, before any new draw
+        await d.close()
+    asyncio.run(scenario())
+
+
+def test_groups_failed_on_a_server_that_went_down_run_again_once_a_server_is_back_not_trained_as_failures():
+    async def scenario():
+        fake = FakeGroups(servers=(0,))
+        d = fake.dispatcher(capacity=2, shares=[2])
+        d.top_up()
+        await settle()
+        fake.down = {0}  # killed: the groups in flight fail, and so would any started on it
+        fake.finish(0, 0, 1)
+
+        async def servers_back():  # the policy sync: a new process on the port, brought up to date
+            fake.down, fake.usable = set(), [0]
+
+        taken = await asyncio.wait_for(d.take(0, None, 0, servers_back=servers_back), 5)
+        assert [g.outcome.task_index for g in taken.groups] == [0, 1]
+        assert all(g.outcome.results for g in taken.groups)  # made again, not taken as failed groups
+        assert [task for _, task, _ in fake.started][:4] == [0, 1, 1, 0] or \
+            [task for _, task, _ in fake.started][:4] == [0, 1, 0, 1]  # each failed task ran again, before new draws
+        assert fake.next_task == [len(fake.started) - 2]
+        await d.close()
+    asyncio.run(scenario())
+
+
+def test_a_group_that_fails_on_a_server_still_up_is_a_failure_of_the_batch():
+    async def scenario():
+        fake = FakeGroups(servers=(0,))
+        d = fake.dispatcher(capacity=1, shares=[1])
+
+        async def start(env, task, server, number):
+            return GroupOutcome(Env("env0"), None, "RolloutError", "the environment raised", server=server,
+                                task_index=task)
+
+        d.start = start
+        taken = await asyncio.wait_for(d.take(0, None, 0), 5)
+        assert taken.groups[0].outcome.error == "RolloutError" and fake.checks >= 1  # asked: the server is fine
         await d.close()
     asyncio.run(scenario())
 

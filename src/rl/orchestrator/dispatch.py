@@ -9,6 +9,9 @@ steps, weights change under them, and a step's batch is made of groups that have
 - Age: a group's tokens are at least as new as the oldest policy the servers served when it was dispatched. At step
   k, a group in flight dispatched under a policy older than the bound is cancelled (its requests abort on the
   server), and a finished one whose oldest token is older is dropped: both are counted (`off_policy/dropped`).
+- Servers lost: a group that failed on a server that has since restarted or stopped answering runs again first,
+  elsewhere (as a step-synchronous batch remakes it), and the groups still in flight there are cancelled and run
+  again too; while no server is up to date, a batch waits for the policy sync to bring one back.
 - Resume: the tasks of the groups in flight or waiting when a checkpoint is saved go into it (`pending`) and run
   first after a resume; the samplers are already past them, so each task's group is trained once.
 """
@@ -57,14 +60,17 @@ class Dispatcher:
 
     `draw(env)` gives the next task of an environment (its sampler), `start(env, task, server, number)` runs a group
     (retries included) and returns its outcome; `served()` is the oldest policy the usable servers serve and
-    `servers()` those servers; `oldest(outcome)` the oldest policy among a finished group's sampled tokens."""
+    `servers()` those servers; `oldest(outcome)` the oldest policy among a finished group's sampled tokens;
+    `check()` asks the servers which restarted or stopped answering since it last asked (they leave `servers()`)."""
 
     def __init__(self, capacity: int, shares: list[int], draw: Callable[[int], int],
                  start: Callable[[int, int, int, int], Awaitable[GroupOutcome]], served: Callable[[], int],
                  servers: Callable[[], list[int]], oldest: Callable[[GroupOutcome], int],
-                 pending: list[tuple[int, int]] = ()):
+                 check: Callable[[], Awaitable[set[int]]], pending: list[tuple[int, int]] = (),
+                 log: Callable[[str], None] = lambda message: None):
         self.capacity, self.shares = max(1, capacity), shares
         self.draw, self.start, self.served, self.servers, self.oldest = draw, start, served, servers, oldest
+        self.check, self.log = check, log
         self.again: collections.deque[tuple[int, int]] = collections.deque(pending)  # run before new draws
         self.running: list[Running] = []
         self.finished: list[Finished] = []
@@ -102,9 +108,20 @@ class Dispatcher:
     async def run(self, running: Running, number: int) -> None:
         outcome = await self.start(running.env, running.task_index, running.server, number)
         self.running.remove(running)
-        self.finished.append(Finished(running.env, outcome, self.oldest(outcome), self.served()))
+        if outcome.results is None and await self.server_lost(running.server):
+            self.log(f"group of task {running.task_index} failed on server {running.server}, which restarted or "
+                     "stopped answering: it runs again first once a server is up to date")
+            self.again.appendleft((running.env, running.task_index))
+        else:
+            self.finished.append(Finished(running.env, outcome, self.oldest(outcome), self.served()))
         self.arrived.set()
         self.top_up()
+
+    async def server_lost(self, server: int) -> bool:
+        """Whether a group failed because its server restarted or stopped answering (it no longer gets requests);
+        the other groups in flight on a changed server are cancelled and run again."""
+        self.servers_changed(await self.check())
+        return server not in self.servers()
 
     def cancel(self, which: Callable[[Running], bool]) -> list[Running]:
         """Cancel the groups in flight that `which` picks (their requests abort on the servers); them."""
@@ -126,11 +143,12 @@ class Dispatcher:
         return len(cancelled)
 
     async def take(self, oldest_allowed: int, trainable: Callable[[GroupOutcome], bool] | None,
-                   max_extra: int) -> Taken:
+                   max_extra: int, servers_back: Callable[[], Awaitable[object]] | None = None) -> Taken:
         """Wait for the step's groups, in the order they finished, none with a token older than `oldest_allowed`:
         each environment's share of them; or with `trainable` (fill_batch) the batch's count of trainable groups
         from any environment (dispatch keeps the ratios), taking at most `max_extra` groups beyond the batch's (the
-        untrainable ones are dropped when the batch is built)."""
+        untrainable ones are dropped when the batch is built). With no server to run on, `servers_back()` waits
+        until one serves a policy recent enough (its deadlines say for how long)."""
         taken, start = Taken(), time.perf_counter()
         wanted = [sum(self.shares)] if trainable else list(self.shares)  # one pool, or one count per environment
         limit = sum(self.shares) + max_extra if trainable else None
@@ -151,6 +169,9 @@ class Dispatcher:
                     wanted[0 if trainable else group.env] -= 1
             if any(wanted) and (limit is None or len(taken.groups) < limit):
                 self.top_up()
+                if not self.running and not self.servers() and servers_back is not None:
+                    await servers_back()
+                    self.top_up()
                 if not self.running:
                     raise RuntimeError(f"no group in flight, yet the batch lacks {sum(wanted)} groups")
                 self.arrived.clear()

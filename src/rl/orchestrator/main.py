@@ -99,7 +99,8 @@ class Orchestrator:
             capacity=self.config.rollouts_in_flight // n, shares=self.shares,
             draw=lambda env: self.samplers[env].draw(1)[0], start=start,
             served=lambda: self.servers.policy_step, servers=lambda: self.servers.usable,
-            oldest=group_oldest_version, pending=pending)
+            oldest=group_oldest_version, check=self.servers.check, pending=pending,
+            log=self.logger.warning)
 
     @property
     def shares(self) -> list[int]:
@@ -188,7 +189,8 @@ class Orchestrator:
         dispatcher.top_up()
         fill = self.config.advantage.fill_batch
         taken = await dispatcher.take(oldest_allowed, self.trainable if fill else None,
-                                      self.config.advantage.max_extra_groups or self.groups_per_step)
+                                      self.config.advantage.max_extra_groups or self.groups_per_step,
+                                      servers_back=lambda: self.sync.ensure(step))
         if taken.short:
             self.logger.warning(f"batch {step}: {taken.short} of {self.groups_per_step} groups short after "
                                 f"{taken.extra} extra groups (advantage.max_extra_groups); the step trains on what "

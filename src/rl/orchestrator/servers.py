@@ -95,6 +95,7 @@ class ServerBoard:
                 self.stale.add(i)
                 self.refused.discard(i)  # another process: it serves its start-up weights, not the refused ones
             self.instances[i] = reply["instance"]
+        self.use([i for i in self.usable if i not in changed and self.instances[i] != DOWN])
         return changed
 
     async def wait_for_one(self) -> None:
