@@ -29,7 +29,8 @@ class Server:
 
     def __init__(self, model: Path, weights_dir: Path, log: Path, token: str = "test-token", timeout_s: float = 300,
                  env: dict[str, str] | None = None, toml: str | None = None, max_model_len: int = 512,
-                 port: int | None = None, host: str = "127.0.0.1", prefix: list[str] | None = None):
+                 port: int | None = None, host: str = "127.0.0.1", prefix: list[str] | None = None,
+                 kv_cache_gib: float = float(KV_CACHE_GIB)):
         """`prefix`: argv the server runs under (another network namespace: `ip netns exec ...`), where it binds to
         `host`."""
         self.port = port or free_port()
@@ -40,7 +41,7 @@ class Server:
         cmd = [
             sys.executable, "-m", "rl.inference.main", "--model.name", str(model), "--port", str(self.port),
             "--weights-dir", str(weights_dir), "--admin-token", token, "--max-model-len", str(max_model_len),
-            "--kv-cache-gib", KV_CACHE_GIB,
+            "--kv-cache-gib", str(kv_cache_gib),
             *(["--host", host] if host != "127.0.0.1" else []),
         ]
         if toml is not None:

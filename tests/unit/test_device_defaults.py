@@ -153,6 +153,15 @@ def test_launcher_keeps_cpu_defaults_for_a_cpu_plan():
     assert r.device_choices["trainer.loss.mismatch"] == "auto: CPU"
 
 
+def test_adaptive_concurrency_turns_the_servers_statistics_on_on_cpu_unless_the_user_turned_them_off():
+    r = resolved(parse_config(RLConfig, ["--orchestrator.concurrency.adaptive", "true"]), cpu_plan(1, 1))
+    assert r.inference.log_stats is True
+    assert r._device_choices["inference.log_stats"] == "on: orchestrator.concurrency.adaptive reads them"
+    with pytest.raises(ConfigError, match="log_stats = false"):
+        resolved(parse_config(RLConfig, ["--orchestrator.concurrency.adaptive", "true", "--inference.log-stats",
+                                         "false"]), cpu_plan(1, 1))
+
+
 def test_weights_over_nccl_need_a_gpu_plan_and_cpu_plans_are_told_to_use_gloo(tmp_path):
     model = model_dir(tmp_path, torch_dtype="bfloat16")
     r = resolved(parse_config(RLConfig, ["--model.name", model, "--transfer.backend", "nccl"]), GPU_PLAN)

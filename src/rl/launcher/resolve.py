@@ -128,7 +128,8 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
         )
     config._teacher_server = place_teacher(config, host)
     check_distillation(t, o)
-    config._device_choices = resolve_devices(t, i, host.devices.device)
+    adaptive_stats = resolve_concurrency(o, i)
+    config._device_choices = resolve_devices(t, i, host.devices.device) | adaptive_stats
     config._env_servers = place_env_servers(o.output_dir.absolute(), {"env": o.env, "eval": o.eval.env},
                                             o.client.base_urls)
     o.transfer.resolve_device(host.devices.device, "orchestrator")  # as trainer and inference resolved it
@@ -155,6 +156,21 @@ def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) ->
         raise ConfigError(f"inference.lora.name = {i.lora.name!r} is the model's name; vLLM refuses an adapter named "
                           "like the model it serves: choose another")
     _fill(i.lora.name, o, "adapter", "inference.lora.name", "orchestrator")
+
+
+def resolve_concurrency(o: OrchestratorConfig, i: InferenceConfig) -> dict[str, str]:
+    """The adaptive in-flight cap reads vLLM's statistics from the servers' /metrics: on for the servers rl
+    starts, unless the user turned them off. Returns {"inference.log_stats": why} where it set them."""
+    if not o.concurrency.adaptive:
+        return {}
+    if i.log_stats is False:
+        raise ConfigError("orchestrator.concurrency.adaptive reads the servers' KV-cache usage and preemptions, "
+                          "which inference.log_stats = false turns off: set log_stats true (or unset), or turn "
+                          "adaptive off")
+    if i.log_stats is None:
+        i.log_stats = True
+        return {"inference.log_stats": "on: orchestrator.concurrency.adaptive reads them"}
+    return {}
 
 
 def resolve_devices(t: TrainerConfig, i: InferenceConfig, device: str) -> dict[str, str]:

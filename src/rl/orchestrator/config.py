@@ -139,6 +139,41 @@ class RolloutConfig(Section):
     ] = 1
 
 
+class ConcurrencyConfig(Section):
+    """The in-flight cap set by the engines' load (rl/orchestrator/concurrency.py); continuous dispatch only."""
+
+    adaptive: Annotated[
+        bool, Field(description="move the rollouts in flight with the servers' KV-cache usage, queue and preemptions "
+                                "(their /metrics; rl turns vLLM's statistics on for its servers); off: max_concurrent "
+                                "throughout")
+    ] = False
+    min_rollouts: Annotated[int | None, Field(ge=1, description="the floor; unset: one group")] = None
+    max_rollouts: Annotated[
+        int | None, Field(ge=1, description="the ceiling; unset: 4x the start (max_concurrent, else the batch size)")
+    ] = None
+    interval_s: Annotated[float, Field(gt=0, description="seconds between two readings of the servers")] = 2.0
+    kv_high: Annotated[
+        float, Field(gt=0, le=1, description="KV-cache usage (the fullest server's) at which the cap is trimmed")
+    ] = 0.9
+    kv_grow_below: Annotated[
+        float, Field(gt=0, le=1, description="KV-cache usage under which a cap that limits may grow")
+    ] = 0.75
+    grow: Annotated[float, Field(gt=0, le=4, description="growth of the cap per reading, as a fraction")] = 0.25
+    trim: Annotated[float, Field(gt=0, lt=1, description="the cap times this at the high-water mark")] = 0.9
+    cut: Annotated[float, Field(gt=0, lt=1, description="the cap times this on a preemption (the youngest groups "
+                                                        "beyond it are cancelled and run again)")] = 0.5
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.kv_grow_below > self.kv_high:
+            raise ValueError(f"concurrency.kv_grow_below ({self.kv_grow_below}) is above kv_high ({self.kv_high}): "
+                             "the cap would grow past the mark where it is trimmed")
+        if self.min_rollouts and self.max_rollouts and self.min_rollouts > self.max_rollouts:
+            raise ValueError(f"concurrency.min_rollouts ({self.min_rollouts}) is above max_rollouts "
+                             f"({self.max_rollouts})")
+        return self
+
+
 class EvalSamplingConfig(SamplingConfig):
     temperature: Annotated[float, Field(ge=0, description="sampling temperature (eval default: greedy)")] = 0.0
 
@@ -231,6 +266,7 @@ class OrchestratorConfig(Settings):
                                 "at once, as vLLM batches it (set it where each rollout holds costly resources, "
                                 "e.g. tool servers)"),
     ] = None
+    concurrency: ConcurrencyConfig = ConcurrencyConfig()
     sampling: SamplingConfig = SamplingConfig()
     client: ClientConfig = ClientConfig()
     adapter: Annotated[
@@ -282,6 +318,9 @@ class OrchestratorConfig(Settings):
             raise ValueError(f"max_off_policy_steps ({self.max_off_policy_steps}) < async_level ({self.async_level}): "
                              "a batch may be written while the servers serve a policy async_level steps old, so "
                              f"every token would be too old; set max_off_policy_steps >= {self.async_level}")
+        if self.concurrency.adaptive and not self.continuous:
+            raise ValueError("concurrency.adaptive moves the cap of continuous dispatch; with dispatch = 'step' each "
+                             "step runs its batch's groups at once: unset one of them")
         if self.batch_size % self.trainer_world_size:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of trainer_world_size ({self.trainer_world_size})"

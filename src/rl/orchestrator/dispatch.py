@@ -131,6 +131,16 @@ class Dispatcher:
             self.running.remove(r)
         return cancelled
 
+    def resize(self, capacity: int, shed: bool) -> int:
+        """Run up to `capacity` groups from now (the adaptive cap); with `shed`, cancel at once the youngest groups
+        beyond it (their tasks run again first, later). How many were cancelled."""
+        self.capacity = max(1, capacity)
+        if not shed or len(self.running) <= self.capacity:
+            self.top_up()
+            return 0
+        youngest = {id(r) for r in self.running[self.capacity:]}  # in the order they started
+        return self.run_again(lambda r: id(r) in youngest)
+
     def cancel_older_than(self, oldest_allowed: int) -> int:
         """Cancel the groups in flight whose tokens may be older than `oldest_allowed`; how many."""
         return len(self.cancel(lambda r: r.dispatched < oldest_allowed))
@@ -138,7 +148,11 @@ class Dispatcher:
     def servers_changed(self, servers: set[int]) -> int:
         """Groups in flight on `servers` (they restarted or stopped answering) are cancelled and their tasks run
         first, elsewhere; how many."""
-        cancelled = self.cancel(lambda r: r.server in servers)
+        return self.run_again(lambda r: r.server in servers)
+
+    def run_again(self, which: Callable[[Running], bool]) -> int:
+        """Cancel the groups in flight that `which` picks; their tasks run first, in their order. How many."""
+        cancelled = self.cancel(which)
         self.again.extendleft((r.env, r.task_index) for r in reversed(cancelled))
         return len(cancelled)
 

@@ -11,6 +11,7 @@ from rl.config import ConfigError, run_cli, url_without_password
 from rl.metrics import PER_REQUEST_LOGGERS, MetricsLogger, setup_logging
 from rl.orchestrator.advantage import group_advantages
 from rl.orchestrator.batch import StepBatch, balance_by_tokens, build_batch, group_oldest_version, off_policy_stats
+from rl.orchestrator.concurrency import ConcurrencyController
 from rl.orchestrator.config import OrchestratorConfig
 from rl.envs.loading import (
     Environment, EnvLoadError, load_environments, serving, start_env_servers, stop_env_servers,
@@ -35,7 +36,7 @@ from rl.protocol import RunPaths, write_batch
 from rl.process import set_up_process
 
 LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "off_policy/max", "dropped", "tokens_per_s",
-             "rollouts_in_flight", "time/wait_for_policy")
+             "rollouts_in_flight", "concurrency/cap", "time/wait_for_policy")
 
 
 class Orchestrator:
@@ -56,7 +57,11 @@ class Orchestrator:
                         for url in config.client.base_urls]
         self.samplers = [make_sampler(spec.sampler, env.num_tasks, config.seed + i)
                          for i, (spec, env) in enumerate(zip(config.env, self.envs))]
-        self.slots = RolloutSlots(config.rollouts_in_flight)
+        self.concurrency = (ConcurrencyController(config.concurrency, config.rollouts_in_flight,
+                                                  config.rollouts_per_example) if config.concurrency.adaptive else None)
+        self.shed_for_load = 0  # rollouts cancelled by the adaptive cap since the last step's record
+        self.adapting: asyncio.Future | None = None  # the controller's loop, while the run goes
+        self.slots = RolloutSlots(max(config.rollouts_in_flight, self.concurrency.ceiling if self.concurrency else 0))
         self.servers = ServerBoard(self.pool, config.client, logger)
         self.sync = policy_sync(config, self.pool, self.servers, logger)  # files or offers, chosen once
         self.unlogged_served: list[dict] | None = None  # the step-0 adapter's load, logged with batch 0
@@ -96,7 +101,8 @@ class Orchestrator:
             return outcome
 
         return Dispatcher(
-            capacity=self.config.rollouts_in_flight // n, shares=self.shares,
+            capacity=(self.concurrency.cap if self.concurrency else self.config.rollouts_in_flight) // n,
+            shares=self.shares,
             draw=lambda env: self.samplers[env].draw(1)[0], start=start,
             served=lambda: self.servers.policy_step, servers=lambda: self.servers.usable,
             oldest=group_oldest_version, check=self.servers.check, pending=pending,
@@ -121,10 +127,13 @@ class Orchestrator:
             async with serving(self.envs + self.eval_envs):
                 tune_gc_for_serving()
                 self.unlogged_served = await self.sync.start(resumed=self.start_step > 0)
+                self.adapting = asyncio.ensure_future(self.adapt_concurrency()) if self.concurrency else None
                 try:
                     for step in range(self.start_step, self.config.max_steps):
                         await self.step(step)
                 finally:
+                    if self.adapting is not None:
+                        self.adapting.cancel()
                     await self.groups.close()
                 await self.sync.finish()
         finally:
@@ -133,6 +142,32 @@ class Orchestrator:
         if self.teacher is not None:
             await self.teacher.close()
         self.metrics.close()
+
+    async def adapt_concurrency(self) -> None:
+        """Every concurrency.interval_s, the dispatcher's cap from the servers' load (orchestrator/concurrency.py)."""
+        controller, n = self.concurrency, self.config.rollouts_per_example
+        self.logger.info(f"concurrency: {controller.describe()}")
+        said_blind = False
+        while True:
+            await asyncio.sleep(self.config.concurrency.interval_s)
+            decision = controller.update(await self.pool.metrics(), len(self.groups.running) * n)
+            if decision.why == "no metrics" and not said_blind:
+                self.logger.warning(f"concurrency: no server publishes vLLM's statistics (inference.log_stats); the "
+                                    f"cap stays at {decision.cap} rollouts until one does")
+            said_blind = decision.why == "no metrics"
+            shed = self.groups.resize(decision.cap // n, shed=decision.cancel) * n
+            self.shed_for_load += shed
+            if decision.cancel:
+                self.logger.info(f"concurrency: a server preempted requests: cap {decision.cap} rollouts, the "
+                                 f"{shed} youngest in flight cancelled to run again")
+
+    def concurrency_stats(self) -> dict:
+        if self.concurrency is None:
+            return {}
+        if self.adapting.done():
+            self.adapting.result()  # the controller's error, raised here rather than lost with its task
+        shed, self.shed_for_load = self.shed_for_load, 0
+        return {"concurrency/cap": self.concurrency.cap, "concurrency/shed": shed}
 
     async def step(self, step: int) -> None:
         wait_start = time.perf_counter()
@@ -155,6 +190,7 @@ class Orchestrator:
         stats = self.step_stats(batch, outcomes) | collected.stats | self.curriculum_stats() | {
             "orchestrator/cpu_ms_per_rollout": 1000 * (time.process_time() - cpu_start) / max(rollouts, 1),
             **{f"env/{env.name}/workers": env.runner.workers for env in self.envs if env.runner.workers is not None},
+            **self.concurrency_stats(),
             "policy_step": self.servers.policy_step,
             "staleness": step - min(s.policy_version for s in batch.samples),
             **off_policy_stats(step, batch),

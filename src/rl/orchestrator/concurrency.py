@@ -1,0 +1,99 @@
+"""How many rollouts run at once, set by the engines' own load (as prime-rl's adaptive concurrency does).
+
+Too few rollouts in flight leave the engines idle; too many fill vLLM's KV cache, which then preempts requests and
+computes them again, and tokens/s falls. The right number moves with episode lengths, turns and the model, so a
+controller reads each server's `/metrics` every `interval_s` and moves the cap the continuous dispatcher follows:
+
+- grow (x `1 + grow`) while the cap is what limits the rollouts in flight, the fullest server's KV cache is below
+  `kv_grow_below` and no request waits: the engines have room for more;
+- trim softly (x `trim`) at the high-water mark `kv_high`, or while requests wait and their queue grows: no new
+  group starts until those in flight fall below the cap;
+- cut hard (x `cut`) on a preemption: the youngest groups beyond the cap are cancelled and run again later, as
+  their few tokens cost less than the recomputation preemptions bring;
+
+never below `min_rollouts` nor above `max_rollouts`. Servers without vLLM's statistics give nothing to read: the cap
+then stays where it is, said once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rl.orchestrator.engine_metrics import scrape_of
+
+
+@dataclass
+class Decision:
+    cap: int  # rollouts in flight allowed from now
+    why: str  # grow, trim, cut, hold, or no metrics
+    cancel: bool = False  # a hard cut: cancel the youngest groups beyond the cap now
+
+
+@dataclass
+class Load:
+    """The engines' state over all servers of the pool at one reading."""
+
+    kv_usage: float  # the fullest server's
+    waiting: float
+    preempted: float  # since the last reading
+
+
+class ConcurrencyController:
+    """One owner of the pool's in-flight cap (rollouts, a multiple of the group size `group`)."""
+
+    def __init__(self, config, start: int, group: int):
+        self.config, self.group = config, group
+        self.floor = max(group, config.min_rollouts or group)
+        self.ceiling = max(self.floor, config.max_rollouts or 4 * start)
+        self.cap = self.bounded(start)
+        self.last_counters: dict[int, float] = {}  # each server's preemptions at the last reading
+        self.last_waiting = 0.0
+
+    def bounded(self, rollouts: float) -> int:
+        """`rollouts` within the floor and the ceiling, in whole groups."""
+        groups = int(min(max(rollouts, self.floor), self.ceiling)) // self.group
+        return max(groups * self.group, self.floor)
+
+    def load(self, texts: list[str | None]) -> Load | None:
+        """The pool's load from each server's /metrics text (None: it did not answer); None where none holds vLLM's
+        statistics. A server whose counter went down restarted: its preemptions count from zero."""
+        scrapes = {i: s for i, text in enumerate(texts) if text is not None and (s := scrape_of(text)) is not None}
+        if not any("kv_cache_usage" in s.gauges for s in scrapes.values()):
+            return None
+        preempted = 0.0
+        for i, scrape in scrapes.items():
+            now = scrape.counters.get("preemptions", 0.0)
+            before = self.last_counters.get(i, now)
+            preempted += now - before if now >= before else now
+            self.last_counters[i] = now
+        return Load(max(s.gauges.get("kv_cache_usage", 0.0) for s in scrapes.values()),
+                    sum(s.gauges.get("requests_waiting", 0.0) for s in scrapes.values()), preempted)
+
+    def update(self, texts: list[str | None], in_flight: int) -> Decision:
+        """The cap from the servers' /metrics now, given the rollouts in flight."""
+        load = self.load(texts)
+        if load is None:
+            return Decision(self.cap, "no metrics")
+        decision = self.decide(load, in_flight)
+        self.last_waiting = load.waiting
+        self.cap = decision.cap
+        return decision
+
+    def decide(self, load: Load, in_flight: int) -> Decision:
+        c = self.config
+        if load.preempted > 0:
+            return Decision(self.bounded(min(self.cap, in_flight) * c.cut), "cut", cancel=True)
+        if load.kv_usage >= c.kv_high or (load.waiting > 0 and load.waiting > self.last_waiting):
+            return Decision(self.bounded(min(self.cap, max(in_flight, self.floor)) * c.trim), "trim")
+        limited = in_flight + self.group > self.cap  # no further group fits under the cap
+        if limited and load.kv_usage < c.kv_grow_below and load.waiting == 0:
+            return Decision(self.bounded(max(self.cap * (1 + c.grow), self.cap + self.group)), "grow")
+        return Decision(self.cap, "hold")
+
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"{self.cap} rollouts in flight to start, between {self.floor} and {self.ceiling} as the servers' "
+                f"load says (read every {c.interval_s:g} s; KV high-water mark {c.kv_high:g}, grows below "
+                f"{c.kv_grow_below:g})")
+
