@@ -46,30 +46,37 @@ SIDES = ("step", "continuous")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, required=True, help="the tiny model (`tiny-model --out ...`)")
-    parser.add_argument("--steps", type=int, default=16, help="steps per run (the first is warm-up)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, their order alternated")
-    parser.add_argument("--batch-size", type=int, default=64, help="rollouts per step")
-    parser.add_argument("--group-size", type=int, default=4, help="rollouts per task")
-    parser.add_argument("--max-tokens", type=int, default=8, help="tokens sampled per turn")
-    parser.add_argument("--seq-len", type=int, default=1024, help="a long episode of the tiny model takes ~700")
-    parser.add_argument("--long-every", type=int, default=8, help="task i is long when i %% long_every == 0")
-    parser.add_argument("--long-turns", type=int, default=16, help="model turns of a long task (a short one: 1)")
-    parser.add_argument("--reply-ms", type=float, default=0.0,
-                        help="wall time of each environment answer (a tool call's, which takes no CPU here)")
+    add_run_arguments(parser)
     parser.add_argument("--max-off-policy-steps", type=int, default=8,
                         help="the continuous side's bound (the config's default; below the length of the long "
                              "episodes in steps, they are all dropped)")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"sides to run, comma-separated ({','.join(SIDES)})")
-    parser.add_argument("--out", type=Path, help="runs' directory (default: a new temporary one)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    parser.add_argument("--dry-run", action="store_true", help="print each side's command line and run nothing")
     args = parser.parse_args()
     args.sides = [side.strip() for side in args.sides.split(",") if side.strip()]
     unknown = set(args.sides) - set(SIDES)
     if unknown or not args.sides:
         parser.error(f"--sides: {','.join(sorted(unknown)) or 'none given'}; choose from {','.join(SIDES)}")
     return args
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, **defaults) -> None:
+    """The options of a run on the long-tail environment (`rl_command`), with `defaults` where they differ."""
+    d = {"steps": 16, "max_tokens": 8, "seq_len": 1024, "long_turns": 16} | defaults
+    parser.add_argument("--model", type=Path, required=True, help="the tiny model (`tiny-model --out ...`)")
+    parser.add_argument("--steps", type=int, default=d["steps"], help="steps per run (the first is warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, their order alternated")
+    parser.add_argument("--batch-size", type=int, default=64, help="rollouts per step")
+    parser.add_argument("--group-size", type=int, default=4, help="rollouts per task")
+    parser.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="tokens sampled per turn")
+    parser.add_argument("--seq-len", type=int, default=d["seq_len"], help="longest sample in tokens")
+    parser.add_argument("--long-every", type=int, default=8, help="task i is long when i %% long_every == 0")
+    parser.add_argument("--long-turns", type=int, default=d["long_turns"],
+                        help="model turns of a long task (a short one: 1)")
+    parser.add_argument("--reply-ms", type=float, default=0.0,
+                        help="wall time of each environment answer (a tool call's, which takes no CPU here)")
+    parser.add_argument("--out", type=Path, help="runs' directory (default: a new temporary one)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--dry-run", action="store_true", help="print each side's command line and run nothing")
 
 
 def side_flags(args) -> dict[str, list[str]]:

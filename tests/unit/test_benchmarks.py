@@ -212,3 +212,24 @@ def test_env_workers_and_orchestrator_throughput_set_up(tmp_path, monkeypatch):
     assert len(prompts) == 2 and all(prompts)
     monkeypatch.setattr(sys, "argv", ["orchestrator_throughput", "--model", model, "--max-tokens", "4"])
     assert orch.sampling(orch.parse_args()).extra == {"min_tokens": 4}
+
+
+def test_launcher_command_lines_of_concurrency_and_its_last_line(model, tmp_path, monkeypatch, capsys):
+    """Each side's command line is accepted; the last line compares the adaptive side with the best and the worst
+    fixed cap, from the records past the warm-up."""
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    concurrency = benchmark("concurrency")
+    args = parsed(concurrency, ["--model", str(model)])
+    for side, flags in concurrency.side_flags(args).items():
+        dry_run(concurrency.rl_command(model, tmp_path / side, args, *concurrency.run_flags(args), *flags), capsys)
+
+    def steps(tokens: int, preemptions: int, cap: int | None = None) -> list[dict]:
+        return [{"step": i, "time": 10.0 * i, "completion_tokens": tokens, "engine/preemptions": preemptions,
+                 **({"concurrency/cap": cap} if cap else {})} for i in range(3)]
+
+    results = {"low": [concurrency.measure(steps(100, 0))], "high": [concurrency.measure(steps(200, 30))],
+               "adaptive": [concurrency.measure(steps(300, 4, cap=24))]}
+    assert results["adaptive"][0] == {"tokens_per_s": 600 / 20, "seconds": 20.0, "preemptions": 8, "cap": 24,
+                                    "kv": None, "shed": 0}
+    assert concurrency.summary(results) == ("adaptive 1.50x tokens/s of the best fixed cap, 3.00x of the worst, "
+                                            "preemptions 8 vs 60")

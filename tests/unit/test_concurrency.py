@@ -30,9 +30,9 @@ def controller(start=32, group=4, **settings) -> ConcurrencyController:
 
 
 def test_the_cap_grows_while_it_limits_and_the_engines_have_headroom_up_to_the_ceiling():
-    c = controller(start=32, max_rollouts=64)
+    c = controller(start=32, max_rollouts=48)
     caps = [c.update([metrics(0.2, running=c.cap)], in_flight=c.cap).cap for _ in range(6)]
-    assert caps == [40, 48, 60, 64, 64, 64]  # x1.25 in whole groups of 4, then the ceiling
+    assert caps == [36, 40, 44, 48, 48, 48]  # x1.1 in whole groups of 4 (a group at least), then the ceiling
     assert all(cap % 4 == 0 for cap in caps)
 
 
@@ -48,17 +48,25 @@ def test_the_cap_is_trimmed_softly_at_the_high_water_mark_without_cancelling():
     c = controller(start=40)
     decision = c.update([metrics(0.95, running=40)], in_flight=40)
     assert (decision.why, decision.cap, decision.cancel) == ("trim", 36, False)
+    assert c.update([metrics(0.95, running=40)], in_flight=40).why == "drain"  # not trimmed again meanwhile
 
 
-def test_a_preemption_cuts_the_cap_hard_and_cancels_the_youngest_but_never_below_the_floor():
+def test_a_preemption_cuts_the_cap_waits_for_the_drain_cuts_harder_if_overload_outlives_it_never_below_the_floor():
     c = controller(start=64, min_rollouts=8)
     c.update([metrics(0.5, preemptions=2)], in_flight=64)  # the counter as the controller first reads it
     decision = c.update([metrics(1.0, preemptions=7)], in_flight=64)
-    assert (decision.why, decision.cap, decision.cancel) == ("cut", 32, True)
-    for preemptions in (9, 11, 13, 15):
+    assert (decision.why, decision.cap, decision.cancel) == ("cut", 48, False)  # 0.75 of those in flight
+    assert c.update([metrics(1.0, preemptions=9)], in_flight=60).why == "drain"  # no cut on the old load
+    assert c.update([metrics(1.0, preemptions=11)], in_flight=48).cap == 24  # overload outlived the drain: x0.5
+    assert c.update([metrics(0.5, preemptions=11)], in_flight=24).why == "grow"  # clear: the cuts start over
+    assert c.update([metrics(1.0, preemptions=12)], in_flight=28).cap == 20  # x0.75 again (21 in whole groups)
+    for preemptions in (13, 14, 15):
         decision = c.update([metrics(1.0, preemptions=preemptions)], in_flight=c.cap)
     assert decision.cap == 8  # the floor, whatever the engines say
     assert c.update([metrics(1.0, preemptions=15)], in_flight=8).why == "trim"  # no new preemption: no cut
+    shedding = controller(start=64, shed=True)
+    shedding.update([metrics(0.5)], in_flight=64)
+    assert shedding.update([metrics(1.0, preemptions=1)], in_flight=64).cancel  # with shed: cancel beyond the cap
 
 
 def test_servers_are_read_together_the_fullest_kv_and_every_preemption_count_and_a_restart_counts_from_zero():

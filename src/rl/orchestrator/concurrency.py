@@ -8,8 +8,10 @@ controller reads each server's `/metrics` every `interval_s` and moves the cap t
   `kv_grow_below` and no request waits: the engines have room for more;
 - trim softly (x `trim`) at the high-water mark `kv_high`, or while requests wait and their queue grows: no new
   group starts until those in flight fall below the cap;
-- cut hard (x `cut`) on a preemption: the youngest groups beyond the cap are cancelled and run again later, as
-  their few tokens cost less than the recomputation preemptions bring;
+- cut hard (x `cut` of what is in flight, `cut_again` where overload outlived the last cut's drain) on a
+  preemption; with `shed`, the youngest groups beyond the cap are cancelled at once and run again later;
+- while the groups in flight drain down to a lower cap, the engines' load still shows what ran before it: no
+  further cut until they have (as prime-rl's controller waits);
 
 never below `min_rollouts` nor above `max_rollouts`. Servers without vLLM's statistics give nothing to read: the cap
 then stays where it is, said once.
@@ -48,6 +50,7 @@ class ConcurrencyController:
         self.cap = self.bounded(start)
         self.last_counters: dict[int, float] = {}  # each server's preemptions at the last reading
         self.last_waiting = 0.0
+        self.cut_last = False  # the last cut has not been followed by a reading without overload
 
     def bounded(self, rollouts: float) -> int:
         """`rollouts` within the floor and the ceiling, in whole groups."""
@@ -81,15 +84,19 @@ class ConcurrencyController:
 
     def decide(self, load: Load, in_flight: int) -> Decision:
         c = self.config
+        if in_flight > self.cap:  # draining to a lower cap: the load still shows what ran before it
+            return Decision(self.cap, "drain")
         if load.preempted > 0:
-            return Decision(self.bounded(min(self.cap, in_flight) * c.cut), "cut", cancel=True)
+            factor = c.cut_again if self.cut_last else c.cut  # overload that outlived a drain: cut harder
+            self.cut_last = True
+            return Decision(self.bounded(max(in_flight, self.floor) * factor), "cut", cancel=c.shed)
         if load.kv_usage >= c.kv_high or (load.waiting > 0 and load.waiting > self.last_waiting):
-            return Decision(self.bounded(min(self.cap, max(in_flight, self.floor)) * c.trim), "trim")
+            return Decision(self.bounded(max(in_flight, self.floor) * c.trim), "trim")
+        self.cut_last = False
         limited = in_flight + self.group > self.cap  # no further group fits under the cap
         if limited and load.kv_usage < c.kv_grow_below and load.waiting == 0:
             return Decision(self.bounded(max(self.cap * (1 + c.grow), self.cap + self.group)), "grow")
         return Decision(self.cap, "hold")
-
 
     def describe(self) -> str:
         c = self.config

@@ -158,10 +158,13 @@ class ConcurrencyConfig(Section):
     kv_grow_below: Annotated[
         float, Field(gt=0, le=1, description="KV-cache usage under which a cap that limits may grow")
     ] = 0.75
-    grow: Annotated[float, Field(gt=0, le=4, description="growth of the cap per reading, as a fraction")] = 0.25
-    trim: Annotated[float, Field(gt=0, lt=1, description="the cap times this at the high-water mark")] = 0.9
-    cut: Annotated[float, Field(gt=0, lt=1, description="the cap times this on a preemption (the youngest groups "
-                                                        "beyond it are cancelled and run again)")] = 0.5
+    grow: Annotated[float, Field(gt=0, le=4, description="growth of the cap per reading, as a fraction")] = 0.1
+    trim: Annotated[float, Field(gt=0, lt=1, description="the rollouts in flight times this at the high-water "
+                                                         "mark")] = 0.9
+    cut: Annotated[float, Field(gt=0, lt=1, description="the rollouts in flight times this on a preemption")] = 0.75
+    cut_again: Annotated[float, Field(gt=0, lt=1, description="the cut where overload outlived the last cut")] = 0.5
+    shed: Annotated[bool, Field(description="on a cut, cancel the youngest groups beyond the cap at once (they run "
+                                            "again later); off: they finish, no new group starts")] = False
 
     @model_validator(mode="after")
     def _check(self):
