@@ -11,8 +11,10 @@ run the real `rl` launcher, the same steps and batch, their order rotated over `
 
 All sides run with vLLM's statistics on, so every side's preemptions are counted. Per run, from the orchestrator's
 records: sampled tokens of the trained batches per second past the warm-up (steps 1..N-1 over the time from step 0's
-record to the last one's), the server's preemptions over those steps and the mean in-flight cap. The last line reads
-(ratios of medians over rounds; p: the adaptive side's preemptions per run, q: the high side's):
+record to the last one's; trained samples/s beside it), the server's preemptions over those steps, the mean KV
+usage at the step records and the mean in-flight cap; and what was trained: turns per trained rollout (long episodes
+starved by an overloaded server show as ~1) and the rollouts dropped as older than `max_off_policy_steps`. The
+last line reads (ratios of medians over rounds; p: the adaptive side's preemptions per run, q: the high side's):
 
 adaptive <A>x tokens/s of the best fixed cap, <B>x of the worst, preemptions <p> vs <q>
 
@@ -54,7 +56,8 @@ def side_flags(args) -> dict[str, list[str]]:
     """Each side's flags beside the run's."""
     return {"low": ["--orchestrator.max-concurrent", str(args.low)],
             "high": ["--orchestrator.max-concurrent", str(args.high)],
-            "adaptive": ["--orchestrator.max-concurrent", str(args.start), "--orchestrator.concurrency.adaptive", "true",
+            "adaptive": ["--orchestrator.max-concurrent", str(args.start),
+                         "--orchestrator.concurrency.adaptive", "true",
                          "--orchestrator.concurrency.max-rollouts", str(args.high),
                          "--orchestrator.concurrency.interval-s", str(args.interval_s)]}
 
@@ -86,6 +89,9 @@ def measure(steps: list[dict]) -> dict:
     caps = [r["concurrency/cap"] for r in steps[1:] if "concurrency/cap" in r]
     kv = [r["engine/kv_cache_usage"] for r in steps[1:] if "engine/kv_cache_usage" in r]
     return {"tokens_per_s": sum(r["completion_tokens"] for r in steps[1:]) / seconds, "seconds": seconds,
+            "samples_per_s": sum(r["samples"] for r in steps[1:]) / seconds,
+            "turns": statistics.fmean(r.get("num_turns", 0) for r in steps[1:]),
+            "too_old": sum(r.get("off_policy/dropped", 0) for r in steps),
             "preemptions": sum(r.get("engine/preemptions", 0) for r in steps[1:]),
             "cap": statistics.fmean(caps) if caps else None, "kv": statistics.fmean(kv) if kv else None,
             "shed": sum(r.get("concurrency/shed", 0) for r in steps[1:])}
@@ -121,7 +127,9 @@ def main() -> None:
             cap = f", mean cap {result['cap']:.0f}, {result['shed']} shed" if result["cap"] is not None else ""
             kv = f", mean KV usage {result['kv']:.2f}" if result["kv"] is not None else ""
             print(f"round {round_ + 1} {side}: {result['tokens_per_s']:.0f} sampled tokens/s over "
-                  f"{result['seconds']:.1f} s, {result['preemptions']:g} preemptions{kv}{cap}", flush=True)
+                  f"{result['seconds']:.1f} s ({result['samples_per_s']:.2f} trained samples/s, "
+                  f"{result['turns']:.2f} turns per trained rollout, {result['too_old']} rollouts dropped as too old), "
+                  f"{result['preemptions']:g} preemptions{kv}{cap}", flush=True)
     (root / "results.json").write_text(json.dumps(results, indent=1))
     print(summary(results) if set(results) == set(SIDES) else f"only {', '.join(results)} run: no ratio; in {root}")
 

@@ -224,12 +224,13 @@ def test_launcher_command_lines_of_concurrency_and_its_last_line(model, tmp_path
         dry_run(concurrency.rl_command(model, tmp_path / side, args, *concurrency.run_flags(args), *flags), capsys)
 
     def steps(tokens: int, preemptions: int, cap: int | None = None) -> list[dict]:
-        return [{"step": i, "time": 10.0 * i, "completion_tokens": tokens, "engine/preemptions": preemptions,
+        return [{"step": i, "time": 10.0 * i, "completion_tokens": tokens, "samples": 5,
+                 "engine/preemptions": preemptions,
                  **({"concurrency/cap": cap} if cap else {})} for i in range(3)]
 
     results = {"low": [concurrency.measure(steps(100, 0))], "high": [concurrency.measure(steps(200, 30))],
                "adaptive": [concurrency.measure(steps(300, 4, cap=24))]}
-    assert results["adaptive"][0] == {"tokens_per_s": 600 / 20, "seconds": 20.0, "preemptions": 8, "cap": 24,
-                                    "kv": None, "shed": 0}
+    assert results["adaptive"][0] == {"tokens_per_s": 600 / 20, "seconds": 20.0, "samples_per_s": 0.5, "turns": 0,
+                                      "too_old": 0, "preemptions": 8, "cap": 24, "kv": None, "shed": 0}
     assert concurrency.summary(results) == ("adaptive 1.50x tokens/s of the best fixed cap, 3.00x of the worst, "
                                             "preemptions 8 vs 60")
