@@ -33,10 +33,33 @@ ensure_uv() {
       exit 1
     fi
   fi
-  echo "install: uv is $UV_HOME/bin/uv; for 'uv run' in your shell: . scripts/uv_path.sh" >&2
+  echo "install: uv is $UV_HOME/bin/uv" >&2
+}
+
+# The uv installed here is found as uv's own installer arranges for its: by new shells, through an env file beside
+# it sourced from their start-up files (~/.profile, ~/.bashrc; ~/.bash_profile and ~/.zshenv where they exist), and
+# by this shell at once where a directory already on its PATH takes a link (~/.local/bin, or /usr/local/bin for
+# root). RL_NO_MODIFY_PATH=1 changes none of them (then: . scripts/uv_path.sh).
+put_uv_on_path() {
+  [ "$(command -v uv)" = "$UV_HOME/bin/uv" ] || return 0  # a uv of the user's own: theirs to put on PATH
+  [ "${RL_NO_MODIFY_PATH:-0}" = 1 ] && return 0
+  printf 'case ":$PATH:" in\n  *":%s/bin:"*) ;;\n  *) export PATH="$PATH:%s/bin" ;;\nesac\n' \
+    "$UV_HOME" "$UV_HOME" > "$UV_HOME/env"
+  local line=". \"$UV_HOME/env\"  # uv for rl (scripts/install.sh)" file dir
+  for file in "$HOME/.profile" "$HOME/.bashrc" "$HOME/.bash_profile" "$HOME/.zshenv"; do
+    case "$file" in */.profile|*/.bashrc) ;; *) [ -f "$file" ] || continue ;; esac
+    grep -qsF "$line" "$file" || { echo "$line" >> "$file" && echo "install: $file puts uv on PATH" >&2; }
+  done
+  for dir in "$HOME/.local/bin" /usr/local/bin; do
+    case ":$PATH:" in *":$dir:"*) ;; *) continue ;; esac
+    [ -w "$dir" ] && [ ! -e "$dir/uv" ] || continue
+    ln -s "$UV_HOME/bin/uv" "$dir/uv" && echo "install: $dir/uv links to it: this shell finds uv too" >&2 && return 0
+  done
+  echo "install: new shells find uv; in this one: . scripts/uv_path.sh" >&2
 }
 
 ensure_uv
+put_uv_on_path
 if [ "$lock_only" = uv ]; then
   echo "install: done (uv $(uv --version | cut -d' ' -f2))"
   exit 0

@@ -213,7 +213,8 @@ def test_under_gpu_check_a_gpu_test_that_skips_fails():
 def test_uv_is_installed_where_the_system_python_refuses_pip_as_a_non_root_user():
     """No uv on PATH, a python3 whose pip refuses to install (an externally managed Python, PEP 668: Debian 12+,
     Ubuntu 23.04+), and an ordinary user: install.sh puts uv in a virtual environment of its own under the user's
-    ~/.local/share and says how to put it on PATH (scripts/uv_path.sh, which .ci/run sources)."""
+    ~/.local/share, links it from ~/.local/bin where that is on PATH (the README's next command finds it) and has
+    new login shells put it on PATH, once however often it runs."""
     import tempfile
 
     system_python = Path("/usr/bin/python3")  # one any user can run (rl's own may sit under a private home)
@@ -228,11 +229,13 @@ def test_uv_is_installed_where_the_system_python_refuses_pip_as_a_non_root_user(
                         f"  echo 'error: externally-managed-environment' >&2; exit 1\nfi\n"
                         f"exec {system_python} \"$@\"\n")
         shim.chmod(0o755)
-        path = f"{bin_dir}:/usr/bin:/bin"
+        local_bin = home / ".local" / "bin"  # on PATH, as Debian's and Ubuntu's ~/.profile put it where it exists
+        local_bin.mkdir(parents=True)
+        path = f"{local_bin}:{bin_dir}:/usr/bin:/bin"
         assert shutil.which("uv", path=path) is None
         as_user = []
         if os.geteuid() == 0:  # as nobody, whose home is this one
-            for entry in (home, bin_dir, shim):
+            for entry in (home, bin_dir, shim, local_bin.parent, local_bin):
                 os.chown(entry, 65534, 65534)
             as_user = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "VIRTUAL_ENV", "XDG_"))}
@@ -244,10 +247,20 @@ def test_uv_is_installed_where_the_system_python_refuses_pip_as_a_non_root_user(
             pytest.skip(f"the package index is unreachable: {output[-300:]}")
         assert done.returncode == 0, output[-2000:]
         uv = home / ".local" / "share" / "rl" / "uv" / "bin" / "uv"
-        assert f"install: uv is {uv}; for 'uv run' in your shell: . scripts/uv_path.sh" in output
+        assert f"install: uv is {uv}" in output and f"{local_bin}/uv links to it: this shell finds uv too" in output
         assert subprocess.run([str(uv), "--version"], capture_output=True, text=True).stdout.startswith("uv ")
         found = subprocess.run([*as_user, "bash", "-c", ". scripts/uv_path.sh && command -v uv"], cwd=ROOT,
                                capture_output=True, text=True, env=env | {"PATH": path, "HOME": str(home)})
-        assert found.stdout.strip() == str(uv), found.stdout + found.stderr  # what .ci/run and the README do
+        assert os.path.realpath(found.stdout.strip()) == str(uv), found.stdout + found.stderr  # what .ci/run does
+        same_shell = subprocess.run([*as_user, "bash", "-c", "uv --version"], capture_output=True, text=True,
+                                    env=env | {"PATH": path, "HOME": str(home)})
+        assert same_shell.stdout.startswith("uv "), same_shell.stderr  # the README's next command, unchanged PATH
+        for shell in (["bash", "-lc"], ["sh", "-lc"]):  # a new login shell (its /etc/profile sets PATH anew)
+            found = subprocess.run([*as_user, *shell, "command -v uv"], cwd=home, capture_output=True, text=True,
+                                   env=env | {"PATH": path, "HOME": str(home)})
+            assert os.path.realpath(found.stdout.strip()) == str(uv), (shell, found.stdout + found.stderr)
+        again = subprocess.run([*as_user, "bash", str(ROOT / "scripts" / "install.sh"), "--uv-only"],
+                               capture_output=True, text=True, env=env | {"PATH": path, "HOME": str(home)})
+        assert again.returncode == 0 and (home / ".profile").read_text().count("uv for rl") == 1  # once
     finally:
         shutil.rmtree(home, ignore_errors=True)
