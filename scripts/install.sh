@@ -128,7 +128,8 @@ else
   # Bytecode once, here: where PYTHONDONTWRITEBYTECODE is set (CI, many containers) every process would compile
   # vLLM, torch and transformers again at import (a tiny-model vLLM server started in ~60 s, not ~27 s, on 2 cores).
   # Not in pyproject.toml's [tool.uv]: there every `uv run` re-checks all of site-packages (+2-4 s each).
-  uv sync --extra "$stack" --compile-bytecode
+  # RL_NO_DEV=1 (the image): without the test and lint tools of the dev group.
+  uv sync --extra "$stack" --compile-bytecode $([ "${RL_NO_DEV:-0}" = 1 ] && echo --no-dev)
 fi
 if [ "$stack" = cpu ] && [ -n "${wheel:-}" ] && ! lock_records_cpu_torch; then
   echo "install: warning: uv.lock did not take $wheel for the cpu extra (does its version match pyproject.toml?)" >&2

@@ -1,0 +1,39 @@
+"""scripts/image-check.sh picks the builder the machine has: docker where its daemon answers, else podman, else
+buildah; none is a clear exit 3 (the image test then skips)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "image-check.sh"
+
+
+def which_builder(bin_dir: Path, **fakes: str) -> subprocess.CompletedProcess:
+    """`image-check.sh --builder` on a PATH of bash, dirname and the given fake commands ({name: shell body})."""
+    bin_dir.mkdir(exist_ok=True)
+    for tool in ("bash", "dirname", "head"):
+        (bin_dir / tool).symlink_to(subprocess.run(["which", tool], capture_output=True, text=True).stdout.strip())
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!{bin_dir}/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return subprocess.run([str(bin_dir / "bash"), str(SCRIPT), "--builder"], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "PATH"} | {"PATH": str(bin_dir)})
+
+
+@pytest.mark.parametrize("fakes, expected", [
+    ({}, None),
+    ({"docker": "exit 1"}, None),  # a client without a daemon builds nothing
+    ({"docker": "exit 1", "buildah": "exit 0"}, "buildah"),
+    ({"docker": "exit 1", "podman": "exit 0", "buildah": "exit 0"}, "podman"),
+    ({"docker": "exit 0", "podman": "exit 0"}, "docker"),
+])
+def test_the_builder_is_the_first_that_can_build(tmp_path, fakes, expected):
+    done = which_builder(tmp_path / "bin", **fakes)
+    if expected is None:
+        assert done.returncode == 3 and "no image builder (docker with a daemon, podman or buildah)" in done.stderr
+    else:
+        assert done.returncode == 0 and done.stdout.strip() == expected, done.stderr
