@@ -1,4 +1,6 @@
-"""Build a tiny Qwen3-architecture causal LM with a locally made tokenizer, in Hugging Face layout.
+"""Build a tiny causal LM with a locally made tokenizer, in Hugging Face layout: Qwen3 by default, or another
+family users bring (`--arch`): Qwen3-MoE (8 experts, 2 per token), Llama 3 (untied head), Qwen2.5 (q/k/v biases,
+tied) or Gemma 3 (text: sliding and full attention layers, the embedding scaled, (1 + w) norms).
 
 No hub access: the tokenizer is character level (printable ASCII plus ChatML special tokens and Qwen3's
 think and tool tokens, each one id) with a Qwen3-style chat template: plain chats render as ChatML, tools
@@ -8,6 +10,7 @@ Qwen3-format tool parser. The weights are drawn from a seeded generator, so the 
 give the same files. vLLM's CPU attention kernels need head_dim >= 32.
 
     uv run tiny-model --out models/tiny            # ~0.8M parameters
+    uv run tiny-model --out models/tiny-moe --arch qwen3_moe
     uv run tiny-model --out models/m100 --hidden-size 768 --layers 12 --heads 12 --kv-heads 4
 """
 
@@ -20,7 +23,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config,
+    Qwen3Config, Qwen3MoeConfig,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARACTERS = sorted(set(string.printable) - set("\x0b\x0c\r"))
@@ -81,28 +87,41 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_config(tokenizer, hidden_size: int, layers: int, heads: int, kv_heads: int) -> Qwen3Config:
+ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen2", "gemma3")
+
+
+def build_config(tokenizer, hidden_size: int, layers: int, heads: int, kv_heads: int,
+                 arch: str = "qwen3") -> PretrainedConfig:
+    """The family's config at this size; each family's own choices where they differ (ties, biases, norms,
+    attention layout, experts), in sizes vLLM's CPU kernels take (head_dim 32, hidden a multiple of 32)."""
     head_dim = hidden_size // heads
     if head_dim < 32 or hidden_size % heads:
         raise ValueError(
             f"hidden_size {hidden_size} / heads {heads} must divide evenly into head_dim >= 32 "
             "(vLLM's CPU attention rejects smaller heads)"
         )
-    return Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 3,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 3,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=2048, bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32",
     )
+    if arch == "qwen3":
+        return Qwen3Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3_moe":  # every layer sparse, as Qwen3-30B-A3B; experts' width a multiple of 32
+        return Qwen3MoeConfig(**common, tie_word_embeddings=True, moe_intermediate_size=hidden_size // 2,
+                              num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
+    if arch == "llama":  # Llama 3's: an untied head, rope theta 500k
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0)
+    if arch == "qwen2":  # Qwen2.5's small models: q/k/v biases, a tied head, no q/k norms
+        common.pop("head_dim")
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "gemma3":  # text only: 5 sliding layers to a full one (the last, in fewer than 6), tied head
+        full_every = min(6, layers)
+        return Gemma3TextConfig(**common, tie_word_embeddings=True, query_pre_attn_scalar=head_dim,
+                                sliding_window=64, layer_types=["full_attention" if (i + 1) % full_every == 0
+                                                                else "sliding_attention" for i in range(layers)])
+    raise ValueError(f"--arch {arch!r}: choose from {', '.join(ARCHS)}")
 
 
 def build_tiny_model(
@@ -112,17 +131,18 @@ def build_tiny_model(
     heads: int = 4,
     kv_heads: int = 2,
     seed: int = 0,
+    arch: str = "qwen3",
 ) -> Path:
     """Write config, safetensors weights, tokenizer and generation config to `out`; return it."""
     out = Path(out)
     tokenizer = build_tokenizer()
-    config = build_config(tokenizer, hidden_size, layers, heads, kv_heads)
+    config = build_config(tokenizer, hidden_size, layers, heads, kv_heads, arch)
     # Draw the weights for the vocabulary without the tool tokens, then append rows for those: every other
     # weight is what the same seed gave before the tool tokens existed, so the quickstart's measured SFT and
     # RL behaviour (benchmarks/RESULTS.md) still holds.
     config.vocab_size -= len(TOOL_TOKENS)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -130,7 +150,7 @@ def build_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "tiny_model.json").write_text(
-        json.dumps({"seed": seed, "hidden_size": hidden_size, "layers": layers, "heads": heads}) + "\n"
+        json.dumps({"seed": seed, "hidden_size": hidden_size, "layers": layers, "heads": heads, "arch": arch}) + "\n"
     )
     return out
 
@@ -143,9 +163,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3", help="the model family")
     args = parser.parse_args(argv)
-    path = build_tiny_model(args.out, args.hidden_size, args.layers, args.heads, args.kv_heads, args.seed)
-    print(f"wrote tiny Qwen3 model to {path}")
+    path = build_tiny_model(args.out, args.hidden_size, args.layers, args.heads, args.kv_heads, args.seed, args.arch)
+    print(f"wrote tiny {args.arch} model to {path}")
 
 
 if __name__ == "__main__":
