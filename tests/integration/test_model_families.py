@@ -30,3 +30,20 @@ def test_a_family_trains_three_steps_each_published_served_and_proved(arch, tmp_
     assert served[1] != served[2]  # each step's own weights
     (log,) = (out / "logs").glob("inference*.log")
     assert all(f"serving step {step}" in log.read_text() for step in (1, 2))
+
+
+def test_lora_on_llama_serves_each_adapter_the_trainer_made(tmp_path):
+    """LoRA on a family other than Qwen3: each step's adapter (7 projections of 4 layers, an untied head left
+    alone) is loaded by the server and served with the checksum the trainer gave it."""
+    model = tmp_path / "llama"
+    subprocess.run([sys.executable, "-m", "rl.tiny_model", "--out", str(model), "--arch", "llama"], check=True,
+                   capture_output=True)
+    out = tmp_path / "run"
+    run = Launched(rl_command(model, out, 3, "--async-level", "0", "--trainer.lora.rank", "8",
+                              "--trainer.optim.lr", "5e-3"))
+    assert run.wait(timeout=300) == 0, "".join(run.lines[-60:])
+    records = read_metrics(RunPaths(out))
+    made = {m["step"] + 1: m["adapter_checksum"] for m in records if m["process"] == "trainer"}
+    served = {m["step"]: m["served_checksums"] for m in records if m["process"] == "orchestrator"}
+    assert served[1] == [made[1]] and served[2] == [made[2]] and made[1] != made[2], (made, served)
+    assert "LoRA on 28 layers" in (out / "logs" / "trainer.log").read_text()
