@@ -17,6 +17,7 @@ esac
 # Where uv goes when it is not on PATH (UV_HOME, scripts/uv_path.sh): a virtual environment of its own. Not
 # `pip install` into the system's Python, which Debian 12+ and Ubuntu 23.04+ refuse (externally managed, PEP 668),
 # which many images lack, and whose --user install lands in ~/.local/bin, often not on PATH.
+uv_before=$(command -v uv || true)  # the user's own uv, where their shell finds one
 . "$(dirname "$0")/uv_path.sh"
 
 ensure_uv() {
@@ -41,7 +42,7 @@ ensure_uv() {
 # by this shell at once where a directory already on its PATH takes a link (~/.local/bin, or /usr/local/bin for
 # root). RL_NO_MODIFY_PATH=1 changes none of them (then: . scripts/uv_path.sh).
 put_uv_on_path() {
-  [ "$(command -v uv)" = "$UV_HOME/bin/uv" ] || return 0  # a uv of the user's own: theirs to put on PATH
+  [ -z "$uv_before" ] || return 0  # the shell found a uv (theirs, or this one already): nothing to change
   [ "${RL_NO_MODIFY_PATH:-0}" = 1 ] && return 0
   printf 'case ":$PATH:" in\n  *":%s/bin:"*) ;;\n  *) export PATH="$PATH:%s/bin" ;;\nesac\n' \
     "$UV_HOME" "$UV_HOME" > "$UV_HOME/env"
