@@ -27,11 +27,10 @@ import argparse
 import json
 import shlex
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 
-from continuous import FIXTURES, ROOT, add_run_arguments, launcher_env, rl_command
+from continuous import FIXTURES, add_run_arguments, rl_command, run
 
 SIDES = ("low", "high", "adaptive")
 
@@ -66,19 +65,6 @@ def run_flags(args) -> list[str]:
     """Every side's: continuous dispatch, the small cache, vLLM's statistics on."""
     return ["--orchestrator.dispatch", "continuous", "--inference.kv-cache-gib", str(args.kv_cache_gib),
             "--inference.log-stats", "true"]
-
-
-def run(args, out: Path, flags: list[str]) -> list[dict]:
-    """The run's orchestrator records, by step."""
-    command = rl_command(args.model, out, args, *run_flags(args), *flags)
-    print("+", out.name, *flags, flush=True)
-    with out.with_suffix(".log").open("w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, cwd=ROOT,
-                              env=launcher_env())
-    if done.returncode != 0:
-        raise RuntimeError(f"{out.name} exited {done.returncode}; see {out.with_suffix('.log')}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return sorted((r for r in records if r["process"] == "orchestrator"), key=lambda r: r["step"])
 
 
 def measure(steps: list[dict]) -> dict:
@@ -122,7 +108,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         turn = round_ % len(args.sides)
         for side in args.sides[turn:] + args.sides[:turn]:  # each side first in turn
-            result = measure(run(args, root / f"{side}-{round_}", flags[side]))
+            result = measure(run(args.model, root / f"{side}-{round_}", args, *run_flags(args), *flags[side]))
             results[side].append(result)
             cap = f", mean cap {result['cap']:.0f}, {result['shed']} shed" if result["cap"] is not None else ""
             kv = f", mean KV usage {result['kv']:.2f}" if result["kv"] is not None else ""
