@@ -12,7 +12,8 @@ bash scripts/install.sh
 out="${1:-outputs/quickstart-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$out"
 uv run tiny-model --out "$out/model-tiny"
-uv run torchrun --standalone --nproc-per-node 2 -m rl.trainer.sft @ configs/reverse_text/sft.toml \
+# --local-addr: the ranks meet at 127.0.0.1, not at this host's name (a container may leave it unresolvable)
+uv run torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node 2 -m rl.trainer.sft @ configs/reverse_text/sft.toml \
   --model.name "$out/model-tiny" --output-dir "$out/model-sft"
 uv run rl \
   --trainer @ configs/reverse_text/train.toml \
