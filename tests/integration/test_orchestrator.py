@@ -298,7 +298,8 @@ def test_fill_batch_replaces_dropped_groups_until_the_step_is_full(server, tmp_p
         assert m["samples"] == 2 * (4 - m["fill/short_groups"])  # groups of 2
         assert m["reward/cpu-score"] == 0 and m["dropped_groups/cpu-score"] == 2 + m["extra_groups/cpu-score"]
         assert m["extra_groups/reverse-text"] + m["extra_groups/cpu-score"] == m["fill/extra_groups"] <= max_extra
-        assert m["fill/rounds"] >= 1 and m["fill/short_groups"] == 0
+        # full, or short only once the bound is drawn (a tiny model's reverse-text group may score alike too)
+        assert m["fill/rounds"] >= 1 and (m["fill/short_groups"] == 0 or m["fill/extra_groups"] == max_extra), m
         # reverse-text draws from a curriculum: its 50 tasks in pools, those seen out of medium unless mid-reward
         pools = [m[f"curriculum/reverse-text/{pool}"] for pool in ("easy", "medium", "hard")]
         assert sum(pools) == 50 and pools[1] < 50 and not any(k.startswith("curriculum/cpu-score") for k in m)
