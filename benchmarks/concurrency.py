@@ -30,7 +30,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from continuous import FIXTURES, add_run_arguments, rl_command, run
+from continuous import FIXTURES, add_run_arguments, past_warm_up, rl_command, run
 
 SIDES = ("low", "high", "adaptive")
 
@@ -69,18 +69,16 @@ def run_flags(args) -> list[str]:
 
 def measure(steps: list[dict]) -> dict:
     """Sampled tokens/s of the trained batches past the warm-up, the preemptions over those steps, the mean cap."""
-    if len(steps) < 2 or [r["step"] for r in steps] != list(range(len(steps))):
-        raise RuntimeError(f"orchestrator records of steps {[r['step'] for r in steps]}: want 0..N-1, N >= 2")
-    seconds = steps[-1]["time"] - steps[0]["time"]
-    caps = [r["concurrency/cap"] for r in steps[1:] if "concurrency/cap" in r]
-    kv = [r["engine/kv_cache_usage"] for r in steps[1:] if "engine/kv_cache_usage" in r]
-    return {"tokens_per_s": sum(r["completion_tokens"] for r in steps[1:]) / seconds, "seconds": seconds,
-            "samples_per_s": sum(r["samples"] for r in steps[1:]) / seconds,
-            "turns": statistics.fmean(r.get("num_turns", 0) for r in steps[1:]),
+    window, seconds = past_warm_up(steps)
+    caps = [r["concurrency/cap"] for r in window if "concurrency/cap" in r]
+    kv = [r["engine/kv_cache_usage"] for r in window if "engine/kv_cache_usage" in r]
+    return {"tokens_per_s": sum(r["completion_tokens"] for r in window) / seconds, "seconds": seconds,
+            "samples_per_s": sum(r["samples"] for r in window) / seconds,
+            "turns": statistics.fmean(r.get("num_turns", 0) for r in window),
             "too_old": sum(r.get("off_policy/dropped", 0) for r in steps),
-            "preemptions": sum(r.get("engine/preemptions", 0) for r in steps[1:]),
+            "preemptions": sum(r.get("engine/preemptions", 0) for r in window),
             "cap": statistics.fmean(caps) if caps else None, "kv": statistics.fmean(kv) if kv else None,
-            "shed": sum(r.get("concurrency/shed", 0) for r in steps[1:])}
+            "shed": sum(r.get("concurrency/shed", 0) for r in window)}
 
 
 def summary(results: dict[str, list[dict]]) -> str:

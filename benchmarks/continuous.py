@@ -119,21 +119,26 @@ def run(model: Path, out: Path, args, *extra: str) -> list[dict]:
     return sorted((r for r in records if r["process"] == "orchestrator"), key=lambda r: r["step"])
 
 
+def past_warm_up(steps: list[dict]) -> tuple[list[dict], float]:
+    """The records of steps 1..N-1 and the seconds from step 0's record to the last one's; steps 0..N-1 or an error."""
+    if len(steps) < 2 or [r["step"] for r in steps] != list(range(len(steps))):
+        raise RuntimeError(f"orchestrator records of steps {[r['step'] for r in steps]}: want 0..N-1, N >= 2")
+    return steps[1:], steps[-1]["time"] - steps[0]["time"]
+
+
 def measure(steps: list[dict]) -> dict:
     """Trained samples/s past the warm-up: the samples of steps 1..N-1 over the time from step 0's record to the
     last step's; the oldest trained token's age in steps (`off_policy/max`, 0 where not logged)."""
-    if len(steps) < 2 or [r["step"] for r in steps] != list(range(len(steps))):
-        raise RuntimeError(f"orchestrator records of steps {[r['step'] for r in steps]}: want 0..N-1, N >= 2")
-    samples = sum(r["samples"] for r in steps[1:])
-    per_step = [sum(v for k, v in r.items() if k.startswith("rollouts/")) for r in steps[1:]]
+    window, seconds = past_warm_up(steps)
+    samples = sum(r["samples"] for r in window)
+    per_step = [sum(v for k, v in r.items() if k.startswith("rollouts/")) for r in window]
     rollouts = sum(per_step)
-    turns = sum(r["num_turns"] * n for r, n in zip(steps[1:], per_step, strict=True))
-    tokens = sum(r["completion_tokens"] for r in steps[1:])
-    seconds = steps[-1]["time"] - steps[0]["time"]
+    turns = sum(r["num_turns"] * n for r, n in zip(window, per_step, strict=True))
+    tokens = sum(r["completion_tokens"] for r in window)
     in_flight = [r["rollouts_in_flight"] for r in steps if "rollouts_in_flight" in r]
     return {"samples_per_s": samples / seconds, "samples": samples, "seconds": seconds,
             "rollouts_per_s": rollouts / seconds, "tokens_per_s": tokens / seconds,
-            "turns": turns / max(rollouts, 1), "too_old": sum(r.get("off_policy/dropped", 0) for r in steps[1:]),
+            "turns": turns / max(rollouts, 1), "too_old": sum(r.get("off_policy/dropped", 0) for r in window),
             "staleness": max((r.get("off_policy/max", 0) for r in steps), default=0),
             "in_flight": statistics.fmean(in_flight) if in_flight else None}
 
