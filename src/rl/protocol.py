@@ -230,12 +230,17 @@ class Sample:
     teacher_top_ids: list[list[int]] | None = None
     teacher_top_logprobs: list[list[float]] | None = None
     token_versions: list[int] | None = None  # the policy version behind each token (its sampler's, where sampled)
+    # MoE: the experts inference routed each token to, [T, layers, top_k] int16 (-1: not recorded); router replay
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self):
         if not len(self.input_ids) == len(self.loss_mask) == len(self.logprobs):
             raise ValueError("input_ids, loss_mask and logprobs must have the same length")
         if self.token_versions is not None and len(self.token_versions) != len(self.input_ids):
             raise ValueError("token_versions must have one entry per token")
+        if self.routed_experts is not None and (self.routed_experts.ndim != 3
+                                                or len(self.routed_experts) != len(self.input_ids)):
+            raise ValueError("routed_experts must be [tokens, layers, top_k], one row per token")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.input_ids):
             raise ValueError("teacher_logprobs must have one entry per token")
         if (self.teacher_top_ids is None) != (self.teacher_top_logprobs is None):
@@ -264,6 +269,11 @@ def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
     if samples and all(s.token_versions is not None for s in samples):
         teacher["token_policy_versions"] = torch.tensor([v for s in samples for v in s.token_versions],
                                                         dtype=torch.int64)  # [T]
+    routed = [s.routed_experts is not None for s in samples]
+    if any(routed) and not all(routed):
+        raise ValueError(f"{routed.count(False)} of {len(samples)} samples lack the routed experts the others have")
+    if samples and all(routed):
+        teacher["routed_experts"] = torch.cat([s.routed_experts.to(torch.int16) for s in samples])  # [T, L, k]
     if samples and all(ranked):
         teacher |= {  # [T, k]
             "teacher_top_ids": torch.tensor([row for s in samples for row in s.teacher_top_ids], dtype=torch.int64),
@@ -295,6 +305,7 @@ OPTIONAL_FIELDS = {  # on-policy distillation: [T], and [T, k] with teacher.top_
     "teacher_top_ids": ("int64", "token", 2),
     "teacher_top_logprobs": ("float32", "token", 2),
     "token_policy_versions": ("int64", "token", 1),  # Sample.token_versions
+    "routed_experts": ("int16", "token", 3),  # Sample.routed_experts
 }
 
 
@@ -312,7 +323,7 @@ def check_batch(tensors: dict[str, torch.Tensor]) -> None:
         if tensor.dtype != getattr(torch, dtype):
             raise ValueError(f"{name} must be {dtype}, not {tensor.dtype}")
         if tensor.ndim != ndim:
-            words = ("one", "two")[ndim - 1]
+            words = ("one", "two", "three")[ndim - 1]
             raise ValueError(f"{name} must be {words}-dimensional, not of shape {list(tensor.shape)}")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ValueError(f"{name} holds NaN or infinity")
@@ -334,13 +345,14 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
     check_batch(tensors)
     lengths = tensors["lengths"].tolist()
     ids, mask, lps = (tensors[k].split(lengths) for k in ("input_ids", "loss_mask", "logprobs"))
-    teacher, top_ids, top_logprobs, versions = (
+    teacher, top_ids, top_logprobs, versions, routed = (
         tensors[k].split(lengths) if k in tensors else [None] * len(lengths)
-        for k in ("teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs", "token_policy_versions"))
+        for k in ("teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs", "token_policy_versions",
+                  "routed_experts"))
     return [
         Sample(i.tolist(), m.int().tolist(), lp.tolist(), a, r, v,
-               *(None if x is None else x.tolist() for x in (t, ti, tl, tv)))
-        for i, m, lp, a, r, v, t, ti, tl, tv in zip(
+               *(None if x is None else x.tolist() for x in (t, ti, tl, tv)), re)
+        for i, m, lp, a, r, v, t, ti, tl, tv, re in zip(
             ids,
             mask,
             lps,
@@ -351,6 +363,7 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
             top_ids,
             top_logprobs,
             versions,
+            routed,
             strict=True,
         )
     ]

@@ -120,6 +120,14 @@ class LossConfig(Section):
     reward_weight: Annotated[
         float, Field(ge=0, description="weight of the reward advantage; 0 with distill > 0: pure distillation")
     ] = 1.0
+    router_replay: Annotated[
+        bool, Field(description="mixture-of-experts: route every token to the experts inference recorded for it "
+                                "(trainer/moe.py); the batch must carry them (inference records them for an MoE)")
+    ] = True
+    router_aux_loss_coef: Annotated[
+        float, Field(ge=0, description="mixture-of-experts: weight of the router's load-balancing loss; 0 (off) for "
+                                       "RL: it moves the policy whatever the reward (trainer/moe.py)")
+    ] = 0.0
     distill_baseline: Annotated[
         bool, Field(description="subtract the step's mean reverse KL (every trained token, all ranks) from each "
                                 "token's before weighing it by distill: a baseline, so that the update moves tokens "

@@ -33,6 +33,7 @@ class MicroBatch:
     teacher_top_logprobs: torch.Tensor  # [B, T, k] their logprobs
     advantages: torch.Tensor  # [B, T] advantage of each token's sample
     weights: torch.Tensor  # [B, T] loss weight w_i of each token's sample (see loss.py)
+    routed_experts: torch.Tensor | None = None  # [B, T, L, k] experts inference routed token t to (-1: none); MoE
     sample_lengths: tuple[int, ...] | None = None  # packed: the row's samples in order (attention.py); else None
 
     def to(self, device: torch.device) -> "MicroBatch":
@@ -43,7 +44,8 @@ class MicroBatch:
 def truncate(sample: Sample, seq_len: int) -> Sample:
     if len(sample.input_ids) <= seq_len:
         return sample
-    per_token = ("input_ids", "loss_mask", "logprobs", "teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs")
+    per_token = ("input_ids", "loss_mask", "logprobs", "teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs",
+                 "token_versions", "routed_experts")
     return replace(sample, **{name: None if getattr(sample, name) is None else getattr(sample, name)[:seq_len]
                               for name in per_token})
 
@@ -72,6 +74,8 @@ def sample_tensors(sample: Sample, weight: float) -> dict[str, torch.Tensor]:
         else torch.zeros(n, 0),
         "advantages": torch.full((n,), sample.advantage, dtype=torch.float32),
         "weights": torch.full((n,), weight, dtype=torch.float32),
+        "routed_experts": torch.zeros(n, 0, 0, dtype=torch.long) if sample.routed_experts is None
+        else sample.routed_experts.long(),
     }
 
 
@@ -101,7 +105,7 @@ def padded_micro_batch(samples: list[Sample], weights: list[float], pad_id: int)
     """Right-pad samples to the longest one; padding has zero weight and no attention."""
     parts = [sample_tensors(s, w) for s, w in zip(samples, weights)]
     width = max(len(s.input_ids) for s in samples)
-    pad_values = {"input_ids": pad_id, "position_ids": 0, "loss_mask": False}
+    pad_values = {"input_ids": pad_id, "position_ids": 0, "loss_mask": False, "routed_experts": -1}
     row = {
         k: torch.stack([_pad(p[k], width, pad_values.get(k, 0)) for p in parts]) for k in parts[0]
     }  # [B, T] each

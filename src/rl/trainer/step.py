@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 
@@ -12,11 +13,13 @@ from rl.trainer.data import MicroBatch, build_micro_batches, empty_micro_batch, 
 from rl.trainer.lora import adapters_disabled
 from rl.trainer.loss import StepTotals, policy_loss, sample_weight
 from rl.trainer.model import forward_logprobs, forward_scores
+from rl.trainer.moe import aux_loss, check_routed, moe_blocks, router_metrics
 from rl.trainer.output_head import TeacherTopK
 from rl.trainer.optim import clip_gradients
 from rl.trainer.world import World
 
-SUM_KEYS = ("loss", "clipped", "mismatch_kl", "ref_kl", "masked", "entropy", "reverse_kl", "top_k_kl")  # per mb
+SUM_KEYS = ("loss", "clipped", "mismatch_kl", "ref_kl", "masked", "entropy", "reverse_kl", "top_k_kl",
+            "aux_loss")  # per mb
 
 
 def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], config: TrainerConfig, world: World,
@@ -28,7 +31,7 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     if config.loss.distill_top_k > 0 and any(s.teacher_top_ids is None for s in samples):
         raise ValueError(f"trainer.loss.distill_top_k = {config.loss.distill_top_k} but the batch carries no teacher "
                          "top-k: set orchestrator.teacher.top_k")
-    samples = [truncate(s, config.seq_len) for s in samples]
+    samples = replay_routes([truncate(s, config.seq_len) for s in samples], policy, config.loss.router_replay)
     totals = step_totals(samples, world)
     weights = [sample_weight(config.loss.norm, trained_tokens(s), totals, config.seq_len) for s in samples]
     batches = build_micro_batches(samples, weights, config.row_tokens, config.micro_batch_size, config.packing, pad_id)
@@ -43,7 +46,7 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     for i, mb in enumerate(batches):
         if i in (0, len(batches) - 1):  # the setting changes only there; each call walks every module
             set_gradient_sync(policy, world, last=i == len(batches) - 1)
-        sums += forward_backward(policy, reference, mb, config, world, baseline)
+        sums += forward_backward(policy, reference, mb, config, world, baseline, aux_weight=1 / len(batches))
     lr = scheduler.get_last_lr()[0]
     grad_norm = clip_gradients(policy, config.optim.max_grad_norm)  # one host sync per step
     optimizer.step()
@@ -51,9 +54,24 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     optimizer.zero_grad(set_to_none=True)
     distilled = config.loss.distill > 0 or config.loss.distill_top_k > 0  # both need a teacher (launcher/teacher.py)
     return summarise(dict(zip(SUM_KEYS, world.all_reduce(sums.tolist()))), totals, distilled,
-                     config.loss.distill_top_k > 0) | {
+                     config.loss.distill_top_k > 0, world.world_size) | router_metrics(policy, world.all_reduce) | {
         "grad_norm": grad_norm, "lr": lr, "micro_batches": int(count),
     }
+
+
+def replay_routes(samples: list[Sample], policy, replay: bool) -> list[Sample]:
+    """The samples as the step trains them: with their recorded experts for an MoE policy with `replay` on (each
+    checked against the model; a sample without them is refused), without them otherwise."""
+    blocks = moe_blocks(policy)
+    if not (blocks and replay):
+        return [replace(s, routed_experts=None) if s.routed_experts is not None else s for s in samples]
+    for i, s in enumerate(samples):
+        if s.routed_experts is None:
+            raise ValueError(f"sample {i} of the batch carries no routed experts, and trainer.loss.router_replay is "
+                             "on for this mixture-of-experts model: inference records them (inference.router_replay)"
+                             "; or set trainer.loss.router_replay = false")
+        check_routed(s.routed_experts, len(blocks), blocks[0].top_k, blocks[0].num_experts, i)
+    return samples
 
 
 def step_totals(samples: list[Sample], world: World) -> StepTotals:
@@ -79,7 +97,7 @@ def set_gradient_sync(policy, world: World, last: bool) -> None:
 
 
 def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, world: World,
-                     baseline: float = 0.0) -> torch.Tensor:
+                     baseline: float = 0.0, aux_weight: float = 1.0) -> torch.Tensor:
     """Accumulate the gradient of one micro-batch; return its sums in SUM_KEYS order, [len(SUM_KEYS)] float64
     on the micro-batch's device. Nothing here reads a value back to the host: on a GPU that would wait for
     the queued kernels once per micro-batch."""
@@ -95,18 +113,25 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
         logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.weights, config.loss, ref_logprobs,
         mb.teacher_logprobs, baseline, top_k_kl,
     )
-    # FSDP averages gradients over ranks; the loss is already normalised by step totals, so undo the mean.
-    (loss * world.world_size).backward()
+    # FSDP averages gradients over ranks; the loss is already normalised by step totals, so undo the mean. An MoE's
+    # load-balancing loss is a mean: over the rank's micro-batches here, over the ranks by FSDP's.
+    balance, coef = aux_loss(policy), config.loss.router_aux_loss_coef
+    total = loss * world.world_size
+    (total if balance is None or coef == 0 else total + coef * aux_weight * balance).backward()
     mask = mb.loss_mask.float()
     values = [loss.detach(), stats.clipped_tokens, stats.mismatch_kl_sum, stats.ref_kl_sum, stats.masked_tokens,
-              (entropy.detach() * mask).sum(), stats.reverse_kl_sum, stats.top_k_kl_sum]
+              (entropy.detach() * mask).sum(), stats.reverse_kl_sum, stats.top_k_kl_sum,
+              torch.zeros((), device=loss.device) if balance is None else balance.detach() * aux_weight]
     return torch.stack([v.to(torch.float64) for v in values])
 
 
-def summarise(sums: dict[str, float], totals: StepTotals, teacher: bool = False, top_k: bool = False) -> dict:
-    """Step means over the trained tokens; `loss` is already the normalised objective."""
+def summarise(sums: dict[str, float], totals: StepTotals, teacher: bool = False, top_k: bool = False,
+              ranks: int = 1) -> dict:
+    """Step means over the trained tokens; `loss` is already the normalised objective; `aux_loss` (an MoE's) is a
+    mean over micro-batches on each rank, summed over `ranks`."""
     denom = max(totals.tokens, 1)
     distilled = {"distill/reverse_kl": sums["reverse_kl"] / denom} if teacher else {}
+    distilled |= {"moe/aux_loss": sums["aux_loss"] / ranks} if sums.get("aux_loss") else {}
     distilled |= {"distill/top_k_kl": sums["top_k_kl"] / denom} if top_k else {}
     return distilled | {
         "loss": sums["loss"],

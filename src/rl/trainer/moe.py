@@ -1,0 +1,199 @@
+"""Mixture-of-experts in the trainer: the routed block rl trains, router replay, the router's metrics and its
+auxiliary loss.
+
+transformers 5 keeps each layer's experts fused in memory (`experts.gate_up_proj [E, 2I, H]`) and converts names
+when it loads a checkpoint; rl loads, publishes, checksums and adapts parameters by their checkpoint names
+(`experts.<e>.gate_proj.weight`, as vLLM reads them). So the sparse block is replaced, on the meta device before
+sharding, by `RoutedExperts`: the same computation with one module per expert under the checkpoint's names. FSDP2
+shards every expert's matrices with the rest of its transformer block.
+
+Router replay: an MoE's trainer and inference disagree on the experts of many tokens (different kernels, dtypes,
+batch shapes; a near tie flips), which changes the sampled policy the importance ratios assume. With replay the
+block routes each token to the experts inference recorded for it (`route_as`), and weighs them with the softmax
+of its own router logits over those experts (renormalised like top-k): the gate still gets its gradient.
+A token inference did not record (-1: the last token of a sample, padding) is routed by the trainer's router.
+
+The auxiliary load-balancing loss (Switch Transformer: E * sum_e f_e P_e) is off by default for RL: it pulls the
+router towards even load whatever the reward, a change of the sampled policy that neither the advantages nor
+the off-policy bounds account for; pretraining has already balanced the experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+# model_type -> how its sparse block is recognised; the block's config names are Qwen3-MoE's
+MOE_BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock"}
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP, in the checkpoint's layout."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = ACT2FN[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RoutedExperts(nn.Module):
+    """A top-k routed MoE block (softmax router, optional renormalisation of the k weights), its parameters named
+    as in the checkpoint: `gate.weight` [E, H] and `experts.<e>.{gate,up,down}_proj.weight`."""
+
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.layer, self.top_k, self.norm_topk = layer, config.num_experts_per_tok, config.norm_topk_prob
+        self.num_experts = config.num_experts
+        self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
+                                     for _ in range(self.num_experts))
+        self.replay: torch.Tensor | None = None  # [N, k] experts to route each token to, -1: its own choice
+        self.tokens: torch.Tensor | None = None  # [N] bool, the tokens that count in the statistics and aux loss
+        self.counting = False  # add the next forward to the statistics (once: not its recomputation in backward)
+        self.aux_loss: torch.Tensor | None = None  # of the last forward, with its gradient
+        self.stats = RouterStats(self.num_experts)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
+        chosen = self.choose(probs)  # [N, k]
+        weights = probs.gather(1, chosen)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        # Every expert runs, on its tokens or on none: each gets a gradient (zero when idle), so every rank
+        # reduces the same parameters' gradients whichever experts its tokens chose.
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None].to(x.dtype))
+        counted = self.tokens if self.tokens is not None and self.tokens.numel() == len(x) else None
+        self.aux_loss = load_balancing_loss(probs, chosen, counted)
+        if self.counting:
+            self.stats.add(probs.detach(), chosen, counted)
+            self.counting = False
+        return out.reshape(hidden.shape)
+
+    def choose(self, probs: torch.Tensor) -> torch.Tensor:
+        own = probs.topk(self.top_k, dim=-1).indices
+        if self.replay is None:
+            return own
+        if self.replay.shape != own.shape:
+            raise ValueError(f"layer {self.layer}: the recorded experts are {list(self.replay.shape)} for "
+                             f"{list(own.shape)} tokens x top-k")
+        return torch.where(self.replay >= 0, self.replay, own)
+
+
+def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    """E * sum_e f_e P_e over the counted tokens: f_e the share of routing slots that went to e, P_e its mean
+    router probability (1 when perfectly balanced)."""
+    if tokens is not None:
+        probs, chosen = probs[tokens], chosen[tokens]
+    if not len(probs):
+        return probs.sum()
+    experts = probs.shape[-1]
+    share = torch.bincount(chosen.flatten(), minlength=experts).float() / chosen.numel()
+    return experts * (share * probs.mean(0)).sum()
+
+
+class RouterStats:
+    """Sums over a step of one block's router, kept on the device (no host sync per micro-batch): entropy and
+    tokens counted, and how many routing slots each expert took."""
+
+    def __init__(self, experts: int):
+        self.experts = experts
+        self.sums: torch.Tensor | None = None  # [2 + E]: entropy, tokens, then each expert's slots
+
+    def reset(self) -> None:
+        self.sums = None
+
+    def add(self, probs: torch.Tensor, chosen: torch.Tensor, tokens: torch.Tensor | None) -> None:
+        if tokens is not None:
+            probs, chosen = probs[tokens], chosen[tokens]
+        entropy = -(probs * probs.clamp_min(1e-20).log()).sum()
+        load = torch.bincount(chosen.flatten(), minlength=self.experts)
+        row = torch.cat([torch.stack([entropy.double(), torch.tensor(len(probs), device=probs.device).double()]),
+                         load.double()])
+        self.sums = row if self.sums is None else self.sums + row
+
+    def totals(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(2 + self.experts, dtype=torch.float64, device=device) if self.sums is None else self.sums
+
+
+def moe_blocks(model: nn.Module) -> list[RoutedExperts]:
+    return [m for m in model.modules() if isinstance(m, RoutedExperts)]
+
+
+def use_routed_experts(model: nn.Module) -> int:
+    """Replace the model's sparse MoE blocks (on the meta device) by `RoutedExperts`; how many were replaced. A
+    model with MoE blocks of a family rl does not know is refused, naming it."""
+    model_type = model.config.model_type
+    block_class = MOE_BLOCKS.get(model_type)
+    unknown = [type(m).__name__ for m in model.modules() if "Moe" in type(m).__name__ and "Block" in type(m).__name__]
+    if block_class is None:
+        if unknown:
+            raise ValueError(f"{model_type} has mixture-of-experts blocks ({unknown[0]}) that rl cannot train yet; "
+                             f"it trains {sorted(MOE_BLOCKS)}")
+        return 0
+    replaced = 0
+    for index, layer in enumerate(model.model.layers):
+        if type(layer.mlp).__name__ == block_class:
+            layer.mlp = RoutedExperts(model.config, index)
+            replaced += 1
+    return replaced
+
+
+def route_as(model: nn.Module, routed: torch.Tensor | None, tokens: torch.Tensor | None, count: bool) -> None:
+    """Set the experts each MoE block routes the next forward's tokens to: `routed` [B, T, L, k] as inference
+    recorded them (-1: the block's own choice), or None for the model's own routing; `tokens` [B, T] the real
+    tokens (statistics and aux loss count only these); `count`: add that forward to the step's router statistics
+    (the trained pass, not the reference's). Stays set until the next call: activation checkpointing recomputes
+    the forward in backward, which must route the same way."""
+    for block in moe_blocks(model):
+        block.replay = None if routed is None else routed[:, :, block.layer].reshape(-1, block.top_k)
+        block.tokens = None if tokens is None else tokens.reshape(-1)
+        block.counting = count
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The mean over MoE blocks of their last forward's load-balancing loss; None for a dense model."""
+    losses = [b.aux_loss for b in moe_blocks(model) if b.aux_loss is not None]
+    return torch.stack(losses).mean() if losses else None
+
+
+def check_routed(routed: torch.Tensor, layers: int, top_k: int, experts: int, sample: int) -> None:
+    """A sample's recorded experts [T, L, k] must fit the model; raise ValueError naming the sample."""
+    if routed.ndim != 3 or routed.shape[1:] != (layers, top_k):
+        raise ValueError(f"sample {sample}: recorded experts of shape {list(routed.shape)}, the model routes "
+                         f"[tokens, {layers} layers, top-{top_k}]")
+    if routed.numel() and (int(routed.max()) >= experts or int(routed.min()) < -1):
+        raise ValueError(f"sample {sample}: a recorded expert id out of range (min {int(routed.min())}, "
+                         f"max {int(routed.max())}; the model has {experts} experts)")
+
+
+def router_metrics(model: nn.Module, all_reduce) -> dict[str, float]:
+    """The step's router metrics, over all ranks (`all_reduce` sums a list of floats), and the statistics reset:
+    `moe/router_entropy` (mean per token and layer, nats), `moe/max_expert_share` (the most loaded expert's share of
+    a layer's routing slots, the largest over layers; 1/E is even), `moe/aux_loss` is logged by the step."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return {}
+    device = blocks[0].gate.weight.device
+    local = torch.cat([b.stats.totals(device) for b in blocks]).tolist()  # one host sync for every block
+    summed = all_reduce(local)
+    width = 2 + blocks[0].num_experts
+    entropy = tokens = 0.0
+    shares = []
+    for i in range(len(blocks)):
+        row = summed[i * width:(i + 1) * width]
+        entropy, tokens = entropy + row[0], tokens + row[1]
+        load = row[2:]
+        shares.append(max(load) / sum(load) if sum(load) else 0.0)
+    for block in blocks:
+        block.stats.reset()
+    return {"moe/router_entropy": entropy / max(tokens, 1), "moe/max_expert_share": max(shares)}
