@@ -2,7 +2,7 @@
 Qwen2.5 (q/k/v biases) and Gemma 3 (sliding and full attention, a scaled embedding, (1 + w) norms), built by
 `tiny-model --arch`. On-policy (async level 0), so every step's weights are published, reloaded by the server in
 place and proved there (the served checksum in the orchestrator's record) before the next batch is made. One run
-per family. The mixture of experts (qwen3_moe) is not here: the trainer does not yet read its experts."""
+per family; the mixture of experts (qwen3_moe) also resumes, on a tensor-parallel server, with router replay."""
 
 import subprocess
 import sys
@@ -47,3 +47,30 @@ def test_lora_on_llama_serves_each_adapter_the_trainer_made(tmp_path):
     served = {m["step"]: m["served_checksums"] for m in records if m["process"] == "orchestrator"}
     assert served[1] == [made[1]] and served[2] == [made[2]] and made[1] != made[2], (made, served)
     assert "LoRA on 28 layers" in (out / "logs" / "trainer.log").read_text()
+
+
+def test_the_moe_trains_with_router_replay_resumes_and_is_served_by_two_workers(tmp_path):
+    """Qwen3-MoE: 2 steps on one worker, then resumed from the step-1 checkpoint to step 3 on a server of 2
+    tensor-parallel workers (each expert's rows split across them, every shard proved). Inference records each
+    token's experts, the trainer routes every token as recorded; in float32 the trainer's own router picks the
+    recorded experts (so the record is aligned with its tokens), and trainer and inference logprobs agree."""
+    model = tmp_path / "moe"
+    subprocess.run([sys.executable, "-m", "rl.tiny_model", "--out", str(model), "--arch", "qwen3_moe"], check=True,
+                   capture_output=True)
+    out = tmp_path / "run"
+    first = Launched(rl_command(model, out, 2, "--async-level", "0", "--ckpt.interval", "1"))
+    assert first.wait(timeout=300) == 0, "".join(first.lines[-60:])
+    resumed = Launched(rl_command(model, out, 3, "--async-level", "0", "--ckpt.interval", "1", "--resume",
+                                  "--inference.tensor-parallel-size", "2"))
+    assert resumed.wait(timeout=300) == 0, "".join(resumed.lines[-60:])
+    records = read_metrics(RunPaths(out))
+    trained = {m["step"]: m for m in records if m["process"] == "trainer"}
+    assert sorted(trained) == [0, 1, 2]
+    for m in trained.values():
+        assert m["moe/router_agreement"] > 0.95 and m["mismatch_kl"] < 1e-3, m
+        assert 0 < m["moe/router_entropy"] and 1 / 8 <= m["moe/max_expert_share"] <= 1
+        assert "router_replay/unrouted" not in m
+    served = {m["step"]: m.get("served_checksums") for m in records if m["process"] == "orchestrator"}
+    assert served[1] and served[2] and len(served[2]) == 1 and served[1] != served[2], served
+    logs = sorted((out / "logs").glob("inference*.log"))
+    assert any("serving step 2" in log.read_text() for log in logs)

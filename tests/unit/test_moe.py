@@ -69,9 +69,9 @@ def recording_choices(model) -> list[list[torch.Tensor]]:
         original = block.choose
 
         def choose(probs, original=original, i=i):
-            chosen = original(probs)
+            chosen, agreed = original(probs)
             seen[i].append(chosen.clone())
-            return chosen
+            return chosen, agreed
 
         block.choose = choose
     return seen
@@ -159,8 +159,25 @@ def test_a_step_reports_the_router_and_the_aux_loss_trains_the_router_only_when_
         return stats, float((gate.detach().full_tensor() - before).abs().max())
 
     stats, moved = gate_moved(0.0)
+    assert 0 <= stats["moe/router_agreement"] < 0.5  # random records: the router's own choice is seldom the same
     assert 0 < stats["moe/router_entropy"] <= torch.log(torch.tensor(float(EXPERTS)))
     assert 1 / EXPERTS <= stats["moe/max_expert_share"] <= 1 and stats["moe/aux_loss"] > 0
     assert moved == 0
     _, moved = gate_moved(0.1)
     assert moved > 0
+
+
+def test_the_router_agrees_with_a_record_of_its_own_routing(moe_model, world):
+    """Recorded experts that are the trainer's own routing of the same tokens (what inference records in float32)
+    agree everywhere: the record is aligned with the tokens it belongs to."""
+    config, policy = policy_of(moe_model, world)
+    batch = samples(2, seed=7, routed=False)
+    seen = recording_choices(policy)
+    for sample in batch:
+        mb = build_micro_batches([sample], [1.0], 64, 1, True, 0)[0]
+        with torch.no_grad():
+            forward_logprobs(policy, mb)
+        sample.routed_experts = torch.stack([s[-1] for s in seen], 1).to(torch.int16)  # [T, L, k]
+    optimizer = build_optimizer(policy, config.optim)
+    stats = train_step(policy, None, optimizer, build_scheduler(optimizer, config.optim, 10), batch, config, world, 0)
+    assert stats["moe/router_agreement"] == 1.0

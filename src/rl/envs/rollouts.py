@@ -100,6 +100,9 @@ class TokenSegment:
     # the policy version (step) that sampled each token; None where unknown: a token not sampled (completion_mask 0),
     # or one vLLM gave no step label (rl/envs/policy_versions.py)
     completion_versions: list[int | None] = field(default_factory=list)
+    # an MoE's routed experts of every token, prompt and completion: [tokens, layers, top_k] (verifiers' branch
+    # rows, from vLLM's generate replies); None where the server recorded none
+    routed_experts: Any = None
 
 
 @dataclass
@@ -327,7 +330,7 @@ def to_segments(task_index: int, branches: list) -> list[TokenSegment]:
             position = end
         if True in mask:
             versions = [v if m else None for v, m in zip(versions, mask, strict=True)]
-            segments.append(to_segment(ids, mask, logprobs, versions))
+            segments.append(to_segment(ids, mask, logprobs, versions, branch.routed_experts))
     if not segments:
         raise RolloutError(f"rollout of task {task_index} sampled no token")
     return segments
@@ -342,7 +345,8 @@ def node_versions(node: vf.MessageNode) -> list[int | None]:
     return token_versions(stream)
 
 
-def to_segment(ids: list[int], mask: list[bool], logprobs: list[float], versions: list[int | None]) -> TokenSegment:
+def to_segment(ids: list[int], mask: list[bool], logprobs: list[float], versions: list[int | None],
+               routed_experts=None) -> TokenSegment:
     """The prompt of a segment ends where its first trained token starts."""
     start = mask.index(True)
     return TokenSegment(
@@ -351,4 +355,5 @@ def to_segment(ids: list[int], mask: list[bool], logprobs: list[float], versions
         completion_mask=[int(m) for m in mask[start:]],
         completion_logprobs=logprobs[start:],
         completion_versions=versions[start:],
+        routed_experts=routed_experts if routed_experts is not None and len(routed_experts) == len(ids) else None,
     )

@@ -158,6 +158,12 @@ class InferenceConfig(Settings):
                           "reset (the whole prefix cache is dropped at every update and requests in flight recompute "
                           "their KV under the new weights)"),
     ] = "salt"
+    router_replay: Annotated[
+        bool, Field(description="mixture-of-experts: return each token's routed experts with every generation (vLLM's "
+                                "--enable-return-routed-experts), which the trainer routes the same way "
+                                "(trainer.loss.router_replay); on CPU it turns vLLM's prefix cache off. A dense model "
+                                "ignores it")
+    ] = True
     log_generation_requests: Annotated[
         bool, Field(description="a line in the server's access log for every answered generation request (one per "
                                 "rollout turn: thousands per step); refused and failed ones, and every other route, "

@@ -26,6 +26,9 @@ Tensor parallel: each worker fingerprints what it serves, its shard of every ten
 the files' side cuts the same shard out of each whole tensor as it passes (`FileTally(shards=...)`), so every
 worker proves its own part: a wrong row of any shard fails on the worker that serves it.
 
+An MoE's experts are fused and, on CPU, re-packed for vLLM's kernel: they are read back per expert from the buffers
+the kernel reads, and checked against what the kernel computes (rl/inference/experts.py).
+
 With LoRA on (`--enable-lora`), vLLM wraps each layer it can adapt and keeps the original as `<name>.base_layer`:
 the fingerprint reads the base layer under its checkpoint name, so the base model verifies as without LoRA.
 """
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from rl.inference.experts import is_experts, kernel_disagreements, served_experts
 from rl.inference.reading import checkpoint_tensors
 from rl.inference.sharding import Shard, input_shard, output_parts, vocab_rows
 from rl.weights.digest import TensorDigest
@@ -210,6 +214,9 @@ def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, device) -> di
         if isinstance(module, LinearBase):
             prints |= _kernel_prints(prefix, module, dtype, packed, device)
             continue
+        if is_experts(module):
+            prints |= _expert_prints(prefix.removesuffix(".routed_experts"), module, dtype)
+            continue
         for pname, param in module.named_parameters(recurse=False):
             shard = None
             if isinstance(module, VocabParallelEmbedding):  # [padded vocab part, hidden]: padding is never looked up
@@ -251,6 +258,21 @@ def _kernel_prints(prefix: str, module, dtype: torch.dtype, packed: dict, device
     if bias is not None:
         for name, part, b in zip(names, parts, bias.split([p.local for p in parts]), strict=True):
             prints[f"{name}.bias"] = part_fingerprint(b, dtype, (part.full,), part.shard)
+    return prints
+
+
+def _expert_prints(prefix: str, module, dtype: torch.dtype) -> dict:
+    """An MoE layer's experts read back from the buffers its kernel reads (rl/inference/experts.py), each under its
+    checkpoint name; an expert whose kernel does not compute with what was read back gets a NaN fingerprint, which
+    no file matches."""
+    served = served_experts(prefix, module)
+    wrong = kernel_disagreements(prefix, module, served)
+    prints = {}
+    for name, (part, shape, shard) in served.items():
+        fingerprint = part_fingerprint(part, dtype, shape, shard)
+        if name.rpartition(".")[0].rpartition(".")[0] in wrong:
+            fingerprint.dense = torch.full_like(fingerprint.dense, float("nan"))
+        prints[name] = fingerprint
     return prints
 
 

@@ -6,7 +6,9 @@ is compared and quoted as bytes or ASCII, so no request can make an answer fail 
 adds the token strings verifiers' training client reads to the logprobs of `/inference/v1/generate`.
 """
 
+import base64
 import hmac
+import io
 import ipaddress
 import json
 import logging
@@ -15,6 +17,7 @@ import re
 from typing import Annotated
 
 import msgspec
+import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import (
@@ -326,6 +329,8 @@ class GenerateResponse(JSONResponse):
     """
 
     def render(self, content) -> bytes:
+        if isinstance(content, dict):
+            routed_rows_for_renderers(content)
         if isinstance(content, dict) and add_token_strings(content) and not any(
             content.get(name) is not None for name in FLOATS_BESIDE_LOGPROBS
         ):
@@ -336,6 +341,22 @@ class GenerateResponse(JSONResponse):
 # The fields of vLLM's generate response that may hold floats, beside the choices' logprobs (a unit test reads
 # vLLM's response models to keep this list whole). rl asks for none of them.
 FLOATS_BESIDE_LOGPROBS = ("prompt_logprobs", "metrics", "kv_transfer_params", "ec_transfer_params")
+
+
+def routed_rows_for_renderers(response: dict) -> None:
+    """An MoE's routed experts (router replay), in place: vLLM writes each choice's as base64 of a `.npy` file of
+    rows [prompt + completion - 1 - start, layers, top_k]; verifiers' client (`renderers`) reads
+    `{"data": base64 of the raw rows, "dtype", "shape", "start"}`, `start` the first position the rows cover (the
+    request's `routed_experts_prompt_start`, which the response does not repeat: found from the token counts)."""
+    prompt = (response.get("usage") or {}).get("prompt_tokens")
+    for choice in response.get("choices") or ():
+        encoded = choice.get("routed_experts")
+        if not isinstance(encoded, str) or prompt is None:
+            continue
+        rows = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+        start = prompt + len(choice.get("token_ids") or ()) - 1 - len(rows)
+        choice["routed_experts"] = {"data": base64.b64encode(np.ascontiguousarray(rows).tobytes()).decode("ascii"),
+                                    "dtype": str(rows.dtype), "shape": list(rows.shape), "start": start}
 
 
 def add_token_strings(response: dict) -> bool:

@@ -7,6 +7,7 @@ queues then sleep between polls instead of spinning. The entrypoint is `python -
 """
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -47,6 +48,7 @@ def vllm_argv(config: InferenceConfig, model_dir: str, memory_share: float, host
         "--worker-extension-cls", WORKER_EXTENSION, "--middleware", MIDDLEWARE,
     ]
     argv += ["--enforce-eager"] if config.enforce_eager else []
+    argv += routed_experts_args(model_dir) if config.router_replay else []
     argv += ["--kv-cache-memory-bytes", str(int(config.kv_cache_gib * 2**30))] if config.kv_cache_gib else []
     argv += ["--disable-log-stats"] if config.log_stats is False else []
     # Parsed in this process (never a command line others can read); vLLM's log of its args hides it.
@@ -54,6 +56,29 @@ def vllm_argv(config: InferenceConfig, model_dir: str, memory_share: float, host
     # One adapter slot: the policy's adapter, replaced in place at every step.
     argv += ["--enable-lora", "--max-lora-rank", str(config.lora.max_rank), "--max-loras", "1"] if config.lora else []
     return argv + host_args + config.extra_args
+
+
+def is_moe(model_dir: str) -> bool:
+    """Whether the model's config.json describes a mixture of experts (Qwen3-MoE's and Mixtral's names)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():  # serve() refuses a model that is not a local directory
+        return False
+    config = json.loads(path.read_text())
+    return any(config.get(key) for key in ("num_experts", "num_local_experts"))
+
+
+def routed_experts_args(model_dir: str) -> list[str]:
+    """An MoE's routed experts in every generation's reply; on CPU with prefix caching off (rl's recorder there,
+    `patches.capture_routed_experts_on_cpu`, computes every token it reports)."""
+    if not is_moe(model_dir):
+        return []
+    return ["--enable-return-routed-experts"] + (["--no-enable-prefix-caching"] if on_cpu() else [])
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def check_lora_name(config: InferenceConfig, model_dir: str) -> None:
@@ -121,6 +146,13 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
         raise ValueError(f"model {model_dir!r} must be a local Hugging Face directory (its files are verified)")
     check_lora_name(config, model_dir)
     forks = cpu_start_method()  # before vLLM's own set-up, which sets spawn where nothing is set
+    if is_moe(model_dir) and on_cpu():
+        patches.vllm_cpu_moe_reload()  # inherited by the engine core and workers, forked from here
+    if config.router_replay and is_moe(model_dir) and on_cpu():
+        if not forks:
+            raise ValueError(f"inference.router_replay on CPU records the experts in vLLM's forked processes, but "
+                             f"{patches.START_METHOD_ENV} is set: unset it, or set inference.router_replay = false")
+        patches.capture_routed_experts_on_cpu()  # inherited by the engine core and workers, forked from here
     args = parsed_vllm_args(vllm_argv(config, model_dir, memory_share, host_args))
     args.rl_admin = AdminSettings(  # what the gate and the policy it serves read
         base_model=model_dir, weights_dir=str(config.weights_dir) if config.weights_dir else None,

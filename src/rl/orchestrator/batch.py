@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
 from rl.envs.rollouts import GroupOutcome, RolloutResult, TokenSegment
 from rl.orchestrator.advantage import admitted, group_advantages
 from rl.orchestrator.config import OrchestratorConfig
@@ -20,6 +23,7 @@ class StepBatch:
     dropped_by_env: Counter = field(default_factory=Counter)  # the same, by env name
     dropped_groups: Counter = field(default_factory=Counter)  # groups left out whole, by env name
     served_at_finish: list[int] = field(default_factory=list)  # per sample: the policy served when its group ended
+    unrouted: int = 0  # MoE: samples whose server recorded no routed experts (the trainer routes them itself)
 
     def drop(self, reason: str, env: str, count: int) -> None:
         self.dropped[reason] += count
@@ -50,10 +54,31 @@ def build_batch(config: OrchestratorConfig, outcomes: list[GroupOutcome], served
         batch.served_at_finish.extend([served] * len(samples))
     if not batch.samples:
         raise RuntimeError(f"no rollout of the step is trainable ({dict(batch.dropped)}){failures(outcomes)}")
+    batch.unrouted = route_all_or_none(batch.samples)
     keep = len(batch.samples) - len(batch.samples) % config.trainer_world_size
     batch.dropped["uneven_for_ranks"] += len(batch.samples) - keep
     batch.samples, batch.served_at_finish = batch.samples[:keep], batch.served_at_finish[:keep]
     return batch
+
+
+def routed_rows(rows, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """An MoE's routed experts as a batch holds them: int16 [tokens, layers, top_k] from an array of rows (vLLM's
+    uint8 or uint16), or, without rows, `shape` of -1 (not recorded)."""
+    if rows is None:
+        return torch.full(shape, -1, dtype=torch.int16)
+    return torch.from_numpy(np.asarray(rows).astype(np.int16))
+
+
+def route_all_or_none(samples: list[Sample]) -> int:
+    """A batch's samples carry routed experts all or none: where some do (an MoE, router replay), each that lacks
+    them gets rows of -1 (the trainer routes those tokens itself). How many lacked them."""
+    shapes = [s.routed_experts.shape[1:] for s in samples if s.routed_experts is not None]
+    if not shapes:
+        return 0
+    unrouted = [s for s in samples if s.routed_experts is None]
+    for sample in unrouted:
+        sample.routed_experts = routed_rows(None, (len(sample.input_ids), *shapes[0]))
+    return len(unrouted)
 
 
 def group_samples(config: OrchestratorConfig, outcome: GroupOutcome, batch: StepBatch) -> list[Sample]:
@@ -109,6 +134,7 @@ def to_sample(
         reward=reward,
         policy_version=oldest,
         token_versions=[oldest] * prompt + versions,
+        routed_experts=None if segment.routed_experts is None else routed_rows(segment.routed_experts),
     )
 
 

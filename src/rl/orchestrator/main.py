@@ -64,7 +64,8 @@ class Orchestrator:
         self.slots = RolloutSlots(max(config.rollouts_in_flight, self.concurrency.ceiling if self.concurrency else 0))
         self.servers = ServerBoard(self.pool, config.client, logger)
         self.sync = policy_sync(config, self.pool, self.servers, logger)  # files or offers, chosen once
-        self.unlogged_served: list[dict] | None = None  # the step-0 adapter's load, logged with batch 0
+        # what the servers loaded before the first batch (a resumed policy, the step-0 adapter), logged with it
+        self.unlogged_served: list[dict] | None = None
         self.start_step, pending = 0, []
         if config.resume_step is not None:
             pending = self.restore(config.resume_step)
@@ -286,6 +287,7 @@ class Orchestrator:
         return rollout_stats(batch.kept) | {
             "samples": len(batch.samples),
             "dropped": sum(batch.dropped.values()),
+            **({"router_replay/unrouted": batch.unrouted} if batch.unrouted else {}),
             "dropped_by_reason": {k: v for k, v in batch.dropped.items() if v},
             **{f"dropped/{name}": count for name, count in batch.dropped_by_env.items()},
             **{f"dropped_groups/{name}": count for name, count in batch.dropped_groups.items()},

@@ -23,10 +23,9 @@ class PolicySync:
 
     async def start(self, resumed: bool) -> list[dict] | None:
         """Before the first batch: a resumed run's servers load the newest published weights; with LoRA, fresh
-        servers get the trainer's step-0 adapter. What the step-0 adapter's servers serve (logged with batch 0)."""
+        servers get the trainer's step-0 adapter. What the servers now serve (logged with the first batch)."""
         if resumed and stable_steps(self.paths.weights_root):
-            await self.load_newest_policy()
-            return None
+            return await self.load_newest_policy()
         if self.config.adapter:
             return await self.load_first_adapter()
         return None

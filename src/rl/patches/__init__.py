@@ -37,14 +37,19 @@ save is in benchmarks/RESULTS.md, why each exists in docs/architecture.md ("Patc
   initialised, not by spawn, and each forked worker takes the OpenMP threads and cores vLLM chose for it
   (`vllm_cpu_fork`), applied by the inference server on CPU hosts (`rl.inference.server.cpu_start_method`);
 - vLLM: its generate route answers through the inference gate's response class, which adds token strings and
-  writes the response once (`render_generate_responses`), applied by the gate when vLLM builds it.
+  writes the response once (`render_generate_responses`), applied by the gate when vLLM builds it;
+- vLLM: its CPU runner records the experts each token was routed to, which vLLM records only in its GPU runner
+  (`capture_routed_experts_on_cpu`, patches/routed_experts.py), applied by the inference server on CPU hosts
+  for an MoE with `inference.router_replay`;
+- vLLM: its in-place reload packs a CPU MoE layer's experts for the kernel again (`vllm_cpu_moe_reload`), which
+  vLLM 0.32 skips, applied by the inference server on CPU hosts for an MoE.
 
 The package: `verifiers` (verifiers, its env-server pool included), `token_versions` (verifiers' sampled nodes,
-stamped), `pydantic`, `renderers` (in the processes that run episodes), `vllm` (in vLLM's processes), `local_route`
-(an aiohttp handler called in process); `targets` holds what they share, and this module names every patch. The
-imports of the patched libraries stay inside the functions: vLLM loads this module in every process it starts,
-where neither pydantic's internals nor verifiers are needed. A patch whose target is gone (the library changed)
-raises `PatchTargetMissing` when it is applied, at start-up: it never silently stops applying.
+stamped), `pydantic`, `renderers` (in the processes that run episodes), `vllm` and `routed_experts` (in vLLM's
+processes), `local_route` (an aiohttp handler called in process); `targets` holds what they share, and this module
+names every patch. The imports of the patched libraries stay inside the functions: vLLM loads this module in every
+process it starts, where neither pydantic's internals nor verifiers are needed. A patch whose target is gone (the
+library changed) raises `PatchTargetMissing` when it is applied, at start-up: it never silently stops applying.
 """
 
 from __future__ import annotations
@@ -59,10 +64,11 @@ from rl.patches.verifiers import (  # noqa: F401 - the patches, by name
     use_engine_client, answer_health_with, fork_pool_workers, guard_requests, pool_workers,
 )
 from rl.patches.token_versions import stamp_policy_versions  # noqa: F401
+from rl.patches.routed_experts import capture_routed_experts_on_cpu  # noqa: F401
 from rl.patches.renderers import (  # noqa: F401
     decode_engine_replies_with_msgspec, remember_renders, remember_short_encodes, remembered_on_loop,
 )
 from rl.patches.vllm import (  # noqa: F401
     CPU_POLL_S, POLL_ENV, START_METHOD_ENV, poll_interval, render_generate_responses, vllm_cpu_fork,
-    vllm_shm_polling,
+    vllm_cpu_moe_reload, vllm_shm_polling,
 )

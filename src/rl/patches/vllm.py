@@ -102,3 +102,27 @@ def vllm_cpu_fork(child_set_up) -> None:
     from rl.process import register_fork_hooks  # rl's own code, not a patch: the hooks around each fork
 
     register_fork_hooks(after_in_child=child_set_up)
+
+
+def vllm_cpu_moe_reload() -> None:
+    """vLLM 0.32's in-place reload skips its CPU MoE kernel's set-up for a layer it has set up before (it treats the
+    reload as an update of weights already in place): the reloaded experts stay in checkpoint layout, which the kernel
+    reads as its packed layout (wrong logits; with a padded intermediate size the reload fails on a shape). This
+    packs (and pads) a reloaded layer's experts as a first load does, before vLLM copies them into the served
+    buffers. Applied by the inference server on CPU hosts for an MoE (its engine core and workers are forked from
+    it); the served fingerprint reads the experts back from the kernel's buffers, so a reload without it is refused."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    set_up = patch_target(UnquantizedFusedMoEMethod, "_setup_kernel", "vllm")
+    if getattr(set_up, "rl_packs_reloads", False):
+        return
+
+    def set_up_and_pack(self, layer, w13, w2):
+        reloading = self.moe_kernel is not None
+        set_up(self, layer, w13, w2)
+        if reloading and self.unquantized_backend == UnquantizedMoeBackend.CPU:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    set_up_and_pack.rl_packs_reloads = True
+    UnquantizedFusedMoEMethod._setup_kernel = set_up_and_pack

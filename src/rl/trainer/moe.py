@@ -62,7 +62,7 @@ class RoutedExperts(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, hidden.shape[-1])
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
-        chosen = self.choose(probs)  # [N, k]
+        chosen, agreed = self.choose(probs)  # [N, k]; [N] own choice = recorded (-1: nothing recorded)
         weights = probs.gather(1, chosen)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -75,18 +75,23 @@ class RoutedExperts(nn.Module):
         counted = self.tokens if self.tokens is not None and self.tokens.numel() == len(x) else None
         self.aux_loss = load_balancing_loss(probs, chosen, counted)
         if self.counting:
-            self.stats.add(probs.detach(), chosen, counted)
+            self.stats.add(probs.detach(), chosen, agreed, counted)
             self.counting = False
         return out.reshape(hidden.shape)
 
-    def choose(self, probs: torch.Tensor) -> torch.Tensor:
+    def choose(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The experts of each token: the recorded ones where there are, else the router's top-k; and whether the
+        router's own choice is the recorded one (as sets; -1 where nothing was recorded), None without a record."""
         own = probs.topk(self.top_k, dim=-1).indices
         if self.replay is None:
-            return own
+            return own, None
         if self.replay.shape != own.shape:
             raise ValueError(f"layer {self.layer}: the recorded experts are {list(self.replay.shape)} for "
                              f"{list(own.shape)} tokens x top-k")
-        return torch.where(self.replay >= 0, self.replay, own)
+        recorded = (self.replay >= 0).all(-1)
+        same = (own.sort(-1).values == self.replay.sort(-1).values).all(-1)
+        agreed = torch.where(recorded, same.long(), -1)
+        return torch.where(self.replay >= 0, self.replay, own), agreed
 
 
 def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
@@ -107,22 +112,26 @@ class RouterStats:
 
     def __init__(self, experts: int):
         self.experts = experts
-        self.sums: torch.Tensor | None = None  # [2 + E]: entropy, tokens, then each expert's slots
+        # [4 + E]: entropy, tokens, recorded tokens, those whose own routing was the recorded one, each expert's slots
+        self.sums: torch.Tensor | None = None
 
     def reset(self) -> None:
         self.sums = None
 
-    def add(self, probs: torch.Tensor, chosen: torch.Tensor, tokens: torch.Tensor | None) -> None:
+    def add(self, probs: torch.Tensor, chosen: torch.Tensor, agreed: torch.Tensor | None,
+            tokens: torch.Tensor | None) -> None:
+        if agreed is None:
+            agreed = torch.full(chosen.shape[:1], -1, device=chosen.device)
         if tokens is not None:
-            probs, chosen = probs[tokens], chosen[tokens]
+            probs, chosen, agreed = probs[tokens], chosen[tokens], agreed[tokens]
         entropy = -(probs * probs.clamp_min(1e-20).log()).sum()
         load = torch.bincount(chosen.flatten(), minlength=self.experts)
-        row = torch.cat([torch.stack([entropy.double(), torch.tensor(len(probs), device=probs.device).double()]),
-                         load.double()])
+        counts = torch.stack([torch.tensor(len(probs), device=probs.device), (agreed >= 0).sum(), (agreed == 1).sum()])
+        row = torch.cat([entropy.double()[None], counts.double(), load.double()])
         self.sums = row if self.sums is None else self.sums + row
 
     def totals(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros(2 + self.experts, dtype=torch.float64, device=device) if self.sums is None else self.sums
+        return torch.zeros(4 + self.experts, dtype=torch.float64, device=device) if self.sums is None else self.sums
 
 
 def moe_blocks(model: nn.Module) -> list[RoutedExperts]:
@@ -179,21 +188,19 @@ def check_routed(routed: torch.Tensor, layers: int, top_k: int, experts: int, sa
 def router_metrics(model: nn.Module, all_reduce) -> dict[str, float]:
     """The step's router metrics, over all ranks (`all_reduce` sums a list of floats), and the statistics reset:
     `moe/router_entropy` (mean per token and layer, nats), `moe/max_expert_share` (the most loaded expert's share of
-    a layer's routing slots, the largest over layers; 1/E is even), `moe/aux_loss` is logged by the step."""
+    a layer's routing slots, the largest over layers; 1/E is even), `moe/router_agreement` (with a record: the share
+    of recorded token-layers whose own top-k is the recorded one, replayed or not); `moe/aux_loss` is the step's."""
     blocks = moe_blocks(model)
     if not blocks:
         return {}
     device = blocks[0].gate.weight.device
     local = torch.cat([b.stats.totals(device) for b in blocks]).tolist()  # one host sync for every block
     summed = all_reduce(local)
-    width = 2 + blocks[0].num_experts
-    entropy = tokens = 0.0
-    shares = []
-    for i in range(len(blocks)):
-        row = summed[i * width:(i + 1) * width]
-        entropy, tokens = entropy + row[0], tokens + row[1]
-        load = row[2:]
-        shares.append(max(load) / sum(load) if sum(load) else 0.0)
+    width = 4 + blocks[0].num_experts
+    rows = [summed[i * width:(i + 1) * width] for i in range(len(blocks))]
+    entropy, tokens, recorded, agreed = (sum(row[j] for row in rows) for j in range(4))
+    shares = [max(row[4:]) / sum(row[4:]) if sum(row[4:]) else 0.0 for row in rows]
     for block in blocks:
         block.stats.reset()
-    return {"moe/router_entropy": entropy / max(tokens, 1), "moe/max_expert_share": max(shares)}
+    agreement = {"moe/router_agreement": agreed / recorded} if recorded else {}
+    return agreement | {"moe/router_entropy": entropy / max(tokens, 1), "moe/max_expert_share": max(shares)}
