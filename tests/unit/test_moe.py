@@ -68,10 +68,10 @@ def recording_choices(model) -> list[list[torch.Tensor]]:
     for i, block in enumerate(moe_blocks(model)):
         original = block.choose
 
-        def choose(probs, original=original, i=i):
-            chosen, agreed = original(probs)
+        def choose(own, original=original, i=i):
+            chosen = original(own)
             seen[i].append(chosen.clone())
-            return chosen, agreed
+            return chosen
 
         block.choose = choose
     return seen
@@ -160,6 +160,7 @@ def test_a_step_reports_the_router_and_the_aux_loss_trains_the_router_only_when_
 
     stats, moved = gate_moved(0.0)
     assert 0 <= stats["moe/router_agreement"] < 0.5  # random records: the router's own choice is seldom the same
+    assert stats["moe/routed_as_recorded"] == 1.0  # replayed: every recorded token-layer went where inference sent it
     assert 0 < stats["moe/router_entropy"] <= torch.log(torch.tensor(float(EXPERTS)))
     assert 1 / EXPERTS <= stats["moe/max_expert_share"] <= 1 and stats["moe/aux_loss"] > 0
     assert moved == 0
@@ -181,3 +182,15 @@ def test_the_router_agrees_with_a_record_of_its_own_routing(moe_model, world):
     optimizer = build_optimizer(policy, config.optim)
     stats = train_step(policy, None, optimizer, build_scheduler(optimizer, config.optim, 10), batch, config, world, 0)
     assert stats["moe/router_agreement"] == 1.0
+
+
+def test_without_replay_the_record_is_only_compared_with_the_routing(moe_model, world):
+    config, policy = policy_of(moe_model, world, router_replay=False)
+    optimizer = build_optimizer(policy, config.optim)
+    stats = train_step(policy, None, optimizer, build_scheduler(optimizer, config.optim, 10), samples(3, seed=8),
+                       config, world, 0)
+    assert stats["moe/routed_as_recorded"] == stats["moe/router_agreement"] < 0.5
+    unrecorded = samples(2, seed=9, routed=False)  # a dense-like batch: no record, nothing refused
+    stats = train_step(policy, None, optimizer, build_scheduler(optimizer, config.optim, 10), unrecorded, config,
+                       world, 0)
+    assert "moe/router_agreement" not in stats and stats["moe/router_entropy"] > 0

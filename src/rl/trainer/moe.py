@@ -56,13 +56,15 @@ class RoutedExperts(nn.Module):
         self.replay: torch.Tensor | None = None  # [N, k] experts to route each token to, -1: its own choice
         self.tokens: torch.Tensor | None = None  # [N] bool, the tokens that count in the statistics and aux loss
         self.counting = False  # add the next forward to the statistics (once: not its recomputation in backward)
+        self.follow = True  # route as recorded (router replay); False: the record is only compared with the routing
         self.aux_loss: torch.Tensor | None = None  # of the last forward, with its gradient
         self.stats = RouterStats(self.num_experts)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, hidden.shape[-1])
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
-        chosen, agreed = self.choose(probs)  # [N, k]; [N] own choice = recorded (-1: nothing recorded)
+        own = probs.topk(self.top_k, dim=-1).indices  # [N, k]
+        chosen = self.choose(own)
         weights = probs.gather(1, chosen)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -75,23 +77,18 @@ class RoutedExperts(nn.Module):
         counted = self.tokens if self.tokens is not None and self.tokens.numel() == len(x) else None
         self.aux_loss = load_balancing_loss(probs, chosen, counted)
         if self.counting:
-            self.stats.add(probs.detach(), chosen, agreed, counted)
+            self.stats.add(probs.detach(), own, chosen, self.replay, counted)
             self.counting = False
         return out.reshape(hidden.shape)
 
-    def choose(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The experts of each token: the recorded ones where there are, else the router's top-k; and whether the
-        router's own choice is the recorded one (as sets; -1 where nothing was recorded), None without a record."""
-        own = probs.topk(self.top_k, dim=-1).indices
+    def choose(self, own: torch.Tensor) -> torch.Tensor:
+        """The experts of each token: with replay, the recorded ones where there are; else the router's top-k."""
         if self.replay is None:
-            return own, None
+            return own
         if self.replay.shape != own.shape:
             raise ValueError(f"layer {self.layer}: the recorded experts are {list(self.replay.shape)} for "
                              f"{list(own.shape)} tokens x top-k")
-        recorded = (self.replay >= 0).all(-1)
-        same = (own.sort(-1).values == self.replay.sort(-1).values).all(-1)
-        agreed = torch.where(recorded, same.long(), -1)
-        return torch.where(self.replay >= 0, self.replay, own), agreed
+        return torch.where(self.replay >= 0, self.replay, own) if self.follow else own
 
 
 def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
@@ -112,26 +109,32 @@ class RouterStats:
 
     def __init__(self, experts: int):
         self.experts = experts
-        # [4 + E]: entropy, tokens, recorded tokens, those whose own routing was the recorded one, each expert's slots
+        # [5 + E]: entropy, tokens, recorded tokens, those whose router chose as recorded, those routed as recorded,
+        # then each expert's routing slots
         self.sums: torch.Tensor | None = None
 
     def reset(self) -> None:
         self.sums = None
 
-    def add(self, probs: torch.Tensor, chosen: torch.Tensor, agreed: torch.Tensor | None,
+    def add(self, probs: torch.Tensor, own: torch.Tensor, chosen: torch.Tensor, recorded: torch.Tensor | None,
             tokens: torch.Tensor | None) -> None:
-        if agreed is None:
-            agreed = torch.full(chosen.shape[:1], -1, device=chosen.device)
+        if recorded is None:
+            recorded = torch.full_like(own, -1)
         if tokens is not None:
-            probs, chosen, agreed = probs[tokens], chosen[tokens], agreed[tokens]
+            probs, own, chosen, recorded = probs[tokens], own[tokens], chosen[tokens], recorded[tokens]
         entropy = -(probs * probs.clamp_min(1e-20).log()).sum()
         load = torch.bincount(chosen.flatten(), minlength=self.experts)
-        counts = torch.stack([torch.tensor(len(probs), device=probs.device), (agreed >= 0).sum(), (agreed == 1).sum()])
+        has_record = (recorded >= 0).all(-1)
+        record = recorded.sort(-1).values
+        own_agrees = has_record & (own.sort(-1).values == record).all(-1)
+        chosen_agrees = has_record & (chosen.sort(-1).values == record).all(-1)
+        counts = torch.stack([torch.tensor(len(probs), device=probs.device), has_record.sum(), own_agrees.sum(),
+                              chosen_agrees.sum()])
         row = torch.cat([entropy.double()[None], counts.double(), load.double()])
         self.sums = row if self.sums is None else self.sums + row
 
     def totals(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros(4 + self.experts, dtype=torch.float64, device=device) if self.sums is None else self.sums
+        return torch.zeros(5 + self.experts, dtype=torch.float64, device=device) if self.sums is None else self.sums
 
 
 def moe_blocks(model: nn.Module) -> list[RoutedExperts]:
@@ -155,6 +158,12 @@ def use_routed_experts(model: nn.Module) -> int:
             layer.mlp = RoutedExperts(model.config, index)
             replaced += 1
     return replaced
+
+
+def follow_records(model: nn.Module, follow: bool) -> None:
+    """Route as inference recorded (router replay), or only compare the routing with the record."""
+    for block in moe_blocks(model):
+        block.follow = follow
 
 
 def route_as(model: nn.Module, routed: torch.Tensor | None, tokens: torch.Tensor | None, count: bool) -> None:
@@ -188,19 +197,21 @@ def check_routed(routed: torch.Tensor, layers: int, top_k: int, experts: int, sa
 def router_metrics(model: nn.Module, all_reduce) -> dict[str, float]:
     """The step's router metrics, over all ranks (`all_reduce` sums a list of floats), and the statistics reset:
     `moe/router_entropy` (mean per token and layer, nats), `moe/max_expert_share` (the most loaded expert's share of
-    a layer's routing slots, the largest over layers; 1/E is even), `moe/router_agreement` (with a record: the share
-    of recorded token-layers whose own top-k is the recorded one, replayed or not); `moe/aux_loss` is the step's."""
+    a layer's routing slots, the largest over layers; 1/E is even); with inference's record, the shares of recorded
+    token-layers whose router chose the recorded experts (`moe/router_agreement`) and that were routed to them
+    (`moe/routed_as_recorded`: 1 with replay); `moe/aux_loss` is the step's."""
     blocks = moe_blocks(model)
     if not blocks:
         return {}
     device = blocks[0].gate.weight.device
     local = torch.cat([b.stats.totals(device) for b in blocks]).tolist()  # one host sync for every block
     summed = all_reduce(local)
-    width = 4 + blocks[0].num_experts
+    width = 5 + blocks[0].num_experts
     rows = [summed[i * width:(i + 1) * width] for i in range(len(blocks))]
-    entropy, tokens, recorded, agreed = (sum(row[j] for row in rows) for j in range(4))
-    shares = [max(row[4:]) / sum(row[4:]) if sum(row[4:]) else 0.0 for row in rows]
+    entropy, tokens, recorded, own, routed = (sum(row[j] for row in rows) for j in range(5))
+    shares = [max(row[5:]) / sum(row[5:]) if sum(row[5:]) else 0.0 for row in rows]
     for block in blocks:
         block.stats.reset()
-    agreement = {"moe/router_agreement": agreed / recorded} if recorded else {}
+    agreement = {"moe/router_agreement": own / recorded, "moe/routed_as_recorded": routed / recorded} \
+        if recorded else {}
     return agreement | {"moe/router_entropy": entropy / max(tokens, 1), "moe/max_expert_share": max(shares)}

@@ -13,7 +13,7 @@ from rl.trainer.data import MicroBatch, build_micro_batches, empty_micro_batch, 
 from rl.trainer.lora import adapters_disabled
 from rl.trainer.loss import StepTotals, policy_loss, sample_weight
 from rl.trainer.model import forward_logprobs, forward_scores
-from rl.trainer.moe import aux_loss, check_routed, moe_blocks, router_metrics
+from rl.trainer.moe import aux_loss, check_routed, follow_records, moe_blocks, router_metrics
 from rl.trainer.output_head import TeacherTopK
 from rl.trainer.optim import clip_gradients
 from rl.trainer.world import World
@@ -60,13 +60,17 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
 
 
 def replay_routes(samples: list[Sample], policy, replay: bool) -> list[Sample]:
-    """The samples as the step trains them: with their recorded experts for an MoE policy with `replay` on (each
-    checked against the model; a sample without them is refused), without them otherwise."""
+    """The samples as the step trains them. An MoE policy routes each token to the experts inference recorded with
+    `replay` on (each sample's record checked against the model; one without a record is refused), and only
+    compares its routing with the record otherwise; a dense policy drops any record."""
     blocks = moe_blocks(policy)
-    if not (blocks and replay):
+    if not blocks:
         return [replace(s, routed_experts=None) if s.routed_experts is not None else s for s in samples]
+    follow_records(policy, replay)
     for i, s in enumerate(samples):
         if s.routed_experts is None:
+            if not replay:
+                continue
             raise ValueError(f"sample {i} of the batch carries no routed experts, and trainer.loss.router_replay is "
                              "on for this mixture-of-experts model: inference records them (inference.router_replay)"
                              "; or set trainer.loss.router_replay = false")
