@@ -234,3 +234,19 @@ def test_launcher_command_lines_of_concurrency_and_its_last_line(model, tmp_path
                                       "too_old": 0, "preemptions": 8, "cap": 24, "kv": None, "shed": 0}
     assert concurrency.summary(results) == ("adaptive 1.50x tokens/s of the best fixed cap, 3.00x of the worst, "
                                             "preemptions 8 vs 60")
+
+
+def test_launcher_command_lines_of_router_replay_and_what_it_measures(model, tmp_path, monkeypatch, capsys):
+    """Both sides' command lines are accepted; the measure is the steps' mean, and a run whose trainer saw no
+    record of inference's routing (a dense model) is an error, not a figure."""
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    replay = benchmark("router_replay")
+    args = parsed(replay, ["--model", str(model)])
+    for side, flags in replay.SIDES.items():
+        dry_run(replay.rl_command(model, tmp_path / side, args, *flags), capsys)
+    steps = [{"moe/routed_as_recorded": share, "moe/router_agreement": share, "mismatch_kl": kl}
+             for share, kl in ((0.96, 2e-6), (0.98, 4e-6))]
+    assert replay.measure(steps) == pytest.approx({"moe/routed_as_recorded": 0.97, "moe/router_agreement": 0.97,
+                                                   "mismatch_kl": 3e-6})
+    with pytest.raises(RuntimeError, match="is --model a mixture of experts"):
+        replay.measure([{"mismatch_kl": 1e-6}])

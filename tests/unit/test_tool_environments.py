@@ -43,6 +43,30 @@ def test_auto_reads_a_local_models_template(tiny, tmp_path):
     assert renderer_config("auto", str(tmp_path))[0] == DefaultRendererConfig()
 
 
+@pytest.mark.parametrize("hub_name, renderer", [
+    ("Qwen/Qwen3-30B-A3B", "qwen3"),  # the MoE users run most: Qwen3's renderer, tools and thinking
+    ("Qwen/Qwen3-235B-A22B", "qwen3"),
+    ("meta-llama/Llama-3.2-3B-Instruct", "llama-3"),  # Llama 3's headers and its JSON tool calls
+])
+def test_auto_picks_each_familys_own_renderer_by_hub_name(hub_name, renderer):
+    config, why = renderer_config("auto", hub_name)  # by name: nothing is downloaded
+    assert config.name == renderer and hub_name in why
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama", "qwen2", "gemma3"])
+def test_auto_reads_each_local_familys_template(arch, tmp_path):
+    """A family's local directory (tiny-model --arch: each with the tokenizer's ChatML template and its <tool_call>
+    tokens, as Qwen2.5's) renders with its own template and Qwen3's parser; a template that writes no tool calls
+    (Gemma 3's) renders without tools, so a tool environment is refused at start-up (below)."""
+    model = build_tiny_model(tmp_path / arch, arch=arch)
+    assert renderer_config("auto", str(model))[0] == DefaultRendererConfig(tool_parser="qwen3")
+    gemma_like = build_tokenizer()
+    gemma_like.chat_template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == "
+                                "'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}")
+    gemma_like.save_pretrained(tmp_path / "gemma-like")
+    assert renderer_config("auto", str(tmp_path / "gemma-like"))[0] == DefaultRendererConfig()
+
+
 def test_explicit_renderers_and_bad_ones(tiny):
     assert renderer_config("qwen3", tiny)[0] == Qwen3RendererConfig()
     table = {"name": "default", "tool_parser": "qwen3"}

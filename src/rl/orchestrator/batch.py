@@ -69,6 +69,13 @@ def routed_rows(rows, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     return torch.from_numpy(np.asarray(rows).astype(np.int16))
 
 
+def unrecorded_last(rows: torch.Tensor) -> torch.Tensor:
+    """The last token's row marked not recorded (-1): inference never runs its model on a rollout's last token, and
+    verifiers fills its row with a copy of the one before (the trainer routes that token itself)."""
+    rows[-1] = -1
+    return rows
+
+
 def route_all_or_none(samples: list[Sample]) -> int:
     """A batch's samples carry routed experts all or none: where some do (an MoE, router replay), each that lacks
     them gets rows of -1 (the trainer routes those tokens itself). How many lacked them."""
@@ -134,7 +141,7 @@ def to_sample(
         reward=reward,
         policy_version=oldest,
         token_versions=[oldest] * prompt + versions,
-        routed_experts=None if segment.routed_experts is None else routed_rows(segment.routed_experts),
+        routed_experts=None if segment.routed_experts is None else unrecorded_last(routed_rows(segment.routed_experts)),
     )
 
 
