@@ -5,13 +5,14 @@
 #   <out>/run         the RL run: metrics.jsonl, summary.json, reward.png, logs/
 #
 #   bash scripts/quickstart.sh [OUTPUT_DIR]
+#   RL_TINY_ARCH=qwen3_moe bash scripts/quickstart.sh   # another family (tiny-model --arch), here the MoE
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . scripts/uv_path.sh  # where install.sh puts uv if it had none
 out="${1:-outputs/quickstart-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$out"
-uv run tiny-model --out "$out/model-tiny"
+uv run tiny-model --out "$out/model-tiny" --arch "${RL_TINY_ARCH:-qwen3}"
 # --local-addr: the ranks meet at 127.0.0.1, not at this host's name (a container may leave it unresolvable)
 uv run torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node 2 -m rl.trainer.sft @ configs/reverse_text/sft.toml \
   --model.name "$out/model-tiny" --output-dir "$out/model-sft"
