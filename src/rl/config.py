@@ -104,6 +104,16 @@ def local_model_dir(name: str) -> str:
     return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
 
 
+def is_moe(model: str) -> bool:
+    """Whether a local model directory's config.json describes a mixture of experts (Qwen3-MoE's and Mixtral's
+    names); False for anything else, a hub id included."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    return any(config.get(key) for key in ("num_experts", "num_local_experts"))
+
+
 class CkptConfig(Section):
     interval: Annotated[
         int | None, Field(ge=1, description="checkpoint every N steps (and at the end); unset: only at the end")

@@ -7,7 +7,6 @@ queues then sleep between polls instead of spinning. The entrypoint is `python -
 """
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -15,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from rl import patches
+from rl.config import is_moe
 from rl.inference import cpu_fork
 from rl.inference.config import InferenceConfig
 from rl.inference.gate import AdminMiddleware, AnsweredGenerationFilter
@@ -56,15 +56,6 @@ def vllm_argv(config: InferenceConfig, model_dir: str, memory_share: float, host
     # One adapter slot: the policy's adapter, replaced in place at every step.
     argv += ["--enable-lora", "--max-lora-rank", str(config.lora.max_rank), "--max-loras", "1"] if config.lora else []
     return argv + host_args + config.extra_args
-
-
-def is_moe(model_dir: str) -> bool:
-    """Whether the model's config.json describes a mixture of experts (Qwen3-MoE's and Mixtral's names)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():  # serve() refuses a model that is not a local directory
-        return False
-    config = json.loads(path.read_text())
-    return any(config.get(key) for key in ("num_experts", "num_local_experts"))
 
 
 def routed_experts_args(model_dir: str) -> list[str]:
