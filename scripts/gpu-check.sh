@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What only a GPU can show, in one command: CUDA usable (driver, CUDA, NCCL and vLLM versions), the single-GPU vLLM
 # reload test, the other CUDA tests (any that skips fails here: RL_REQUIRE_GPU), the trainer alone at Qwen3-0.6B's
-# shape, then a short Qwen3-0.6B run (bf16 trainer, vLLM with CUDA graphs, one trainer GPU and one inference GPU) and
-# shorter ones with weights over NCCL; on a node of 8 GPUs, the whole node (the 1.5B TP=2 layout with 4 trainer
+# shape, then a short Qwen3-0.6B run (bf16 trainer, vLLM with CUDA graphs, one trainer GPU and one inference GPU),
+# shorter ones with weights over NCCL and one of the tiny MoE with router replay; on a node of 8 GPUs, the whole node (the 1.5B TP=2 layout with 4 trainer
 # ranks, and a five-member NCCL group); ending with the figures that tell where the GPU path stands: trainer tokens/s
 # and MFU, peak allocated and reserved memory, and the publish-to-served reload latency.
 #
@@ -101,6 +101,30 @@ shares = [f"{r['transfer_bytes'] / whole:.1%}" if r["transfer_sparse"] else "who
 print(f"gpu-check: sparse NCCL bytes sent per step, of the whole step's {whole / 2**20:.0f} MiB: {', '.join(shares)}")
 if not any(r["transfer_sparse"] for r in trainer):
     sys.exit("gpu-check: no step went as its changes")
+PY
+
+# a mixture of experts (the tiny Qwen3-MoE): bf16 trainer routing every token as vLLM's own recorder (its V2 runner)
+# recorded it; moe-figures prints how often the trainer's router agreed, and fails where a step trained unreplayed
+part tiny-moe uv run tiny-model --arch qwen3_moe --out "$out/tiny-moe"
+part rl-run-moe uv run rl \
+  --trainer @ configs/reverse_text/train.toml \
+  --orchestrator @ configs/reverse_text/orch.toml \
+  --inference @ configs/reverse_text/infer.toml \
+  --model.name "$out/tiny-moe" --max-steps 5 --seq-len 512 \
+  --trainer-gpus 1 --inference-gpus 1 --output-dir "$out/run-moe"
+part moe-figures uv run python - "$out/run-moe" <<'PY'
+import json, sys
+from pathlib import Path
+
+path = Path(sys.argv[1]) / "metrics.jsonl"
+if not path.is_file():
+    sys.exit(f"gpu-check: no MoE figures: {path} was not written (see rl-run-moe.log)")
+trainer = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("process") == "trainer"]
+for r in trainer:
+    print(f"gpu-check: MoE step {r['step']}: routed as recorded {r.get('moe/routed_as_recorded', float('nan')):.4f}, "
+          f"router agreement {r.get('moe/router_agreement', float('nan')):.4f}, mismatch_kl {r['mismatch_kl']:.3g}")
+if not trainer or any(r.get("moe/routed_as_recorded") != 1.0 for r in trainer):
+    sys.exit("gpu-check: an MoE step was not routed as inference recorded")
 PY
 
 # The whole node, where it has 8 GPUs: the 1.5B TP=2 layout over NCCL with 4 FSDP ranks (rank 0 interleaving its

@@ -2,8 +2,9 @@
 a bf16 step published by the trainer's path reloads into a CUDA vLLM (one GPU, and a TP=2 server on two, each worker
 proving its shard) and verifies by its checksum; over NCCL, steps arrive while a generate loop runs (the group formed
 once, with generation held) and a trainer killed mid-step leaves the server serving and the next trainer's group
-forming anew; and the GPU split gives every child its own devices. The bf16 training step is in test_trainer.py,
-chunked logprobs on CUDA in tests/unit/test_chunked_logprobs.py."""
+forming anew; the GPU split gives every child its own devices; and an MoE's bf16 step reloads into CUDA vLLM,
+every expert proved, with each token's experts in the generate reply (vLLM's own recorder). The bf16 training step
+is in test_trainer.py, chunked logprobs on CUDA in tests/unit/test_chunked_logprobs.py."""
 
 import re
 import subprocess
@@ -54,6 +55,42 @@ def test_a_bf16_step_reloads_into_cuda_vllm_and_verifies(tmp_path):
         expected = transformers_logprobs(paths.weights(1), prompt, completion)
         assert max(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) < 0.1, (logprobs, expected)
         assert sum(abs(a - b) for a, b in zip(logprobs, expected)) / len(expected) < 0.03, (logprobs, expected)
+    finally:
+        server.stop()
+
+
+def test_an_moe_step_reloads_into_cuda_vllm_every_expert_proved_and_replies_carry_the_routing(tmp_path):
+    """The tiny Qwen3-MoE on one GPU with router replay on (vLLM's --enable-return-routed-experts, its V2 runner's
+    recorder): a perturbed bf16 step reloads and verifies (each expert read back from the CUDA kernel's buffers and
+    checked against what the kernel computes), and a generate reply carries one row per computed token, [prompt +
+    completion - 1, layers, top_k], in the form verifiers' client reads."""
+    import base64
+
+    import numpy as np
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = build_tiny_model(tmp_path / "moe", arch="qwen3_moe")
+    paths = RunPaths(tmp_path / "run")
+    paths.weights_root.mkdir(parents=True)
+    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")
+    try:
+        base = load_file(str(model_dir / "model.safetensors"))
+        g = torch.Generator().manual_seed(2)
+        state = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g)).bfloat16() for k, v in base.items()}
+        side = hf_side_files(AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir))
+        publish_step(paths, 1, single_process_shards(state, DEFAULT_SHARD_BYTES), side)
+        response = server.admin("POST", "/update_weights", json={"step": 1, "path": str(paths.weights(1))})
+        assert response.status_code == 200, response.text
+        _, checksum = checkpoint_fingerprint(paths.weights(1), torch.bfloat16, tied=True)
+        assert response.json()["weights_checksum"] == checksum
+        body = {"model": str(model_dir), "token_ids": PROMPT,
+                "sampling_params": {"max_tokens": 8, "temperature": 1.0, "logprobs": 1, "seed": 0}}
+        reply = httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=120).json()
+        routed = reply["choices"][0]["routed_experts"]
+        rows = np.frombuffer(base64.b64decode(routed["data"]), dtype=routed["dtype"]).reshape(routed["shape"])
+        completion = reply["choices"][0]["token_ids"]
+        assert routed["start"] == 0 and rows.shape == (len(PROMPT) + len(completion) - 1, 4, 2)
+        assert rows.max() < 8
     finally:
         server.stop()
 

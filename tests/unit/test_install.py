@@ -184,6 +184,8 @@ def test_gpu_check_runs_every_part_and_prints_the_summary_whatever_failed(tmp_pa
     assert "no figures" in (out / "figures.log").read_text()
     assert "rl-run-sparse-nccl: ok" in summary and "sparse-figures: FAILED" in summary, summary
     assert "no sparse figures" in (out / "sparse-figures.log").read_text()
+    assert "rl-run-moe: ok" in summary and "moe-figures: FAILED" in summary, summary
+    assert "no MoE figures" in (out / "moe-figures.log").read_text()
     assert "1 failed" in (out / "cuda-tests.log").read_text()
     assert "node-tp2, node-five: SKIPPED (they need 8 GPUs; this node has 1)" in summary, summary
 
