@@ -194,3 +194,16 @@ def test_without_replay_the_record_is_only_compared_with_the_routing(moe_model, 
     stats = train_step(policy, None, optimizer, build_scheduler(optimizer, config.optim, 10), unrecorded, config,
                        world, 0)
     assert "moe/router_agreement" not in stats and stats["moe/router_entropy"] > 0
+
+
+def test_an_moe_family_rl_does_not_train_is_refused_naming_its_block():
+    from transformers import MixtralConfig
+
+    from rl.trainer.moe import use_routed_experts
+
+    config = MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, num_local_experts=4)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"mixtral has mixture-of-experts blocks \(Mixtral\w+\) that rl cannot train"):
+        use_routed_experts(model)

@@ -146,10 +146,10 @@ def use_routed_experts(model: nn.Module) -> int:
     model with MoE blocks of a family rl does not know is refused, naming it."""
     model_type = model.config.model_type
     block_class = MOE_BLOCKS.get(model_type)
-    unknown = [type(m).__name__ for m in model.modules() if "Moe" in type(m).__name__ and "Block" in type(m).__name__]
+    sparse = [type(m).__name__ for m in model.modules() if hasattr(m, "experts")]  # any family's sparse block
     if block_class is None:
-        if unknown:
-            raise ValueError(f"{model_type} has mixture-of-experts blocks ({unknown[0]}) that rl cannot train yet; "
+        if sparse:
+            raise ValueError(f"{model_type} has mixture-of-experts blocks ({sparse[0]}) that rl cannot train yet; "
                              f"it trains {sorted(MOE_BLOCKS)}")
         return 0
     replaced = 0
