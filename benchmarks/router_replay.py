@@ -4,8 +4,9 @@ train-inference mismatch, with and without replay, from one start.
 The tiny Qwen3-MoE (`tiny-model --arch qwen3_moe`) is served in bfloat16 (vLLM's CPU MoE kernels) while the trainer
 computes in float32 (rl's trainer computes in bf16 on GPUs only): the two routers see slightly different hidden
 states, and a near tie between two experts flips. The runs start from a copy of the model whose weights are rounded to
-bfloat16 (kept in float32), so that both sides start from the same weights and the mismatch is the computation's. Two sides run the quickstart's task on-policy (async level 0), the same seed and
-`--steps`, their order alternated over `--rounds`:
+bfloat16 (kept in float32), so that both sides start from the same weights and the mismatch is the computation's.
+Two sides run the quickstart's task on-policy (async level 0), the same seed and `--steps`, their order alternated
+over `--rounds`:
 
 - replay: `--trainer.loss.router-replay true` (the default): every token goes to the experts inference recorded;
 - no-replay: `--trainer.loss.router-replay false`: the trainer's router chooses; inference's record is only
