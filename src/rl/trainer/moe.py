@@ -7,7 +7,7 @@ when it loads a checkpoint; rl loads, publishes, checksums and adapts parameters
 sharding, by `RoutedExperts`: the same computation with one module per expert under the checkpoint's names. FSDP2
 shards every expert's matrices with the rest of its transformer block.
 
-Router replay: an MoE's trainer and inference disagree on the experts of many tokens (different kernels, dtypes,
+Router replay: an MoE's trainer and inference disagree on the experts of some tokens (different kernels, dtypes,
 batch shapes; a near tie flips), which changes the sampled policy the importance ratios assume. With replay the
 block routes each token to the experts inference recorded for it (`route_as`), and weighs them with the softmax
 of its own router logits over those experts (renormalised like top-k): the gate still gets its gradient.
