@@ -77,3 +77,28 @@ def test_an_expert_the_kernel_does_not_compute_with_fails_verification_by_name()
         f"m.experts.2.{p}_proj.weight" for p in ("down", "gate", "up")}
     served_layer.quant_method.wrong.clear()  # the kernel computes with what is read back: every expert verifies
     assert compare(_expert_prints("m.experts", served_layer, torch.float32), files.prints, torch.float32)["ok"]
+
+
+def test_the_cpu_moe_plugin_patches_vllm_only_where_the_server_asked(monkeypatch):
+    """vLLM runs rl's plugin in every process it starts, forked or spawned; it patches only where the inference server
+    set RL_VLLM_CPU_MOE (an MoE on a CPU host): the reload's packing, and with "record" the routed-experts recorder."""
+    from vllm.config.vllm import VllmConfig
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from rl import patches
+
+    for cls, name in ((UnquantizedFusedMoEMethod, "_setup_kernel"), (VllmConfig, "_verify_aux_output_compatibility"),
+                      (CPUModelRunner, "load_model"), (CPUModelRunner, "execute_model"),
+                      (CPUModelRunner, "sample_tokens")):
+        monkeypatch.setattr(cls, name, getattr(cls, name))  # put back after the test
+    monkeypatch.setattr(CPUModelRunner, "rl_routed_experts", False, raising=False)
+    monkeypatch.delenv(patches.MOE_ENV, raising=False)
+    patches.vllm_cpu_moe()
+    assert not getattr(UnquantizedFusedMoEMethod._setup_kernel, "rl_packs_reloads", False)
+    monkeypatch.setenv(patches.MOE_ENV, "reload")
+    patches.vllm_cpu_moe()
+    assert UnquantizedFusedMoEMethod._setup_kernel.rl_packs_reloads and not CPUModelRunner.rl_routed_experts
+    monkeypatch.setenv(patches.MOE_ENV, "record")
+    patches.vllm_cpu_moe()
+    assert CPUModelRunner.rl_routed_experts

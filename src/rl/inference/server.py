@@ -137,13 +137,9 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
         raise ValueError(f"model {model_dir!r} must be a local Hugging Face directory (its files are verified)")
     check_lora_name(config, model_dir)
     forks = cpu_start_method()  # before vLLM's own set-up, which sets spawn where nothing is set
-    if is_moe(model_dir) and on_cpu():
-        patches.vllm_cpu_moe_reload()  # inherited by the engine core and workers, forked from here
-    if config.router_replay and is_moe(model_dir) and on_cpu():
-        if not forks:
-            raise ValueError(f"inference.router_replay on CPU records the experts in vLLM's forked processes, but "
-                             f"{patches.START_METHOD_ENV} is set: unset it, or set inference.router_replay = false")
-        patches.capture_routed_experts_on_cpu()  # inherited by the engine core and workers, forked from here
+    if is_moe(model_dir) and on_cpu():  # here, and in every process vLLM starts (forked or spawned), by its plugin
+        os.environ[patches.MOE_ENV] = "record" if config.router_replay else "reload"
+        patches.vllm_cpu_moe()
     args = parsed_vllm_args(vllm_argv(config, model_dir, memory_share, host_args))
     args.rl_admin = AdminSettings(  # what the gate and the policy it serves read
         base_model=model_dir, weights_dir=str(config.weights_dir) if config.weights_dir else None,

@@ -39,10 +39,10 @@ save is in benchmarks/RESULTS.md, why each exists in docs/architecture.md ("Patc
 - vLLM: its generate route answers through the inference gate's response class, which adds token strings and
   writes the response once (`render_generate_responses`), applied by the gate when vLLM builds it;
 - vLLM: its CPU runner records the experts each token was routed to, which vLLM records only in its GPU runner
-  (`capture_routed_experts_on_cpu`, patches/routed_experts.py), applied by the inference server on CPU hosts
-  for an MoE with `inference.router_replay`;
-- vLLM: its in-place reload packs a CPU MoE layer's experts for the kernel again (`vllm_cpu_moe_reload`), which
-  vLLM 0.32 skips, applied by the inference server on CPU hosts for an MoE.
+  (`capture_routed_experts_on_cpu`, patches/routed_experts.py), for an MoE with `inference.router_replay`; its
+  in-place reload packs a CPU MoE layer's experts for the kernel again (`vllm_cpu_moe_reload`), which vLLM 0.32
+  skips, for an MoE: both applied on CPU hosts by the inference server and, through `vllm_cpu_moe` (a general
+  plugin active where the server sets `RL_VLLM_CPU_MOE`), in every process vLLM starts.
 
 The package: `verifiers` (verifiers, its env-server pool included), `token_versions` (verifiers' sampled nodes,
 stamped), `pydantic`, `renderers` (in the processes that run episodes), `vllm` and `routed_experts` (in vLLM's
@@ -70,5 +70,5 @@ from rl.patches.renderers import (  # noqa: F401
 )
 from rl.patches.vllm import (  # noqa: F401
     CPU_POLL_S, POLL_ENV, START_METHOD_ENV, poll_interval, render_generate_responses, vllm_cpu_fork,
-    vllm_cpu_moe_reload, vllm_shm_polling,
+    MOE_ENV, vllm_cpu_moe, vllm_cpu_moe_reload, vllm_shm_polling,
 )

@@ -3,8 +3,8 @@
 vLLM 0.32 records each token's experts only in its V2 model runner, which needs Triton (no CPU backend on PyPI):
 on CPU the config check refuses the option. Its CPU router already offers the capture callback the V2 runner binds
 (`set_capture_fn`, logical expert ids per MoE layer), and its scheduler, output processor and HTTP routes already
-carry the rows once a runner reports them. So this patch, applied by rl's inference server in its process before
-vLLM starts (the engine core and workers are forked from it on CPU and inherit it):
+carry the rows once a runner reports them. So this patch, applied by rl's inference server before vLLM starts and by
+rl's `vllm_cpu_moe` plugin in every process vLLM starts:
 
 - lets the config check pass on CPU without the V2 runner and without prefix caching, which the server turns off
   for it: a prefix-cache hit is not computed again, so its rows would be unknown;

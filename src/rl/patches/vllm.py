@@ -109,8 +109,8 @@ def vllm_cpu_moe_reload() -> None:
     reload as an update of weights already in place): the reloaded experts stay in checkpoint layout, which the kernel
     reads as its packed layout (wrong logits; with a padded intermediate size the reload fails on a shape). This
     packs (and pads) a reloaded layer's experts as a first load does, before vLLM copies them into the served
-    buffers. Applied by the inference server on CPU hosts for an MoE (its engine core and workers are forked from
-    it); the served fingerprint reads the experts back from the kernel's buffers, so a reload without it is refused."""
+    buffers. Applied on CPU hosts for an MoE (`vllm_cpu_moe`); the served fingerprint reads the experts back from the
+    kernel's buffers, so a reload without it is refused."""
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
@@ -126,3 +126,21 @@ def vllm_cpu_moe_reload() -> None:
 
     set_up_and_pack.rl_packs_reloads = True
     UnquantizedFusedMoEMethod._setup_kernel = set_up_and_pack
+
+
+MOE_ENV = "RL_VLLM_CPU_MOE"  # "reload": an MoE served on CPU; "record": its routed experts recorded too
+
+
+def vllm_cpu_moe() -> None:
+    """A vLLM general plugin (pyproject.toml's `vllm.general_plugins` entry point), called by vLLM in each of its
+    processes, forked or spawned: where the inference server set `MOE_ENV` (an MoE on a CPU host), its reloads pack
+    the experts again (`vllm_cpu_moe_reload`) and, with "record", its CPU runner records each token's experts
+    (`capture_routed_experts_on_cpu`). Other vLLM runs in this environment are untouched."""
+    mode = os.environ.get(MOE_ENV, "")
+    if mode not in ("reload", "record"):
+        return
+    vllm_cpu_moe_reload()
+    if mode == "record":
+        from rl.patches.routed_experts import capture_routed_experts_on_cpu
+
+        capture_routed_experts_on_cpu()
