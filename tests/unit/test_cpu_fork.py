@@ -33,7 +33,10 @@ def platform_check(monkeypatch):
 
     monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", classmethod(check))
     monkeypatch.setattr(os, "register_at_fork", lambda **hook: hooks.append(hook))
-    monkeypatch.delenv(patches.START_METHOD_ENV, raising=False)
+    # set, then deleted: monkeypatch restores only what it changed, and the patched check sets the variable; left
+    # behind, it made every later server of this test worker start vLLM's processes by spawn
+    monkeypatch.setenv(patches.START_METHOD_ENV, "")
+    monkeypatch.delenv(patches.START_METHOD_ENV)
     return seen, hooks
 
 
@@ -45,6 +48,14 @@ def test_after_the_platforms_own_check_vllm_forks(platform_check):
     assert seen == ["config"]  # the platform's other settings are still made, once
     assert os.environ[patches.START_METHOD_ENV] == "fork"
     assert hooks == [{"before": process.before_fork, "after_in_child": cpu_fork.child}]
+
+
+def test_a_users_fork_is_kept_over_the_platforms_spawn(platform_check, monkeypatch):
+    """vLLM's CPU platform sets spawn whatever the environment says: a user's fork is made to hold."""
+    monkeypatch.setenv(patches.START_METHOD_ENV, "fork")
+    assert server.cpu_start_method() is True
+    cpu.CpuPlatform().check_and_update_config("config")
+    assert os.environ[patches.START_METHOD_ENV] == "fork"
 
 
 def test_a_start_method_the_user_set_is_kept(platform_check, monkeypatch):
@@ -182,3 +193,4 @@ def test_a_forked_child_ends_when_its_parent_dies():
     while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the child outlived its parent by 10 s"
         time.sleep(0.05)
+

@@ -158,10 +158,11 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
 
 def cpu_start_method() -> bool:
     """On CPU hosts vLLM's engine core and workers start by fork (`patches.vllm_cpu_fork`), unless
-    VLLM_WORKER_MULTIPROC_METHOD is set: the user's choice is kept. Whether fork was chosen."""
+    VLLM_WORKER_MULTIPROC_METHOD names another method: the user's choice is kept (vLLM's CPU platform would set spawn
+    over a user's fork). Whether fork was chosen."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu() or patches.START_METHOD_ENV in os.environ:
+    if not current_platform.is_cpu() or os.environ.get(patches.START_METHOD_ENV, "fork") != "fork":
         return False
     patches.vllm_cpu_fork(cpu_fork.child)
     return True
