@@ -88,6 +88,23 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"{item.nodeid} skipped under {REQUIRE_GPU}=1 (gpu-check), a failure there: {reason}"
 
 
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A one-rank gloo world on the CPU, as torchrun would give a single-process trainer (one per test module)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rl.trainer.world import World
+
+    assert not dist.is_initialized(), "another test left a process group behind"
+    store = tmp_path_factory.mktemp("gloo") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    yield World(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo", mesh=mesh)
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """The tiny Qwen3 model, built once per test session by the real CLI."""

@@ -28,24 +28,31 @@ from tests.unit.test_transfer import SECRET
 pytestmark = [pytest.mark.integration, pytest.mark.gpu]
 
 
-def test_a_bf16_step_reloads_into_cuda_vllm_and_verifies(tmp_path):
+def reload_a_perturbed_step(server, model_dir, paths: RunPaths, seed: int) -> str:
+    """The model's weights moved a little (by `seed`) published in bf16 as step 1, loaded by `server` and verified
+    there: the weights checksum it reports is the files'. Returns it."""
     from transformers import AutoConfig, AutoTokenizer
 
+    base = load_file(str(model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    state = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g)).bfloat16() for k, v in base.items()}
+    side = hf_side_files(AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir))
+    publish_step(paths, 1, single_process_shards(state, DEFAULT_SHARD_BYTES), side)
+    response = server.admin("POST", "/update_weights", json={"step": 1, "path": str(paths.weights(1))})
+    assert response.status_code == 200, response.text
+    _, checksum = checkpoint_fingerprint(paths.weights(1), torch.bfloat16, tied=True)
+    assert response.json()["weights_checksum"] == checksum
+    return checksum
+
+
+def test_a_bf16_step_reloads_into_cuda_vllm_and_verifies(tmp_path):
     model_dir = build_tiny_model(tmp_path / "model")
     paths = RunPaths(tmp_path / "run")
     paths.weights_root.mkdir(parents=True)
     # device defaults: --dtype auto, CUDA graphs
     server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")
     try:
-        base = load_file(str(model_dir / "model.safetensors"))
-        g = torch.Generator().manual_seed(1)
-        state = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g)).bfloat16() for k, v in base.items()}
-        side = hf_side_files(AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir))
-        publish_step(paths, 1, single_process_shards(state, DEFAULT_SHARD_BYTES), side)
-        response = server.admin("POST", "/update_weights", json={"step": 1, "path": str(paths.weights(1))})
-        assert response.status_code == 200, response.text
-        _, checksum = checkpoint_fingerprint(paths.weights(1), torch.bfloat16, tied=True)
-        assert response.json()["weights_checksum"] == checksum
+        checksum = reload_a_perturbed_step(server, model_dir, paths, seed=1)
         assert server.admin("GET", "/policy_step").json()["weights_checksum"] == checksum
         prompt = [1, 91, 89, 75, 88, 5]
         completion, logprobs = server.generate(prompt, max_tokens=8)
@@ -67,22 +74,13 @@ def test_an_moe_step_reloads_into_cuda_vllm_every_expert_proved_and_replies_carr
     import base64
 
     import numpy as np
-    from transformers import AutoConfig, AutoTokenizer
 
     model_dir = build_tiny_model(tmp_path / "moe", arch="qwen3_moe")
     paths = RunPaths(tmp_path / "run")
     paths.weights_root.mkdir(parents=True)
     server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")
     try:
-        base = load_file(str(model_dir / "model.safetensors"))
-        g = torch.Generator().manual_seed(2)
-        state = {k: (v + 0.05 * v.std() * torch.randn(v.shape, generator=g)).bfloat16() for k, v in base.items()}
-        side = hf_side_files(AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir))
-        publish_step(paths, 1, single_process_shards(state, DEFAULT_SHARD_BYTES), side)
-        response = server.admin("POST", "/update_weights", json={"step": 1, "path": str(paths.weights(1))})
-        assert response.status_code == 200, response.text
-        _, checksum = checkpoint_fingerprint(paths.weights(1), torch.bfloat16, tied=True)
-        assert response.json()["weights_checksum"] == checksum
+        reload_a_perturbed_step(server, model_dir, paths, seed=2)
         body = {"model": str(model_dir), "token_ids": PROMPT,
                 "sampling_params": {"max_tokens": 8, "temperature": 1.0, "logprobs": 1, "seed": 0}}
         reply = httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=120).json()

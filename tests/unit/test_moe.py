@@ -9,9 +9,7 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
-from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
 from rl.config import ModelConfig
@@ -24,7 +22,6 @@ from rl.trainer.moe import RoutedExperts, moe_blocks
 from rl.trainer.optim import build_optimizer, build_scheduler
 from rl.trainer.step import train_step
 from rl.trainer.weights import gather_shards
-from rl.trainer.world import World
 
 LAYERS, EXPERTS, TOP_K = 4, 8, 2
 
@@ -32,16 +29,6 @@ LAYERS, EXPERTS, TOP_K = 4, 8, 2
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", arch="qwen3_moe")
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    assert not dist.is_initialized(), "another test left a process group behind"
-    store = tmp_path_factory.mktemp("gloo") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    yield World(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo", mesh=mesh)
-    dist.destroy_process_group()
 
 
 def policy_of(moe_model, world, **loss):

@@ -11,8 +11,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from rl.config import ModelConfig
 from rl.protocol import Sample
@@ -21,7 +19,6 @@ from rl.trainer.config import LossConfig, MaskRatio, TrainerConfig, TruncateRati
 from rl.trainer.model import load_policy, load_reference
 from rl.trainer.optim import build_optimizer, build_scheduler
 from rl.trainer.step import train_step
-from rl.trainer.world import World
 
 SYNC_METHODS = ("item", "tolist", "__float__", "__int__", "__bool__")
 SEQ_LEN = 32
@@ -54,17 +51,6 @@ class SyncCounter:
 
     def step_calls(self) -> Counter[str]:
         return Counter({site: n for site, n in self.calls.items() if not any(p in site for p in OUTSIDE_THE_STEP)})
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A one-rank gloo world on the CPU, as torchrun would give a single-process trainer."""
-    assert not dist.is_initialized(), "another test left a process group behind"
-    store = tmp_path_factory.mktemp("gloo") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    yield World(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo", mesh=mesh)
-    dist.destroy_process_group()
 
 
 def make_samples(count: int, rng: random.Random) -> list[Sample]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
 
 import torch
 
@@ -28,14 +27,8 @@ KERNEL_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e
 CHECK_TOKENS = 3
 
 
-def expert_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-    """(checkpoint prefix of the experts, `model.layers.L.mlp.experts`, vLLM's experts module) of every MoE layer."""
-    for name, module in model.named_modules():
-        if hasattr(module, "w13_weight") and hasattr(module, "w2_weight") and hasattr(module, "moe_config"):
-            yield name.removesuffix(".routed_experts"), module
-
-
 def is_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` is vLLM's fused experts of an MoE layer (`<layer>.mlp.experts.routed_experts`)."""
     return hasattr(module, "w13_weight") and hasattr(module, "moe_config")
 
 

@@ -331,10 +331,8 @@ class GenerateResponse(JSONResponse):
     def render(self, content) -> bytes:
         if isinstance(content, dict):
             routed_rows_for_renderers(content)
-        if isinstance(content, dict) and add_token_strings(content) and not any(
-            content.get(name) is not None for name in FLOATS_BESIDE_LOGPROBS
-        ):
-            return msgspec.json.encode(content)
+            if add_token_strings(content) and not any(content.get(name) is not None for name in FLOATS_BESIDE_LOGPROBS):
+                return msgspec.json.encode(content)
         return super().render(content)
 
 

@@ -160,9 +160,7 @@ def cpu_start_method() -> bool:
     """On CPU hosts vLLM's engine core and workers start by fork (`patches.vllm_cpu_fork`), unless
     VLLM_WORKER_MULTIPROC_METHOD names another method: the user's choice is kept (vLLM's CPU platform would set spawn
     over a user's fork). Whether fork was chosen."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() or os.environ.get(patches.START_METHOD_ENV, "fork") != "fork":
+    if not on_cpu() or os.environ.get(patches.START_METHOD_ENV, "fork") != "fork":
         return False
     patches.vllm_cpu_fork(cpu_fork.child)
     return True
@@ -184,9 +182,7 @@ def cpu_compile_policy(enforce_eager: bool):
     torch._dynamo's switch itself in this process, which the processes it forks inherit (torch, imported already,
     reads the variable only at its import). A CPU server that compiles (enforce_eager false) compiles into a cache
     of its own (`private_compile_cache`)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    if not on_cpu():
         yield
     elif not enforce_eager:
         with private_compile_cache():
@@ -257,9 +253,7 @@ def set_shm_poll() -> None:
     """On CPU hosts, let vLLM's shared-memory queues sleep between polls (see `rl.patches`). The plugin that does it
     runs in each process vLLM starts, but only once per process, and this one may have run it before the variable
     was set: it is applied here too, so that the engine core and workers forked from this process inherit it."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
+    if on_cpu():
         os.environ.setdefault(patches.POLL_ENV, str(patches.CPU_POLL_S))
     poll_s = patches.poll_interval()  # a bad value fails here, before vLLM starts its processes
     if poll_s is not None:

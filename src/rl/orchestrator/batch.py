@@ -61,11 +61,9 @@ def build_batch(config: OrchestratorConfig, outcomes: list[GroupOutcome], served
     return batch
 
 
-def routed_rows(rows, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    """An MoE's routed experts as a batch holds them: int16 [tokens, layers, top_k] from an array of rows (vLLM's
-    uint8 or uint16), or, without rows, `shape` of -1 (not recorded)."""
-    if rows is None:
-        return torch.full(shape, -1, dtype=torch.int16)
+def routed_rows(rows) -> torch.Tensor:
+    """An MoE's routed experts as a batch holds them: int16 [tokens, layers, top_k], from an array of rows (vLLM's
+    uint8 or uint16)."""
     return torch.from_numpy(np.asarray(rows).astype(np.int16))
 
 
@@ -84,7 +82,7 @@ def route_all_or_none(samples: list[Sample]) -> int:
         return 0
     unrouted = [s for s in samples if s.routed_experts is None]
     for sample in unrouted:
-        sample.routed_experts = routed_rows(None, (len(sample.input_ids), *shapes[0]))
+        sample.routed_experts = torch.full((len(sample.input_ids), *shapes[0]), -1, dtype=torch.int16)
     return len(unrouted)
 
 

@@ -138,7 +138,9 @@ class RouterStats:
 
 
 def moe_blocks(model: nn.Module) -> list[RoutedExperts]:
-    return [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    """The model's MoE blocks in layer order, as `use_routed_experts` listed them (no walk over every module on each
+    forward: an MoE holds thousands of expert projections); none for a dense model."""
+    return getattr(model, "rl_moe_blocks", [])
 
 
 def use_routed_experts(model: nn.Module) -> int:
@@ -152,12 +154,13 @@ def use_routed_experts(model: nn.Module) -> int:
             raise ValueError(f"{model_type} has mixture-of-experts blocks ({sparse[0]}) that rl cannot train yet; "
                              f"it trains {sorted(MOE_BLOCKS)}")
         return 0
-    replaced = 0
+    blocks = []
     for index, layer in enumerate(model.model.layers):
         if type(layer.mlp).__name__ == block_class:
             layer.mlp = RoutedExperts(model.config, index)
-            replaced += 1
-    return replaced
+            blocks.append(layer.mlp)
+    model.rl_moe_blocks = blocks
+    return len(blocks)
 
 
 def follow_records(model: nn.Module, follow: bool) -> None:
