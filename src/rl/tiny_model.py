@@ -1,6 +1,7 @@
 """Build a tiny causal LM with a locally made tokenizer, in Hugging Face layout: Qwen3 by default, or another
 family users bring (`--arch`): Qwen3-MoE (8 experts, 2 per token), Llama 3 (untied head), Qwen2.5 (q/k/v biases,
-tied) or Gemma 3 (text: sliding and full attention layers, the embedding scaled, (1 + w) norms).
+tied), Gemma 3 (text: sliding and full attention layers, the embedding scaled, (1 + w) norms) or Qwen3.5, dense or
+MoE (text: Gated DeltaNet linear attention in three layers of four, full attention in the fourth).
 
 No hub access: the tokenizer is character level (printable ASCII plus ChatML special tokens and Qwen3's
 think and tool tokens, each one id) with a Qwen3-style chat template: plain chats render as ChatML, tools
@@ -25,7 +26,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config,
-    Qwen3Config, Qwen3MoeConfig,
+    Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -87,7 +88,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen2", "gemma3")
+ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen2", "gemma3", "qwen3_5", "qwen3_5_moe")
 
 
 def build_config(tokenizer, hidden_size: int, layers: int, heads: int, kv_heads: int,
@@ -121,7 +122,25 @@ def build_config(tokenizer, hidden_size: int, layers: int, heads: int, kv_heads:
         return Gemma3TextConfig(**common, tie_word_embeddings=True, query_pre_attn_scalar=head_dim,
                                 sliding_window=64, layer_types=["full_attention" if (i + 1) % full_every == 0
                                                                 else "sliding_attention" for i in range(layers)])
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        return qwen3_5_config(common, arch == "qwen3_5_moe")
     raise ValueError(f"--arch {arch!r}: choose from {', '.join(ARCHS)}")
+
+
+def qwen3_5_config(common: dict, moe: bool) -> PretrainedConfig:
+    """Qwen3.5's text model: every 4th layer full attention (with an output gate), the others Gated DeltaNet
+    (linear attention: 2 key heads shared by 4 value heads, as the real configs share them, of head_dim's width);
+    the MoE adds a gated shared expert beside 8 routed ones, 2 per token, in every layer. A tied head, as the small
+    Qwen3.5 models have."""
+    head_dim, layers = common["head_dim"], common["num_hidden_layers"]
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=head_dim,
+                  linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, layer_types=kinds)
+    if not moe:
+        return Qwen3_5TextConfig(**common, **linear, tie_word_embeddings=True)
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=common["hidden_size"] // 2,
+                   shared_expert_intermediate_size=common["hidden_size"] // 2)
+    return Qwen3_5MoeTextConfig(**common, **linear, **experts, tie_word_embeddings=True)
 
 
 def build_tiny_model(

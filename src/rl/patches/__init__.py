@@ -68,6 +68,8 @@ from rl.patches.routed_experts import capture_routed_experts_on_cpu  # noqa: F40
 from rl.patches.renderers import (  # noqa: F401
     decode_engine_replies_with_msgspec, remember_renders, remember_short_encodes, remembered_on_loop,
 )
+from rl.patches.gdn import GDN_ENV, gdn_float32_on_cpu  # noqa: F401
+from rl.patches.transformers import qwen2_vl_without_torchvision  # noqa: F401
 from rl.patches.vllm import (  # noqa: F401
     CPU_POLL_S, POLL_ENV, START_METHOD_ENV, poll_interval, render_generate_responses, vllm_cpu_fork,
     MOE_ENV, vllm_cpu_moe, vllm_cpu_moe_reload, vllm_shm_polling,
