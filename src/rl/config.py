@@ -104,14 +104,26 @@ def local_model_dir(name: str) -> str:
     return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
 
 
-def is_moe(model: str) -> bool:
-    """Whether a local model directory's config.json describes a mixture of experts (Qwen3-MoE's and Mixtral's
-    names); False for anything else, a hub id included."""
+def text_model_config(model: str) -> dict:
+    """A local model directory's config.json, the language model's part of it where the model has others (a
+    vision-language checkpoint keeps it under `text_config`); {} for anything else, a hub id included."""
     path = Path(model) / "config.json"
     if not path.is_file():
-        return False
+        return {}
     config = json.loads(path.read_text())
+    return config.get("text_config") or config
+
+
+def is_moe(model: str) -> bool:
+    """Whether a local model describes a mixture of experts (Qwen3-MoE's, Qwen3.5-MoE's and Mixtral's names)."""
+    config = text_model_config(model)
     return any(config.get(key) for key in ("num_experts", "num_local_experts"))
+
+
+def is_hybrid(model: str) -> bool:
+    """Whether a local model has linear-attention layers (Qwen3.5's and Qwen3-Next's Gated DeltaNet) beside its full
+    attention ones: its servers keep a recurrent state per sequence."""
+    return "linear_attention" in text_model_config(model).get("layer_types", ())
 
 
 class CkptConfig(Section):

@@ -45,7 +45,7 @@ import torch
 
 from rl.inference.experts import is_experts, kernel_disagreements, served_experts
 from rl.inference.reading import checkpoint_tensors
-from rl.inference.sharding import Shard, input_shard, output_parts, vocab_rows
+from rl.inference.sharding import Part, Shard, input_shard, output_parts, vocab_rows
 from rl.weights.digest import TensorDigest
 PROBE_COLUMNS = 4
 ROW_CHUNK = 8192  # rows of a matrix cast to float32 at a time, to bound the memory of a fingerprint
@@ -88,9 +88,10 @@ def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype) -> Fingerprint:
 
     Computed where `w` lives, in row chunks; only the small results are brought to the CPU.
     """
-    w = w.detach()
+    w, shape = w.detach(), tuple(w.shape)
     if w.ndim == 1:
-        return Fingerprint(exact=w.to("cpu", dtype).clone(), dense=None, shape=tuple(w.shape))
+        return Fingerprint(exact=w.to("cpu", dtype).clone(), dense=None, shape=shape)
+    w = w.flatten(1)  # a convolution's [out, in, width] as a matrix [out, in * width]
     probes, magnitudes = _file_probes(w.shape[1], w.device)
     ys, scale = [], 0.0
     for rows in w.split(ROW_CHUNK):
@@ -100,7 +101,7 @@ def tensor_fingerprint(w: torch.Tensor, dtype: torch.dtype) -> Fingerprint:
         ys.append(torch.nn.functional.linear(probes, rows))
         scale = max(scale, torch.mv(rows.abs(), magnitudes).max().item())
     y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)).cpu()
-    return Fingerprint(exact=y[:-1].to(dtype), dense=y[-1], shape=tuple(w.shape), scale=scale)
+    return Fingerprint(exact=y[:-1].to(dtype), dense=y[-1], shape=shape, scale=scale)
 
 
 def kernel_fingerprint(y: torch.Tensor, dtype: torch.dtype, shape: tuple[int, int], shard: Shard | None
@@ -211,7 +212,7 @@ def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, device) -> di
         if isinstance(module, ParallelLMHead):
             prints |= _head_prints(prefix, module, dtype, device)
             continue
-        if isinstance(module, LinearBase):
+        if isinstance(module, LinearBase) and module.weight.ndim != 3:  # 3-D: a convolution's, used as it is
             prints |= _kernel_prints(prefix, module, dtype, packed, device)
             continue
         if is_experts(module):
@@ -250,6 +251,8 @@ def _kernel_prints(prefix: str, module, dtype: torch.dtype, packed: dict, device
     y = module.quant_method.apply(module, x)  # [K + 1, out served here], no bias
     parts = output_parts(module)
     names = _fused_names(prefix, packed, len(parts))
+    if len(names) < len(parts):  # a checkpoint tensor split over several of the layer's parts
+        parts = _joined_parts(prefix, parts, names)
     prints = {}
     for name, part, y_part in zip(names, parts, y.split([p.local for p in parts], dim=-1), strict=True):
         shard = _weight_shard(part, in_shard)
@@ -288,4 +291,26 @@ def _fused_names(prefix: str, packed: dict, count: int) -> list[str]:
     shards = packed.get(leaf)
     if not shards or count == 1 and len(shards) != 1:
         return [prefix] if count == 1 else [f"{prefix}.{i}" for i in range(count)]
+    if len(shards) < count and not all(shard in SPLIT_TENSORS for shard in shards[:-1]):
+        return [f"{prefix}.{i}" for i in range(count)]  # named by part: no file matches, the proof fails naming them
     return [f"{parent}.{shard}" for shard in shards]
+
+
+SPLIT_TENSORS = {"in_proj_qkv": 3}
+"""Checkpoint tensors vLLM splits over several parts of a fused layer: Gated DeltaNet's (Qwen3.5, Qwen3-Next) q, k and
+v rows of `in_proj_qkv` are three parts of `in_proj_qkvz`, beside `in_proj_z`."""
+
+
+def _joined_parts(prefix: str, parts: list[Part], names: list[str]) -> list[Part]:
+    """Consecutive `parts` joined into one part per checkpoint tensor (`SPLIT_TENSORS`). A tensor
+    split over parts is served whole only without tensor parallelism: each worker then holds a row range of every
+    part, not one of the tensor (refused, naming the layer)."""
+    if any(part.shard is not None for part in parts):
+        raise NotImplementedError(f"{prefix}: proving {names} served over tensor-parallel workers is not supported yet")
+    counts = [SPLIT_TENSORS.get(name.rpartition(".")[2], 1) for name in names]
+    joined, start = [], 0
+    for count in counts:
+        rows = sum(part.local for part in parts[start:start + count])
+        joined.append(Part(rows, rows, None))
+        start += count
+    return joined

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from rl import patches
-from rl.config import is_moe
+from rl.config import is_hybrid, is_moe
 from rl.inference import cpu_fork
 from rl.inference.config import InferenceConfig
 from rl.inference.gate import AdminMiddleware, AnsweredGenerationFilter
@@ -49,6 +49,7 @@ def vllm_argv(config: InferenceConfig, model_dir: str, memory_share: float, host
     ]
     argv += ["--enforce-eager"] if config.enforce_eager else []
     argv += routed_experts_args(model_dir) if config.router_replay else []
+    argv += hybrid_args(model_dir)
     argv += ["--kv-cache-memory-bytes", str(int(config.kv_cache_gib * 2**30))] if config.kv_cache_gib else []
     argv += ["--disable-log-stats"] if config.log_stats is False else []
     # Parsed in this process (never a command line others can read); vLLM's log of its args hides it.
@@ -64,6 +65,16 @@ def routed_experts_args(model_dir: str) -> list[str]:
     if not is_moe(model_dir):
         return []
     return ["--enable-return-routed-experts"] + (["--no-enable-prefix-caching"] if on_cpu() else [])
+
+
+def hybrid_args(model_dir: str) -> list[str]:
+    """A hybrid model (linear-attention layers, a recurrent state per sequence) is served without prefix caching
+    on CPU: vLLM caches a hybrid model's prefixes only by keeping the recurrent state at block boundaries (its mamba
+    cache mode "align"), which needs chunked prefill, and rl turns chunked prefill off on CPU
+    (`rl.inference.main.cpu_vllm_args`). On GPUs vLLM's defaults stand. Either way a sequence in flight keeps its
+    state across a weight update as it keeps its KV (`inference.prefix_cache_on_update`: "salt" keeps both, "reset"
+    recomputes both under the new weights)."""
+    return ["--no-enable-prefix-caching"] if is_hybrid(model_dir) and on_cpu() else []
 
 
 def on_cpu() -> bool:
@@ -140,6 +151,9 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
     if is_moe(model_dir) and on_cpu():  # here, and in every process vLLM starts (forked or spawned), by its plugin
         os.environ[patches.MOE_ENV] = "record" if config.router_replay else "reload"
         patches.vllm_cpu_moe()
+    if is_hybrid(model_dir) and on_cpu():  # vLLM's CPU kernels for linear attention take bf16 only
+        os.environ[patches.GDN_ENV] = "1"
+        patches.gdn_float32_on_cpu()
     args = parsed_vllm_args(vllm_argv(config, model_dir, memory_share, host_args))
     args.rl_admin = AdminSettings(  # what the gate and the policy it serves read
         base_model=model_dir, weights_dir=str(config.weights_dir) if config.weights_dir else None,

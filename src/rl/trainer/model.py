@@ -18,6 +18,7 @@ from rl.trainer.output_head import DEFAULT_CHUNK_TOKENS, LogprobHead, TeacherTop
 
 from rl.trainer.config import LoraConfig, TrainerConfig
 from rl.trainer.data import MicroBatch
+from rl.trainer.linear_attention import has_linear_attention, separate_samples
 from rl.trainer.lora import apply_lora, init_lora, lora_parameter_names
 from rl.trainer.moe import route_as, use_routed_experts
 from rl.trainer.world import World
@@ -72,12 +73,14 @@ def load_model(
 
 
 def meta_model(name: str, attn_implementation: str = "sdpa", chunk: int = DEFAULT_CHUNK_TOKENS) -> torch.nn.Module:
-    """The model's modules on the meta device (no memory, no file read but config.json), fp32, with a LogprobHead
-    and an MoE's experts under their checkpoint names (trainer/moe.py)."""
+    """The model's modules on the meta device (no memory, no file read but config.json), fp32, with a LogprobHead,
+    an MoE's experts under their checkpoint names (trainer/moe.py) and linear attention that keeps packed samples
+    apart (trainer/linear_attention.py)."""
     config = AutoConfig.from_pretrained(name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
         use_routed_experts(model)
+    separate_samples(model)
     install_logprob_head(model, chunk)
     return model
 
@@ -186,7 +189,8 @@ def forward_scores(
             f"{type(model).__name__} has no LogprobHead: call install_logprob_head(model, chunk) before sharding"
         )
     targets = torch.roll(mb.input_ids, -1, dims=1)  # [B, T]: token t + 1 (the last position's is discarded)
-    packed = {"sample_lengths": mb.sample_lengths} if model.config._attn_implementation == PACKED_SDPA else {}
+    apart = model.config._attn_implementation == PACKED_SDPA or has_linear_attention(model)
+    packed = {"sample_lengths": mb.sample_lengths} if apart else {}
     routed = mb.routed_experts if mb.routed_experts is not None and mb.routed_experts.numel() else None
     tokens = None if mb.attention_mask is None else mb.attention_mask.bool()
     route_as(model, routed, tokens, count=torch.is_grad_enabled())  # an MoE's routing (replayed), if any
