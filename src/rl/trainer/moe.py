@@ -24,8 +24,9 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-# model_type -> how its sparse block is recognised; the block's config names are Qwen3-MoE's
-MOE_BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock"}
+# model_type -> how its sparse block is recognised; the block's config names are Qwen3-MoE's (Qwen3.5-MoE adds a
+# gated shared expert and always renormalises the top-k weights)
+MOE_BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "qwen3_5_moe_text": "Qwen3_5MoeSparseMoeBlock"}
 
 
 class Expert(nn.Module):
@@ -43,16 +44,23 @@ class Expert(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """A top-k routed MoE block (softmax router, optional renormalisation of the k weights), its parameters named
-    as in the checkpoint: `gate.weight` [E, H] and `experts.<e>.{gate,up,down}_proj.weight`."""
+    """A top-k routed MoE block (softmax router, optional renormalisation of the k weights) and, where the family has
+    one, a shared expert every token passes through, weighed by its own sigmoid gate. Its parameters are named as in
+    the checkpoint: `gate.weight` [E, H], `experts.<e>.{gate,up,down}_proj.weight`, `shared_expert.*` and
+    `shared_expert_gate.weight` [1, H]."""
 
     def __init__(self, config, layer: int):
         super().__init__()
-        self.layer, self.top_k, self.norm_topk = layer, config.num_experts_per_tok, config.norm_topk_prob
+        self.layer, self.top_k = layer, config.num_experts_per_tok
+        self.norm_topk = getattr(config, "norm_topk_prob", True)  # Qwen3.5-MoE has no switch: always renormalised
         self.num_experts = config.num_experts
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(config.hidden_size, config.moe_intermediate_size, config.hidden_act)
                                      for _ in range(self.num_experts))
+        shared = getattr(config, "shared_expert_intermediate_size", 0)
+        if shared:
+            self.shared_expert = Expert(config.hidden_size, shared, config.hidden_act)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.replay: torch.Tensor | None = None  # [N, k] experts to route each token to, -1: its own choice
         self.tokens: torch.Tensor | None = None  # [N] bool, the tokens that count in the statistics and aux loss
         self.counting = False  # add the next forward to the statistics (once: not its recomputation in backward)
@@ -74,6 +82,8 @@ class RoutedExperts(nn.Module):
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(chosen == e)
             out.index_add_(0, token, expert(x[token]) * weights[token, slot, None].to(x.dtype))
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         counted = self.tokens if self.tokens is not None and self.tokens.numel() == len(x) else None
         self.aux_loss = load_balancing_loss(probs, chosen, counted)
         if self.counting:
