@@ -159,17 +159,19 @@ def test_an_unmatched_target_is_refused_before_anything_starts(tiny_model):
     check_lora_targets(TrainerConfig(model={"name": str(tiny_model)}, lora={}))
 
 
-def test_lora_adapters_of_a_mixture_of_experts_are_refused_on_cpu_where_vllm_cannot_serve_them(tmp_path):
+@pytest.mark.parametrize("arch, why", [("qwen3_moe", "MoE LoRA kernels need Triton"),
+                                       ("qwen3_5", "linear-attention layers take no adapter")])
+def test_lora_adapters_vllm_cannot_serve_on_cpu_are_refused_naming_the_way_out(arch, why, tmp_path):
     from rl.config import ModelConfig
-    from rl.launcher.resolve import check_moe_lora
+    from rl.launcher.resolve import check_cpu_lora
     from rl.tiny_model import build_tiny_model
     from rl.trainer.config import LoraConfig
 
-    moe = build_tiny_model(tmp_path / "moe", arch="qwen3_moe")
-    adapters = TrainerConfig(model=ModelConfig(name=str(moe)), lora=LoraConfig())
-    with pytest.raises(ConfigError, match="vLLM 0.32 on CPU cannot serve its adapters.*publish_merged = true"):
-        check_moe_lora(adapters, "cpu")
-    check_moe_lora(adapters, "cuda")  # vLLM's Triton MoE LoRA kernels (not run here)
-    check_moe_lora(TrainerConfig(model=ModelConfig(name=str(moe)), lora=LoraConfig(publish_merged=True)), "cpu")
+    model = build_tiny_model(tmp_path / arch, arch=arch)
+    adapters = TrainerConfig(model=ModelConfig(name=str(model)), lora=LoraConfig())
+    with pytest.raises(ConfigError, match=f"vLLM 0.32 on CPU cannot serve its adapters.*{why}.*publish_merged = true"):
+        check_cpu_lora(adapters, "cpu")
+    check_cpu_lora(adapters, "cuda")  # vLLM's GPU kernels (not run here)
+    check_cpu_lora(TrainerConfig(model=ModelConfig(name=str(model)), lora=LoraConfig(publish_merged=True)), "cpu")
     dense = build_tiny_model(tmp_path / "dense")
-    check_moe_lora(TrainerConfig(model=ModelConfig(name=str(dense)), lora=LoraConfig()), "cpu")
+    check_cpu_lora(TrainerConfig(model=ModelConfig(name=str(dense)), lora=LoraConfig()), "cpu")

@@ -64,7 +64,9 @@ def recording_choices(model) -> list[list[torch.Tensor]]:
     return seen
 
 
-def test_the_routed_block_computes_what_transformers_computes_under_the_checkpoint_names(moe_model, world):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])  # Qwen3.5: a gated shared expert, linear attention
+def test_the_routed_block_computes_what_transformers_computes_under_the_checkpoint_names(arch, tmp_path, world):
+    moe_model = build_tiny_model(tmp_path / arch, arch=arch)
     _, policy = policy_of(moe_model, world)
     assert len(moe_blocks(policy)) == LAYERS and all(isinstance(b, RoutedExperts) for b in moe_blocks(policy))
     with safe_open(str(moe_model / "model.safetensors"), "pt") as f:

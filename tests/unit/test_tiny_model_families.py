@@ -16,6 +16,8 @@ TRAITS = {  # model_type, tied head, q/k/v biases, q/k norms, experts per layer
     "llama": ("llama", False, False, False, 0),
     "qwen2": ("qwen2", True, True, False, 0),
     "gemma3": ("gemma3_text", True, False, True, 0),
+    "qwen3_5": ("qwen3_5_text", True, False, True, 0),
+    "qwen3_5_moe": ("qwen3_5_moe_text", True, False, True, 8),
 }
 
 
@@ -29,8 +31,9 @@ def test_each_family_is_built_with_its_traits_and_trains_a_step(arch, tmp_path):
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert ("lm_head.weight" in names) is not tied  # a tied head is the embedding, not a tensor of its own
-    assert ("model.layers.0.self_attn.q_proj.bias" in names) is biases
-    assert ("model.layers.0.self_attn.q_norm.weight" in names) is qk_norms
+    attention = config.get("layer_types", ["full_attention"]).index("full_attention")  # Qwen3.5: the 4th layer
+    assert (f"model.layers.{attention}.self_attn.q_proj.bias" in names) is biases
+    assert (f"model.layers.{attention}.self_attn.q_norm.weight" in names) is qk_norms
     assert sum(n.startswith("model.layers.0.mlp.experts.") for n in names) > 0 if experts else not any(
         ".experts." in n for n in names)
     if experts:
@@ -39,6 +42,12 @@ def test_each_family_is_built_with_its_traits_and_trains_a_step(arch, tmp_path):
         assert config["num_experts_per_tok"] == 2
     if arch == "gemma3":
         assert config["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]  # both kinds, in 4 layers
+    if arch.startswith("qwen3_5"):  # Gated DeltaNet in three layers of four, its every tensor in the files
+        assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+        gdn = {"A_log", "dt_bias", "conv1d.weight", "norm.weight", "in_proj_qkv.weight", "in_proj_z.weight",
+               "in_proj_b.weight", "in_proj_a.weight", "out_proj.weight"}
+        assert {f"model.layers.0.linear_attn.{n}" for n in gdn} <= names
+        assert ("model.layers.0.mlp.shared_expert_gate.weight" in names) is bool(experts)
     model = AutoModelForCausalLM.from_pretrained(out)
     ids = torch.randint(0, config["vocab_size"], (2, 16))
     loss = model(input_ids=ids, labels=ids).loss
@@ -48,5 +57,5 @@ def test_each_family_is_built_with_its_traits_and_trains_a_step(arch, tmp_path):
 
 
 def test_an_unknown_family_is_refused_naming_the_choices(tmp_path):
-    with pytest.raises(ValueError, match="choose from qwen3, qwen3_moe, llama, qwen2, gemma3"):
+    with pytest.raises(ValueError, match="choose from qwen3, qwen3_moe, llama, qwen2, gemma3, qwen3_5, qwen3_5_moe"):
         build_tiny_model(tmp_path / "x", arch="mistral")

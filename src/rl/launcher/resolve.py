@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rl.config import SECRET_MASK, ConfigError, is_moe, secret_fields, to_toml
+from rl.config import SECRET_MASK, ConfigError, is_hybrid, is_moe, secret_fields, to_toml
 from rl.weights.config import CollectiveTransfer
 from rl.launcher.config import ROLES, RLConfig
 from rl.envs.placement import place_env_servers
@@ -130,20 +130,24 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
     check_distillation(t, o)
     adaptive_stats = resolve_concurrency(o, i)
     config._device_choices = resolve_devices(t, i, host.devices.device) | adaptive_stats
-    check_moe_lora(t, host.devices.device)
+    check_cpu_lora(t, host.devices.device)
     config._env_servers = place_env_servers(o.output_dir.absolute(), {"env": o.env, "eval": o.eval.env},
                                             o.client.base_urls)
     o.transfer.resolve_device(host.devices.device, "orchestrator")  # as trainer and inference resolved it
     return config
 
 
-def check_moe_lora(t: TrainerConfig, device: str) -> None:
-    """vLLM 0.32 serves LoRA adapters of a mixture of experts through its Triton MoE kernels only, which have no CPU
-    backend: refused on CPU, where merged weights serve."""
-    if device == "cpu" and t.lora is not None and not t.lora.publish_merged and is_moe(t.model.name):
-        raise ConfigError(f"trainer.lora on the mixture of experts {t.model.name!r}: vLLM 0.32 on CPU cannot serve "
-                          "its adapters (its MoE LoRA kernels need Triton); set trainer.lora.publish_merged = true "
-                          "(merged weights each step) or train without LoRA")
+def check_cpu_lora(t: TrainerConfig, device: str) -> None:
+    """vLLM 0.32 on CPU cannot serve LoRA adapters of two kinds of model: a mixture of experts (its MoE LoRA kernels
+    need Triton) and a hybrid with linear attention (its CPU Gated DeltaNet layer takes no adapter). Refused on CPU,
+    where merged weights serve."""
+    if device != "cpu" or t.lora is None or t.lora.publish_merged:
+        return
+    why = ("its MoE LoRA kernels need Triton" if is_moe(t.model.name) else
+           "its CPU linear-attention layers take no adapter" if is_hybrid(t.model.name) else None)
+    if why:
+        raise ConfigError(f"trainer.lora on {t.model.name!r}: vLLM 0.32 on CPU cannot serve its adapters ({why}); set "
+                          "trainer.lora.publish_merged = true (merged weights each step) or train without LoRA")
 
 
 def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) -> None:
