@@ -45,7 +45,9 @@ import torch
 
 from rl.inference.experts import is_experts, kernel_disagreements, served_experts
 from rl.inference.reading import checkpoint_tensors
-from rl.inference.sharding import Part, Shard, input_shard, output_parts, vocab_rows
+from rl.inference.sharding import (
+    Part, Pieces, Shard, input_shard, linear_attention_shards, output_parts, tp_rank_size, vocab_rows,
+)
 from rl.weights.digest import TensorDigest
 PROBE_COLUMNS = 4
 ROW_CHUNK = 8192  # rows of a matrix cast to float32 at a time, to bound the memory of a fingerprint
@@ -60,7 +62,7 @@ class Fingerprint:
     dense: torch.Tensor | None  # [out] W @ x in float32, for a matrix
     shape: tuple[int, ...]  # of the whole tensor in checkpoint layout
     scale: float = 0.0  # max_i sum_j |W_ij x_j|: the size of the dense probe's terms (file side)
-    shard: Shard | None = None  # the part of the tensor fingerprinted (a tensor-parallel worker's); None: all
+    shard: Shard | Pieces | None = None  # the part of the tensor fingerprinted (a tensor-parallel worker's); None: all
 
 
 @functools.lru_cache(maxsize=64)
@@ -212,8 +214,12 @@ def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, device) -> di
         if isinstance(module, ParallelLMHead):
             prints |= _head_prints(prefix, module, dtype, device)
             continue
-        if isinstance(module, LinearBase) and module.weight.ndim != 3:  # 3-D: a convolution's, used as it is
-            prints |= _kernel_prints(prefix, module, dtype, packed, device)
+        if isinstance(module, LinearBase):
+            if module.weight.ndim != 3:  # 3-D: a linear attention's convolution, read with its layer's (below)
+                prints |= _kernel_prints(prefix, module, dtype, packed, device)
+            continue
+        if hasattr(module, "A_log") and hasattr(module, "conv1d"):  # Gated DeltaNet
+            prints |= _linear_attention_prints(prefix, module, dtype)
             continue
         if is_experts(module):
             prints |= _expert_prints(prefix.removesuffix(".routed_experts"), module, dtype)
@@ -252,7 +258,7 @@ def _kernel_prints(prefix: str, module, dtype: torch.dtype, packed: dict, device
     parts = output_parts(module)
     names = _fused_names(prefix, packed, len(parts))
     if len(names) < len(parts):  # a checkpoint tensor split over several of the layer's parts
-        parts = _joined_parts(prefix, parts, names)
+        parts = _joined_parts(parts, names)
     prints = {}
     for name, part, y_part in zip(names, parts, y.split([p.local for p in parts], dim=-1), strict=True):
         shard = _weight_shard(part, in_shard)
@@ -261,6 +267,19 @@ def _kernel_prints(prefix: str, module, dtype: torch.dtype, packed: dict, device
     if bias is not None:
         for name, part, b in zip(names, parts, bias.split([p.local for p in parts]), strict=True):
             prints[f"{name}.bias"] = part_fingerprint(b, dtype, (part.full,), part.shard)
+    return prints
+
+
+def _linear_attention_prints(prefix: str, module, dtype: torch.dtype) -> dict:
+    """A Gated DeltaNet layer's own tensors, used as they are: the convolution's weight [rows, 1, width] (in the
+    checkpoint's layout), `A_log` and `dt_bias`, each the part this worker serves."""
+    shards = linear_attention_shards(module)
+    _, size = tp_rank_size(module)
+    prints = {}
+    for name, shard in shards.items():
+        param = module.get_parameter(name)
+        shape = tuple(param.shape) if shard is None else (param.shape[0] * size, *param.shape[1:])
+        prints[f"{prefix}.{name}"] = part_fingerprint(param, dtype, shape, shard)
     return prints
 
 
@@ -301,16 +320,20 @@ SPLIT_TENSORS = {"in_proj_qkv": 3}
 v rows of `in_proj_qkv` are three parts of `in_proj_qkvz`, beside `in_proj_z`."""
 
 
-def _joined_parts(prefix: str, parts: list[Part], names: list[str]) -> list[Part]:
-    """Consecutive `parts` joined into one part per checkpoint tensor (`SPLIT_TENSORS`). A tensor
-    split over parts is served whole only without tensor parallelism: each worker then holds a row range of every
-    part, not one of the tensor (refused, naming the layer)."""
-    if any(part.shard is not None for part in parts):
-        raise NotImplementedError(f"{prefix}: proving {names} served over tensor-parallel workers is not supported yet")
-    counts = [SPLIT_TENSORS.get(name.rpartition(".")[2], 1) for name in names]
+def _joined_parts(parts: list[Part], names: list[str]) -> list[Part]:
+    """Consecutive `parts` joined into one part per checkpoint tensor (`SPLIT_TENSORS`); with tensor parallelism its
+    shard is each part's rows, placed after the parts before it in the tensor (`Pieces`)."""
     joined, start = [], 0
-    for count in counts:
-        rows = sum(part.local for part in parts[start:start + count])
-        joined.append(Part(rows, rows, None))
-        start += count
+    for name in names:
+        group = parts[start:start + SPLIT_TENSORS.get(name.rpartition(".")[2], 1)]
+        start += len(group)
+        local, full = sum(p.local for p in group), sum(p.full for p in group)
+        if all(p.shard is None for p in group):
+            joined.append(Part(local, full, None))
+            continue
+        shards, offset = [], 0
+        for p in group:
+            shards.append(Shard(0, offset + p.shard.start, p.shard.length))
+            offset += p.full
+        joined.append(Part(local, full, shards[0] if len(shards) == 1 else Pieces(tuple(shards))))
     return joined

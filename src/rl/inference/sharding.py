@@ -7,6 +7,9 @@ With tensor parallel size T, worker t of a server holds (vLLM's Megatron layout)
 - row-parallel projections (o_proj, down_proj): columns [t L, (t + 1) L) of the input, L = in / T;
 - the vocab-parallel embedding and LM head: rows [start, end) of the vocabulary (vLLM pads the vocabulary to a
   multiple of 64 before splitting it, so the last worker's part is shorter);
+- Gated DeltaNet (Qwen3.5's linear attention): `in_proj_qkv` and the convolution's rows are three parts, q, k and
+  v, each split on its own, so a worker serves three row ranges of the tensor (`Pieces`); `A_log` and `dt_bias` are
+  split by value head;
 - everything else (norms, a row-parallel bias): the whole tensor.
 
 A `Shard` names that part in checkpoint coordinates, so the files' side of a verification can cut the same part
@@ -33,13 +36,45 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class Pieces:
+    """Several ranges along one dimension of a checkpoint tensor, served here one after another."""
+
+    shards: tuple[Shard, ...]
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat([shard.of(tensor) for shard in self.shards], self.shards[0].dim)
+
+
+def pieces(sizes: list[int], rank: int, size: int) -> Pieces:
+    """Worker `rank`'s rows of a tensor made of consecutive parts of `sizes` rows, each split over `size` workers."""
+    shards, start = [], 0
+    for full in sizes:
+        local = full // size
+        shards.append(Shard(0, start + rank * local, local))
+        start += full
+    return Pieces(tuple(shards))
+
+
+def linear_attention_shards(module) -> dict[str, Shard | Pieces | None]:
+    """The shards of a Gated DeltaNet layer's own tensors on this worker, by their names in the layer: the
+    convolution's rows as vLLM's mamba loader splits them (q, k and v on their own), `A_log` and `dt_bias` by value
+    head; None for every one without tensor parallelism."""
+    rank, size = tp_rank_size(module)
+    if size == 1:
+        return dict.fromkeys(("conv1d.weight", "A_log", "dt_bias"))
+    heads = module.num_v_heads // size
+    return {"conv1d.weight": pieces([module.key_dim, module.key_dim, module.value_dim], rank, size),
+            "A_log": Shard(0, rank * heads, heads), "dt_bias": Shard(0, rank * heads, heads)}
+
+
+@dataclass(frozen=True)
 class Part:
     """One checkpoint tensor's rows in a (possibly fused) column-parallel layer: `local` rows served here out of
     `full`, from row `shard.start` (shard None: the whole tensor)."""
 
     local: int
     full: int
-    shard: Shard | None
+    shard: Shard | Pieces | None
 
 
 def tp_rank_size(module) -> tuple[int, int]:
