@@ -216,3 +216,18 @@ def test_the_top_k_term_alone_moves_the_students_distribution_onto_the_teachers(
         optimizer.step()
     assert kls[-1] < 0.5 * kls[0], kls  # toward the teacher, step after step
     assert all(b < a for a, b in zip(kls, kls[1:]))
+
+
+def test_the_logprob_correlation_from_summed_moments_equals_pearsons_over_all_tokens():
+    """Moments summed over micro-batches (and ranks) give the correlation over every trained token at once; a side
+    without spread gives none."""
+    from rl.trainer.loss import MOMENT_KEYS, logprob_moments, moments_correlation
+
+    torch.manual_seed(0)
+    x, noise = -torch.rand(2, 16) * 3, torch.randn(2, 16) * 0.3
+    y, mask = x + noise, torch.rand(2, 16) > 0.3
+    sums = sum(logprob_moments(x[i:i + 1], y[i:i + 1], mask[i:i + 1]) for i in range(2))
+    expected = torch.corrcoef(torch.stack([x[mask], y[mask]]).double())[0, 1].item()
+    assert abs(moments_correlation(dict(zip(MOMENT_KEYS, sums.tolist()))) - expected) < 1e-9
+    constant = logprob_moments(torch.full((1, 4), -1.0), -torch.rand(1, 4), torch.ones(1, 4, dtype=torch.bool))
+    assert moments_correlation(dict(zip(MOMENT_KEYS, constant.tolist()))) is None

@@ -141,6 +141,28 @@ def policy_loss(
     return loss, stats
 
 
+MOMENT_KEYS = ("lp_n", "lp_x", "lp_y", "lp_xx", "lp_yy", "lp_xy")
+
+
+def logprob_moments(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[6] float64 sums over the trained tokens of 1, x, y, x^2, y^2 and xy (x the trainer's logprob, y inference's):
+    summed over micro-batches and ranks, they give the step's correlation (`moments_correlation`)."""
+    x, y = logprobs[mask].double(), old_logprobs[mask].double()
+    return torch.stack([torch.tensor(float(len(x)), dtype=torch.float64, device=x.device), x.sum(), y.sum(),
+                        (x * x).sum(), (y * y).sum(), (x * y).sum()])
+
+
+def moments_correlation(sums: dict[str, float]) -> float | None:
+    """Pearson's correlation of trainer and inference logprobs over the step's trained tokens (verl's
+    rollout-trainer correlation: 1 when the two agree up to an affine map; what the mismatch KL measures in nats it
+    shows as agreement of shape); None without two distinct logprobs on either side."""
+    n, sx, sy = sums["lp_n"], sums["lp_x"], sums["lp_y"]
+    var_x, var_y = n * sums["lp_xx"] - sx * sx, n * sums["lp_yy"] - sy * sy
+    if var_x <= 0 or var_y <= 0:
+        return None
+    return (n * sums["lp_xy"] - sx * sy) / (var_x * var_y) ** 0.5
+
+
 def _within_mismatch_bound(log_ratio: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """[B, T] bool: tokens the mismatch mask keeps (all of them unless mismatch.type = mask)."""
     if isinstance(config.mismatch, MaskRatio):

@@ -12,6 +12,7 @@ from rl.trainer.config import TrainerConfig
 from rl.trainer.data import MicroBatch, build_micro_batches, empty_micro_batch, trained_tokens, truncate
 from rl.trainer.lora import adapters_disabled
 from rl.trainer.loss import StepTotals, policy_loss, sample_weight
+from rl.trainer.loss import MOMENT_KEYS, logprob_moments, moments_correlation
 from rl.trainer.model import forward_logprobs, forward_scores
 from rl.trainer.moe import aux_loss, check_routed, follow_records, moe_blocks, router_metrics
 from rl.trainer.output_head import TeacherTopK
@@ -19,7 +20,7 @@ from rl.trainer.optim import clip_gradients
 from rl.trainer.world import World
 
 SUM_KEYS = ("loss", "clipped", "mismatch_kl", "ref_kl", "masked", "entropy", "reverse_kl", "top_k_kl",
-            "aux_loss")  # per mb
+            "aux_loss") + MOMENT_KEYS  # per mb
 
 
 def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], config: TrainerConfig, world: World,
@@ -126,7 +127,8 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
     values = [loss.detach(), stats.clipped_tokens, stats.mismatch_kl_sum, stats.ref_kl_sum, stats.masked_tokens,
               (entropy.detach() * mask).sum(), stats.reverse_kl_sum, stats.top_k_kl_sum,
               torch.zeros((), device=loss.device) if balance is None else balance.detach() * aux_weight]
-    return torch.stack([v.to(torch.float64) for v in values])
+    return torch.cat([torch.stack([v.to(torch.float64) for v in values]),
+                      logprob_moments(logprobs.detach(), mb.old_logprobs, mb.loss_mask)])
 
 
 def summarise(sums: dict[str, float], totals: StepTotals, teacher: bool = False, top_k: bool = False,
@@ -137,6 +139,8 @@ def summarise(sums: dict[str, float], totals: StepTotals, teacher: bool = False,
     distilled = {"distill/reverse_kl": sums["reverse_kl"] / denom} if teacher else {}
     distilled |= {"moe/aux_loss": sums["aux_loss"] / ranks} if sums.get("aux_loss") else {}
     distilled |= {"distill/top_k_kl": sums["top_k_kl"] / denom} if top_k else {}
+    correlation = moments_correlation(sums)
+    distilled |= {} if correlation is None else {"mismatch_corr": correlation}
     return distilled | {
         "loss": sums["loss"],
         "entropy": sums["entropy"] / denom,
