@@ -250,3 +250,16 @@ def test_launcher_command_lines_of_router_replay_and_what_it_measures(model, tmp
                                                    "mismatch_kl": 3e-6})
     with pytest.raises(RuntimeError, match="is --model a mixture of experts"):
         replay.measure([{"mismatch_kl": 1e-6}])
+
+
+def test_launcher_command_lines_of_mismatch_and_what_it_measures(model, tmp_path, monkeypatch, capsys):
+    """Each (model, served dtype) run's command line is accepted; the measure is the steps' mean of the mismatch KL
+    and of the logprob correlation (a step without one, its tokens all alike, left out)."""
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    mismatch = benchmark("mismatch")
+    args = parsed(mismatch, ["--qwen3", str(model), "--qwen3-5", str(model)])
+    for dtype in mismatch.DTYPES:
+        args.dtype = dtype
+        dry_run(benchmark("router_replay").rl_command(model, tmp_path / dtype, args), capsys)
+    steps = [{"mismatch_kl": 2e-6, "mismatch_corr": 0.99}, {"mismatch_kl": 4e-6}]
+    assert mismatch.measure(steps) == pytest.approx({"mismatch_kl": 3e-6, "mismatch_corr": 0.99})
