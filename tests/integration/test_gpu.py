@@ -2,8 +2,10 @@
 a bf16 step published by the trainer's path reloads into a CUDA vLLM (one GPU, and a TP=2 server on two, each worker
 proving its shard) and verifies by its checksum; over NCCL, steps arrive while a generate loop runs (the group formed
 once, with generation held) and a trainer killed mid-step leaves the server serving and the next trainer's group
-forming anew; the GPU split gives every child its own devices; and an MoE's bf16 step reloads into CUDA vLLM,
-every expert proved, with each token's experts in the generate reply (vLLM's own recorder). The bf16 training step
+forming anew; the GPU split gives every child its own devices; an MoE's bf16 step reloads into CUDA vLLM,
+every expert proved, with each token's experts in the generate reply (vLLM's own recorder); and Qwen3.5's hybrid
+(Gated DeltaNet) dense and MoE steps reload into CUDA vLLM (its Triton GDN kernels), every tensor proved, and serve
+what transformers computes. The bf16 training step
 is in test_trainer.py, chunked logprobs on CUDA in tests/unit/test_chunked_logprobs.py."""
 
 import re
@@ -89,6 +91,25 @@ def test_an_moe_step_reloads_into_cuda_vllm_every_expert_proved_and_replies_carr
         completion = reply["choices"][0]["token_ids"]
         assert routed["start"] == 0 and rows.shape == (len(PROMPT) + len(completion) - 1, 4, 2)
         assert rows.max() < 8
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_a_qwen3_5_step_reloads_into_cuda_vllm_every_linear_attention_tensor_proved(arch, tmp_path):
+    """The tiny Qwen3.5 (dense and MoE) on one GPU: a perturbed bf16 step reloads and verifies (the convolution,
+    A_log, dt_bias, in_proj_qkv across vLLM's q/k/v parts, the shared expert), and the served logprobs are
+    transformers' bf16 forward of the step within bf16's rounding."""
+    model_dir = build_tiny_model(tmp_path / arch, arch=arch)
+    paths = RunPaths(tmp_path / "run")
+    paths.weights_root.mkdir(parents=True)
+    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")
+    try:
+        reload_a_perturbed_step(server, model_dir, paths, seed=3)
+        completion, logprobs = server.generate(PROMPT, max_tokens=8)
+        expected = transformers_logprobs(paths.weights(1), PROMPT, completion)
+        assert sum(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) / len(expected) < 0.05, (
+            logprobs, expected)
     finally:
         server.stop()
 
