@@ -42,11 +42,18 @@ save is in benchmarks/RESULTS.md, why each exists in docs/architecture.md ("Patc
   (`capture_routed_experts_on_cpu`, patches/routed_experts.py), for an MoE with `inference.router_replay`; its
   in-place reload packs a CPU MoE layer's experts for the kernel again (`vllm_cpu_moe_reload`), which vLLM 0.32
   skips, for an MoE: both applied on CPU hosts by the inference server and, through `vllm_cpu_moe` (a general
-  plugin active where the server sets `RL_VLLM_CPU_MOE`), in every process vLLM starts.
+  plugin active where the server sets `RL_VLLM_CPU_MOE`), in every process vLLM starts;
+- vLLM: its CPU op for Gated DeltaNet (Qwen3.5's linear attention) computes float32 with transformers' torch delta
+  rule, where vLLM's kernels take bf16 only (`gdn_float32_on_cpu`, patches/gdn.py), a general plugin active where the
+  inference server sets `RL_VLLM_CPU_GDN_FLOAT32` (a hybrid on a CPU host);
+- transformers: its torchvision image processor module for Qwen2-VL is its PIL twin where torchvision is absent, so
+  that vLLM's Qwen3.5 module imports on the CPU stack (`qwen2_vl_without_torchvision`, patches/transformers.py), a
+  general plugin.
 
 The package: `verifiers` (verifiers, its env-server pool included), `token_versions` (verifiers' sampled nodes,
 stamped), `pydantic`, `renderers` (in the processes that run episodes), `vllm` and `routed_experts` (in vLLM's
-processes), `local_route` (an aiohttp handler called in process); `targets` holds what they share, and this module
+processes), `gdn` (vLLM's CPU linear attention, in its processes), `transformers` (in vLLM's processes), `local_route`
+(an aiohttp handler called in process); `targets` holds what they share, and this module
 names every patch. The imports of the patched libraries stay inside the functions: vLLM loads this module in every
 process it starts, where neither pydantic's internals nor verifiers are needed. A patch whose target is gone (the
 library changed) raises `PatchTargetMissing` when it is applied, at start-up: it never silently stops applying.
