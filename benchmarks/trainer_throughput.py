@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM
 from rl.protocol import RunPaths, Sample, read_metrics, write_batch
 from rl.trainer.config import LossConfig
 from rl.trainer.data import build_micro_batches, trained_tokens
+from rl.trainer.linear_attention import separate_samples
 from rl.trainer.loss import policy_loss
 from rl.trainer.model import forward_logprobs
 from rl.trainer.output_head import DEFAULT_CHUNK_TOKENS, install_logprob_head
@@ -58,6 +59,7 @@ def plain_loop(model_dir: str, steps: int, samples_per_step: int, seq_len: int) 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     install_logprob_head(model, DEFAULT_CHUNK_TOKENS)  # the same output-layer maths as the trainer's
+    separate_samples(model)  # a hybrid's (Qwen3.5's) linear attention computes each packed sample alone, as rl's does
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     seconds = []
     for step in range(steps):
