@@ -91,3 +91,21 @@ def core_of(layer, x: torch.Tensor) -> torch.Tensor:
     finally:
         layer.norm.forward = original
     return captured["core"].reshape(x.shape[1], layer.num_v_heads, layer.head_v_dim)
+
+
+def test_vllms_qwen3_5_module_imports_without_torchvision_only_with_the_plugin():
+    """vLLM's Qwen3.5 module imports transformers' torchvision image processor; the CPU stack has no torchvision.
+    Each import in a fresh process (the plugin binds a module name for the whole process)."""
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points
+
+    plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert plugins["rl-qwen2-vl-without-torchvision"] == "rl.patches:qwen2_vl_without_torchvision"
+    assert plugins["rl-cpu-gdn-float32"] == "rl.patches:gdn_float32_on_cpu"
+    module = "import vllm.model_executor.models.qwen3_5"
+    bare = subprocess.run([sys.executable, "-c", module], capture_output=True, text=True)
+    assert bare.returncode != 0 and "torchvision" in bare.stderr
+    patched = subprocess.run([sys.executable, "-c", "from rl.patches import qwen2_vl_without_torchvision as p; p(); "
+                              + module], capture_output=True, text=True)
+    assert patched.returncode == 0, patched.stderr[-2000:]
