@@ -209,16 +209,17 @@ def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, device) -> di
 
     packed = getattr(model, "packed_modules_mapping", {})
     prints: dict[str, Fingerprint] = {}
+    convolutions = {f"{p}.conv1d" for p, m in model.named_modules() if is_linear_attention(m)}
     for prefix, module in model.named_modules():
         prefix = prefix.replace(LORA_BASE + ".", ".").removesuffix(LORA_BASE)  # a LoRA-wrapped layer's own name
         if isinstance(module, ParallelLMHead):
             prints |= _head_prints(prefix, module, dtype, device)
             continue
         if isinstance(module, LinearBase):
-            if module.weight.ndim != 3:  # 3-D: a linear attention's convolution, read with its layer's (below)
+            if prefix not in convolutions:  # a linear attention's convolution is read with its layer (below)
                 prints |= _kernel_prints(prefix, module, dtype, packed, device)
             continue
-        if hasattr(module, "A_log") and hasattr(module, "conv1d"):  # Gated DeltaNet
+        if is_linear_attention(module):
             prints |= _linear_attention_prints(prefix, module, dtype)
             continue
         if is_experts(module):
@@ -270,14 +271,24 @@ def _kernel_prints(prefix: str, module, dtype: torch.dtype, packed: dict, device
     return prints
 
 
+def is_linear_attention(module) -> bool:
+    """vLLM's Gated DeltaNet layer (Qwen3.5, Qwen3-Next): a convolution and per-head decays of its own."""
+    return hasattr(module, "A_log") and hasattr(module, "conv1d")
+
+
 def _linear_attention_prints(prefix: str, module, dtype: torch.dtype) -> dict:
-    """A Gated DeltaNet layer's own tensors, used as they are: the convolution's weight [rows, 1, width] (in the
-    checkpoint's layout), `A_log` and `dt_bias`, each the part this worker serves."""
+    """A Gated DeltaNet layer's own tensors, used as they are: the convolution's weight (vLLM keeps it [rows, 1, width]
+    in float32, [rows, width] in bf16; read in the checkpoint's layout), `A_log` and `dt_bias`, each the part this
+    worker serves. On CPUs with bf16 instructions vLLM packs the convolution for its kernel and keeps the plain copy
+    it falls back to (`_cpu_unpacked_conv_weight`): that copy is what is read there."""
     shards = linear_attention_shards(module)
     _, size = tp_rank_size(module)
     prints = {}
     for name, shard in shards.items():
         param = module.get_parameter(name)
+        if name == "conv1d.weight":
+            param = getattr(module.conv1d, "_cpu_unpacked_conv_weight", param)
+            param = param.reshape(param.shape[0], 1, -1)
         shape = tuple(param.shape) if shard is None else (param.shape[0] * size, *param.shape[1:])
         prints[f"{prefix}.{name}"] = part_fingerprint(param, dtype, shape, shard)
     return prints
