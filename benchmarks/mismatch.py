@@ -11,9 +11,12 @@ mismatch: qwen3_5 <a> vs qwen3 <b> (bf16 served), fp32 <c>
 
 a and b the mismatch_kl served in bf16, c qwen3_5's served in float32 (the goal: c <= 1e-6).
 
-    uv run --no-sync tiny-model --arch qwen3 --out /tmp/tiny
-    uv run --no-sync tiny-model --arch qwen3_5 --out /tmp/tiny-qwen3_5
-    uv run --no-sync python benchmarks/mismatch.py --qwen3 /tmp/tiny --qwen3-5 /tmp/tiny-qwen3_5 [--steps 6] [--dry-run]
+vLLM's CPU kernels for Gated DeltaNet in bf16 refuse the default tiny model's linear head dim of 32 ("Unexpected head
+dim size, 32" at the first request): build both models with head_dim 128, as the real Qwen3.5 has.
+
+    uv run --no-sync tiny-model --arch qwen3 --hidden-size 512 --heads 4 --out /tmp/w-qwen3
+    uv run --no-sync tiny-model --arch qwen3_5 --hidden-size 512 --heads 4 --out /tmp/w-qwen3_5
+    uv run --no-sync python benchmarks/mismatch.py --qwen3 /tmp/w-qwen3 --qwen3-5 /tmp/w-qwen3_5 [--steps 6] [--dry-run]
 """
 
 from __future__ import annotations
