@@ -147,9 +147,9 @@ MOMENT_KEYS = ("lp_n", "lp_x", "lp_y", "lp_xx", "lp_yy", "lp_xy")
 def logprob_moments(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[6] float64 sums over the trained tokens of 1, x, y, x^2, y^2 and xy (x the trainer's logprob, y inference's):
     summed over micro-batches and ranks, they give the step's correlation (`moments_correlation`)."""
-    x, y = logprobs[mask].double(), old_logprobs[mask].double()
-    return torch.stack([torch.tensor(float(len(x)), dtype=torch.float64, device=x.device), x.sum(), y.sum(),
-                        (x * x).sum(), (y * y).sum(), (x * y).sum()])
+    zero = logprobs.new_zeros((), dtype=torch.float64)  # masked by where, not by indexing: no host sync on a GPU
+    x, y = torch.where(mask, logprobs.double(), zero), torch.where(mask, old_logprobs.double(), zero)
+    return torch.stack([mask.double().sum(), x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum()])
 
 
 def moments_correlation(sums: dict[str, float]) -> float | None:

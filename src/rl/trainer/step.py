@@ -11,8 +11,9 @@ from rl.protocol import Sample
 from rl.trainer.config import TrainerConfig
 from rl.trainer.data import MicroBatch, build_micro_batches, empty_micro_batch, trained_tokens, truncate
 from rl.trainer.lora import adapters_disabled
-from rl.trainer.loss import StepTotals, policy_loss, sample_weight
-from rl.trainer.loss import MOMENT_KEYS, logprob_moments, moments_correlation
+from rl.trainer.loss import (
+    MOMENT_KEYS, StepTotals, logprob_moments, moments_correlation, policy_loss, sample_weight,
+)
 from rl.trainer.model import forward_logprobs, forward_scores
 from rl.trainer.moe import aux_loss, check_routed, follow_records, moe_blocks, router_metrics
 from rl.trainer.output_head import TeacherTopK
