@@ -4,11 +4,10 @@ tied), Gemma 3 (text: sliding and full attention layers, the embedding scaled, (
 MoE (text: Gated DeltaNet linear attention in three layers of four, full attention in the fourth).
 
 No hub access: the tokenizer is character level (printable ASCII plus ChatML special tokens and Qwen3's
-think and tool tokens, each one id) with a Qwen3-style chat template: plain chats render as ChatML, tools
-as Qwen3 offers them (`# Tools` with `<tools>` JSON in the system turn), the model's calls as
-`<tool_call>` JSON and their results as `<tool_response>` user turns, so the tool path runs on it with a
-Qwen3-format tool parser. The weights are drawn from a seeded generator, so the same arguments always
-give the same files. vLLM's CPU attention kernels need head_dim >= 32.
+think and tool tokens, each one id) with its family's chat format (rl/chat_templates.py): Qwen3's (tool calls
+as `<tool_call>` JSON, read by the `default` renderer with Qwen3's parser) or, for Qwen3.5, Qwen3.5's (XML tool
+calls, think blocks, vision tokens: the `qwen3.5` renderer reads it). The weights are drawn from a seeded
+generator, so the same arguments always give the same files. vLLM's CPU attention kernels need head_dim >= 32.
 
     uv run tiny-model --out models/tiny            # ~0.8M parameters
     uv run tiny-model --out models/tiny-moe --arch qwen3_moe
@@ -29,62 +28,37 @@ from transformers import (
     Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
 )
 
+from rl import chat_templates
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARACTERS = sorted(set(string.printable) - set("\x0b\x0c\r"))
 # Qwen3's own: one id each (parsers find tool calls by token id), appended so earlier ids stay put.
 TOOL_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-# Qwen3's template, shortened (no thinking blocks); without tools it renders plain ChatML.
-CHAT_TEMPLATE = """\
-{%- macro turn(role, content) %}{{- '<|im_start|>' + role + '\n' + content + '<|im_end|>\n' }}{%- endmacro %}
-{%- if tools %}
-{%- set head = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' else '' %}
-{{- '<|im_start|>system\n' + head
-    + '# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
-{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
-{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '
-    + '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
-    + '</tool_call><|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message['role'] == 'system' and loop.first and tools %}
-{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}
-{{- '<|im_start|>assistant\n' + (message['content'] or '') }}
-{%- for call in message['tool_calls'] %}
-{%- set call = call['function'] if call.get('function') else call %}
-{%- set arguments = call['arguments'] if call['arguments'] is string else call['arguments'] | tojson %}
-{{- ('\n' if message['content'] or not loop.first else '')
-    + '<tool_call>\n{"name": "' + call['name'] + '", "arguments": ' + arguments + '}\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\n' }}
-{%- elif message['role'] == 'tool' %}
-{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}
-{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
-{%- else %}
-{{- turn(message['role'], message['content'] or '') }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-"""
+# Qwen3.5's vision placeholders: its renderer needs them in the vocabulary, text-only or not.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(arch: str = "qwen3") -> PreTrainedTokenizerFast:
     """A character-level tokenizer: one id per printable ASCII character, ChatML special tokens, Qwen3's
-    think and tool tokens (plain added tokens, as in Qwen3: decoded text keeps them)."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + ["<unk>"] + CHARACTERS + TOOL_TOKENS)}
+    think and tool tokens (plain added tokens, as in Qwen3: decoded text keeps them); Qwen3.5's adds its vision
+    tokens (special: decoding drops them) and renders chats in Qwen3.5's format (rl/chat_templates.py)."""
+    qwen3_5 = arch.startswith("qwen3_5")
+    vision = VISION_TOKENS if qwen3_5 else []
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + ["<unk>"] + CHARACTERS + TOOL_TOKENS + vision)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # every character its own piece, newlines too (a plain "." would leave a blank line one unknown piece)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token="<unk>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        additional_special_tokens=SPECIAL_TOKENS[1:] + vision,
     )
     tokenizer.add_tokens(TOOL_TOKENS)  # in the vocabulary already: this only makes each match whole
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_templates.QWEN3_5 if qwen3_5 else chat_templates.QWEN3
     return tokenizer
 
 
@@ -154,12 +128,12 @@ def build_tiny_model(
 ) -> Path:
     """Write config, safetensors weights, tokenizer and generation config to `out`; return it."""
     out = Path(out)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(arch)
     config = build_config(tokenizer, hidden_size, layers, heads, kv_heads, arch)
-    # Draw the weights for the vocabulary without the tool tokens, then append rows for those: every other
-    # weight is what the same seed gave before the tool tokens existed, so the quickstart's measured SFT and
+    # Draw the weights for the vocabulary without the tool (and vision) tokens, then append rows for those: every
+    # other weight is what the same seed gave before those tokens existed, so the quickstart's measured SFT and
     # RL behaviour (benchmarks/RESULTS.md) still holds.
-    config.vocab_size -= len(TOOL_TOKENS)
+    config.vocab_size = len(SPECIAL_TOKENS) + 1 + len(CHARACTERS)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)

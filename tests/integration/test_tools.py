@@ -17,6 +17,7 @@ from rl.envs.loading import load_environment
 from rl.envs.rollouts import InferenceClient, Sampling, run_group
 from rl.protocol import RunPaths, read_metrics
 from rl.renderer import renderer_config
+from rl.tiny_model import build_tiny_model
 from tests.conftest import ROOT
 from tests.integration.inference_server import Server
 from tests.integration.launched import SMALL_KV_CACHE, Launched, free_port, rl_command
@@ -33,25 +34,38 @@ def toolset_env_installed(monkeypatch):
     monkeypatch.syspath_prepend(str(FIXTURES))
 
 
-def scripted(tokenizer, tool: str, arguments: dict) -> Sampling:
-    """Every turn is exactly this tool call. '<' is banned so that the tags come out as the single tokens the
-    tool parser reads (the regex alone also admits spelling them character by character)."""
-    call = f'<tool_call>\n{{"name": "{tool}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
-    extra = {"structured_outputs": {"regex": re.escape(call)},
-             "logit_bias": {str(tokenizer.convert_tokens_to_ids("<")): -100}}
-    return Sampling(max_tokens=80, extra=extra)
+def scripted(tokenizer, tool: str, arguments: dict, xml: bool = False) -> Sampling:
+    """Every turn is exactly this tool call, in Qwen3's JSON or Qwen3.5's XML. The tags must come out as the
+    single tokens the tool parser reads (the regex alone also admits spelling them character by character): JSON
+    bans '<'; XML needs '<' for `<function=`, so there the tag tokens are raised instead, and the regex masks them
+    wherever it expects anything else."""
+    tags = [tokenizer.convert_tokens_to_ids(tag) for tag in ("<tool_call>", "</tool_call>")]
+    if xml:
+        parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
+        call = f"<tool_call>\n<function={tool}>\n{parameters}</function>\n</tool_call>"
+        bias = {str(tag): 100 for tag in tags}
+    else:
+        call = f'<tool_call>\n{{"name": "{tool}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+        bias = {str(tokenizer.convert_tokens_to_ids("<")): -100}
+    return Sampling(max_tokens=120, extra={"structured_outputs": {"regex": re.escape(call)}, "logit_bias": bias})
 
 
-def test_scripted_tool_calls_get_the_tools_real_results(tiny_model, tmp_path, toolset_env_installed):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_scripted_tool_calls_get_the_tools_real_results(arch, tiny_model, tmp_path, toolset_env_installed):
+    """Qwen3's JSON calls on the tiny model, and Qwen3.5's XML calls through its own renderer (picked by `auto`)."""
+    model = tiny_model if arch == "qwen3" else build_tiny_model(tmp_path / arch, arch=arch)
     env = load_environment(EnvConfig(id="toolset-env", harness={"id": "in-process-chat", "max_tool_calls": 1}))
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    server = Server(tiny_model, tmp_path / "weights", tmp_path / "inference.log", max_model_len=PROMPT_TOKENS)
-    client = InferenceClient(server.url, str(tiny_model), str(tiny_model), renderer_config("auto", str(tiny_model))[0])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    renderer, _ = renderer_config("auto", str(model))
+    assert renderer.name == {"qwen3": "default", "qwen3_5": "qwen3.5"}[arch]
+    server = Server(model, tmp_path / "weights", tmp_path / "inference.log", max_model_len=PROMPT_TOKENS)
+    client = InferenceClient(server.url, str(model), str(model), renderer)
 
     async def rollouts():
         async with env.serving():
             return [
-                (await run_group(env, 0, 1, client, scripted(tokenizer, tool, arguments), timeout_s=300))[0]
+                (await run_group(env, 0, 1, client, scripted(tokenizer, tool, arguments, arch == "qwen3_5"),
+                                 timeout_s=300))[0]
                 for tool, arguments in (("kv_lookup", {"key": "red"}), ("kv_explode", {}), ("kv_nope", {}))
             ]
 

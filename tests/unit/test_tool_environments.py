@@ -2,9 +2,12 @@
 in-process harness's tool loop against a stand-in model and toolbox."""
 
 import asyncio
+import shutil
 
 import pytest
-from renderers.configs import DefaultRendererConfig, Qwen3RendererConfig
+from renderers.configs import DefaultRendererConfig, Qwen3RendererConfig, Qwen35RendererConfig
+from renderers.qwen35 import Qwen35Renderer
+from transformers import AutoTokenizer
 
 import in_process_chat
 from in_process_chat import InProcessChatConfig, InProcessChatHarness
@@ -65,6 +68,65 @@ def test_auto_reads_each_local_familys_template(arch, tmp_path):
                                 "'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}")
     gemma_like.save_pretrained(tmp_path / "gemma-like")
     assert renderer_config("auto", str(tmp_path / "gemma-like"))[0] == DefaultRendererConfig()
+
+
+QWEN3_5_CHATS = [
+    [{"role": "system", "content": " be brief "}, {"role": "user", "content": "first"},
+     {"role": "assistant", "content": "one\n\ntwo"}, {"role": "user", "content": "second"}],
+    [{"role": "user", "content": "add"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"function": {"name": "add", "arguments": {"a": 1, "b": [1, 2]}}},
+         {"function": {"name": "add", "arguments": {"a": "x", "flag": True}}}]},
+     {"role": "tool", "content": "3"}, {"role": "tool", "content": "4"},
+     {"role": "assistant", "content": "<think>sum</think>\n\n7"}],
+]
+ADD_TOOL = [{"type": "function", "function": {"name": "add", "description": "Add numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("qwen3_5") / "model", arch="qwen3_5"))
+
+
+def test_auto_picks_qwen3_5s_renderer_for_a_local_checkpoint_thinking_as_its_template_answers(tiny_qwen3_5, tmp_path):
+    """verifiers maps Qwen3.5 hub names only; a local directory is found by its model_type. The tiny model's
+    template answers with thinking off (as Qwen3.5-0.8B's does), the renderer's own default for unknown names is on."""
+    config, why = renderer_config("auto", tiny_qwen3_5)
+    assert config == Qwen35RendererConfig(enable_thinking=False) and "qwen3_5_text" in why
+    thinks = shutil.copytree(tiny_qwen3_5, tmp_path / "thinks")
+    tokenizer = AutoTokenizer.from_pretrained(thinks)
+    tokenizer.chat_template = tokenizer.chat_template.replace("else false", "else true")
+    tokenizer.save_pretrained(thinks)
+    assert renderer_config("auto", str(thinks))[0] == Qwen35RendererConfig(enable_thinking=True)
+    assert renderer_config("auto", "Qwen/Qwen3.5-0.8B")[0].name == "qwen3.5"  # by hub name: nothing downloaded
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("chat", QWEN3_5_CHATS, ids=["multi-turn", "tool-calls"])
+def test_the_qwen3_5_template_renders_as_its_renderer_token_for_token(chat, thinking):
+    """SFT renders with the chat template, RL with the renderer: the model must see the same tokens from both."""
+    tokenizer = build_tokenizer("qwen3_5")
+    renderer = Qwen35Renderer(tokenizer, Qwen35RendererConfig(enable_thinking=thinking))
+    for tools in (None, ADD_TOOL):
+        for prompt in (chat[:-1], chat):
+            from_template = tokenizer.apply_chat_template(prompt, tools=tools, enable_thinking=thinking,
+                                                          add_generation_prompt=prompt is not chat)
+            assert renderer.render_ids(prompt, tools=tools, add_generation_prompt=prompt is not chat) == list(
+                from_template["input_ids"])
+
+
+def test_qwen3_5s_xml_tool_calls_parse_and_blank_lines_survive():
+    tokenizer = build_tokenizer("qwen3_5")
+    renderer = Qwen35Renderer(tokenizer, Qwen35RendererConfig(enable_thinking=False))
+    prompt = renderer.render_ids([{"role": "user", "content": "add"}], tools=ADD_TOOL, add_generation_prompt=True)
+    reply = ("I add.\n\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n[2, 3]\n"
+             "</parameter>\n</function>\n</tool_call><|im_end|>")
+    parsed = renderer.parse_response(tokenizer.encode(reply, add_special_tokens=False), tools=ADD_TOOL,
+                                     prompt_ids=prompt)
+    assert parsed.content == "I add." and [(c.name, c.arguments) for c in parsed.tool_calls] == [
+        ("add", {"a": 1, "b": [2, 3]})]
+    assert tokenizer.decode(tokenizer.encode("a\n\nb", add_special_tokens=False)) == "a\n\nb"
 
 
 def test_explicit_renderers_and_bad_ones(tiny):
