@@ -29,7 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rl.protocol import RunPaths, Sample, read_metrics, write_batch
-from rl.trainer.config import LossConfig
+from rl.trainer.loss_config import LossConfig
 from rl.trainer.data import build_micro_batches, trained_tokens
 from rl.trainer.linear_attention import separate_samples
 from rl.trainer.loss import policy_loss

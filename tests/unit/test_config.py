@@ -248,8 +248,9 @@ def test_help_lists_the_fields_of_every_variant_of_a_tagged_union():
 
     trainer = config_help(TrainerConfig)
     assert "--loss.norm.type  ['dapo']" in trainer and "one of 'dapo', 'grpo', 'dr_grpo'" in trainer
-    assert "with type = 'truncate':\n      --loss.mismatch.cap  [2.0]" in trainer
-    assert "--loss.mismatch.max_log_ratio" in trainer and "--loss.norm.tokens_per_sample" in trainer
+    assert "with type = 'gspo':\n      --loss.objective.eps_low  [0.0003]" in trainer
+    assert "--loss.objective.max_weight" in trainer and "--loss.norm.tokens_per_sample" in trainer
+    assert "truncate (cap), mask (max_log_ratio), icepop, geo_mask, outlier_mask (low, high)" in trainer  # a list
     orchestrator = config_help(OrchestratorConfig)
     assert "--advantage.type  ['grpo']" in orchestrator and "--advantage.truncated" in orchestrator
 

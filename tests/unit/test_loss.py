@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rl.trainer.config import DapoNorm, DrGrpoNorm, GrpoNorm, LossConfig, MaskRatio, TruncateRatio
+from rl.trainer.loss_config import DapoNorm, DrGrpoNorm, GrpoNorm, LossConfig, MaskRatio, TruncateRatio
 from rl.trainer.loss import StepTotals, policy_loss, sample_weight
 
 # Two samples of three tokens; token 0 has no prediction. Ratios r = pi_theta / pi_old:

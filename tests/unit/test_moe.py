@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from rl.config import ModelConfig
 from rl.protocol import Sample, decode_samples, encode_samples
 from rl.tiny_model import build_tiny_model
-from rl.trainer.config import LossConfig, TrainerConfig
+from rl.trainer.config import TrainerConfig
+from rl.trainer.loss_config import LossConfig
 from rl.trainer.data import build_micro_batches
 from rl.trainer.model import forward_logprobs, load_policy
 from rl.trainer.moe import RoutedExperts, moe_blocks

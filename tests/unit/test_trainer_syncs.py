@@ -15,7 +15,8 @@ import torch
 from rl.config import ModelConfig
 from rl.protocol import Sample
 from rl.trainer.attention import PACKED_SDPA
-from rl.trainer.config import LossConfig, MaskRatio, TrainerConfig, TruncateRatio
+from rl.trainer.config import TrainerConfig
+from rl.trainer.loss_config import LossConfig, MaskRatio, TruncateRatio
 from rl.trainer.model import load_policy, load_reference
 from rl.trainer.optim import build_optimizer, build_scheduler
 from rl.trainer.step import train_step

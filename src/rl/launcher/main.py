@@ -236,9 +236,12 @@ def print_dry_run(config: RLConfig, host: HostPlan, specs: list[ChildSpec]) -> N
 
 
 def choice_text(value) -> str:
-    """A chosen value as TOML writes it: `true`, `bfloat16`, a section inline (`{ type = "mask", ... }`)."""
+    """A chosen value as TOML writes it: `true`, `bfloat16`, a section inline (`{ type = "mask", ... }`), a list of
+    them (`[{ ... }, { ... }]`)."""
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(choice_text(item) for item in value) + "]"
     if isinstance(value, BaseModel):
         fields = ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.model_dump(mode="json").items())
         return f"{{ {fields} }}"

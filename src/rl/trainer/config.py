@@ -1,16 +1,17 @@
-"""Trainer configuration. Variants (loss normalisation, mismatch correction, LR schedule) are
-discriminated unions on `type`."""
+"""Trainer configuration (the loss's: trainer/loss_config.py). Variants (LR schedule, transfer) are discriminated
+unions on `type`."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field
 from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import DEFAULT_TARGETS, VLLM_MAX_RANKS
 from rl.config import CkptConfig, ConfigError, ModelConfig, Section, Settings, WandbConfig, optional_section
+from rl.trainer.loss_config import AutoMismatchCorrection, GeoMask, LossConfig, MaskRatio, NoMismatchCorrection
 from rl.weights.config import FilesTransfer, TransferConfig
 
 
@@ -33,113 +34,6 @@ class OptimConfig(Section):
                           "copied to the device for each optimizer step: the device holds them only during the "
                           "step, not beside the activations of forward/backward"),
     ] = False
-
-
-class DapoNorm(Section):
-    """sum over every trained token of the step / number of those tokens (all ranks, all micro-batches)."""
-
-    type: Annotated[Literal["dapo"], Field(description="token-level mean over the whole step")] = "dapo"
-
-
-class GrpoNorm(Section):
-    """mean over each sample's trained tokens, then mean over the step's samples."""
-
-    type: Annotated[Literal["grpo"], Field(description="per-sample token mean, then mean over samples")] = "grpo"
-
-
-class DrGrpoNorm(Section):
-    """sum over every trained token / (samples in the step * tokens_per_sample), a constant per step shape."""
-
-    type: Annotated[Literal["dr_grpo"], Field(description="token sum over a constant (Dr. GRPO)")] = "dr_grpo"
-    tokens_per_sample: Annotated[
-        int | None, Field(ge=1, description="denominator per sample (max completion tokens); unset: seq_len")
-    ] = None
-
-
-NormConfig = Annotated[Union[DapoNorm, GrpoNorm, DrGrpoNorm], Field(discriminator="type")]
-
-
-class AutoMismatchCorrection(Section):
-    """Left to the device (`resolve_device_defaults`): `mask` on CUDA, where bf16 training beside vLLM's kernels
-    differs from inference (prime-rl masks by default), `none` on CPU (float32 on both sides). Unresolved, as in a
-    unit test that builds the config itself, it corrects nothing, as on CPU."""
-
-    type: Annotated[
-        Literal["auto"], Field(description="mask (default bound) on CUDA, none on CPU")
-    ] = "auto"
-
-
-class NoMismatchCorrection(Section):
-    type: Annotated[Literal["none"], Field(description="no train-inference mismatch correction")] = "none"
-
-
-class TruncateRatio(Section):
-    """Truncated importance weights: the ratio is capped at `cap` (bounds negative-advantage tokens)."""
-
-    type: Annotated[Literal["truncate"], Field(description="cap the importance ratio at `cap`")] = "truncate"
-    cap: Annotated[float, Field(gt=1, description="largest importance ratio a token may carry")] = 2.0
-
-
-class MaskRatio(Section):
-    """Tokens whose |log ratio| exceeds `max_log_ratio` contribute nothing to the loss."""
-
-    type: Annotated[Literal["mask"], Field(description="drop tokens with |log ratio| > max_log_ratio")] = "mask"
-    max_log_ratio: Annotated[float, Field(gt=0, description="bound on |log pi_theta - log pi_old|")] = 1.0
-
-
-MismatchConfig = Annotated[
-    Union[AutoMismatchCorrection, NoMismatchCorrection, TruncateRatio, MaskRatio], Field(discriminator="type")
-]
-
-
-class LossConfig(Section):
-    eps_low: Annotated[float, Field(ge=0, lt=1, description="lower clip: ratio >= 1 - eps_low")] = 0.2
-    eps_high: Annotated[float, Field(ge=0, description="upper clip (clip-higher): ratio <= 1 + eps_high")] = 0.28
-    norm: Annotated[NormConfig, Field(description="how token losses are normalised (type = dapo|grpo|dr_grpo)")] = (
-        DapoNorm()
-    )
-    mismatch: Annotated[
-        MismatchConfig,
-        Field(description="train-inference mismatch correction (type = auto|none|truncate|mask); auto: mask on "
-                          "CUDA, none on CPU"),
-    ] = AutoMismatchCorrection()
-    beta: Annotated[
-        float, Field(ge=0, description="KL penalty (k3) to the reference (base) model; 0 loads no reference")
-    ] = 0.0
-    distill: Annotated[
-        float,
-        Field(ge=0, description="on-policy distillation: weight of the per-token reverse KL to the teacher "
-                                "(orchestrator.teacher), added to each token's advantage; 0: off"),
-    ] = 0.0
-    distill_top_k: Annotated[
-        float,
-        Field(ge=0, description="on-policy distillation's dense term: weight of the KL from the teacher's top-k "
-                                "distribution (orchestrator.teacher.top_k) to the student's at every trained token; "
-                                "0: off"),
-    ] = 0.0
-    reward_weight: Annotated[
-        float, Field(ge=0, description="weight of the reward advantage; 0 with distill > 0: pure distillation")
-    ] = 1.0
-    router_replay: Annotated[
-        bool, Field(description="mixture-of-experts: route every token to the experts inference recorded for it "
-                                "(trainer/moe.py); the batch must carry them (inference records them for an MoE)")
-    ] = True
-    router_aux_loss_coef: Annotated[
-        float, Field(ge=0, description="mixture-of-experts: weight of the router's load-balancing loss; 0 (off) for "
-                                       "RL: it moves the policy whatever the reward (trainer/moe.py)")
-    ] = 0.0
-    distill_baseline: Annotated[
-        bool, Field(description="subtract the step's mean reverse KL (every trained token, all ranks) from each "
-                                "token's before weighing it by distill: a baseline, so that the update moves tokens "
-                                "by how much worse than the step's average the teacher finds them")
-    ] = True
-
-    @model_validator(mode="after")
-    def _something_to_learn(self):
-        if self.reward_weight == 0 and self.distill == 0 and self.distill_top_k == 0:
-            raise ValueError("loss.reward_weight = 0 and loss.distill = 0 and loss.distill_top_k = 0 leave nothing to "
-                             "learn from: set one above 0")
-        return self
 
 
 class LoraConfig(Section):
@@ -278,7 +172,7 @@ def resolve_device_defaults(config: TrainerConfig, device: DeviceKind) -> dict[s
     if config.activation_checkpointing is None:
         config.activation_checkpointing, why["activation_checkpointing"] = on_cuda, f"auto: {device.upper()}"
     if isinstance(config.loss.mismatch, AutoMismatchCorrection):
-        config.loss.mismatch = MaskRatio() if on_cuda else NoMismatchCorrection()
+        config.loss.mismatch = [MaskRatio(), GeoMask()] if on_cuda else NoMismatchCorrection()
         why["loss.mismatch"] = f"auto: {device.upper()}"
     if config.publish_dtype == "auto":
         if on_cuda:

@@ -1,5 +1,6 @@
-"""Clipped importance-ratio policy-gradient loss (token level), with normalisation variants, an optional
-KL penalty to a reference model and an optional train-inference mismatch correction.
+"""The policy loss: clipped importance ratios (PPO, or GSPO's sequence ratios, or CISPO's clipped weights), with
+normalisation variants, an optional KL penalty to a reference model, on-policy distillation and the off-policy and
+mismatch corrections of trainer/corrections.py.
 
 For every trained token t of sample i, with advantage A_i, trainer logprob log pi_theta(t), the inference
 logprob log pi_old(t) recorded by the orchestrator, (beta > 0) the reference logprob log pi_ref(t) and
@@ -8,9 +9,13 @@ logprob log pi_old(t) recorded by the orchestrator, (beta > 0) the reference log
     A_t     = w_r * A_i - lambda * (k_t - b)         (w_r = reward_weight, lambda = distill)
     k_t     = log pi_old(t) - log pi_T(t)             per-token reverse KL to the teacher, b its step mean
     r_t     = exp(log pi_theta(t) - log pi_old(t))                          importance ratio
-    r~_t    = min(r_t, C)             (mismatch.type = truncate, cap C)    else r~_t = r_t
-    L_t     = -min(r~_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
+    r~_t    = min(r_t, C)             (a `truncate` correction, cap C)      else r~_t = r_t
+    L_t     = -min(r~_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)  (objective ppo)
               + beta * (exp(q_t) - q_t - 1),  q_t = log pi_ref(t) - log pi_theta(t)   (k3 estimator)
+
+GSPO (objective gspo, its own eps) puts the sample's ratio s_i = exp(mean_{u in T_i} log r_u) in place of r_t, as
+s_i * pi_theta(t) / sg(pi_theta(t)): equal in value, with each token's own gradient. CISPO (objective cispo) clips
+the weight and keeps every token's gradient: L_t = -sg(min(r_t, max_weight, C)) * A_t * log pi_theta(t).
 
 The distillation term is on-policy distillation's: k_t = log pi_old(t) - log pi_T(t) is a one-sample estimate of the
 reverse KL(pi || pi_T) at token t, so a token the teacher finds likelier than the student did gets a positive
@@ -31,8 +36,10 @@ outcomes, so its gradient carries no sampling noise. Reverse, as that term: mode
 the teacher's likely tokens and never asks it to spread over the teacher's doubts (a forward KL over the top k,
 tried first, raised the student's entropy on its own samples and lost the reward: benchmarks/RESULTS.md). It is
 an exact divergence, not a policy gradient: no ratio or clipping, only the masks and weights below.
-    m_t     = 0 if |log r_t| > B  (mismatch.type = mask, bound B)          else m_t = 1
-    L       = sum_i sum_t m_t * w_i * L_t
+    L       = sum_i sum_t m_t * s_t * w_i * L_t
+
+m_t (0 or 1) and s_t (<= 1) are the corrections' masks and sequence truncations (trainer/corrections.py; 1 without
+any).
 
 The per-sample weight w_i sets the normalisation (S samples and N trained tokens in the whole step, all
 ranks and micro-batches; n_i trained tokens of sample i):
@@ -49,7 +56,8 @@ Reported statistics are token sums; divided by N they give the step means:
     ref KL          the k3 term above (beta > 0 only)
     reverse KL      log pi_old(t) - log pi_T(t), the distillation signal (with a teacher)
     top-k KL        D_t (distill_top_k > 0 only)
-    masked          tokens removed by the mismatch mask
+    masked          tokens the corrections' masks removed (and samples removed whole)
+    ratio quantiles r_t at p1, p50, p99, from a histogram of log r_t (corrections.py)
 """
 
 from __future__ import annotations
@@ -58,7 +66,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.trainer.config import DapoNorm, DrGrpoNorm, GrpoNorm, LossConfig, MaskRatio, NormConfig, TruncateRatio
+from rl.trainer.corrections import Corrected, correct, log_ratio_histogram, per_sample, sample_ids
+from rl.trainer.loss_config import (
+    CISPOObjective, DapoNorm, DrGrpoNorm, GrpoNorm, GSPOObjective, LossConfig, NormConfig, corrections,
+)
 
 
 @dataclass(frozen=True)
@@ -84,12 +95,15 @@ def sample_weight(norm: NormConfig, sample_tokens: int, totals: StepTotals, seq_
 
 @dataclass
 class LossStats:
-    clipped_tokens: torch.Tensor  # scalar, tokens whose ratio was clipped
+    clipped_tokens: torch.Tensor  # scalar, tokens whose ratio (or weight) was clipped
     mismatch_kl_sum: torch.Tensor  # scalar, sum over tokens of r_t - 1 - log r_t
     ref_kl_sum: torch.Tensor  # scalar, sum over tokens of the k3 penalty (0 without reference)
-    masked_tokens: torch.Tensor  # scalar, tokens dropped by the mismatch mask
+    masked_tokens: torch.Tensor  # scalar, trained tokens the corrections' masks removed
     reverse_kl_sum: torch.Tensor  # scalar, sum over tokens of log pi_old - log pi_T (0 without a teacher)
     top_k_kl_sum: torch.Tensor  # scalar, sum over tokens of D_t (0 unless distill_top_k > 0)
+    samples: torch.Tensor  # scalar, samples with a trained token
+    masked_samples: torch.Tensor  # scalar, those the masks removed whole
+    ratio_histogram: torch.Tensor  # [bins] counts of the trained tokens' log ratios (corrections.py)
 
 
 def policy_loss(
@@ -103,7 +117,10 @@ def policy_loss(
     teacher_logprobs: torch.Tensor | None = None,  # [B, T] the teacher's logprobs, when distill > 0
     distill_baseline: float = 0.0,  # b: the step's mean reverse KL, when distill > 0 and loss.distill_baseline
     top_k_kl: torch.Tensor | None = None,  # [B, T] D_t with gradient (the output head's), when distill_top_k > 0
+    position_ids: torch.Tensor | None = None,  # [B, T] restarting at 0 for each sample; None: a sample per row
 ) -> tuple[torch.Tensor, LossStats]:
+    if position_ids is None:
+        position_ids = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
     reverse_kl = torch.zeros_like(old_logprobs)
     if teacher_logprobs is not None:
         reverse_kl = old_logprobs - teacher_logprobs  # [B, T]
@@ -113,10 +130,8 @@ def policy_loss(
         advantages = config.reward_weight * advantages
     log_ratio = logprobs - old_logprobs  # [B, T]
     ratio = torch.exp(log_ratio)
-    truncated = ratio.clamp(max=config.mismatch.cap) if isinstance(config.mismatch, TruncateRatio) else ratio
-    unclipped = truncated * advantages  # [B, T]
-    clipped = torch.clamp(ratio, 1 - config.eps_low, 1 + config.eps_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)  # [B, T]
+    fixed = correct(log_ratio, mask, position_ids, corrections(config.mismatch))
+    per_token, clipped = objective(logprobs, log_ratio, advantages, mask, position_ids, config, fixed)
     ref_kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and config.beta > 0:
         q = ref_logprobs - logprobs
@@ -126,19 +141,43 @@ def policy_loss(
         per_token = per_token + config.distill_top_k * top_k_kl
     else:
         top_k_kl = torch.zeros_like(per_token)
-    keep = mask & _within_mismatch_bound(log_ratio, config)  # [B, T]
-    loss = (per_token * weights * keep).sum()
+    loss = (per_token * weights * fixed.scale * fixed.keep).sum()
     with torch.no_grad():
         fmask = mask.to(per_token.dtype)
         stats = LossStats(
-            clipped_tokens=((clipped < unclipped) & mask).sum().to(per_token.dtype),
+            clipped_tokens=(clipped & mask).sum().to(per_token.dtype),
             mismatch_kl_sum=((ratio - 1 - log_ratio) * fmask).sum(),
             ref_kl_sum=(ref_kl * fmask).sum(),
-            masked_tokens=(mask & ~keep).sum().to(per_token.dtype),
+            masked_tokens=(mask & ~fixed.keep).sum().to(per_token.dtype),
             reverse_kl_sum=(reverse_kl * fmask).sum(),
             top_k_kl_sum=(top_k_kl.detach() * fmask).sum(),
+            samples=fixed.sequences,
+            masked_samples=fixed.masked_sequences,
+            ratio_histogram=log_ratio_histogram(log_ratio, mask),
         )
     return loss, stats
+
+
+def objective(logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              position_ids: torch.Tensor, config: LossConfig, fixed: Corrected) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's policy loss L_t [B, T] under `config.objective`, and [B, T] bool: where its ratio (or, for
+    CISPO, its weight) was clipped."""
+    cap = fixed.ratio_cap if fixed.ratio_cap is not None else float("inf")
+    if isinstance(config.objective, CISPOObjective):
+        weight = log_ratio.detach().exp()
+        limit = min(cap, config.objective.max_weight)
+        return -weight.clamp(max=limit) * advantages * logprobs, weight > limit
+    low, high = 1 - config.eps_low, 1 + config.eps_high
+    ratio = log_ratio.exp()
+    if isinstance(config.objective, GSPOObjective):
+        ids = sample_ids(position_ids)
+        trained = torch.where(mask, log_ratio.detach(), torch.zeros_like(log_ratio))
+        mean = per_sample(trained, ids) / per_sample(mask.to(log_ratio.dtype), ids).clamp(min=1)
+        ratio = torch.exp(mean + logprobs - logprobs.detach())  # the sample's ratio in value, each token's gradient
+        low, high = 1 - config.objective.eps_low, 1 + config.objective.eps_high
+    unclipped = ratio.clamp(max=cap) * advantages
+    clipped = ratio.clamp(low, high) * advantages
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
 
 
 MOMENT_KEYS = ("lp_n", "lp_x", "lp_y", "lp_xx", "lp_yy", "lp_xy")
@@ -161,10 +200,3 @@ def moments_correlation(sums: dict[str, float]) -> float | None:
     if var_x <= 0 or var_y <= 0:
         return None
     return (n * sums["lp_xy"] - sx * sy) / (var_x * var_y) ** 0.5
-
-
-def _within_mismatch_bound(log_ratio: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """[B, T] bool: tokens the mismatch mask keeps (all of them unless mismatch.type = mask)."""
-    if isinstance(config.mismatch, MaskRatio):
-        return log_ratio.detach().abs() <= config.mismatch.max_log_ratio
-    return torch.ones_like(log_ratio, dtype=torch.bool)

@@ -9,6 +9,7 @@ import torch
 
 from rl.protocol import Sample
 from rl.trainer.config import TrainerConfig
+from rl.trainer.corrections import HISTOGRAM_BINS, ratio_quantile
 from rl.trainer.data import MicroBatch, build_micro_batches, empty_micro_batch, trained_tokens, truncate
 from rl.trainer.lora import adapters_disabled
 from rl.trainer.loss import (
@@ -20,8 +21,9 @@ from rl.trainer.output_head import TeacherTopK
 from rl.trainer.optim import clip_gradients
 from rl.trainer.world import World
 
+RATIO_BIN_KEYS = tuple(f"ratio_bin_{i}" for i in range(HISTOGRAM_BINS + 2))
 SUM_KEYS = ("loss", "clipped", "mismatch_kl", "ref_kl", "masked", "entropy", "reverse_kl", "top_k_kl",
-            "aux_loss") + MOMENT_KEYS  # per mb
+            "aux_loss", "samples", "masked_samples") + MOMENT_KEYS + RATIO_BIN_KEYS  # per mb
 
 
 def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], config: TrainerConfig, world: World,
@@ -117,7 +119,7 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
     logprobs, entropy, top_k_kl = forward_scores(policy, mb, config.temperature, teacher)  # [B, T] each
     loss, stats = policy_loss(
         logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.weights, config.loss, ref_logprobs,
-        mb.teacher_logprobs, baseline, top_k_kl,
+        mb.teacher_logprobs, baseline, top_k_kl, mb.position_ids,
     )
     # FSDP averages gradients over ranks; the loss is already normalised by step totals, so undo the mean. An MoE's
     # load-balancing loss is a mean: over the rank's micro-batches here, over the ranks by FSDP's.
@@ -127,9 +129,10 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
     mask = mb.loss_mask.float()
     values = [loss.detach(), stats.clipped_tokens, stats.mismatch_kl_sum, stats.ref_kl_sum, stats.masked_tokens,
               (entropy.detach() * mask).sum(), stats.reverse_kl_sum, stats.top_k_kl_sum,
-              torch.zeros((), device=loss.device) if balance is None else balance.detach() * aux_weight]
+              torch.zeros((), device=loss.device) if balance is None else balance.detach() * aux_weight,
+              stats.samples, stats.masked_samples]
     return torch.cat([torch.stack([v.to(torch.float64) for v in values]),
-                      logprob_moments(logprobs.detach(), mb.old_logprobs, mb.loss_mask)])
+                      logprob_moments(logprobs.detach(), mb.old_logprobs, mb.loss_mask), stats.ratio_histogram])
 
 
 def summarise(sums: dict[str, float], totals: StepTotals, teacher: bool = False, top_k: bool = False,
@@ -142,6 +145,9 @@ def summarise(sums: dict[str, float], totals: StepTotals, teacher: bool = False,
     distilled |= {"distill/top_k_kl": sums["top_k_kl"] / denom} if top_k else {}
     correlation = moments_correlation(sums)
     distilled |= {} if correlation is None else {"mismatch_corr": correlation}
+    histogram = [sums[key] for key in RATIO_BIN_KEYS]
+    quantiles = {f"ratio_p{q}": ratio_quantile(histogram, q / 100) for q in (1, 50, 99)}
+    distilled |= {key: value for key, value in quantiles.items() if value is not None}
     return distilled | {
         "loss": sums["loss"],
         "entropy": sums["entropy"] / denom,
@@ -149,5 +155,6 @@ def summarise(sums: dict[str, float], totals: StepTotals, teacher: bool = False,
         "mismatch_kl": sums["mismatch_kl"] / denom,
         "ref_kl": sums["ref_kl"] / denom,
         "masked_frac": sums["masked"] / denom,
+        "masked_seq_frac": sums["masked_samples"] / max(sums["samples"], 1),
         "trained_tokens": totals.tokens,
     }
