@@ -30,7 +30,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from continuous import FIXTURES, add_run_arguments, past_warm_up, rl_command, run
+from continuous import FIXTURES, add_run_arguments, discarded_share, past_warm_up, rl_command, run
 
 SIDES = ("low", "high", "adaptive")
 
@@ -75,7 +75,8 @@ def measure(steps: list[dict]) -> dict:
     return {"tokens_per_s": sum(r["completion_tokens"] for r in window) / seconds, "seconds": seconds,
             "samples_per_s": sum(r["samples"] for r in window) / seconds,
             "turns": statistics.fmean(r.get("num_turns", 0) for r in window),
-            "too_old": sum(r.get("off_policy/dropped", 0) for r in steps),
+            "withheld": sum(r.get("off_policy/withheld", 0) for r in steps),
+            "discarded": discarded_share(window),
             "preemptions": sum(r.get("engine/preemptions", 0) for r in window),
             "cap": statistics.fmean(caps) if caps else None, "kv": statistics.fmean(kv) if kv else None,
             "shed": sum(r.get("concurrency/shed", 0) for r in window)}
@@ -112,7 +113,8 @@ def main() -> None:
             kv = f", mean KV usage {result['kv']:.2f}" if result["kv"] is not None else ""
             print(f"round {round_ + 1} {side}: {result['tokens_per_s']:.0f} sampled tokens/s over "
                   f"{result['seconds']:.1f} s ({result['samples_per_s']:.2f} trained samples/s, "
-                  f"{result['turns']:.2f} turns per trained rollout, {result['too_old']} rollouts dropped as too old), "
+                  f"{result['turns']:.2f} turns per rollout, {result['withheld']} rollouts withheld as too old, "
+                  f"{result['discarded']:.1%} of sampled tokens not trained), "
                   f"{result['preemptions']:g} preemptions{kv}{cap}", flush=True)
     (root / "results.json").write_text(json.dumps(results, indent=1))
     print(summary(results) if set(results) == set(SIDES) else f"only {', '.join(results)} run: no ratio; in {root}")

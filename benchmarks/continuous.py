@@ -15,10 +15,10 @@ Per run, from the orchestrator's records in `metrics.jsonl`: trained samples/s p
 the staleness of what was trained (`off_policy/max`, the oldest trained token's age in steps). A sample is a token
 segment: the tiny model's long episodes split into several (its random replies do not always re-render as sampled),
 so each round also prints trained rollouts/s and sampled tokens/s over the same window, the mean turns of a trained
-rollout (1 + (long_turns - 1) / long_every ~ 2.9 where none is lost) and the rollouts dropped as too old
-(`off_policy/dropped`): a continuous side that drops the long episodes trains only short ones, and its samples/s
-is then not the same work's. The last line reads
-(X the ratio of the medians over rounds, s the largest `off_policy/max` of the continuous runs):
+rollout (1 + (long_turns - 1) / long_every ~ 2.9 where none is lost), the rollouts withheld as too old
+(`off_policy/withheld`) and the share of sampled tokens not trained (`off_policy/discarded_tokens`): a continuous
+side that loses the long episodes trains only short ones, and its samples/s is then not the same work's. The last
+line reads (X the ratio of the medians over rounds, s the largest `off_policy/max` of the continuous runs):
 
 continuous <X>x trained samples/s of step-synchronous on a long-tailed env (max_off_policy_steps <k>, staleness max <s>)
 
@@ -119,6 +119,13 @@ def run(model: Path, out: Path, args, *extra: str) -> list[dict]:
     return sorted((r for r in records if r["process"] == "orchestrator"), key=lambda r: r["step"])
 
 
+def discarded_share(steps: list[dict]) -> float:
+    """The share of the steps' sampled tokens that no sample trained (each step's share, weighed by its tokens)."""
+    tokens = sum(r["completion_tokens"] for r in steps)
+    return sum(r.get("off_policy/discarded_tokens", 0) * r["completion_tokens"] for r in steps) / tokens if tokens \
+        else 0.0
+
+
 def past_warm_up(steps: list[dict]) -> tuple[list[dict], float]:
     """The records of steps 1..N-1 and the seconds from step 0's record to the last one's; steps 0..N-1 or an error."""
     if len(steps) < 2 or [r["step"] for r in steps] != list(range(len(steps))):
@@ -138,7 +145,8 @@ def measure(steps: list[dict]) -> dict:
     in_flight = [r["rollouts_in_flight"] for r in steps if "rollouts_in_flight" in r]
     return {"samples_per_s": samples / seconds, "samples": samples, "seconds": seconds,
             "rollouts_per_s": rollouts / seconds, "tokens_per_s": tokens / seconds,
-            "turns": turns / max(rollouts, 1), "too_old": sum(r.get("off_policy/dropped", 0) for r in window),
+            "turns": turns / max(rollouts, 1), "withheld": sum(r.get("off_policy/withheld", 0) for r in window),
+            "discarded": discarded_share(window),
             "staleness": max((r.get("off_policy/max", 0) for r in steps), default=0),
             "in_flight": statistics.fmean(in_flight) if in_flight else None}
 
@@ -163,7 +171,8 @@ def main() -> None:
             print(f"round {round_ + 1} {side}: {result['samples_per_s']:.2f} trained samples/s ({result['samples']} "
                   f"samples of steps 1..{args.steps - 1} in {result['seconds']:.1f} s; {result['rollouts_per_s']:.2f} "
                   f"rollouts/s, {result['tokens_per_s']:.0f} sampled tokens/s; {result['turns']:.2f} turns per trained "
-                  f"rollout, {result['too_old']} rollouts dropped as too old), staleness max {result['staleness']}"
+                  f"rollout, {result['withheld']} rollouts withheld as too old, {result['discarded']:.1%} of sampled "
+                  f"tokens not trained), staleness max {result['staleness']}"
                   f"{in_flight}", flush=True)
     (root / "results.json").write_text(json.dumps(results, indent=1))
     median = {side: statistics.median(r["samples_per_s"] for r in runs) for side, runs in results.items()}

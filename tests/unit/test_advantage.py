@@ -87,3 +87,29 @@ def test_the_gate_leaves_the_rollouts_outside_it_out_of_the_batch():
     assert [s.reward for s in group_samples(config, group([0.0, 0.0, 1.0, 1.0]), batch)] == [0, 0, 1, 1]
     assert [s.reward for s in group_samples(config, group([0.0, 1.0, 1.0, 1.0]), batch)] == [1, 1, 1]
     assert batch.dropped == {"advantage_gate": 1} and batch.dropped_by_env == {"e": 1}
+
+
+def test_a_rollout_that_outlived_the_bound_is_withheld_alone_and_stays_in_its_groups_baseline():
+    """Rewards 0, 1, 1, 0 (mean 0.5, std 0.5): advantages -1, 1, 1, -1. The last rollout's first token was sampled
+    by policy 2, the others' by policy 6; at oldest_allowed 4 it is withheld, and the others keep the advantages the
+    whole group gave them (without it the mean would be 2/3)."""
+    from rl.envs.rollouts import GroupOutcome, RolloutResult, TokenSegment
+    from rl.orchestrator.batch import StepBatch, build_batch, length_bias_stats
+
+    def rollout(reward, first_version, turns=1):
+        segment = TokenSegment([1, 2], [3, 4, 5], [1, 1, 1], [-0.5] * 3, [first_version, 6, 6])
+        return RolloutResult(0, "t", [segment], reward, {}, {}, False, turns)
+
+    results = [rollout(0.0, 6), rollout(1.0, 6), rollout(1.0, 6), rollout(0.0, 2, turns=3)]
+    outcome = GroupOutcome(env=type("Env", (), {"name": "e"})(), results=results)
+    outcome.policy_step = 6
+    config = OrchestratorConfig(rollouts_per_example=4)
+    batch = build_batch(config, [outcome], [6], 1, oldest_allowed=4)
+    assert [s.advantage for s in batch.samples] == pytest.approx([-1.0, 1.0, 1.0], rel=1e-5)  # std's epsilon
+    assert batch.withheld == 1 and +batch.dropped == {"older_than_max_off_policy_steps": 1}
+    stats = length_bias_stats(batch)
+    assert stats["off_policy/withheld"] == 1 and stats["off_policy/discarded_tokens"] == pytest.approx(0.25)
+    assert (stats["off_policy/trained_len"], stats["off_policy/trained_turns"]) == (3, 1)
+    everything = build_batch(config, [outcome], [6], 1, oldest_allowed=None)  # step by step: nothing is withheld
+    assert len(everything.samples) == 4 and length_bias_stats(everything)["off_policy/discarded_tokens"] == 0
+    assert isinstance(everything, StepBatch)

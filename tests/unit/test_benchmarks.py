@@ -130,12 +130,14 @@ def test_launcher_command_lines_of_continuous(model, tmp_path, monkeypatch, caps
 def test_continuous_measures_past_the_warm_up():
     """Samples of steps 1..N-1 over step 0's record to the last one's; the largest off_policy/max."""
     steps = [{"step": i, "time": 100.0 + 10 * i, "samples": 50 + i, "rollouts/long-tail": 32, "completion_tokens": 400,
-              "num_turns": 1.0 + i, "off_policy/max": i % 3, "off_policy/dropped": 4} for i in range(4)]
+              "num_turns": 1.0 + i, "off_policy/max": i % 3, "off_policy/withheld": 4,
+              "off_policy/discarded_tokens": 0.1 * i} for i in range(4)]
     result = benchmark("continuous").measure(steps)
     assert result["samples"] == 51 + 52 + 53 and result["seconds"] == 30.0
     assert result["samples_per_s"] == 156 / 30 and result["rollouts_per_s"] == 96 / 30
     assert result["staleness"] == 2 and result["in_flight"] is None
-    assert result["turns"] == 3.0 and result["too_old"] == 12
+    assert result["turns"] == 3.0 and result["withheld"] == 12
+    assert result["discarded"] == pytest.approx((0.1 + 0.2 + 0.3) / 3)  # steps 1..3, 400 tokens each
     with pytest.raises(RuntimeError, match="want 0..N-1"):
         benchmark("continuous").measure(steps[1:])
 
@@ -231,7 +233,8 @@ def test_launcher_command_lines_of_concurrency_and_its_last_line(model, tmp_path
     results = {"low": [concurrency.measure(steps(100, 0))], "high": [concurrency.measure(steps(200, 30))],
                "adaptive": [concurrency.measure(steps(300, 4, cap=24))]}
     assert results["adaptive"][0] == {"tokens_per_s": 600 / 20, "seconds": 20.0, "samples_per_s": 0.5, "turns": 0,
-                                      "too_old": 0, "preemptions": 8, "cap": 24, "kv": None, "shed": 0}
+                                      "withheld": 0, "discarded": 0.0, "preemptions": 8, "cap": 24, "kv": None,
+                                      "shed": 0}
     assert concurrency.summary(results) == ("adaptive 1.50x tokens/s of the best fixed cap, 3.00x of the worst, "
                                             "preemptions 8 vs 60")
 

@@ -119,24 +119,25 @@ def test_a_kill_with_groups_in_flight_then_a_resume_trains_each_task_once(tmp_pa
 
 
 def test_long_episodes_span_weight_updates_token_by_token_and_nothing_trains_past_the_bound(tmp_path, tiny_model):
-    o = orchestrator(tmp_path, tiny_model, max_off_policy_steps=2)
-    asyncio.run(run_steps(o, range(8)))
+    o = orchestrator(tmp_path, tiny_model, max_off_policy_steps=3)
+    asyncio.run(run_steps(o, range(10)))
     paths = RunPaths(tmp_path / "run")
     orchestrator_records = [m for m in read_metrics(paths) if m["process"] == "orchestrator"]
-    assert [m["step"] for m in orchestrator_records] == list(range(8))
+    assert [m["step"] for m in orchestrator_records] == list(range(10))
     spanning = []
-    for step in range(8):
+    for step in range(10):
         for sample in read_batch(paths, step, 0):
             sampled = [v for v, m in zip(sample.token_versions, sample.loss_mask) if m]
-            assert step - min(sampled) <= 2, f"step {step} trains a token of policy {min(sampled)}"
+            assert step - min(sampled) <= 3, f"step {step} trains a token of policy {min(sampled)}"
             assert sample.policy_version == min(sampled)
             if len(set(sampled)) > 1:
                 spanning.append(sample)
     assert spanning, "no rollout spanned a weight update"
     assert any(m["rollouts_in_flight"] > 0 for m in orchestrator_records)
     assert any(m["off_policy/in_flight"] > 0 for m in orchestrator_records)
-    assert sum(m["off_policy/dropped"] for m in orchestrator_records) > 0  # the long ones outlive the bound
-    assert all(m["off_policy/max"] <= 2 for m in orchestrator_records)
+    # the long ones outlive the bound: withheld, alone, never cancelled
+    assert sum(m["off_policy/withheld"] for m in orchestrator_records) > 0
+    assert all(m["off_policy/max"] <= 3 for m in orchestrator_records)
     assert all("time/wait_for_policy" in m for m in orchestrator_records)
 
 

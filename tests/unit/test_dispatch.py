@@ -67,9 +67,9 @@ class FakeGroups:
     def trainable(self, outcome):
         return outcome.task_index not in self.untrainable
 
-    def dispatcher(self, capacity, shares=(2,), pending=()):
+    def dispatcher(self, capacity, shares=(2,), pending=(), bound=None):
         return Dispatcher(capacity, list(shares), self.draw, self.start, lambda: self.policy, lambda: self.usable,
-                          self.oldest, self.check, list(pending))
+                          self.oldest, self.check, list(pending), bound=bound)
 
 
 async def settle():
@@ -86,50 +86,56 @@ def test_a_slow_group_does_not_hold_the_batch_and_the_servers_stay_busy():
         assert [task for _, task, _ in fake.started] == [0, 1, 2, 3]
         assert [server for _, _, server in fake.started] == [0, 1, 0, 1]  # spread over the servers in turn
         fake.finish(0, 1, 2)  # task 0 is the long tail: it goes on
-        taken = await asyncio.wait_for(d.take(0, None, 0), 5)
+        taken = await asyncio.wait_for(d.take(None, 0), 5)
         assert [g.outcome.task_index for g in taken.groups] == [1, 2]
         await settle()
         # as each group finished the next started: 4 in flight again, task 0 among them, across the step
         assert len(d.running) == 4 and 0 in [r.task_index for r in d.running]
         fake.finish(0, 0, 3)
-        taken = await asyncio.wait_for(d.take(0, None, 0), 5)
+        taken = await asyncio.wait_for(d.take(None, 0), 5)
         assert sorted(g.outcome.task_index for g in taken.groups) == [0, 3]
         await d.close()
         assert len(fake.cancelled) == 4  # those still in flight at the end
     asyncio.run(scenario())
 
 
-def test_groups_older_than_the_bound_are_cancelled_in_flight_and_dropped_when_finished():
+def test_a_group_starts_only_if_it_can_be_trained_within_the_bound():
+    """One group a step, bound 2: at step 0 under policy 0 the groups not yet taken train at steps 0, 1, 2; a fourth
+    would train at step 3, three policies on: it waits though there is room for 10."""
     async def scenario():
         fake = FakeGroups()
-        d = fake.dispatcher(capacity=2, shares=[1])
-        d.top_up()  # tasks 0, 1 under policy 0
+        d = fake.dispatcher(capacity=10, shares=[1], bound=2)
+        d.top_up()
         await settle()
-        fake.policy = 3
-        fake.finish(0, 1)
-        await settle()  # task 1 finished (dispatched under 0); task 2 starts under policy 3
-        assert d.cancel_older_than(2) == 1
+        assert [task for _, task, _ in fake.started] == [0, 1, 2]
+        fake.finish(0, 2)  # a later group finishes first: the step takes it, and one more may start
+        taken = await asyncio.wait_for(d.take(None, 0), 5)
+        assert [g.outcome.task_index for g in taken.groups] == [2]
         await settle()
-        assert fake.cancelled == [(0, 0)]  # task 0, in flight since policy 0
-        fake.finish(0, 2)
-        taken = await asyncio.wait_for(d.take(2, None, 0), 5)
-        assert taken.too_old == 1  # task 1: its tokens are from policy 0
-        assert [g.outcome.task_index for g in taken.groups] == [2] and taken.groups[0].oldest == 3
+        assert [task for _, task, _ in fake.started] == [0, 1, 2]  # steps 1, 2 hold tasks 0, 1; a third: step 3
+        fake.policy = 1  # the servers move on: a group started now trains at step 3 with policy 1, within 2
+        d.top_up()
+        await settle()
+        assert [task for _, task, _ in fake.started] == [0, 1, 2, 3] and not fake.cancelled
         await d.close()
     asyncio.run(scenario())
 
 
-def test_a_group_is_judged_by_its_oldest_token_not_by_its_dispatch():
+def test_nothing_is_cancelled_for_age_and_the_oldest_finished_train_first():
     async def scenario():
         fake = FakeGroups()
-        d = fake.dispatcher(capacity=1, shares=[1])
-        fake.policy = 5
-        fake.oldest_of[0] = 2  # e.g. a token its server labelled with an older policy
-        d.top_up()
+        d = fake.dispatcher(capacity=3, shares=[2])
+        d.top_up()  # tasks 0, 1, 2 under policy 0
         await settle()
-        fake.finish(0, 0, 1)
-        taken = await asyncio.wait_for(d.take(3, None, 0), 5)
-        assert taken.too_old == 1 and [g.outcome.task_index for g in taken.groups] == [1]
+        fake.policy = 20  # far past any bound: nothing in flight is cancelled
+        fake.oldest_of.update({1: 5, 2: 3})
+        fake.finish(0, 1, 2)
+        await settle()
+        fake.finish(0, 0)
+        await settle()
+        taken = await asyncio.wait_for(d.take(None, 0), 5)
+        assert [g.outcome.task_index for g in taken.groups] == [0, 2]  # oldest tokens first: 0 (policy 0), 2 (3)
+        assert not fake.cancelled
         await d.close()
     asyncio.run(scenario())
 
@@ -147,7 +153,7 @@ def test_batches_keep_the_environments_ratios_whatever_their_speed():
         envs = [env for env, _, _ in fake.started]
         assert envs.count(1) == 1 and len(d.running) == 4  # env 0's groups took its place
         fake.finish(0, 0, 1, 2)
-        taken = await asyncio.wait_for(d.take(0, None, 0), 5)
+        taken = await asyncio.wait_for(d.take(None, 0), 5)
         assert sorted(g.env for g in taken.groups) == [0, 0, 0, 1]
         await d.close()
     asyncio.run(scenario())
@@ -161,12 +167,12 @@ def test_fill_batch_takes_untrainable_groups_as_extra_until_the_bound():
         d.top_up()
         await settle()
         fake.finish(0, *range(6))
-        taken = await asyncio.wait_for(d.take(0, fake.trainable, max_extra=3), 5)
+        taken = await asyncio.wait_for(d.take(fake.trainable, max_extra=3), 5)
         assert [g.outcome.task_index for g in taken.groups] == [0, 1, 2, 3, 4]
         assert (taken.extra, taken.short) == (3, 0)
         fake.untrainable = set(range(6, 100))
         fake.finish(0, *range(5, 40))
-        taken = await asyncio.wait_for(d.take(0, fake.trainable, max_extra=2), 5)
+        taken = await asyncio.wait_for(d.take(fake.trainable, max_extra=2), 5)
         assert taken.extra == 2 and taken.short == 1  # task 5 trainable, then two untrainable: the bound
         await d.close()
     asyncio.run(scenario())
@@ -201,7 +207,7 @@ def test_groups_failed_on_a_server_that_went_down_run_again_once_a_server_is_bac
         async def servers_back():  # the policy sync: a new process on the port, brought up to date
             fake.down, fake.usable = set(), [0]
 
-        taken = await asyncio.wait_for(d.take(0, None, 0, servers_back=servers_back), 5)
+        taken = await asyncio.wait_for(d.take(None, 0, servers_back=servers_back), 5)
         assert [g.outcome.task_index for g in taken.groups] == [0, 1]
         assert all(g.outcome.results for g in taken.groups)  # made again, not taken as failed groups
         assert [task for _, task, _ in fake.started][:4] == [0, 1, 1, 0] or \
@@ -221,7 +227,7 @@ def test_a_group_that_fails_on_a_server_still_up_is_a_failure_of_the_batch():
                                 task_index=task)
 
         d.start = start
-        taken = await asyncio.wait_for(d.take(0, None, 0), 5)
+        taken = await asyncio.wait_for(d.take(None, 0), 5)
         assert taken.groups[0].outcome.error == "RolloutError" and fake.checks >= 1  # asked: the server is fine
         await d.close()
     asyncio.run(scenario())
@@ -247,7 +253,7 @@ def test_pending_groups_of_a_checkpoint_run_first_after_a_resume():
         assert [task for _, task, _ in resumed.started] == [task for _, task in pending][:3]
         assert resumed.next_task == [3]  # none of them drawn again
         resumed.finish(0, *range(10))
-        await asyncio.wait_for(d.take(0, None, 0), 5)
+        await asyncio.wait_for(d.take(None, 0), 5)
         await d.close()
     asyncio.run(scenario())
 
@@ -257,7 +263,7 @@ def test_a_take_with_nothing_in_flight_and_nothing_to_start_says_so():
         fake = FakeGroups(servers=())
         d = fake.dispatcher(capacity=2, shares=[1])
         with pytest.raises(RuntimeError, match="no group in flight"):
-            await d.take(0, None, 0)
+            await d.take(None, 0)
     asyncio.run(scenario())
 
 
@@ -271,7 +277,7 @@ def test_with_fill_batch_an_environment_that_never_trains_does_not_hold_the_batc
         for task in range(20):
             fake.finish(0, task)
             fake.finish(1, task)
-        taken = await asyncio.wait_for(d.take(0, fake.trainable, max_extra=8), 5)
+        taken = await asyncio.wait_for(d.take(fake.trainable, max_extra=8), 5)
         trained = [g for g in taken.groups if g.env == 0]
         assert len(trained) == 4 and taken.short == 0  # the batch's 4 trainable groups, all from env 0
         assert taken.extra == len(taken.groups) - 4 <= 8

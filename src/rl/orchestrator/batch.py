@@ -24,6 +24,8 @@ class StepBatch:
     dropped_groups: Counter = field(default_factory=Counter)  # groups left out whole, by env name
     served_at_finish: list[int] = field(default_factory=list)  # per sample: the policy served when its group ended
     unrouted: int = 0  # MoE: samples whose server recorded no routed experts (the trainer routes them itself)
+    withheld: int = 0  # rollouts whose oldest token is past the age bound: in their group's baseline, not trained
+    trained: list[RolloutResult] = field(default_factory=list)  # rollouts with a trained token
 
     def drop(self, reason: str, env: str, count: int) -> None:
         self.dropped[reason] += count
@@ -35,10 +37,10 @@ class StepBatch:
 
 
 def build_batch(config: OrchestratorConfig, outcomes: list[GroupOutcome], served_at_finish: list[int],
-                groups_wanted: int) -> StepBatch:
+                groups_wanted: int, oldest_allowed: int | None = None) -> StepBatch:
     """The step's samples, group by group in order; with fill_batch, at most `groups_wanted` groups (a fill round
     that overshot leaves its last trainable groups out, as `batch_full`). `served_at_finish`: per group, the oldest
-    policy the servers served when it ended."""
+    policy the servers served when it ended. A rollout with a token older than `oldest_allowed` is withheld."""
     batch, groups, n = StepBatch([]), 0, config.rollouts_per_example
     for outcome, served in zip(outcomes, served_at_finish, strict=True):
         if outcome.results is None:
@@ -48,7 +50,7 @@ def build_batch(config: OrchestratorConfig, outcomes: list[GroupOutcome], served
             batch.drop_group("batch_full", outcome.env.name, n)
             continue
         batch.kept.setdefault(outcome.env.name, []).extend(outcome.results)
-        samples = group_samples(config, outcome, batch)
+        samples = group_samples(config, outcome, batch, oldest_allowed)
         groups += bool(samples)
         batch.samples.extend(samples)
         batch.served_at_finish.extend([served] * len(samples))
@@ -86,7 +88,10 @@ def route_all_or_none(samples: list[Sample]) -> int:
     return len(unrouted)
 
 
-def group_samples(config: OrchestratorConfig, outcome: GroupOutcome, batch: StepBatch) -> list[Sample]:
+def group_samples(config: OrchestratorConfig, outcome: GroupOutcome, batch: StepBatch,
+                  oldest_allowed: int | None = None) -> list[Sample]:
+    """A group's samples. Every rollout's reward is in the group's baseline; one whose oldest token is older than
+    `oldest_allowed` (its episode outlived the age bound) is then withheld, alone, and counted."""
     results, env = outcome.results, outcome.env.name
     computed = group_advantages(config.advantage, [r.reward for r in results], [r.is_truncated for r in results])
     if computed is None:
@@ -94,14 +99,19 @@ def group_samples(config: OrchestratorConfig, outcome: GroupOutcome, batch: Step
         return []
     samples = []
     for result, advantage, trainable in zip(results, *computed):
+        if oldest_allowed is not None and rollout_oldest_version(result, outcome.policy_step) < oldest_allowed:
+            batch.withheld += 1
+            batch.drop("older_than_max_off_policy_steps", env, len(result.segments))
+            continue
         if not admitted(config.advantage, advantage):
             batch.drop("advantage_gate", env, len(result.segments))
             continue
-        for segment in result.segments:
-            if len(segment.prompt_ids) + len(segment.completion_ids) > config.seq_len:
-                batch.drop("longer_than_seq_len", env, 1)
-                continue
-            samples.append(to_sample(segment, result.reward, advantage, outcome.policy_step, trainable))
+        kept = [s for s in result.segments if len(s.prompt_ids) + len(s.completion_ids) <= config.seq_len]
+        if len(kept) < len(result.segments):
+            batch.drop("longer_than_seq_len", env, len(result.segments) - len(kept))
+        samples += [to_sample(s, result.reward, advantage, outcome.policy_step, trainable) for s in kept]
+        if trainable and kept:
+            batch.trained.append(result)
     return samples
 
 
@@ -115,9 +125,13 @@ def sampled_versions(segment: TokenSegment, dispatched: int) -> list[int]:
 
 def group_oldest_version(outcome: GroupOutcome) -> int:
     """The oldest policy among a finished group's sampled tokens (the dispatch policy where it has none)."""
-    versions = [v for result in outcome.results or () for segment in result.segments
-                for v in sampled_versions(segment, outcome.policy_step)]
-    return min(versions, default=outcome.policy_step)
+    return min((rollout_oldest_version(r, outcome.policy_step) for r in outcome.results or ()),
+               default=outcome.policy_step)
+
+
+def rollout_oldest_version(result: RolloutResult, dispatched: int) -> int:
+    """The oldest policy among a rollout's sampled tokens (`dispatched` where it has none)."""
+    return min((v for segment in result.segments for v in sampled_versions(segment, dispatched)), default=dispatched)
 
 
 def to_sample(
@@ -155,7 +169,23 @@ def off_policy_stats(step: int, batch: StepBatch) -> dict:
         in_queue.append(step - sample.policy_version - flight)
     count = max(len(batch.samples), 1)
     return {"off_policy/mean": sum(ages) / max(len(ages), 1), "off_policy/max": max(ages, default=0),
-            "off_policy/in_flight": sum(in_flight) / count, "off_policy/in_queue": sum(in_queue) / count}
+            "off_policy/in_flight": sum(in_flight) / count, "off_policy/in_queue": sum(in_queue) / count,
+            **length_bias_stats(batch)}
+
+
+def length_bias_stats(batch: StepBatch) -> dict:
+    """What was not trained, beside what was: rollouts withheld for age, the share of the finished rollouts'
+    sampled tokens that no sample trains, and the mean length and turns of trained rollouts (to hold against
+    `completion_len` and `num_turns`, those of every finished one)."""
+    finished = sum(r.sampled_tokens for rs in batch.kept.values() for r in rs)
+    trained_tokens = sum(sum(s.loss_mask) for s in batch.samples)
+    count = max(len(batch.trained), 1)
+    return {
+        "off_policy/withheld": batch.withheld,
+        "off_policy/discarded_tokens": 1 - trained_tokens / finished if finished else 0.0,
+        "off_policy/trained_len": sum(r.sampled_tokens for r in batch.trained) / count,
+        "off_policy/trained_turns": sum(r.num_turns for r in batch.trained) / count,
+    }
 
 
 def failures(outcomes: list[GroupOutcome]) -> str:

@@ -254,8 +254,9 @@ class OrchestratorConfig(Settings):
     ] = None
     max_off_policy_steps: Annotated[
         int, Field(ge=1, description="continuous dispatch: no trained token was sampled more than this many policies "
-                                     "before the step that trains it; older groups are cancelled or dropped "
-                                     "(off_policy/dropped)")
+                                     "before the step that trains it: a group starts only if it can be trained "
+                                     "within the bound, and a rollout that still ends past it is withheld from the "
+                                     "loss, alone (off_policy/withheld)")
     ] = 8
     seq_len: Annotated[int, Field(ge=16, description="longest sample (prompt + completion) in tokens")] = 2048
     env: Annotated[list[EnvConfig], Field(min_length=1, description="environments ([[env]] tables)")] = [

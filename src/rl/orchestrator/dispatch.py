@@ -6,9 +6,12 @@ steps, weights change under them, and a step's batch is made of groups that have
   environment that has a batch's share of finished groups waiting (more would only age).
 - Which environment: the one furthest below its share of the batch, counting its groups in flight and waiting, so
   that batches keep the environments' ratios whatever their episodes' lengths.
-- Age: a group's tokens are at least as new as the oldest policy the servers served when it was dispatched. At step
-  k, a group in flight dispatched under a policy older than the bound is cancelled (its requests abort on the
-  server), and a finished one whose oldest token is older is dropped: both are counted (`off_policy/dropped`).
+- Age, by admission (as SkyRL's staleness manager does): a group's tokens are at least as new as the oldest policy
+  the servers served when it started, and the groups started before it and not yet taken fill the steps ahead of
+  it, a batch each. A group starts only if the step that would train it is within `bound` (max_off_policy_steps) of
+  that policy. Nothing is cancelled for age, and batches take the oldest finished groups first. An episode that
+  still ends past the bound (a tail longer than the bound allows) is withheld from the loss alone, in its group
+  (orchestrator/batch.py).
 - Servers lost: a group that failed on a server that has since restarted or stopped answering runs again first,
   elsewhere (as a step-synchronous batch remakes it), and the groups still in flight there are cancelled and run
   again too; while no server is up to date, a batch waits for the policy sync to bring one back.
@@ -46,10 +49,9 @@ class Finished:
 
 @dataclass
 class Taken:
-    """A step's groups, in the order they finished, and what was dropped on the way."""
+    """A step's groups, oldest first."""
 
     groups: list[Finished] = field(default_factory=list)
-    too_old: int = 0  # finished groups dropped for age (their rollouts: too_old * group size)
     extra: int = 0  # with fill_batch, groups taken beyond the batch's (for those that were not trainable)
     short: int = 0  # with fill_batch, trainable groups missing when the extra groups ran out
     waited_s: float = 0.0
@@ -61,14 +63,16 @@ class Dispatcher:
     `draw(env)` gives the next task of an environment (its sampler), `start(env, task, server, number)` runs a group
     (retries included) and returns its outcome; `served()` is the oldest policy the usable servers serve and
     `servers()` those servers; `oldest(outcome)` the oldest policy among a finished group's sampled tokens;
-    `check()` asks the servers which restarted or stopped answering since it last asked (they leave `servers()`)."""
+    `check()` asks the servers which restarted or stopped answering since it last asked (they leave `servers()`).
+    `bound`: the age bound groups are admitted by (None: none); `step`: the step being collected (the orchestrator
+    sets it)."""
 
     def __init__(self, capacity: int, shares: list[int], draw: Callable[[int], int],
                  start: Callable[[int, int, int, int], Awaitable[GroupOutcome]], served: Callable[[], int],
                  servers: Callable[[], list[int]], oldest: Callable[[GroupOutcome], int],
                  check: Callable[[], Awaitable[set[int]]], pending: list[tuple[int, int]] = (),
-                 log: Callable[[str], None] = lambda message: None):
-        self.capacity, self.shares = max(1, capacity), shares
+                 log: Callable[[str], None] = lambda message: None, bound: int | None = None):
+        self.capacity, self.shares, self.bound, self.step = max(1, capacity), shares, bound, 0
         self.draw, self.start, self.served, self.servers, self.oldest = draw, start, served, servers, oldest
         self.check, self.log = check, log
         self.again: collections.deque[tuple[int, int]] = collections.deque(pending)  # run before new draws
@@ -79,8 +83,9 @@ class Dispatcher:
         self.closed = False
 
     def top_up(self) -> None:
-        """Start groups until `capacity` run, the next from the environment furthest below its share."""
-        while not self.closed and len(self.running) < self.capacity and self.servers():
+        """Start groups until `capacity` run or the next could not be trained within the bound, the next from the
+        environment furthest below its share."""
+        while not self.closed and len(self.running) < self.capacity and self.servers() and self.admissible():
             if self.again:
                 env, task = self.again.popleft()
             elif (env := self.neediest()) is None:
@@ -88,6 +93,12 @@ class Dispatcher:
             else:
                 task = self.draw(env)
             self.launch(env, task)
+
+    def admissible(self) -> bool:
+        """Whether a group started now would be trained within the bound: the groups not yet taken are ahead of it,
+        a batch each step. Always for the step being collected (its servers are as recent as the batch needs)."""
+        ahead, per_step = len(self.running) + len(self.finished), sum(self.shares)
+        return self.bound is None or ahead < per_step or self.step + ahead // per_step - self.served() <= self.bound
 
     def neediest(self) -> int | None:
         """The environment with the fewest groups in flight and waiting for its share, among those without a
@@ -141,10 +152,6 @@ class Dispatcher:
         youngest = {id(r) for r in self.running[self.capacity:]}  # in the order they started
         return self.run_again(lambda r: id(r) in youngest)
 
-    def cancel_older_than(self, oldest_allowed: int) -> int:
-        """Cancel the groups in flight whose tokens may be older than `oldest_allowed`; how many."""
-        return len(self.cancel(lambda r: r.dispatched < oldest_allowed))
-
     def servers_changed(self, servers: set[int]) -> int:
         """Groups in flight on `servers` (they restarted or stopped answering) are cancelled and their tasks run
         first, elsewhere; how many."""
@@ -156,9 +163,9 @@ class Dispatcher:
         self.again.extendleft((r.env, r.task_index) for r in reversed(cancelled))
         return len(cancelled)
 
-    async def take(self, oldest_allowed: int, trainable: Callable[[GroupOutcome], bool] | None,
-                   max_extra: int, servers_back: Callable[[], Awaitable[object]] | None = None) -> Taken:
-        """Wait for the step's groups, in the order they finished, none with a token older than `oldest_allowed`:
+    async def take(self, trainable: Callable[[GroupOutcome], bool] | None, max_extra: int,
+                   servers_back: Callable[[], Awaitable[object]] | None = None) -> Taken:
+        """Wait for the step's groups, the oldest finished first (by their oldest token, then as they finished):
         each environment's share of them; or with `trainable` (fill_batch) the batch's count of trainable groups
         from any environment (dispatch keeps the ratios), taking at most `max_extra` groups beyond the batch's (the
         untrainable ones are dropped when the batch is built). With no server to run on, `servers_back()` waits
@@ -171,13 +178,10 @@ class Dispatcher:
             return bool(wanted[0 if trainable else group.env]) and (limit is None or len(taken.groups) < limit)
 
         while any(wanted) and (limit is None or len(taken.groups) < limit):
-            for group in [g for g in self.finished if room(g)]:
+            for group in sorted((g for g in self.finished if room(g)), key=lambda g: g.oldest):
                 if not room(group):
                     continue
                 self.finished.remove(group)
-                if group.oldest < oldest_allowed:
-                    taken.too_old += 1
-                    continue
                 taken.groups.append(group)
                 if not trainable or trainable(group.outcome):
                     wanted[0 if trainable else group.env] -= 1
@@ -192,6 +196,7 @@ class Dispatcher:
                 await self.arrived.wait()  # each group in flight ends within rollout.timeout_s per attempt
         taken.short = sum(wanted)
         taken.extra = max(0, len(taken.groups) - sum(self.shares))
+        self.step += 1  # the groups still to come train from the next step on
         self.top_up()
         taken.waited_s = time.perf_counter() - start
         return taken

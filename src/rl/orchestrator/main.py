@@ -107,7 +107,7 @@ class Orchestrator:
             draw=lambda env: self.samplers[env].draw(1)[0], start=start,
             served=lambda: self.servers.policy_step, servers=lambda: self.servers.usable,
             oldest=group_oldest_version, check=self.servers.check, pending=pending,
-            log=self.logger.warning)
+            log=self.logger.warning, bound=self.config.max_off_policy_steps)
 
     @property
     def shares(self) -> list[int]:
@@ -179,7 +179,8 @@ class Orchestrator:
         collected = await self.collect(step)
         outcomes = collected.outcomes
         gen_time = time.perf_counter() - gen_start
-        batch = build_batch(self.config, outcomes, collected.served_at_finish, self.groups_per_step)
+        oldest_allowed = step - self.config.max_off_policy_steps if self.config.continuous else None
+        batch = build_batch(self.config, outcomes, collected.served_at_finish, self.groups_per_step, oldest_allowed)
         teacher_start = time.perf_counter()
         if self.teacher is not None:
             batch.samples = await self.teacher.score(batch.samples)
@@ -216,27 +217,21 @@ class Orchestrator:
                        self.groups.pending())
 
     async def collect(self, step: int) -> Collected:
-        """The step's groups: step by step, or from the continuous dispatcher, where groups too old for this step
-        are cancelled (in flight) or dropped (finished) first."""
+        """The step's groups: step by step, or from the continuous dispatcher (which admits groups by age)."""
         if isinstance(self.groups, StepwiseGroups):
             return await self.groups.collect(step)
         dispatcher, n = self.groups, self.config.rollouts_per_example
-        oldest_allowed = step - self.config.max_off_policy_steps
-        cancelled = dispatcher.cancel_older_than(oldest_allowed)
+        dispatcher.step = step
         dispatcher.top_up()
         fill = self.config.advantage.fill_batch
-        taken = await dispatcher.take(oldest_allowed, self.trainable if fill else None,
+        taken = await dispatcher.take(self.trainable if fill else None,
                                       self.config.advantage.max_extra_groups or self.groups_per_step,
                                       servers_back=lambda: self.sync.ensure(step))
         if taken.short:
             self.logger.warning(f"batch {step}: {taken.short} of {self.groups_per_step} groups short after "
                                 f"{taken.extra} extra groups (advantage.max_extra_groups); the step trains on what "
                                 "it has")
-        if cancelled or taken.too_old:
-            self.logger.info(f"batch {step}: {cancelled} groups in flight cancelled and {taken.too_old} finished "
-                             f"dropped, older than max_off_policy_steps = {self.config.max_off_policy_steps}")
-        stats = {"off_policy/dropped": (cancelled + taken.too_old) * n,
-                 "rollouts_in_flight": len(dispatcher.running) * n, "rollouts_waiting": dispatcher.rollouts_waiting,
+        stats = {"rollouts_in_flight": len(dispatcher.running) * n, "rollouts_waiting": dispatcher.rollouts_waiting,
                  "time/wait_for_rollouts": taken.waited_s}
         if fill:
             stats |= {"fill/extra_groups": taken.extra, "fill/short_groups": taken.short}
