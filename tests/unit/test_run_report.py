@@ -14,7 +14,8 @@ from rl.launcher.run_report import NoRun, write_report
 from rl.launcher.supervisor import Supervisor
 from rl.protocol import RunPaths, append_metrics
 
-PLOTS = ("Reward", "Trainer loss", "Tokens per second", "Staleness", "Each side&#x27;s wait", "Rollouts in flight",
+PLOTS = ("Reward", "Trainer loss", "Tokens per second", "Staleness", "Importance ratios", "Not trained",
+         "Length of trained rollouts", "Each side&#x27;s wait", "Rollouts in flight",
          "KV cache usage", "Preemptions")
 
 
@@ -99,9 +100,11 @@ def synthetic_run(root, steps: int = 6) -> RunPaths:
             "process": "orchestrator", "step": step, "time": at - 5, "reward": 0.1 * step, "tokens_per_s": 900.0,
             "staleness": 1, "off_policy/max": 1, "off_policy/mean": 0.5, "time/wait_for_policy": 0.2,
             "rollouts_in_flight": 64, "engine/kv_cache_usage": 0.4, "in_flight_cap": 96, "engine/preemptions": 0,
+            "off_policy/discarded_tokens": 0.01, "completion_len": 40.0, "off_policy/trained_len": 38.0,
             **({"eval/reward": 0.3} if step % 3 == 0 else {})})
-        append_metrics(paths, trainer(step, at, loss=1.0 / (step + 1), tokens_per_s=5000.0,
-                                      **{"time/wait_for_batch": 1.5}))
+        append_metrics(paths, trainer(step, at, loss=1.0 / (step + 1), tokens_per_s=5000.0, ratio_p1=0.9,
+                                      ratio_p50=1.0, ratio_p99=1.1, mismatch_corr=0.99, masked_frac=0.02,
+                                      masked_seq_frac=0.05, **{"time/wait_for_batch": 1.5}))
     with open(paths.metrics, "a") as f:
         f.write('{"process": "trainer", "step": %d, "lo' % steps)  # the trainer writing its next record
     return paths

@@ -35,7 +35,8 @@ from rl.orchestrator.stepwise import Collected, StepwiseGroups, groups_per_env
 from rl.protocol import RunPaths, write_batch
 from rl.process import set_up_process
 
-LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "off_policy/max", "dropped", "tokens_per_s",
+LINE_KEYS = ("reward", "eval/reward", "policy_step", "staleness", "off_policy/max", "off_policy/withheld", "dropped",
+             "tokens_per_s",
              "rollouts_in_flight", "concurrency/cap", "time/wait_for_policy")
 
 

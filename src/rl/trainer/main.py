@@ -29,7 +29,8 @@ from rl.weights import SENDERS
 from rl.process import set_up_process
 
 LINE_KEYS = (
-    "loss", "reward", "entropy", "clip_frac", "mismatch_kl", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s",
+    "loss", "reward", "entropy", "clip_frac", "mismatch_kl", "mismatch_corr", "masked_frac", "ratio_p99", "grad_norm",
+    "lr", "tokens_per_s", "mfu", "step_time_s",
     "time/wait_for_batch",
     "distill/reverse_kl", "distill/top_k_kl",  # with a teacher: the reverse KL per trained token, the top-k one
     "transfer_s", "transfer_bytes",  # over the wire: how long the step took to send, and how much of it travelled
