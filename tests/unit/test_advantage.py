@@ -113,3 +113,35 @@ def test_a_rollout_that_outlived_the_bound_is_withheld_alone_and_stays_in_its_gr
     everything = build_batch(config, [outcome], [6], 1, oldest_allowed=None)  # step by step: nothing is withheld
     assert len(everything.samples) == 4 and length_bias_stats(everything)["off_policy/discarded_tokens"] == 0
     assert isinstance(everything, StepBatch)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e200])
+def test_a_reward_that_is_not_a_finite_float32_fails_its_rollout_not_the_run(bad, monkeypatch):
+    """A reward function that divides by zero (or a judge answering NaN, or 1e200, beyond the batch's float32): that
+    rollout is left out, named in the log and counted; its group trains on the others; a group with none left fails
+    as a group does, by name."""
+    import asyncio
+
+    from rl.envs import rollouts
+    from rl.envs.rollouts import RolloutResult, TokenSegment
+    from rl.orchestrator.batch import build_batch
+
+    def result(reward, component=1.0):
+        return RolloutResult(7, "t", [TokenSegment([1], [2], [1], [-0.5])], reward, {"correct": component}, {},
+                             False, 1)
+
+    groups = iter([[result(0.0), result(1.0), result(bad), result(1.0, component=bad)], [result(bad)] * 2])
+
+    async def fake_run_group(*args):
+        return next(groups)
+
+    monkeypatch.setattr(rollouts, "run_group", fake_run_group)
+    env, log = type("Env", (), {"name": "e"})(), []
+    outcome = asyncio.run(rollouts.run_group_retried(env, 7, 4, None, None, None, None, 1, log.append))
+    assert [r.reward for r in outcome.results] == [0.0, 1.0] and outcome.unscored == 2
+    assert "2 of 4 rollouts of task 7 of e have a reward that is not a finite float32" in log[0]
+    assert f"reward={bad!r}" in log[0] and f"correct={bad!r}" in log[0]
+    batch = build_batch(OrchestratorConfig(rollouts_per_example=4), [outcome], [0], 1)
+    assert len(batch.samples) == 2 and batch.dropped["reward_not_finite"] == 2
+    failed = asyncio.run(rollouts.run_group_retried(env, 8, 2, None, None, None, None, 1, log.append))
+    assert failed.results is None and failed.error == "RewardNotFinite" and "task 8 of e" in failed.message

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 from collections.abc import Callable, Coroutine
@@ -194,6 +195,7 @@ class GroupOutcome:
     policy_step: int = 0  # training: the policy served while the group was generated
     server: int = 0  # training: the index of the server it was generated on
     task_index: int = 0  # training: the task it was generated for
+    unscored: int = 0  # rollouts left out: a reward (or component) not a finite float32 (`finite_rewards`)
 
 
 async def run_group_retried(
@@ -212,11 +214,37 @@ async def run_group_retried(
     for attempt in range(max_retries + 1):
         try:
             results = await run_group(environment, task_index, n, client, sampling, slots, timeout_s)
-            return GroupOutcome(environment, results, retries=attempt)
+            scored = [r for r in results if finite_rewards(r)]
+            if len(scored) < len(results):  # a reward function that divided by zero, a judge that answered NaN
+                why = f"{len(results) - len(scored)} of {n} rollouts of task {task_index} of {environment.name} " \
+                      f"have a reward that is not a finite float32: {unscored_rewards(results)}"
+                log(f"{why}; they are left out as failed rollouts")
+                if not scored:
+                    return GroupOutcome(environment, None, "RewardNotFinite", why, retries=attempt)
+            return GroupOutcome(environment, scored, retries=attempt, unscored=len(results) - len(scored))
         except Exception as e:  # noqa: BLE001 - retried, then dropped and counted by reason, never silently
             log(f"group of task {task_index} of {environment.name} failed (attempt {attempt + 1}): {e!r}")
             error = e
     return GroupOutcome(environment, None, type(error).__name__, str(error), retries=max_retries)
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def finite_float32(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
+
+def finite_rewards(result: RolloutResult) -> bool:
+    """Whether the rollout's reward and every component are finite and within float32 (the batch's dtype)."""
+    return all(finite_float32(v) for v in (result.reward, *result.rewards.values()))
+
+
+def unscored_rewards(results: list[RolloutResult]) -> str:
+    """The first bad rewards, for the log: `reward=nan`, `correct=inf`."""
+    bad = [f"{name}={value!r}" for r in results for name, value in (("reward", r.reward), *r.rewards.items())
+           if not finite_float32(value)]
+    return ", ".join(bad[:4])
 
 
 def model_contexts(client: InferenceClient | ChatClient, sampling: Sampling, n: int) -> list[vf.ModelContext]:

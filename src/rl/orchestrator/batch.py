@@ -49,6 +49,8 @@ def build_batch(config: OrchestratorConfig, outcomes: list[GroupOutcome], served
         if config.advantage.fill_batch and groups == groups_wanted:
             batch.drop_group("batch_full", outcome.env.name, n)
             continue
+        if outcome.unscored:
+            batch.drop("reward_not_finite", outcome.env.name, outcome.unscored)
         batch.kept.setdefault(outcome.env.name, []).extend(outcome.results)
         samples = group_samples(config, outcome, batch, oldest_allowed)
         groups += bool(samples)
