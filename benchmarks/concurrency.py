@@ -12,9 +12,10 @@ run the real `rl` launcher, the same steps and batch, their order rotated over `
 All sides run with vLLM's statistics on, so every side's preemptions are counted. Per run, from the orchestrator's
 records: sampled tokens of the trained batches per second past the warm-up (steps 1..N-1 over the time from step 0's
 record to the last one's; trained samples/s beside it), the server's preemptions over those steps, the mean KV
-usage at the step records and the mean in-flight cap; and what was trained: turns per trained rollout (long episodes
-starved by an overloaded server show as ~1) and the rollouts dropped as older than `max_off_policy_steps`. The
-last line reads (ratios of medians over rounds; p: the adaptive side's preemptions per run, q: the high side's):
+usage at the step records and the mean in-flight cap; and what was trained: turns per rollout (long episodes
+starved by an overloaded server show as ~1), the rollouts withheld as older than `max_off_policy_steps` and the share
+of sampled tokens not trained. The last line reads (ratios of medians over rounds; p: the adaptive side's
+preemptions per run, q: the high side's):
 
 adaptive <A>x tokens/s of the best fixed cap, <B>x of the worst, preemptions <p> vs <q>
 
