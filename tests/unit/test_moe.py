@@ -117,6 +117,8 @@ def test_the_batch_file_carries_the_routed_experts(moe_model):
 @pytest.mark.parametrize("fault, message", [
     (lambda r: r[:, :3], r"sample 1: recorded experts of shape \[\d+, 3, 2\], the model routes \[tokens, 4 layers"),
     (lambda r: r.clamp(max=EXPERTS), "sample 1: a recorded expert id out of range .*max 8; the model has 8 experts"),
+    (lambda r: torch.cat([r[:2], r[2:3, :, :1].expand(1, -1, 2), r[3:]]) - 1,
+     r"sample 1: token 2's recorded experts in layer 0 repeat one \(\[(\d), \1\]\); a token is routed to 2 distinct"),
 ])
 def test_recorded_experts_that_do_not_fit_the_model_are_refused_naming_the_sample(moe_model, world, fault, message):
     config, policy = policy_of(moe_model, world)

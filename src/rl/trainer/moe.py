@@ -205,6 +205,12 @@ def check_routed(routed: torch.Tensor, layers: int, top_k: int, experts: int, sa
     if routed.numel() and (int(routed.max()) >= experts or int(routed.min()) < -1):
         raise ValueError(f"sample {sample}: a recorded expert id out of range (min {int(routed.min())}, "
                          f"max {int(routed.max())}; the model has {experts} experts)")
+    ordered = routed.sort(dim=-1).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if repeated.any():  # replay would route the token twice to one expert, and to one expert fewer than top-k
+        token, layer, _ = repeated.nonzero()[0].tolist()
+        raise ValueError(f"sample {sample}: token {token}'s recorded experts in layer {layer} repeat one "
+                         f"({routed[token, layer].tolist()}); a token is routed to {top_k} distinct experts")
 
 
 def router_metrics(model: nn.Module, all_reduce) -> dict[str, float]:
