@@ -49,6 +49,27 @@ def public_config(config: BaseModel) -> dict:
     return without_secrets(config.model_dump(mode="json"), drop=False)
 
 
+SECRET_FLAG_WORDS = frozenset({"token", "key", "secret", "password"})  # a word of a flag's name: `--hf-token`
+
+
+def args_without_secrets(args: list[str]) -> list[str]:
+    """A command line's arguments (vLLM's `extra_args`, a process's command) with the value of every flag whose name
+    has a secret's word masked: `--hf-token X`, `--hf-token=X` (not `--max-num-batched-tokens`)."""
+    masked, hide_next = [], False
+    for arg in args:
+        name, equals, _ = arg.partition("=")
+        if hide_next and not arg.startswith("-"):
+            masked.append(SECRET_MASK)
+        elif name.startswith("-") and SECRET_FLAG_WORDS & set(name.lstrip("-").lower().replace("_", "-").split("-")):
+            masked.append(f"{name}={SECRET_MASK}" if equals else arg)
+            hide_next = not equals
+            continue
+        else:
+            masked.append(arg)
+        hide_next = False
+    return masked
+
+
 def without_secrets(data: Any, drop: bool) -> Any:
     """A config dump (nested dicts and lists) with every secret field that holds a value masked (`SECRET_MASK`:
     printed, it still shows the field is set) or dropped (`drop`: for a file that must not carry it), and the
@@ -61,7 +82,9 @@ def without_secrets(data: Any, drop: bool) -> Any:
         return data
     public = {}
     for key, value in data.items():
-        if key not in SECRET_FIELDS:
+        if key == "extra_args" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            public[key] = args_without_secrets(value)
+        elif key not in SECRET_FIELDS:
             public[key] = without_secrets(value, drop)
         elif not drop:
             public[key] = None if value is None else SECRET_MASK

@@ -188,3 +188,20 @@ def test_an_error_about_a_secret_does_not_repeat_it(model, tmp_path, capsys, mon
         monkeypatch.setenv(f"RL_{process}__TRANSFER__SECRET", secret)
     err = fails(rl_argv(model, tmp_path / "run"), capsys)
     assert "transfer differs" in err and not leaked(err) and "another-s3cret" not in err, err
+
+
+def test_secrets_in_vllm_extra_args_are_masked_wherever_configs_and_commands_are_shown(model, tmp_path, capsys):  # noqa: F811
+    """`--hf-token hf_...` given through inference.extra_args: the process's own config keeps it (vLLM needs it), the
+    dry run's configs and commands, the run's record and the report do not; other flags stay as they are."""
+    from rl.config_secrets import args_without_secrets
+
+    args = ["--hf-token", "hf_Secr3tValue", "--max-num-batched-tokens", "512", "--ssl-keyfile=/k/server.key",
+            "--hf_token=hf_0ther"]
+    assert args_without_secrets(args) == ["--hf-token", SECRET_MASK, "--max-num-batched-tokens", "512",
+                                          "--ssl-keyfile=/k/server.key", f"--hf_token={SECRET_MASK}"]
+    config = InferenceConfig(extra_args=args)
+    assert "hf_Secr3tValue" in to_toml(config) and "hf_Secr3tValue" not in to_toml(config, mask_secrets=True)
+    launcher.main(rl_argv(model, tmp_path / "run") + ["--dry-run", "--inference.extra-args",
+                                                       '["--hf-token", "hf_Secr3tValue"]'])
+    out = capsys.readouterr().out
+    assert "--hf-token" in out and "hf_Secr3tValue" not in out

@@ -19,6 +19,7 @@ from rl.config import (
     ConfigError, format_validation_error, parse_config, to_toml, warn_secrets_on_command_line, write_config,
 )
 from rl.config_help import config_help
+from rl.config_secrets import args_without_secrets
 from rl.checks import check_environments, check_lora_targets, check_model, check_output_dir, check_same_tokenizer
 from rl.config import API_KEY_VAR
 from rl.envs.config import ENV_SERVER_SECRET_VAR
@@ -232,7 +233,7 @@ def print_dry_run(config: RLConfig, host: HostPlan, specs: list[ChildSpec]) -> N
     print("# ---- commands ----")
     for spec in specs:
         prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in spec.extra_env.items())  # '0|1' is no pipe
-        print(f"{spec.name}: {prefix}{shlex.join(spec.cmd)}  > {spec.log}")
+        print(f"{spec.name}: {prefix}{shlex.join(args_without_secrets(spec.cmd))}  > {spec.log}")
 
 
 def choice_text(value) -> str:
