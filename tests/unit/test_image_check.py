@@ -37,3 +37,27 @@ def test_the_builder_is_the_first_that_can_build(tmp_path, fakes, expected):
         assert done.returncode == 3 and "no image builder (docker with a daemon, podman or buildah)" in done.stderr
     else:
         assert done.returncode == 0 and done.stdout.strip() == expected, done.stderr
+
+
+def test_the_build_context_leaves_out_secrets_and_run_directories():
+    """What `.dockerignore` leaves out of the image, matched as Docker matches (`**` any directories, else one
+    segment each): rl's recommended secrets file, env files, keys, and a run's records wherever the run was made."""
+    import fnmatch
+
+    patterns = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+
+    def matches(path: str, pattern: str) -> bool:
+        if pattern.startswith("**/"):
+            parts = path.split("/")
+            return any(fnmatch.fnmatch("/".join(parts[i:]), pattern[3:]) for i in range(len(parts)))
+        return fnmatch.fnmatch(path, pattern)
+
+    def ignored(path: str) -> bool:  # a directory left out leaves out all beneath it
+        parts = path.split("/")
+        return any(matches("/".join(parts[:i]), p) for i in range(1, len(parts) + 1) for p in patterns)
+
+    for path in ("secrets.toml", "configs/secrets-prod.toml", ".env", "deploy/.env.local", "team.env", "tls/server.key",
+                 "my-run/metrics.jsonl", "my-run/checkpoints/step_4/trainer/STABLE", "my-run/rollouts/step_3/r0.st"):
+        assert ignored(path), path
+    for path in ("src/rl/config.py", "configs/reverse_text/train.toml", "src/rl/weights/digest.py", "README.md"):
+        assert not ignored(path), path
