@@ -10,7 +10,7 @@ import pytest
 
 from rl.launcher.main import main as rl_main
 from rl.launcher.report import duration, format_summary, seconds_per_step, summarize, time_left_s
-from rl.launcher.run_report import NoRun, write_report
+from rl.launcher.run_report import NoRun, report_path, write_report
 from rl.launcher.supervisor import Supervisor
 from rl.protocol import RunPaths, append_metrics
 
@@ -199,3 +199,32 @@ def test_the_launcher_writes_the_report_at_the_end_of_a_run_and_says_when_there_
     paths = synthetic_run(tmp_path / "run")
     Supervisor(paths, tail_lines=5, shutdown_timeout_s=5, max_steps=8)._write_report()
     assert capsys.readouterr().out == f"rl: report {tmp_path / 'run' / 'report.html'}\n"
+
+
+def test_hostile_metrics_lines_are_named_one_line_each_and_the_rest_is_rendered(tmp_path, capsys):
+    """Lines that are not objects, nested 200,000 deep, not UTF-8, integers of 400 and 5,000 digits, a time of
+    Infinity, a reward of 1.7e308, a step beyond reason, and a summary.json that is a list: each is said, by line;
+    the good records are plotted."""
+    paths = synthetic_run(tmp_path / "run")
+    good = paths.metrics.read_bytes()[: paths.metrics.read_bytes().rfind(b"\n") + 1]
+    hostile = [b"[1, 2]", b"[" * 200_000 + b"]" * 200_000, b'{"process": "trainer", "step": 1, "x": "\xff"}',
+               b'{"process": "trainer", "step": 2, "loss": ' + b"9" * 400 + b"}",
+               b'{"process": "trainer", "step": 2, "loss": ' + b"9" * 5000 + b"}",
+               b'{"process": "orchestrator", "step": 3, "time": Infinity, "reward": 1.7e308}',
+               b'{"process": "trainer", "step": 1' + b"0" * 30 + b"}"]
+    paths.metrics.write_bytes(b"\n".join(hostile[:3]) + b"\n" + good + b"\n".join(hostile[3:]) + b"\n")
+    paths.summary.write_text("[1, 2, 3]")
+    rl_main(["report", str(paths.root)])
+    err = capsys.readouterr().err.splitlines()
+    first_after = good.count(b"\n") + 4
+    assert err == ["rl report: metrics.jsonl line 1: a JSON list, not an object",
+                   "rl report: metrics.jsonl line 2: nested too deep",
+                   "rl report: metrics.jsonl line 3: not UTF-8",
+                   f"rl report: metrics.jsonl line {first_after}: loss not a plottable number, left out",
+                   err[4],  # Python's own words on the 5,000 digits
+                   f"rl report: metrics.jsonl line {first_after + 2}: time, reward not a plottable number, left out",
+                   f"rl report: metrics.jsonl line {first_after + 3}: step 10000000000000000000 out of range"]
+    assert err[4].startswith(f"rl report: metrics.jsonl line {first_after + 1}: not JSON (")
+    page = report_path(paths).read_text()
+    assert sorted(figures(page)) == sorted(PLOTS) and "Left out of the plots: metrics.jsonl line 1" in page
+    assert "computed from metrics.jsonl" in page  # the list in summary.json is not a summary

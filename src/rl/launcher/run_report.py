@@ -10,6 +10,7 @@ import base64
 import html
 import io
 import json
+import math
 import re
 import sys
 import time
@@ -21,7 +22,6 @@ import tomli_w
 from rl.atomic import atomic_write_text
 from rl.config import without_secrets
 from rl.launcher.report import duration, per_step, summary_of, time_left_s
-from rl.metrics_file import read_metrics
 from rl.protocol import RunPaths
 
 USAGE = """usage: rl report <run-dir>
@@ -34,6 +34,9 @@ IN_FLIGHT_CAP = re.compile(r"(concurren|in_flight).*(cap|limit)|(cap|limit).*(co
 PREEMPTIONS = re.compile(r"preempt", re.I)
 NAMES = {KV_CACHE: "the engines' KV cache usage", IN_FLIGHT_CAP: "the in-flight cap", PREEMPTIONS: "preemptions"}
 MAX_SERIES = 12  # per plot: a pattern may match a key per server
+PLOTTABLE = 1e100  # a larger number is no measurement, and overflows a plot's axis arithmetic
+MAX_STEP = 10**9
+MAX_NOTES = 20  # bad metrics lines said on the terminal; the report lists them all
 
 # (title, y label, series): a series is (process, key) or (process, pattern): every numeric key of that process's
 # records the pattern finds (None: any process's), e.g. the engines' per-server keys.
@@ -65,8 +68,9 @@ def report_path(paths: RunPaths) -> Path:
     return paths.root / "report.html"
 
 
-def read_run(paths: RunPaths) -> list[dict]:
-    """The run's complete records; NoRun, naming the path and what is missing, where there are none."""
+def read_run(paths: RunPaths) -> tuple[list[dict], list[str]]:
+    """The run's complete records, and one line for each metrics line left out or cut (naming the line and why);
+    NoRun, naming the path and what is missing, where there is no record to show."""
     root = paths.root
     if not root.is_dir():
         raise NoRun(f"{root} is not a directory")
@@ -74,13 +78,49 @@ def read_run(paths: RunPaths) -> list[dict]:
         if paths.configs.is_dir():
             raise NoRun(f"{root}: the run has recorded no step yet ({paths.metrics} does not exist)")
         raise NoRun(f"{root} holds no run: neither {paths.metrics.name} nor {paths.configs.name}/ is there")
-    try:
-        records = [r for r in read_metrics(paths) if isinstance(r.get("step"), int) and "process" in r]
-    except ValueError as e:  # a line torn by a crash, not since removed by a resume
-        raise NoRun(f"{paths.metrics}: a record does not parse ({e})") from None
+    data = paths.metrics.read_bytes()
+    records, notes = [], []
+    for number, line in enumerate(data[: data.rfind(b"\n") + 1].splitlines(), 1):  # a last line being written waits
+        record, why = parse_record(line) if line.strip() else (None, None)
+        if why:
+            notes.append(f"{paths.metrics.name} line {number}: {why}")
+        if record is not None:
+            records.append(record)
     if not records:
-        raise NoRun(f"{paths.metrics} holds no complete step record yet")
-    return records
+        raise NoRun(f"{paths.metrics} holds no complete step record yet" + (f" ({notes[0]})" if notes else ""))
+    return records, notes
+
+
+def parse_record(line: bytes) -> tuple[dict | None, str | None]:
+    """A metrics line as the report can use it (None: none), and what was wrong with it (None: nothing). Numbers no
+    plot can hold (not finite, beyond PLOTTABLE) are left out of their record; a record without a step (a whole
+    number below MAX_STEP) and a process name is no step record."""
+    try:
+        value = json.loads(line.decode())
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    except RecursionError:
+        return None, "nested too deep"
+    except ValueError as e:  # not JSON, or an integer of more digits than Python converts
+        return None, f"not JSON ({str(e)[:80]})"
+    if not isinstance(value, dict):
+        return None, f"a JSON {type(value).__name__}, not an object"
+    step = value.get("step")
+    if not (isinstance(step, int) and not isinstance(step, bool) and isinstance(value.get("process"), str)):
+        return None, None
+    if not 0 <= step < MAX_STEP:
+        return None, f"step {str(step)[:20]} out of range"
+    unplottable = [k for k, v in value.items() if isinstance(v, (int, float)) and not plottable(v)]
+    for key in unplottable:
+        del value[key]
+    return value, f"{', '.join(unplottable[:4])} not a plottable number, left out" if unplottable else None
+
+
+def plottable(value: int | float) -> bool:
+    try:
+        return math.isfinite(float(value)) and abs(float(value)) <= PLOTTABLE
+    except OverflowError:  # an integer beyond float's range
+        return False
 
 
 def run_configs(paths: RunPaths) -> dict[str, str]:
@@ -176,8 +216,10 @@ def run_summary(paths: RunPaths, records: list[dict], elapsed_s: float, max_step
     last = max((r["time"] for r in records if isinstance(r.get("time"), (int, float))), default=None)
     try:
         if paths.summary.exists() and (last is None or paths.summary.stat().st_mtime >= last):
-            return json.loads(paths.summary.read_text()), paths.summary.name
-    except (OSError, ValueError):
+            summary = json.loads(paths.summary.read_text())
+            if isinstance(summary, dict):
+                return summary, paths.summary.name
+    except (OSError, ValueError, RecursionError):
         pass
     return summary_of(records, elapsed_s, max_steps, since), "computed from metrics.jsonl"
 
@@ -202,7 +244,7 @@ STYLE = ("body{font-family:sans-serif;max-width:60em;margin:1em auto;padding:0 1
          "figure{margin:1em 0}figcaption{color:#555;font-size:12px}")
 
 
-def render(paths: RunPaths, records: list[dict], now: float) -> str:
+def render(paths: RunPaths, records: list[dict], now: float, notes: list[str] = ()) -> str:
     max_steps = configured_max_steps(paths)
     launched = launch_time(paths, records)
     last = max((r["time"] for r in records if isinstance(r.get("time"), (int, float))), default=launched)
@@ -232,6 +274,7 @@ def render(paths: RunPaths, records: list[dict], now: float) -> str:
     configs = "".join(f"<details><summary>configs/{html.escape(name)}</summary><pre>{html.escape(text)}</pre>"
                       "</details>" for name, text in run_configs(paths).items()) or "<p>no configs/ here</p>"
     not_logged = f"<p>Not logged in this run: {html.escape('; '.join(missing))}</p>" if missing else ""
+    not_logged += f"<p>Left out of the plots: {html.escape('; '.join(notes))}</p>" if notes else ""
     name = html.escape(paths.root.name)
     generated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>rl report: {name}</title>'
@@ -245,11 +288,16 @@ def render(paths: RunPaths, records: list[dict], now: float) -> str:
             f"<h2>Config</h2><p>secrets masked</p>{configs}</body></html>\n")
 
 
-def write_report(paths: RunPaths) -> Path:
-    """Write report.html (whole or not at all: a browser reloading it never sees half); NoRun where there is no run."""
-    records = read_run(paths)
+def write_report(paths: RunPaths, say=lambda line: None) -> Path:
+    """Write report.html (whole or not at all: a browser reloading it never sees half); NoRun where there is no run.
+    `say` gets a line for each metrics line left out or cut."""
+    records, notes = read_run(paths)
+    for note in notes[:MAX_NOTES]:
+        say(note)
+    if len(notes) > MAX_NOTES:
+        say(f"and {len(notes) - MAX_NOTES} more lines (listed in the report)")
     out = report_path(paths)
-    atomic_write_text(out, render(paths, records, time.time()))
+    atomic_write_text(out, render(paths, records, time.time(), notes))
     return out
 
 
@@ -261,7 +309,8 @@ def main(argv: list[str]) -> None:
         print(USAGE, file=sys.stderr)
         sys.exit(2)
     try:
-        out = write_report(RunPaths(Path(argv[0]).absolute()))
+        out = write_report(RunPaths(Path(argv[0]).absolute()),
+                           say=lambda line: print(f"rl report: {line}", file=sys.stderr))
     except NoRun as e:
         print(f"rl report: error: {e}", file=sys.stderr)
         sys.exit(1)
