@@ -65,3 +65,64 @@ def test_a_restarted_server_counts_whole_and_a_server_without_statistics_adds_no
     assert metrics.step_stats([exposition(preemptions=1)])["engine/preemptions"] == 1  # counters went down
     assert scrape_of('http_requests_total{handler="/health"} 3\n') is None
     assert EngineMetrics().step_stats(['http_requests_total{handler="/health"} 3\n']) == {}
+
+
+def test_readings_that_are_no_readings_are_left_out():
+    """NaN KV usage, a negative queue, a huge label line: each left out, the rest read (before, NaN froze the cap)."""
+    text = exposition(kv=0.5) + 'vllm:kv_cache_usage_perc{engine="1"} NaN\nvllm:num_requests_waiting{engine="1"} -3\n'
+    text += "vllm:num_requests_running{" + "a" * 40_000 + '="x"} 5\n'
+    scrape = scrape_of(text)
+    assert scrape.gauges == {"kv_cache_usage": 0.5, "requests_running": 3, "requests_waiting": 1}
+
+
+def test_a_metrics_read_has_a_deadline_and_a_size_bound_and_names_the_server(monkeypatch):
+    """A server that drips its reply, one that answers 5 MiB, one that answers: the step gets the third's figures
+    within the deadline, and the log names the other two once."""
+    import asyncio
+    import time
+
+    from rl.orchestrator import inference_pool
+    from rl.orchestrator.inference_pool import InferencePool
+
+    monkeypatch.setattr(inference_pool, "METRICS_TIMEOUT_S", 1.0)
+
+    async def serve(reader, writer):
+        request = await reader.readuntil(b"\r\n\r\n")
+        port = writer.get_extra_info("sockname")[1]
+        kind = kinds[port]
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+        if kind == "drip":
+            for byte in exposition().encode():
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0.2)
+        elif kind == "huge":
+            writer.write(b"# " + b"x" * (5 << 20) + b"\n")
+        else:
+            writer.write(exposition(kv=0.7).encode())
+        await writer.drain()
+        writer.close()
+        assert request
+
+    async def scenario():
+        servers = [await asyncio.start_server(serve, "127.0.0.1", 0) for _ in range(3)]
+        ports = [s.sockets[0].getsockname()[1] for s in servers]
+        kinds.update(zip(ports, ("drip", "huge", "fine")))
+        log = []
+        pool = InferencePool([f"http://127.0.0.1:{p}" for p in ports], None, 30.0, log=log.append)
+        start = time.monotonic()
+        first = await pool.metrics()
+        took = time.monotonic() - start
+        await pool.metrics()  # the same trouble again: not logged again
+        await pool.close()
+        for s in servers:
+            s.close()
+        return first, took, log, ports
+
+    kinds: dict[int, str] = {}
+    scrapes, took, log, ports = asyncio.run(scenario())
+    assert scrapes[0] is None and scrapes[1] is None and scrapes[2].gauges["kv_cache_usage"] == 0.7
+    assert took < 3.0
+    assert len(log) == 2  # in the order the reads ended
+    assert any(f"127.0.0.1:{ports[0]}/metrics did not answer whole within 1 s" in line for line in log)
+    assert any(f"127.0.0.1:{ports[1]}/metrics replied more than 4 MiB" in line for line in log)

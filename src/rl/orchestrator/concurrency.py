@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rl.orchestrator.engine_metrics import scrape_of
+from rl.orchestrator.engine_metrics import Scrape, scrape_of
 
 
 @dataclass
@@ -57,10 +57,11 @@ class ConcurrencyController:
         groups = int(min(max(rollouts, self.floor), self.ceiling)) // self.group
         return max(groups * self.group, self.floor)
 
-    def load(self, texts: list[str | None]) -> Load | None:
+    def load(self, texts: list[str | Scrape | None]) -> Load | None:
         """The pool's load from each server's /metrics text (None: it did not answer); None where none holds vLLM's
         statistics. A server whose counter went down restarted: its preemptions count from zero."""
-        scrapes = {i: s for i, text in enumerate(texts) if text is not None and (s := scrape_of(text)) is not None}
+        scrapes = {i: s for i, text in enumerate(texts)
+                   if (s := scrape_of(text) if isinstance(text, str) else text) is not None}
         if not any("kv_cache_usage" in s.gauges for s in scrapes.values()):
             return None
         preempted = 0.0
@@ -72,7 +73,7 @@ class ConcurrencyController:
         return Load(max(s.gauges.get("kv_cache_usage", 0.0) for s in scrapes.values()),
                     sum(s.gauges.get("requests_waiting", 0.0) for s in scrapes.values()), preempted)
 
-    def update(self, texts: list[str | None], in_flight: int) -> Decision:
+    def update(self, texts: list[str | Scrape | None], in_flight: int) -> Decision:
         """The cap from the servers' /metrics now, given the rollouts in flight."""
         load = self.load(texts)
         if load is None:

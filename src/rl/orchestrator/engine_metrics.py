@@ -18,6 +18,7 @@ COUNTERS = {"preemptions": "vllm:num_preemptions_total", "prefix_cache_queries":
             "prefix_cache_hits": "vllm:prefix_cache_hits_total"}
 HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "latency": "vllm:e2e_request_latency_seconds"}
 QUANTILES = (0.5, 0.9)
+MAX_LINE = 4096  # no sample line of vLLM's is longer
 
 
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -25,13 +26,15 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]
     not samples are skipped."""
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     for line in text.splitlines():
-        match = SAMPLE.match(line)
+        match = SAMPLE.match(line) if len(line) <= MAX_LINE else None  # the label regex is slow on huge lines
         if match is None or line.startswith("#"):
             continue
         name, labels, value = match.groups()
         try:
             number = float(value)
         except ValueError:
+            continue
+        if not math.isfinite(number):  # a NaN gauge would freeze the cap
             continue
         samples.setdefault(name, []).append((dict(LABEL.findall(labels or "")), number))
     return samples
@@ -52,12 +55,13 @@ def scrape_of(text: str) -> Scrape | None:
     samples = parse_prometheus(text)
     scrape = Scrape()
     for key, name in GAUGES.items():
-        if name in samples:
-            values = [v for _, v in samples[name]]
+        values = [v for _, v in samples.get(name, ()) if v >= 0]  # a negative queue or usage is no reading
+        if values:
             scrape.gauges[key] = max(values) if key == "kv_cache_usage" else sum(values)
     for key, name in COUNTERS.items():
-        if name in samples:
-            scrape.counters[key] = sum(v for _, v in samples[name])
+        values = [v for _, v in samples.get(name, ()) if v >= 0]
+        if values:
+            scrape.counters[key] = sum(values)
     for key, name in HISTOGRAMS.items():
         buckets: dict[float, float] = {}
         for labels, value in samples.get(f"{name}_bucket", ()):
@@ -103,14 +107,14 @@ class EngineMetrics:
     def __init__(self) -> None:
         self.last: dict[int, Scrape] = {}
 
-    def step_stats(self, texts: list[str | None]) -> dict:
+    def step_stats(self, texts: list[str | Scrape | None]) -> dict:
         """Per server (`engine/<i>/...`) and over all: KV-cache usage (the fullest server's), requests running and
         waiting, preemptions this step, prefix-cache hit rate this step, time to first token and request latency
         p50/p90 this step."""
         stats: dict = {}
         steps = []
         for i, text in enumerate(texts):
-            now = scrape_of(text) if text is not None else None
+            now = scrape_of(text) if isinstance(text, str) else text
             if now is None:
                 continue
             step = change(now, self.last.get(i))

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import httpx
 
 from rl import health
+from rl.orchestrator.engine_metrics import Scrape, scrape_of
 
 
 CHECK_TIMEOUT_S = 10.0  # a server's /policy_step; its first after a start hashes the base model once
+METRICS_TIMEOUT_S = 5.0  # a whole /metrics read: a server that drips its reply holds no step longer
+MAX_METRICS_BYTES = 4 << 20  # vLLM's exposition is some hundred KB; a longer reply is not read on
 
 
 class InferenceError(RuntimeError):
@@ -17,10 +21,13 @@ class InferenceError(RuntimeError):
 
 
 class InferencePool:
-    def __init__(self, base_urls: list[str], admin_token: str | None, timeout_s: float):
+    def __init__(self, base_urls: list[str], admin_token: str | None, timeout_s: float,
+                 log: Callable[[str], None] = lambda message: None):
         self.base_urls = [u.rstrip("/") for u in base_urls]
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.http = httpx.AsyncClient(headers=headers, timeout=timeout_s)
+        self.log = log
+        self.metrics_trouble: dict[str, str] = {}  # url: why its /metrics were not read (logged when it changes)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -51,16 +58,36 @@ class InferencePool:
             return f"{url} answered /policy_step with {response.status_code} {response.text[:500]}"
         return response.json()
 
-    async def metrics(self) -> list[str | None]:
-        """Each server's Prometheus /metrics text, or None where it did not answer (in CHECK_TIMEOUT_S)."""
-        return await asyncio.gather(*(self._metrics(url) for url in self.base_urls))
+    async def metrics(self) -> list[Scrape | None]:
+        """Each server's figures from its Prometheus /metrics (engine_metrics.py), parsed off the event loop; None
+        where it holds none, or did not answer whole within METRICS_TIMEOUT_S and MAX_METRICS_BYTES (named in the
+        log): the step goes on without them."""
+        texts = await asyncio.gather(*(self._metrics(url) for url in self.base_urls))
+        return await asyncio.to_thread(lambda: [None if text is None else scrape_of(text) for text in texts])
 
     async def _metrics(self, url: str) -> str | None:
         try:
-            response = await self.http.get(f"{url}/metrics", timeout=CHECK_TIMEOUT_S)
-        except httpx.HTTPError:
-            return None
-        return response.text if response.status_code == 200 else None
+            text, trouble = await asyncio.wait_for(self._read_metrics(url), METRICS_TIMEOUT_S)
+        except (httpx.HTTPError, TimeoutError) as e:
+            text, trouble = None, (f"did not answer whole within {METRICS_TIMEOUT_S:g} s" if isinstance(e, TimeoutError)
+                                   else f"did not answer ({type(e).__name__})")
+        if trouble != self.metrics_trouble.get(url):
+            self.log(f"{url}/metrics {trouble}: the step records go on without its figures" if trouble
+                     else f"{url}/metrics answers again")
+            self.metrics_trouble[url] = trouble
+        return text
+
+    async def _read_metrics(self, url: str) -> tuple[str | None, str | None]:
+        """The /metrics text, or None and why not (a status, a reply too long)."""
+        async with self.http.stream("GET", f"{url}/metrics", timeout=METRICS_TIMEOUT_S) as response:
+            if response.status_code != 200:
+                return None, None  # the gate's 404 where metrics are off: nothing to say
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_METRICS_BYTES:
+                    return None, f"replied more than {MAX_METRICS_BYTES >> 20} MiB"
+        return body.decode(errors="replace"), None
 
     async def receive_weights(self, step: int, host: str, port: int, timeout_s: float,
                               servers: list[int]) -> list[dict | str]:

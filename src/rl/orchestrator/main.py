@@ -46,7 +46,8 @@ class Orchestrator:
         self.logger = logger
         self.paths = RunPaths(config.output_dir)
         self.paths.make_private()
-        self.pool = InferencePool(config.client.base_urls, config.client.admin_token, config.client.timeout_s)
+        self.pool = InferencePool(config.client.base_urls, config.client.admin_token, config.client.timeout_s,
+                                  log=logger.warning)
         served = config.adapter or config.model.name  # with LoRA, requests select the adapter by name
         self.envs: list[Environment] = load_environments(config.env, "env")
         self.eval_envs: list[Environment] = load_environments(config.eval.env, "eval.env") or self.envs
