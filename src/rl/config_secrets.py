@@ -60,7 +60,7 @@ def args_without_secrets(args: list[str]) -> list[str]:
         name, equals, _ = arg.partition("=")
         if hide_next and not arg.startswith("-"):
             masked.append(SECRET_MASK)
-        elif name.startswith("-") and SECRET_FLAG_WORDS & set(name.lstrip("-").lower().replace("_", "-").split("-")):
+        elif name.startswith("-") and names_a_secret(name.lstrip("-")):
             masked.append(f"{name}={SECRET_MASK}" if equals else arg)
             hide_next = not equals
             continue
@@ -68,6 +68,30 @@ def args_without_secrets(args: list[str]) -> list[str]:
             masked.append(arg)
         hide_next = False
     return masked
+
+
+# An environment's tables rl passes on unread ([[env]] args, harness, runtime, overrides): their keys are the
+# environment's, so a secret among them is found by a word of its name (`judge_api_key`, `hf_token`).
+FREE_FORM_TABLES = frozenset({"args", "harness", "runtime", "overrides"})
+
+
+def names_a_secret(key: str) -> bool:
+    return bool(SECRET_FLAG_WORDS & set(key.lower().replace("-", "_").split("_")))
+
+
+def free_form_without_secrets(data: Any, drop: bool) -> Any:
+    """A free-form table with the value of every key that names a secret masked (or dropped), at any depth."""
+    if isinstance(data, list):
+        return [free_form_without_secrets(v, drop) for v in data]
+    if not isinstance(data, dict):
+        return without_secrets(data, drop)
+    public = {}
+    for key, value in data.items():
+        if not names_a_secret(str(key)) or isinstance(value, (dict, list)):
+            public[key] = free_form_without_secrets(value, drop)
+        elif not drop:
+            public[key] = None if value is None else SECRET_MASK
+    return public
 
 
 def without_secrets(data: Any, drop: bool) -> Any:
@@ -84,6 +108,8 @@ def without_secrets(data: Any, drop: bool) -> Any:
     for key, value in data.items():
         if key == "extra_args" and isinstance(value, list) and all(isinstance(v, str) for v in value):
             public[key] = args_without_secrets(value)
+        elif key in FREE_FORM_TABLES and isinstance(value, dict):
+            public[key] = free_form_without_secrets(value, drop)
         elif key not in SECRET_FIELDS:
             public[key] = without_secrets(value, drop)
         elif not drop:

@@ -205,3 +205,15 @@ def test_secrets_in_vllm_extra_args_are_masked_wherever_configs_and_commands_are
                                                        '["--hf-token", "hf_Secr3tValue"]'])
     out = capsys.readouterr().out
     assert "--hf-token" in out and "hf_Secr3tValue" not in out
+
+
+def test_secrets_in_an_environments_free_form_tables_are_masked_by_name():
+    """[[env]] args (and harness, runtime, overrides) are the environment's own keys: `judge_api_key`, `hf_token` at
+    any depth are masked wherever configs are shown; other keys, `max_tokens` among them, stay."""
+    from rl.envs.config import EnvConfig
+
+    env = EnvConfig(id="reverse-text", args={"judge_api_key": "sk-Zz9", "max_tokens": 7,
+                                             "judge": {"hf-token": "hf_Qq1", "models": ["a"]}})
+    shown = to_toml(env, mask_secrets=True)
+    assert "sk-Zz9" not in shown and "hf_Qq1" not in shown and "max_tokens = 7" in shown and SECRET_MASK in shown
+    assert "sk-Zz9" in to_toml(env)  # the process that runs the environment still reads it
