@@ -121,3 +121,34 @@ def test_engine_client_refuses_a_return_type_it_does_not_build():
 
     asyncio.run(scenario())
 
+
+def test_a_redirect_is_not_followed_and_the_key_goes_nowhere_else(monkeypatch):
+    """An allowed engine that answers 307 to a port nobody allowed: the request fails naming the redirect, and the
+    other port never sees the key (aiohttp strips only Authorization across origins, not other headers)."""
+    monkeypatch.setenv(API_KEY_VAR, "k-secret")
+    monkeypatch.setenv("TEAM_TOKEN", "t-secret")
+
+    async def scenario() -> None:
+        elsewhere: list = []
+        other = await engine(elsewhere)
+        target = f"http://127.0.0.1:{other.addresses[0][1]}/inference/v1/generate"
+
+        async def redirect(request: web.Request) -> web.Response:
+            raise web.HTTPTemporaryRedirect(target)
+
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", redirect)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        base = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+        client = EngineClient(config(base, headers_from_env={"X-Team": "TEAM_TOKEN"}))
+        with pytest.raises(openai.APIStatusError, match="a redirect to .*not followed") as caught:
+            await client.post(f"{base[:-3]}/inference/v1/generate", cast_to=dict, body={"token_ids": [1]})
+        assert caught.value.status_code == 307 and elsewhere == []
+        await client.close()
+        await runner.cleanup()
+        await other.cleanup()
+
+    asyncio.run(scenario())
+

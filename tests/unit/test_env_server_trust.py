@@ -156,7 +156,9 @@ def test_a_request_reads_only_the_variables_and_calls_only_the_endpoints_the_ser
     request had the worker send the transfer secret and the admin token to the user's own URL."""
     apply_patches()
     FakeOpenAI.requests.clear()
-    _, address = server(env={API_KEY_VAR: KEY, "RL_TRANSFER__SECRET": TRANSFER_SECRET})
+    # a server that sends a key names where it may go (without model_endpoints it would send none)
+    _, address = server("--model-endpoints", json.dumps([fake_openai]),
+                        env={API_KEY_VAR: KEY, "RL_TRANSFER__SECRET": TRANSFER_SECRET})
     task = load_environment(EnvConfig(id="reverse-text", args={"num_examples": 4})).task(0)
     sampling = vf.SamplingConfig(max_tokens=8)
     elsewhere = fake_openai.replace("127.0.0.1", "10.255.255.1")
@@ -181,7 +183,29 @@ def test_a_request_reads_only_the_variables_and_calls_only_the_endpoints_the_ser
     assert TRANSFER_SECRET not in json.dumps(FakeOpenAI.requests)
 
 
-def test_the_client_policy_names_what_it_refuses():
+def test_without_model_endpoints_no_key_leaves_and_only_allowed_tokenizers_are_loaded(monkeypatch, tmp_path):
+    """A hand-started env server without model_endpoints allows any loopback port, where another local user may
+    listen: a client that would send a key there is refused, naming model_endpoints; one without a key goes. A
+    training client renders with a local directory or an allowed name, never a hub id the worker would fetch."""
+    loopback = ClientPolicy.of([API_KEY_VAR], None)
+    monkeypatch.setenv(API_KEY_VAR, "sk-inference")
+    with pytest.raises(ValueError, match=f"would send {API_KEY_VAR} to http://127.0.0.1:9999.*set model_endpoints"):
+        loopback.check(vf.EvalClientConfig(base_url="http://127.0.0.1:9999/v1", api_key_var=API_KEY_VAR))
+    monkeypatch.delenv(API_KEY_VAR)
+    loopback.check(vf.EvalClientConfig(base_url="http://127.0.0.1:9999/v1", api_key_var=API_KEY_VAR))
+    pinned = ClientPolicy.of([API_KEY_VAR], ["http://127.0.0.1:8000"], ["Qwen/Qwen3-0.6B"])
+    client = vf.TrainClientConfig(base_url="http://127.0.0.1:8000/v1", api_key_var=API_KEY_VAR,
+                                  renderer_model_name="someone/else-tokenizer")
+    with pytest.raises(ValueError, match="renders with 'someone/else-tokenizer', which is no local directory"):
+        pinned.check(client)
+    pinned.check(client.model_copy(update={"renderer_model_name": str(tmp_path)}))
+    pinned.check(client.model_copy(update={"renderer_model_name": None}), model="Qwen/Qwen3-0.6B")
+    with pytest.raises(ValueError, match="renders with 'evil/model'"):
+        pinned.check(client.model_copy(update={"renderer_model_name": None}), model="evil/model")
+
+
+def test_the_client_policy_names_what_it_refuses(monkeypatch):
+    monkeypatch.delenv(API_KEY_VAR, raising=False)
     policy = ClientPolicy.of([API_KEY_VAR], ["http://10.0.0.5:8000/v1"])
     policy.check(vf.EvalClientConfig(base_url="http://10.0.0.5:8000/v1", api_key_var=API_KEY_VAR))
     with pytest.raises(ValueError, match=r"calls http://127.0.0.1:8000.*model_endpoints = \['http://10.0.0.5:8000'\]"):

@@ -76,7 +76,7 @@ class ChildEnvServer:
         if self.process is None:
             self.directory = Path(tempfile.mkdtemp(prefix="rl-env-server-"))
             # its socket is in a directory only this user enters: it calls what this process names
-            config = started_for(self.spec, self.address, [ANY], [ANY])
+            config = started_for(self.spec, self.address, [ANY], [ANY], renderer_models=[ANY])
             write_config(config, self.directory / "env-server.toml")
             cmd = [sys.executable, "-m", "rl.envs.server", "@", str(self.directory / "env-server.toml")]
             self.process = subprocess.Popen(cmd, preexec_fn=die_with_parent)  # it ends with this process

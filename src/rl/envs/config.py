@@ -183,8 +183,13 @@ class EnvServerConfig(Settings):
     ] = [API_KEY_VAR]
     model_endpoints: Annotated[
         list[str] | None, Field(description="the model servers (URLs; their scheme, host and port count) a "
-                                            "request's episodes may call; '*': any; unset: any on loopback")
+                                            "request's episodes may call; '*': any; unset: any on loopback, none "
+                                            "with a key (another local user may listen there)")
     ] = None
+    renderer_models: Annotated[
+        list[str], Field(description="besides local directories, the tokenizers (hub ids) a request's client may "
+                                     "render with; '*': any")
+    ] = []
 
     @model_validator(mode="after")
     def _sealed_beyond_loopback(self) -> "EnvServerConfig":
@@ -197,11 +202,13 @@ class EnvServerConfig(Settings):
         return self
 
 
-def started_for(spec: EnvConfig, address: str, model_endpoints: list[str], client_env_vars: list[str] | None = None
-                ) -> EnvServerConfig:
+def started_for(spec: EnvConfig, address: str, model_endpoints: list[str], client_env_vars: list[str] | None = None,
+                renderer_models: list[str] = ()) -> EnvServerConfig:
     """The env server started for an `[[env]]` table without an address (by `rl`, or by an orchestrator or `eval`
     started by hand): the table's environment, its workers, at `address` (local: no secret), its episodes calling
-    `model_endpoints` with `client_env_vars` (default: rl's inference key's) only."""
+    `model_endpoints` with `client_env_vars` (default: rl's inference key's) only, rendering with local tokenizers
+    and `renderer_models` (the run's model, where it is a hub id)."""
     env = spec.model_copy(update={"address": None, "workers": None, "secret": None})
     return EnvServerConfig(env=env, workers=spec.workers or default_workers(), address=address,
-                           model_endpoints=model_endpoints, client_env_vars=client_env_vars or [API_KEY_VAR])
+                           model_endpoints=model_endpoints, client_env_vars=client_env_vars or [API_KEY_VAR],
+                           renderer_models=list(renderer_models))

@@ -113,14 +113,19 @@ class EngineClient:
     async def _request(self, method: str, url: str, cast_to: type, options: dict | None, data: bytes | None) -> Any:
         headers = self.headers | dict((options or {}).get("headers") or {})  # per-request headers, as the SDK's
         try:
-            async with self._session().request(method, url, data=data, headers=headers) as response:
+            # no redirect followed: the headers (a key among them) would go to a server no one allowed
+            async with self._session().request(method, url, data=data, headers=headers,
+                                               allow_redirects=False) as response:
                 content = await response.read()
                 status = response.status
+                location = response.headers.get("Location", "")
         except TimeoutError as e:  # before ClientError: aiohttp's timeouts are both
             raise openai.APITimeoutError(request=httpx.Request(method, url)) from e
         except aiohttp.ClientError as e:
             raise openai.APIConnectionError(message=f"{method} {url}: {e!r}", request=httpx.Request(method, url)) from e
-        if status >= 400:
+        if status >= 400 or 300 <= status < 400:
+            if status < 400:
+                content = f"a redirect to {location[:200]!r}, not followed (rl follows none)".encode()
             raise status_error(method, url, status, content)
         if cast_to is httpx.Response:  # no request attached: building its URL cost as much as the rest
             return httpx.Response(status, content=content)

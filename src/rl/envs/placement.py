@@ -23,11 +23,11 @@ def socket_address(run_dir: Path, name: str) -> str:
     return f"ipc://{path}"
 
 
-def place_env_servers(run_dir: Path, envs_by_kind: dict[str, list[EnvConfig]], model_endpoints: list[str]
-                      ) -> dict[str, EnvServerConfig]:
+def place_env_servers(run_dir: Path, envs_by_kind: dict[str, list[EnvConfig]], model_endpoints: list[str],
+                      renderer_models: list[str] = ()) -> dict[str, EnvServerConfig]:
     """Each env server rl starts, by its process name (`<kind>-<label>`: `env-...` for training, `eval-...`), with
     its `[[env]]` table now naming its socket in `run_dir`; its episodes may call `model_endpoints` only (the run's
-    inference servers)."""
+    inference servers) and render with local tokenizers or `renderer_models` (the run's model)."""
     servers = {}
     for prefix, envs in envs_by_kind.items():
         for spec in envs:
@@ -35,6 +35,6 @@ def place_env_servers(run_dir: Path, envs_by_kind: dict[str, list[EnvConfig]], m
                 continue
             name = f"{prefix}-{re.sub(r'[^A-Za-z0-9._-]', '-', spec.label)}"
             address = socket_address(run_dir, name)
-            servers[name] = started_for(spec, address, model_endpoints)
+            servers[name] = started_for(spec, address, model_endpoints, renderer_models=renderer_models)
             spec.address = address
     return servers

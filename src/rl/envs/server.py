@@ -55,7 +55,7 @@ def serve(config: EnvServerConfig) -> None:
     logger.info(f"environment {config.env.label!r} at {config.address}, {config.workers} workers; "
                 + "; ".join(f"seat {seat!r}: {how}" for seat, how in seats.items()))
     signal.signal(signal.SIGTERM, _stop)  # asyncio.run's clean-up then stops the workers
-    policy = ClientPolicy.of(config.client_env_vars, config.model_endpoints)
+    policy = ClientPolicy.of(config.client_env_vars, config.model_endpoints, config.renderer_models)
     guard_requests(screen_request, policy.check)  # in the broker: its forked workers inherit it
     server_kwargs = {"config_data": env_config_data(env_config), "max_concurrent": config.max_concurrent}
     with tempfile.TemporaryDirectory(prefix="rl-env-beats-") as beats:

@@ -132,7 +132,7 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
     config._device_choices = resolve_devices(t, i, host.devices.device) | adaptive_stats
     check_cpu_lora(t, host.devices.device)
     config._env_servers = place_env_servers(o.output_dir.absolute(), {"env": o.env, "eval": o.eval.env},
-                                            o.client.base_urls)
+                                            o.client.base_urls, [o.model.name])
     o.transfer.resolve_device(host.devices.device, "orchestrator")  # as trainer and inference resolved it
     return config
 

@@ -134,7 +134,7 @@ def guard_requests(screen, check_client) -> None:
     """verifiers' env server takes whatever frames reach it and runs a request with whatever client it names. Each
     worker's receive answers and drops the frames `screen(frames)` gives a reason for (a request id verifiers would
     fail to decode outside its try, ending the worker), and every episode's context is made only once
-    `check_client(client_config)` has passed it (what a request's client may read and call: rl/envs/trust.py; a
+    `check_client(client_config, model)` has passed it (what a request's client may read and call: rl/envs/trust.py; a
     refusal fails the request as data). Applied by rl's env server in its broker, before its workers fork."""
     import msgpack
     from verifiers.v1.serve import server
@@ -162,7 +162,7 @@ def guard_requests(screen, check_client) -> None:
 
     @functools.wraps(context)
     def checked_context(self, client_config, model, sampling):
-        check_client(client_config)
+        check_client(client_config, model)
         return context(self, client_config, model, sampling)
 
     env_server.run = run_screened
