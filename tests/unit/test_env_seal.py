@@ -3,6 +3,7 @@ by verifiers' own client sealed or not; a peer without the secret gets nothing r
 called), and neither end starts beyond loopback without a secret."""
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -47,12 +48,13 @@ def test_neither_end_goes_beyond_loopback_without_a_secret(monkeypatch):
 
 
 @pytest.fixture
-def sealed_server(tmp_path):
+def sealed_server(tmp_path, fake_openai):  # noqa: F811
     address = f"tcp://127.0.0.1:{free_port()}"
     log = open(tmp_path / "env-server.log", "w")
+    # its episodes send FAKE_KEY: only to the model endpoint named (without one, a key goes nowhere)
     proc = subprocess.Popen([sys.executable, "-m", "rl.envs.server", "--env.id", "reverse-text", "--env.args",
                              '{"num_examples": 4}', "--workers", "1", "--address", address, "--secret", SECRET,
-                             "--client-env-vars", '["FAKE_KEY"]'],
+                             "--client-env-vars", '["FAKE_KEY"]', "--model-endpoints", json.dumps([fake_openai])],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"FAKE_KEY": KEY})
     yield address, tmp_path / "env-server.log"
     stop_process(proc)
