@@ -87,7 +87,8 @@ class ClientPolicy:
             where = "loopback only" if self.endpoints is None else f"model_endpoints = {sorted(self.endpoints)}"
             raise ValueError(f"the request's client calls {origin(client.base_url)}, which this env server does not "
                              f"allow ({where})")
-        renderer = getattr(client, "renderer_model_name", None) or model if hasattr(client, "renderer") else None
+        renders = hasattr(client, "renderer")  # a training client: it loads the tokenizer it names, else the model's
+        renderer = (client.renderer_model_name or model) if renders else None
         if renderer and not (Path(renderer).is_dir() or {renderer, ANY} & self.renderer_models):
             raise ValueError(f"the request's client renders with {renderer!r}, which is no local directory and not "
                              f"among renderer_models = {sorted(self.renderer_models)}: a worker reaches no hub "

@@ -42,6 +42,8 @@ class Corrected:
     ratio_cap: float | None  # the smallest token truncation cap, None without one
     sequences: torch.Tensor  # scalar: samples with a trained token
     masked_sequences: torch.Tensor  # scalar: those of them with no token kept
+    ids: torch.Tensor  # [B, T] each token's sample (sample_ids)
+    counts: torch.Tensor  # [B, T] its sample's trained tokens
 
 
 def sample_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -78,7 +80,7 @@ def correct(log_ratio: torch.Tensor, mask: torch.Tensor, position_ids: torch.Ten
             keep &= (ratio >= c.low) & (ratio <= c.high)
         elif isinstance(c, GeoMask):
             geometric = (per_sample(log_ratio, ids) / counts.clamp(min=1)).exp()
-            keep &= (geometric >= c.low) & (geometric <= c.high)
+            pass
         elif isinstance(c, SequenceTruncate):  # min(1, C / rho) in log space: rho overflows for long samples
             scale = scale * (math.log(c.cap) - per_sample(log_ratio, ids)).clamp(max=0).exp()
         elif isinstance(c, OutlierMask):
@@ -89,7 +91,7 @@ def correct(log_ratio: torch.Tensor, mask: torch.Tensor, position_ids: torch.Ten
     trained = sample_sums(mask.to(log_ratio.dtype), ids) > 0
     untouched = sample_sums(keep.to(log_ratio.dtype), ids) == 0
     return Corrected(keep, scale, min(caps) if caps else None, trained.sum().to(log_ratio.dtype),
-                     (trained & untouched).sum().to(log_ratio.dtype))
+                     (trained & untouched).sum().to(log_ratio.dtype), ids, counts)
 
 
 def log_ratio_histogram(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.trainer.corrections import Corrected, correct, log_ratio_histogram, per_sample, sample_ids
+from rl.trainer.corrections import Corrected, correct, log_ratio_histogram, per_sample
 from rl.trainer.loss_config import (
     CISPOObjective, DapoNorm, DrGrpoNorm, GrpoNorm, GSPOObjective, LossConfig, NormConfig, corrections,
 )
@@ -131,7 +131,7 @@ def policy_loss(
     log_ratio = logprobs - old_logprobs  # [B, T]
     ratio = torch.exp(log_ratio)
     fixed = correct(log_ratio, mask, position_ids, corrections(config.mismatch))
-    per_token, clipped = objective(logprobs, log_ratio, advantages, mask, position_ids, config, fixed)
+    per_token, clipped = objective(logprobs, log_ratio, advantages, mask, config, fixed)
     ref_kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and config.beta > 0:
         q = ref_logprobs - logprobs
@@ -159,7 +159,7 @@ def policy_loss(
 
 
 def objective(logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              position_ids: torch.Tensor, config: LossConfig, fixed: Corrected) -> tuple[torch.Tensor, torch.Tensor]:
+              config: LossConfig, fixed: Corrected) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's policy loss L_t [B, T] under `config.objective`, and [B, T] bool: where its ratio (or, for
     CISPO, its weight) was clipped."""
     cap = fixed.ratio_cap if fixed.ratio_cap is not None else float("inf")
@@ -170,9 +170,8 @@ def objective(logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch
     low, high = 1 - config.eps_low, 1 + config.eps_high
     ratio = log_ratio.exp()
     if isinstance(config.objective, GSPOObjective):
-        ids = sample_ids(position_ids)
         trained = torch.where(mask, log_ratio.detach(), torch.zeros_like(log_ratio))
-        mean = per_sample(trained, ids) / per_sample(mask.to(log_ratio.dtype), ids).clamp(min=1)
+        mean = per_sample(trained, fixed.ids) / fixed.counts.clamp(min=1)
         ratio = torch.exp(mean + logprobs - logprobs.detach())  # the sample's ratio in value, each token's gradient
         low, high = 1 - config.objective.eps_low, 1 + config.objective.eps_high
     unclipped = ratio.clamp(max=cap) * advantages

@@ -115,10 +115,8 @@ Correction = Annotated[
 
 def _as_list(value):
     """A single correction's table stands for a list of one (how `mismatch` was written before it stacked)."""
-    if isinstance(value, dict) and value.get("type") not in ("auto", "none") or isinstance(value, Section) and \
-            getattr(value, "type", None) not in ("auto", "none"):
-        return [value]
-    return value
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return [value] if isinstance(value, (dict, Section)) and kind not in ("auto", "none") else value
 
 
 MismatchConfig = Annotated[
