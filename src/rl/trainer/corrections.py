@@ -80,7 +80,7 @@ def correct(log_ratio: torch.Tensor, mask: torch.Tensor, position_ids: torch.Ten
             keep &= (ratio >= c.low) & (ratio <= c.high)
         elif isinstance(c, GeoMask):
             geometric = (per_sample(log_ratio, ids) / counts.clamp(min=1)).exp()
-            pass
+            keep &= (geometric >= c.low) & (geometric <= c.high)
         elif isinstance(c, SequenceTruncate):  # min(1, C / rho) in log space: rho overflows for long samples
             scale = scale * (math.log(c.cap) - per_sample(log_ratio, ids)).clamp(max=0).exp()
         elif isinstance(c, OutlierMask):
