@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rl.weights import TransferError
+from rl.weights.lingering import leave_behind
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +220,8 @@ def open_group(store: dist.Store, step: int, rank: int, world_size: int, deadlin
     It forms in a thread of its own, waited on until the deadline only: a member's address comes from the store,
     which any store client can write, and a member waiting for a peer that connected elsewhere (an old address) is
     held by gloo for about five times the timeout it was given. A group that forms after the step gave up on it is
-    released by that thread; the thread itself ends by gloo's (or NCCL's) own timeout."""
+    released by that thread; the thread itself ends by gloo's (or NCCL's) own timeout, and the process's exit does not
+    wait for it (rl/weights/lingering.py)."""
     prefixed = dist.PrefixStore(f"step_{step}/group", store)
     timeout = deadline.delta(f"the transfer group of step {step} formed")
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -249,6 +251,8 @@ def open_group(store: dist.Store, step: int, rank: int, world_size: int, deadlin
         group = outcome.setdefault("group", None)
     if group is not None:
         return group
+    if thread.is_alive():
+        leave_behind(thread)
     where = f"the transfer group of step {step}"
     unconnected = ("not every member connected by the step's deadline: one failed, or connected to an address in the "
                    "store that is not this member's (any client of the store can write one)")
@@ -330,6 +334,8 @@ def connect_store(host: str, port: int, deadline: Deadline) -> dist.Store:
     if "store" in outcome:
         outcome["store"].set_timeout(deadline.delta("the store answered"))
         return outcome["store"]
+    if thread.is_alive():
+        leave_behind(thread)
     why = outcome.get("error", "it accepted the connection but never answered")
     raise TransferError(f"cannot reach {where} within {deadline.seconds:g} s: {why}")
 
