@@ -36,4 +36,9 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     && RL_NO_DEV=1 RL_NO_MODIFY_PATH=1 bash scripts/install.sh && .venv/bin/tiny-model --out models/tiny
 # The venv's own `rl`: nothing is resolved or installed when a container starts.
 ENV PATH=/app/.venv/bin:$PATH
+# Not root: a process that runs environments' code and holds keys gets no more than it needs. /app stays root's
+# (read only for the user); runs write to /app/outputs (mount a volume there) or anywhere the user may, vLLM's and
+# Triton's caches go to the user's home. UID 1000 matches most hosts' first user, so mounted folders stay readable.
+RUN useradd --create-home --uid 1000 --user-group rl && install -d -o rl -g rl /app/outputs
+USER rl
 ENTRYPOINT ["rl"]

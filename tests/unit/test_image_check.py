@@ -61,3 +61,17 @@ def test_the_build_context_leaves_out_secrets_and_run_directories():
         assert ignored(path), path
     for path in ("src/rl/config.py", "configs/reverse_text/train.toml", "src/rl/weights/digest.py", "README.md"):
         assert not ignored(path), path
+
+
+def test_the_image_runs_as_a_user_that_is_not_root_with_a_folder_to_write_runs_in():
+    """The last USER of the Dockerfile names a user it creates (not root, not uid 0), set before the entrypoint,
+    and /app/outputs belongs to it."""
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines() if line.strip()]
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0", "0:0"), users
+    user = users[-1]
+    created = " ".join(line for line in lines if line.startswith("RUN ") and "useradd" in line)
+    assert f" {user} " in f"{created} " and "--uid 0 " not in created
+    assert f"-o {user}" in created and "/app/outputs" in created
+    assert lines.index(next(line for line in lines if line == f"USER {user}")) < lines.index(
+        next(line for line in lines if line.startswith("ENTRYPOINT")))
