@@ -499,3 +499,27 @@ def test_an_orchestrators_host_needs_and_holds_no_transfer_secret(tmp_path, monk
     assert host.spans_hosts and not host.runs("trainer")
     assert config.trainer.transfer.secret is None and config.orchestrator.transfer.secret is None
     assert not holds_more_than(config, ORCHESTRATOR_SECRETS)
+
+
+def test_a_slurm_nodes_step_holds_only_the_secrets_of_its_roles(tmp_path, monkeypatch):
+    """With the orchestrator on a node of its own, that node's step (where environments run others' code) has no
+    transfer secret in its environment; the inference and trainer nodes have the job's one; all have the admin
+    token; and each node runs the roles the plan gives it."""
+    config = parse_config(RLConfig, FILES + ["--output-dir", str(tmp_path / "run"), "--slurm",
+                                             "--slurm.orchestrator-node", "true", "--transfer.backend", "gloo"])
+    script = slurm_job(config, RunPaths(config.output_dir))
+    seen = tmp_path / "seen"
+    stubs = ('scontrol() { printf "%s\\n" n1 n2 n3; }\n'
+             'srun() { while [ "$1" != -w ]; do shift; done; '
+             f'echo "$2 ${{RL_TRANSFER__SECRET:-none}} ${{RL_INFERENCE__ADMIN_TOKEN:-none}}" >> {shlex.quote(str(seen))}; }}\n')
+    ran = subprocess.run(["bash", "-c", stubs + f"source {shlex.quote(str(script))}"], text=True, capture_output=True,
+                         env={"SLURM_JOB_NODELIST": "stubbed", "PATH": "/usr/bin:/bin"})
+    assert ran.returncode == 0, ran.stderr
+    given = {node: (secret, token) for node, secret, token in (line.split() for line in seen.read_text().splitlines())}
+    assert given["n2"][0] == "none" and re.fullmatch(r"[0-9a-f]{64}", given["n1"][0]) and given["n3"][0] == given["n1"][0]
+    assert len({token for _, token in given.values()}) == 1 and "none" not in {token for _, token in given.values()}
+    steps = slurm_steps(config, tmp_path, ["n1", "n2", "n3"])
+    monkeypatch.setenv("RL_TRANSFER__SECRET", "s" * 64)
+    monkeypatch.setenv("RL_INFERENCE__ADMIN_TOKEN", "t0ken")
+    roles = {node: load(argv[3:])[1].roles for node, argv in steps.items()}
+    assert roles == {"n1": ("inference",), "n2": ("orchestrator",), "n3": ("trainer",)}

@@ -77,8 +77,14 @@ class SlurmConfig(Section):
     """`rl --slurm`: one sbatch job, the nodes split between inference and the trainer."""
 
     inference_nodes: Annotated[
-        int, Field(ge=1, description="nodes running inference; the first also runs the orchestrator")
+        int, Field(ge=1, description="nodes running inference; the first also runs the orchestrator, unless "
+                                "orchestrator_node")
     ] = 1
+    orchestrator_node: Annotated[
+        bool, Field(description="the orchestrator and its environments on a node of their own, whose step holds no "
+                                "transfer secret and no trainer or server process (environments run others' code); "
+                                "off: beside the first inference node")
+    ] = False
     trainer_nodes: Annotated[
         int,
         Field(ge=0, description="nodes running the trainer; 0: the trainer runs beside inference on the first node"),

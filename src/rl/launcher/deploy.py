@@ -99,6 +99,7 @@ def _template(name: str) -> jinja2.Template:
 def slurm_topology(config: RLConfig) -> PlacementConfig:
     slurm = config.slurm
     return PlacementConfig(inference_hosts=slurm.inference_nodes, trainer_hosts=slurm.trainer_nodes,
+                           orchestrator_host=slurm.orchestrator_node,
                            inference_gpus=slurm.gpus_per_node, trainer_gpus=slurm.gpus_per_node,
                            rdzv_port=slurm.rdzv_port)
 
@@ -115,14 +116,20 @@ def check_sbatch_path(path: Path) -> None:
 def render_slurm(config: RLConfig, paths: RunPaths, config_file: Path, placement_file: Path) -> str:
     check_sbatch_path(paths.root)
     topology = slurm_topology(config)
-    layout = describe(plan(config, topology.model_copy(update={"hosts": [f"node {i}" for i in range(topology.size)]})),
-                      config.env_servers)
+    hosts = plan(config, topology.model_copy(update={"hosts": [f"node {i}" for i in range(topology.size)]}))
+    layout = describe(hosts, config.env_servers)
     return _template("rl.sbatch.j2").render(
+        unset=[" ".join(sorted(not_needed(host.roles))) for host in hosts],
         slurm=config.slurm, layout=layout, nodes=topology.size, output_dir=shlex.quote(str(paths.root)),
         config_file=shlex.quote(str(config_file)), placement_file=shlex.quote(str(placement_file)),
         python=shlex.quote(sys.executable), api_key=config.inference.api_key is not None,
         collective=over_the_wire(config), **node_claim(config.slurm),
     )
+
+
+def not_needed(roles) -> set[str]:
+    """The run's secrets (their variables) that a host running `roles` does not need."""
+    return {var for _, var, _, _ in HOST_SECRETS} - set().union(*(ROLE_SECRETS[role] for role in roles))
 
 
 def node_claim(slurm) -> dict:
