@@ -7,6 +7,8 @@ run the real `rl` launcher, the same steps and batch, their order rotated over `
 
 - low: `max_concurrent` `--low` (the engine decodes few sequences at a time: idle capacity);
 - high: `max_concurrent` `--high` (more than the cache holds: vLLM preempts and recomputes);
+- high-fcfs: the same, with the servers scheduling first come, first served instead of by the groups' numbers (rl's
+  default: the episodes started first are served first and preempted last);
 - adaptive: `concurrency.adaptive`, starting at `--start`, between a group and `--high` rollouts.
 
 All sides run with vLLM's statistics on, so every side's preemptions are counted. Per run, from the orchestrator's
@@ -17,7 +19,8 @@ starved by an overloaded server show as ~1), the rollouts withheld as older than
 of sampled tokens not trained. The last line reads (ratios of medians over rounds; p: the adaptive side's
 preemptions per run, q: the high side's):
 
-adaptive <A>x tokens/s of the best fixed cap, <B>x of the worst, preemptions <p> vs <q>
+adaptive <A>x tokens/s of the best fixed cap, <B>x of the worst, preemptions <p> vs <q>; turns per trained rollout:
+high <t> (first come first served <u>), low <v>
 
     uv run --no-sync python benchmarks/concurrency.py --model /tmp/tiny [--rounds 2] [--dry-run]
 """
@@ -33,7 +36,7 @@ from pathlib import Path
 
 from continuous import FIXTURES, add_run_arguments, discarded_share, past_warm_up, rl_command, run
 
-SIDES = ("low", "high", "adaptive")
+SIDES = ("low", "high", "high-fcfs", "adaptive")
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,6 +59,8 @@ def side_flags(args) -> dict[str, list[str]]:
     """Each side's flags beside the run's."""
     return {"low": ["--orchestrator.max-concurrent", str(args.low)],
             "high": ["--orchestrator.max-concurrent", str(args.high)],
+            "high-fcfs": ["--orchestrator.max-concurrent", str(args.high),
+                          "--inference.extra-args", '["--scheduling-policy", "fcfs"]'],
             "adaptive": ["--orchestrator.max-concurrent", str(args.start),
                          "--orchestrator.concurrency.adaptive", "true",
                          "--orchestrator.concurrency.max-rollouts", str(args.high),
@@ -88,9 +93,11 @@ def summary(results: dict[str, list[dict]]) -> str:
     median = {side: statistics.median(r["tokens_per_s"] for r in runs) for side, runs in results.items()}
     preempted = {side: statistics.median(r["preemptions"] for r in runs) for side, runs in results.items()}
     fixed = [median["low"], median["high"]]
+    turns = {side: statistics.median(r["turns"] for r in runs) for side, runs in results.items()}
     return (f"adaptive {median['adaptive'] / max(fixed):.2f}x tokens/s of the best fixed cap, "
             f"{median['adaptive'] / min(fixed):.2f}x of the worst, preemptions {preempted['adaptive']:g} vs "
-            f"{preempted['high']:g}")
+            f"{preempted['high']:g}; turns per trained rollout: high {turns['high']:.2f} (first come first served "
+            f"{turns['high-fcfs']:.2f}), low {turns['low']:.2f}")
 
 
 def main() -> None:

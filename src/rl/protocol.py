@@ -369,8 +369,8 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
     ]
 
 
-def write_batch(paths: RunPaths, step: int, per_rank: list[list[Sample]]) -> Path:
-    """Write one file per trainer rank for `step`, atomically, and mark the step STABLE."""
+def write_batch(paths: RunPaths, step: int, per_rank: list[list[Sample]], **info) -> Path:
+    """Write one file per trainer rank for `step`, atomically, and mark the step STABLE (with `info`)."""
     from safetensors.torch import save_file
 
     final = paths.rollouts(step)
@@ -380,7 +380,7 @@ def write_batch(paths: RunPaths, step: int, per_rank: list[list[Sample]]) -> Pat
     tmp.mkdir(parents=True)
     for rank, samples in enumerate(per_rank):
         save_file(encode_samples(samples), str(tmp / f"rank_{rank}.safetensors"), metadata={"step": str(step)})
-    publish_dir(tmp, final)
+    publish_dir(tmp, final, **info)
     return final
 
 

@@ -225,18 +225,22 @@ def test_launcher_command_lines_of_concurrency_and_its_last_line(model, tmp_path
     for side, flags in concurrency.side_flags(args).items():
         dry_run(concurrency.rl_command(model, tmp_path / side, args, *concurrency.run_flags(args), *flags), capsys)
 
-    def steps(tokens: int, preemptions: int, cap: int | None = None) -> list[dict]:
+    def steps(tokens: int, preemptions: int, cap: int | None = None, turns: float = 0) -> list[dict]:
         return [{"step": i, "time": 10.0 * i, "completion_tokens": tokens, "samples": 5,
-                 "engine/preemptions": preemptions,
+                 "engine/preemptions": preemptions, "num_turns": turns,
                  **({"concurrency/cap": cap} if cap else {})} for i in range(3)]
 
-    results = {"low": [concurrency.measure(steps(100, 0))], "high": [concurrency.measure(steps(200, 30))],
+    results = {"low": [concurrency.measure(steps(100, 0, turns=1.9))],
+               "high": [concurrency.measure(steps(200, 30, turns=1.8))],
+               "high-fcfs": [concurrency.measure(steps(150, 20, turns=1.25))],
                "adaptive": [concurrency.measure(steps(300, 4, cap=24))]}
     assert results["adaptive"][0] == {"tokens_per_s": 600 / 20, "seconds": 20.0, "samples_per_s": 0.5, "turns": 0,
                                       "withheld": 0, "discarded": 0.0, "preemptions": 8, "cap": 24, "kv": None,
                                       "shed": 0}
     assert concurrency.summary(results) == ("adaptive 1.50x tokens/s of the best fixed cap, 3.00x of the worst, "
-                                            "preemptions 8 vs 60")
+                                            "preemptions 8 vs 60; turns per trained rollout: high 1.80 (first come "
+                                            "first served 1.25), low 1.90")
+    assert "--scheduling-policy" in concurrency.side_flags(args)["high-fcfs"][-1]
 
 
 def test_launcher_command_lines_of_router_replay_and_what_it_measures(model, tmp_path, monkeypatch, capsys):

@@ -14,6 +14,7 @@ from verifiers.v1.errors import model_error
 
 from rl.envs.engine_client import EngineClient
 from rl.config import API_KEY_VAR
+from rl.envs.rollouts import InferenceClient, Sampling, model_contexts
 
 TOKENS = [11, 12, 13]
 
@@ -78,6 +79,31 @@ def test_training_client_generates_through_the_engine_client(tiny_model, monkeyp
         await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_a_priority_sampling_setting_goes_to_the_requests_top_level_where_vllm_reads_it(tiny_model, monkeypatch):
+    """The orchestrator's group number rides in the sampling settings (verifiers forwards them inside
+    sampling_params, which vLLM would not read it from); the engine client moves it up."""
+    monkeypatch.setenv(API_KEY_VAR, "k1")
+    renderer = create_renderer(load_tokenizer(str(tiny_model)), DefaultRendererConfig())
+    contexts = model_contexts(InferenceClient("http://x/v1", "m", "m", None), Sampling(priority=7), 2)
+    assert contexts[0].sampling.model_dump(exclude_none=True)["priority"] == 7
+
+    async def scenario() -> list:
+        seen: list = []
+        runner = await engine(seen)
+        client = EngineClient(config(f"http://127.0.0.1:{runner.addresses[0][1]}/v1"))
+        for sampling in ({"max_tokens": 3, "priority": 7}, {"max_tokens": 3}):
+            await generate(client=client, renderer=renderer, messages=[{"role": "user", "content": "hi"}],
+                           model="m", sampling_params=sampling)
+        await client.close()
+        await runner.cleanup()
+        return [body for _, body in seen]
+
+    prioritized, plain = asyncio.run(scenario())
+    assert prioritized["priority"] == 7 and "priority" not in prioritized["sampling_params"]
+    assert prioritized["sampling_params"]["max_tokens"] == 3
+    assert "priority" not in plain
 
 
 def test_engine_failures_raise_the_sdk_errors_verifiers_maps_to_statuses():

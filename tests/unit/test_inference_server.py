@@ -732,3 +732,15 @@ def test_an_update_resets_the_prefix_cache_only_where_requests_are_not_salted(tm
     run(weights.update(1, adapter_step(root, 1)))
     assert ("reset_prefix_cache" in engine.calls) == reset
     assert weights.cache_salt == (None if reset else "rl-policy-1")
+
+
+def test_servers_schedule_by_request_priority_and_a_users_extra_args_may_choose_otherwise():
+    """Continuous dispatch numbers its groups as request priorities (the oldest episode first): rl's servers read
+    them; a user's extra_args come last and win."""
+    from rl.inference.config import InferenceConfig
+    from rl.inference.server import vllm_argv
+
+    argv = vllm_argv(InferenceConfig(dtype="float32"), "/m", 0.2, [])
+    assert argv[argv.index("--scheduling-policy") + 1] == "priority"
+    fcfs = vllm_argv(InferenceConfig(dtype="float32", extra_args=["--scheduling-policy", "fcfs"]), "/m", 0.2, [])
+    assert fcfs[-2:] == ["--scheduling-policy", "fcfs"]

@@ -18,6 +18,9 @@ identical ones at most `group_gap_s` after the last one joined, and a full group
 later requests do not wait. Seeded requests are never grouped: n samples of one seeded request are not the n
 seeds' samples.
 
+A `priority` sampling setting (the orchestrator's group number under continuous dispatch) goes to the request's
+top level, where vLLM's priority scheduling reads it.
+
 Each generate reply's weight-version spans (which policy sampled each token) are recorded under the rollout's
 session id for its turn's commit to take (rl/envs/policy_versions.py).
 """
@@ -94,6 +97,7 @@ class EngineClient:
     async def post(self, path: str, *, cast_to: type, body: Any = None, options: dict | None = None) -> Any:
         url = self._url(path)
         generate = cast_to is httpx.Response and url.endswith(GENERATE_ROUTE)
+        body = with_priority_on_top(body) if generate else body
         # msgspec: a 2,000-token prompt's body in 0.01 ms against json's 0.11 ms
         if generate and self.grouper is not None and groupable(body):
             response = httpx.Response(200, content=await self.grouper.submit(url, body, options))
@@ -136,6 +140,16 @@ class EngineClient:
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+
+def with_priority_on_top(body: Any) -> Any:
+    """The generate request with a `priority` sampling setting moved to the request's top level, where vLLM reads
+    it (verifiers forwards every sampling setting inside `sampling_params`)."""
+    sampling = body.get("sampling_params") if isinstance(body, dict) else None
+    if not isinstance(sampling, dict) or "priority" not in sampling:
+        return body
+    return body | {"sampling_params": {k: v for k, v in sampling.items() if k != "priority"},
+                   "priority": sampling["priority"]}
 
 
 def groupable(body: Any) -> bool:

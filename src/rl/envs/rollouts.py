@@ -88,6 +88,7 @@ class Sampling:
     max_tokens: int = 128
     seed: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # other vLLM sampling params (top_k, min_p ...)
+    priority: int | None = None  # vLLM's request priority (lower first): the group's number under continuous dispatch
 
 
 @dataclass
@@ -265,6 +266,7 @@ def sampling_config(client: InferenceClient | ChatClient, sampling: Sampling, se
         top_p=sampling.top_p,
         max_tokens=sampling.max_tokens,
         **({"seed": seed} if seed is not None else {}),
+        **({"priority": sampling.priority} if sampling.priority is not None else {}),
         **({"detokenize": False} if tokens_only(client, sampling) else {}),
         **sampling.extra,
     )

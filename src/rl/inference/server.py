@@ -45,6 +45,9 @@ def vllm_argv(config: InferenceConfig, model_dir: str, memory_share: float, host
         "--enable-scale-out",  # vLLM serves /inference/v1/generate only with it
         # logprobs of the distribution actually sampled from, which importance ratios at temperature != 1 need
         "--logprobs-mode", "processed_logprobs",
+        # requests carry their group's number under continuous dispatch: the episodes started first are served
+        # first and preempted last, so long ones are not starved by newer short ones (orchestrator/dispatch.py)
+        "--scheduling-policy", "priority",
         "--worker-extension-cls", WORKER_EXTENSION, "--middleware", MIDDLEWARE,
     ]
     argv += ["--enforce-eager"] if config.enforce_eager else []

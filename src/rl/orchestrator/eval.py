@@ -29,8 +29,9 @@ Groups = dict[str, list[list[RolloutResult]]]
 """Per environment name, one group of rollouts per evaluated task."""
 
 
-def to_sampling(config: SamplingConfig, seed: int | None = None) -> Sampling:
+def to_sampling(config: SamplingConfig, seed: int | None = None, priority: int | None = None) -> Sampling:
     return Sampling(
+        priority=priority,
         temperature=config.temperature,
         top_p=config.top_p,
         max_tokens=config.max_tokens,

@@ -60,7 +60,7 @@ class Orchestrator:
         self.samplers = [make_sampler(spec.sampler, env.num_tasks, config.seed + i)
                          for i, (spec, env) in enumerate(zip(config.env, self.envs))]
         self.concurrency = (ConcurrencyController(config.concurrency, config.rollouts_in_flight,
-                                                  config.rollouts_per_example) if config.concurrency.adaptive else None)
+                                                  config.rollouts_per_example) if config.adaptive_concurrency else None)
         self.shed_for_load = 0  # rollouts cancelled by the adaptive cap since the last step's record
         self.adapting: asyncio.Future | None = None  # the controller's loop, while the run goes
         self.slots = RolloutSlots(max(config.rollouts_in_flight, self.concurrency.ceiling if self.concurrency else 0))
@@ -187,7 +187,8 @@ class Orchestrator:
         if self.teacher is not None:
             batch.samples = await self.teacher.score(batch.samples)
         teacher_time = time.perf_counter() - teacher_start
-        write_batch(self.paths, step, balance_by_tokens(batch.samples, self.config.trainer_world_size))
+        write_batch(self.paths, step, balance_by_tokens(batch.samples, self.config.trainer_world_size),
+                    groups=[[o.env.name, o.task_index, len(o.results or ())] for o in outcomes])
         written, since = time.perf_counter(), self.last_batch_at or wait_start
         self.last_batch_at = written
         rollouts = sum(self.config.rollouts_per_example * (1 + o.retries) for o in outcomes)
@@ -273,8 +274,9 @@ class Orchestrator:
         seed = None if s.seed is None else s.seed + number * n
         policy_step = self.servers.policy_step
         rollout = self.config.rollout
+        sampling = to_sampling(s, seed, priority=number if self.config.continuous else None)
         outcome = await run_group_retried(
-            env, task_index, n, self.clients[server], to_sampling(s, seed), self.slots, rollout.timeout_s,
+            env, task_index, n, self.clients[server], sampling, self.slots, rollout.timeout_s,
             rollout.max_retries, self.logger.warning,
         )
         outcome.policy_step, outcome.server, outcome.task_index = policy_step, server, task_index
