@@ -511,12 +511,14 @@ def test_a_slurm_nodes_step_holds_only_the_secrets_of_its_roles(tmp_path, monkey
     seen = tmp_path / "seen"
     stubs = ('scontrol() { printf "%s\\n" n1 n2 n3; }\n'
              'srun() { while [ "$1" != -w ]; do shift; done; '
-             f'echo "$2 ${{RL_TRANSFER__SECRET:-none}} ${{RL_INFERENCE__ADMIN_TOKEN:-none}}" >> {shlex.quote(str(seen))}; }}\n')
+             'echo "$2 ${RL_TRANSFER__SECRET:-none} ${RL_INFERENCE__ADMIN_TOKEN:-none}" '
+             f'>> {shlex.quote(str(seen))}; }}\n')
     ran = subprocess.run(["bash", "-c", stubs + f"source {shlex.quote(str(script))}"], text=True, capture_output=True,
                          env={"SLURM_JOB_NODELIST": "stubbed", "PATH": "/usr/bin:/bin"})
     assert ran.returncode == 0, ran.stderr
     given = {node: (secret, token) for node, secret, token in (line.split() for line in seen.read_text().splitlines())}
-    assert given["n2"][0] == "none" and re.fullmatch(r"[0-9a-f]{64}", given["n1"][0]) and given["n3"][0] == given["n1"][0]
+    assert given["n2"][0] == "none" and re.fullmatch(r"[0-9a-f]{64}", given["n1"][0])
+    assert given["n3"][0] == given["n1"][0]
     assert len({token for _, token in given.values()}) == 1 and "none" not in {token for _, token in given.values()}
     steps = slurm_steps(config, tmp_path, ["n1", "n2", "n3"])
     monkeypatch.setenv("RL_TRANSFER__SECRET", "s" * 64)
