@@ -113,3 +113,29 @@ def test_adaptive_concurrency_is_refused_where_no_cap_moves_and_with_marks_out_o
         ConcurrencyConfig(kv_high=0.7, kv_grow_below=0.8)
     with pytest.raises(ValidationError, match="min_rollouts"):
         ConcurrencyConfig(min_rollouts=64, max_rollouts=32)
+
+
+def test_a_cap_with_room_in_the_engines_is_trimmed_once_the_oldest_group_has_used_half_the_age_bound():
+    """Episodes waiting on tools hold no KV cache: the engines' load alone would grow the cap until the slowest
+    episodes outlive max_off_policy_steps. Past `age_high` of it, the oldest group's age trims the cap instead."""
+    c = controller(start=32)
+    assert c.update([metrics(0.1, running=32)], in_flight=32, age=0.5).why == "grow"  # at the mark: still grows
+    decision = c.update([metrics(0.1, running=32)], in_flight=32, age=0.625)
+    assert (decision.why, decision.cap, decision.cancel) == ("age", 28, False)  # x0.9 of what is in flight
+
+
+def test_the_age_the_controller_reads_counts_steps_past_the_first_boundary_over_the_bound():
+    """A group in flight across one step boundary is every continuous run's normal: only steps beyond it count."""
+    from types import SimpleNamespace
+
+    from rl.orchestrator.dispatch import Dispatcher
+    from rl.orchestrator.main import Orchestrator
+
+    groups = Dispatcher(4, [1], lambda env: 0, None, lambda: 0, lambda: [0], lambda o: 0, None)
+    groups.step, groups.running = 10, [SimpleNamespace(started_step=9), SimpleNamespace(started_step=5)]
+    orchestrator = SimpleNamespace(groups=groups, config=SimpleNamespace(max_off_policy_steps=8))
+    assert groups.oldest_age() == 5 and Orchestrator.age_used(orchestrator) == 0.5
+    groups.running = [SimpleNamespace(started_step=9)]
+    assert Orchestrator.age_used(orchestrator) == 0.0
+    groups.running = []
+    assert groups.oldest_age() == 0

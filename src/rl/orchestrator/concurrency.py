@@ -8,6 +8,9 @@ controller reads each server's `/metrics` every `interval_s` and moves the cap t
   `kv_grow_below` and no request waits: the engines have room for more;
 - trim softly (x `trim`) at the high-water mark `kv_high`, or while requests wait and their queue grows: no new
   group starts until those in flight fall below the cap;
+- trim too (x `trim`) once the oldest group in flight has used `age_high` of `max_off_policy_steps` (steps since it
+  started): episodes waiting on tools hold no KV cache, so the engines' load alone would let the cap grow until
+  every episode is slow and the long ones outlive the bound, untrained;
 - cut hard (x `cut` of what is in flight, `cut_again` where overload outlived the last cut's drain) on a
   preemption; with `shed`, the youngest groups beyond the cap are cancelled at once and run again later;
 - while the groups in flight drain down to a lower cap, the engines' load still shows what ran before it: no
@@ -73,20 +76,23 @@ class ConcurrencyController:
         return Load(max(s.gauges.get("kv_cache_usage", 0.0) for s in scrapes.values()),
                     sum(s.gauges.get("requests_waiting", 0.0) for s in scrapes.values()), preempted)
 
-    def update(self, texts: list[str | Scrape | None], in_flight: int) -> Decision:
-        """The cap from the servers' /metrics now, given the rollouts in flight."""
+    def update(self, texts: list[str | Scrape | None], in_flight: int, age: float = 0.0) -> Decision:
+        """The cap from the servers' /metrics now, given the rollouts in flight and the share of
+        max_off_policy_steps the oldest group in flight has used (`age`)."""
         load = self.load(texts)
         if load is None:
             return Decision(self.cap, "no metrics")
-        decision = self.decide(load, in_flight)
+        decision = self.decide(load, in_flight, age)
         self.last_waiting = load.waiting
         self.cap = decision.cap
         return decision
 
-    def decide(self, load: Load, in_flight: int) -> Decision:
+    def decide(self, load: Load, in_flight: int, age: float = 0.0) -> Decision:
         c = self.config
         if in_flight > self.cap:  # draining to a lower cap: the load still shows what ran before it
             return Decision(self.cap, "drain")
+        if age > c.age_high:  # more in flight would only slow each episode: the slowest would outlive the bound
+            return Decision(self.bounded(max(in_flight, self.floor) * c.trim), "age")
         if load.preempted > 0:
             factor = c.cut_again if self.cut_last else c.cut  # overload that outlived a drain: cut harder
             self.cut_last = True
@@ -103,5 +109,5 @@ class ConcurrencyController:
         c = self.config
         return (f"{self.cap} rollouts in flight to start, between {self.floor} and {self.ceiling} as the servers' "
                 f"load says (read every {c.interval_s:g} s; KV high-water mark {c.kv_high:g}, grows below "
-                f"{c.kv_grow_below:g})")
+                f"{c.kv_grow_below:g}; trimmed once the oldest group in flight used {c.age_high:g} of the age bound)")
 

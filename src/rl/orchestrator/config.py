@@ -163,6 +163,10 @@ class ConcurrencyConfig(Section):
     grow: Annotated[float, Field(gt=0, le=4, description="growth of the cap per reading, as a fraction")] = 0.1
     trim: Annotated[float, Field(gt=0, lt=1, description="the rollouts in flight times this at the high-water "
                                                          "mark")] = 0.9
+    age_high: Annotated[
+        float, Field(gt=0, le=1, description="share of max_off_policy_steps the oldest group in flight may have used "
+                                             "(steps since it started) before the cap is trimmed")
+    ] = 0.5
     cut: Annotated[float, Field(gt=0, lt=1, description="the rollouts in flight times this on a preemption")] = 0.75
     cut_again: Annotated[float, Field(gt=0, lt=1, description="the cut where overload outlived the last cut")] = 0.5
     shed: Annotated[bool, Field(description="on a cut, cancel the youngest groups beyond the cap at once (they run "

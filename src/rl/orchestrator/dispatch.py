@@ -37,6 +37,7 @@ class Running:
     server: int
     dispatched: int  # the oldest policy the servers served when it started: its tokens are no older
     job: asyncio.Task
+    started_step: int = 0  # the step being collected when it started
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Dispatcher:
         servers = self.servers()
         server, number = servers[self.started % len(servers)], self.started
         self.started += 1
-        running = Running(env, task, server, self.served(), None)  # type: ignore[arg-type]
+        running = Running(env, task, server, self.served(), None, self.step)  # type: ignore[arg-type]
         running.job = asyncio.ensure_future(self.run(running, number))
         self.running.append(running)
 
@@ -200,6 +201,10 @@ class Dispatcher:
         self.top_up()
         taken.waited_s = time.perf_counter() - start
         return taken
+
+    def oldest_age(self) -> int:
+        """Steps since the oldest group in flight started (0: none in flight)."""
+        return self.step - min((r.started_step for r in self.running), default=self.step)
 
     def pending(self) -> list[tuple[int, int]]:
         """(environment, task) of every group not yet in a batch: to run again first after a resume."""
