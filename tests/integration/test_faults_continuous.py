@@ -14,7 +14,6 @@ and one record per process. Set RL_FAULT_SEED to replay the moments of a failed 
 """
 
 import collections
-import json
 import os
 import random
 import re
@@ -24,7 +23,9 @@ import time
 import psutil
 import pytest
 
+from rl.manifest import stable_info
 from rl.orchestrator.sampler import TaskSampler
+from rl.orchestrator.state import load_state
 from rl.protocol import RunPaths, read_metrics
 from tests.integration.launched import Launched, rl_command, wait_gone
 
@@ -80,8 +81,7 @@ def trained_groups(paths: RunPaths) -> list[tuple[str, int]]:
     """Each step's groups as its batch's marker lists them."""
     groups = []
     for step in range(MAX_STEPS):
-        marker = json.loads((paths.rollouts(step) / "STABLE").read_text())
-        groups += [(env, task) for env, task, _ in marker["groups"]]
+        groups += [(env, task) for env, task, _ in stable_info(paths.rollouts(step))["groups"]]
     return groups
 
 
@@ -118,7 +118,7 @@ def test_every_role_killed_once_and_every_drawn_task_trained_once(tiny_model, tm
     for process in ("trainer", "orchestrator"):
         steps = [m["step"] for m in metrics if m["process"] == process]
         assert steps == list(range(MAX_STEPS)), f"{process} logged steps {steps}"
-    final = json.loads((paths.checkpoint(MAX_STEPS) / "orchestrator" / "state.json").read_text())
+    final = load_state(paths, MAX_STEPS)
     (sampler,) = final["samplers"]
     draws = TaskSampler(sampler["num_tasks"], sampler["seed"]).draw(sampler["epoch"] * sampler["num_tasks"]
                                                                    + sampler["offset"])

@@ -129,13 +129,11 @@ def test_the_age_the_controller_reads_counts_steps_past_the_first_boundary_over_
     from types import SimpleNamespace
 
     from rl.orchestrator.dispatch import Dispatcher
-    from rl.orchestrator.main import Orchestrator
 
-    groups = Dispatcher(4, [1], lambda env: 0, None, lambda: 0, lambda: [0], lambda o: 0, None)
+    groups = Dispatcher(4, [1], lambda env: 0, None, lambda: 0, lambda: [0], lambda o: 0, None, bound=8)
     groups.step, groups.running = 10, [SimpleNamespace(started_step=9), SimpleNamespace(started_step=5)]
-    orchestrator = SimpleNamespace(groups=groups, config=SimpleNamespace(max_off_policy_steps=8))
-    assert groups.oldest_age() == 5 and Orchestrator.age_used(orchestrator) == 0.5
+    assert groups.oldest_age() == 5 and groups.age_used() == 0.5
     groups.running = [SimpleNamespace(started_step=9)]
-    assert Orchestrator.age_used(orchestrator) == 0.0
+    assert groups.age_used() == 0.0
     groups.running = []
     assert groups.oldest_age() == 0

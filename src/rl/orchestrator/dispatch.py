@@ -206,6 +206,11 @@ class Dispatcher:
         """Steps since the oldest group in flight started (0: none in flight)."""
         return self.step - min((r.started_step for r in self.running), default=self.step)
 
+    def age_used(self) -> float:
+        """The share of the bound the oldest group in flight has used: its steps in flight beyond the one step
+        boundary any group may span (the adaptive cap trims past `concurrency.age_high` of it)."""
+        return max(0, self.oldest_age() - 1) / max(1, self.bound or 0)
+
     def pending(self) -> list[tuple[int, int]]:
         """(environment, task) of every group not yet in a batch: to run again first after a resume."""
         return [*self.again, *((r.env, r.task_index) for r in self.running),

@@ -154,7 +154,7 @@ class Orchestrator:
         while True:
             await asyncio.sleep(self.config.concurrency.interval_s)
             decision = controller.update(await self.pool.metrics(), len(self.groups.running) * n,
-                                         self.age_used())
+                                         self.groups.age_used())
             if decision.why == "no metrics" and not said_blind:
                 self.logger.warning(f"concurrency: no server publishes vLLM's statistics (inference.log_stats); the "
                                     f"cap stays at {decision.cap} rollouts until one does")
@@ -164,11 +164,6 @@ class Orchestrator:
             if decision.cancel:
                 self.logger.info(f"concurrency: a server preempted requests: cap {decision.cap} rollouts, the "
                                  f"{shed} youngest in flight cancelled to run again")
-
-    def age_used(self) -> float:
-        """The share of max_off_policy_steps the oldest group in flight has used: its steps in flight beyond the
-        one step boundary any group may span."""
-        return max(0, self.groups.oldest_age() - 1) / max(1, self.config.max_off_policy_steps)
 
     def concurrency_stats(self) -> dict:
         if self.concurrency is None:
