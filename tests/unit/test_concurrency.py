@@ -122,6 +122,9 @@ def test_a_cap_with_room_in_the_engines_is_trimmed_once_the_oldest_group_has_use
     assert c.update([metrics(0.1, running=32)], in_flight=32, age=0.5).why == "grow"  # at the mark: still grows
     decision = c.update([metrics(0.1, running=32)], in_flight=32, age=0.625)
     assert (decision.why, decision.cap, decision.cancel) == ("age", 28, False)  # x0.9 of what is in flight
+    preempting = controller(start=32)
+    preempting.update([metrics(0.5, preemptions=1)], in_flight=32)
+    assert preempting.update([metrics(1.0, preemptions=3)], in_flight=32, age=0.9).why == "cut"  # overload cuts harder
 
 
 def test_the_age_the_controller_reads_counts_steps_past_the_first_boundary_over_the_bound():

@@ -91,8 +91,6 @@ class ConcurrencyController:
         c = self.config
         if in_flight > self.cap:  # draining to a lower cap: the load still shows what ran before it
             return Decision(self.cap, "drain")
-        if age > c.age_high:  # more in flight would only slow each episode: the slowest would outlive the bound
-            return Decision(self.bounded(max(in_flight, self.floor) * c.trim), "age")
         if load.preempted > 0:
             factor = c.cut_again if self.cut_last else c.cut  # overload that outlived a drain: cut harder
             self.cut_last = True
@@ -100,6 +98,8 @@ class ConcurrencyController:
         if load.kv_usage >= c.kv_high or (load.waiting > 0 and load.waiting > self.last_waiting):
             return Decision(self.bounded(max(in_flight, self.floor) * c.trim), "trim")
         self.cut_last = False
+        if age > c.age_high:  # more in flight would only slow each episode: the slowest would outlive the bound
+            return Decision(self.bounded(max(in_flight, self.floor) * c.trim), "age")
         limited = in_flight + self.group > self.cap  # no further group fits under the cap
         if limited and load.kv_usage < c.kv_grow_below and load.waiting == 0:
             return Decision(self.bounded(max(self.cap * (1 + c.grow), self.cap + self.group)), "grow")
