@@ -218,7 +218,7 @@ def test_dry_run_prints_what_the_device_chose_and_the_mapped_gpus(tmp_path, monk
     assert ('trainer.loss.mismatch = [{ type = "mask", max_log_ratio = 1.0 }, '
             '{ type = "geo_mask", low = 0.99, high = 1.01 }] (auto: CUDA)') in out
     assert "inference.dtype = auto (auto: CUDA)" in out and "inference.enforce_eager = false (auto: CUDA)" in out
-    assert "inference.log_stats = true (on: orchestrator.concurrency.adaptive reads them)" in out  # its default
+    assert "inference.log_stats = true (auto: CUDA)" in out
     commands = {line.split(":", 1)[0]: line for line in out.splitlines() if line.startswith(("inference:", "trainer:"))}
     assert "CUDA_VISIBLE_DEVICES=4 " in commands["inference"]
     assert "VLLM_WORKER_MULTIPROC_METHOD=spawn" in commands["inference"]

@@ -175,7 +175,7 @@ def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) ->
 def resolve_concurrency(o: OrchestratorConfig, i: InferenceConfig) -> dict[str, str]:
     """The adaptive in-flight cap reads vLLM's statistics from the servers' /metrics: on for the servers rl
     starts, unless the user turned them off. Returns {"inference.log_stats": why} where it set them."""
-    if not o.adaptive_concurrency:
+    if not o.concurrency.adaptive:
         return {}
     if i.log_stats is False:
         raise ConfigError("orchestrator.concurrency.adaptive reads the servers' KV-cache usage and preemptions, "

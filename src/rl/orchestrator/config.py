@@ -143,12 +143,10 @@ class ConcurrencyConfig(Section):
     """The in-flight cap set by the engines' load (rl/orchestrator/concurrency.py); continuous dispatch only."""
 
     adaptive: Annotated[
-        bool | None, Field(description="move the rollouts in flight with the servers' KV-cache usage, queue and "
-                                       "preemptions (their /metrics; rl turns vLLM's statistics on for its servers): "
-                                       "time episodes spend waiting on tools holds no KV cache, so it counts as free "
-                                       "room; off: max_concurrent throughout; unset: on with continuous dispatch "
-                                       "where max_concurrent is unset")
-    ] = None
+        bool, Field(description="move the rollouts in flight with the servers' KV-cache usage, queue and preemptions "
+                                "(their /metrics; rl turns vLLM's statistics on for its servers) and the age of the "
+                                "oldest group in flight; off: max_concurrent throughout")
+    ] = False
     min_rollouts: Annotated[int | None, Field(ge=1, description="the floor; unset: one group")] = None
     max_rollouts: Annotated[
         int | None, Field(ge=1, description="the ceiling; unset: 4x the start (max_concurrent, else the batch size)")
@@ -273,8 +271,8 @@ class OrchestratorConfig(Settings):
     max_concurrent: Annotated[
         int | None,
         Field(ge=1, description="rollouts in flight at once; unset: the batch size, so a whole batch is generated "
-                                "at once, as vLLM batches it, and with continuous dispatch the adaptive cap's start "
-                                "(set it where each rollout holds costly resources, e.g. tool servers: a fixed cap)"),
+                                "at once, as vLLM batches it (set it where each rollout holds costly resources, "
+                                "e.g. tool servers)"),
     ] = None
     concurrency: ConcurrencyConfig = ConcurrencyConfig()
     sampling: SamplingConfig = SamplingConfig()
@@ -341,13 +339,6 @@ class OrchestratorConfig(Settings):
     def continuous(self) -> bool:
         """Whether groups run across steps (`dispatch`, by default whenever the orchestrator may run ahead)."""
         return self.dispatch == "continuous" or (self.dispatch is None and self.async_level > 0)
-
-    @property
-    def adaptive_concurrency(self) -> bool:
-        """Whether the engines' load moves the in-flight cap (`concurrency.adaptive`; unset: with continuous dispatch
-        and no max_concurrent, so that time episodes spend waiting on tools is used, not held idle)."""
-        adaptive = self.concurrency.adaptive
-        return self.continuous and self.max_concurrent is None if adaptive is None else adaptive
 
     @property
     def rollouts_in_flight(self) -> int:

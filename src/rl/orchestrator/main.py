@@ -60,7 +60,7 @@ class Orchestrator:
         self.samplers = [make_sampler(spec.sampler, env.num_tasks, config.seed + i)
                          for i, (spec, env) in enumerate(zip(config.env, self.envs))]
         self.concurrency = (ConcurrencyController(config.concurrency, config.rollouts_in_flight,
-                                                  config.rollouts_per_example) if config.adaptive_concurrency else None)
+                                                  config.rollouts_per_example) if config.concurrency.adaptive else None)
         self.shed_for_load = 0  # rollouts cancelled by the adaptive cap since the last step's record
         self.adapting: asyncio.Future | None = None  # the controller's loop, while the run goes
         self.slots = RolloutSlots(max(config.rollouts_in_flight, self.concurrency.ceiling if self.concurrency else 0))
