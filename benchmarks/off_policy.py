@@ -4,9 +4,10 @@ The tiny model after the quickstart's SFT (`--model`), served in bfloat16 while 
 real train-inference mismatch beside the staleness), trains the quickstart's task for `--steps` steps on three sides,
 their order rotated over `--rounds`:
 
-- k=0: on-policy (async level 0, max_off_policy_steps 0), the geometric mask on;
-- k=8 mask: continuous dispatch at async level 8, max_off_policy_steps 8, `trainer.loss.mismatch = ["geo_mask"]`;
-- k=8 none: the same, no correction (`mismatch = []`).
+- k=0: on-policy (async level 0, step by step), the geometric mask on;
+- k=8 mask: continuous dispatch at async level 8, max_off_policy_steps 8,
+  `trainer.loss.mismatch = [{ type = "geo_mask" }]`;
+- k=8 none: the same, no correction (`mismatch = { type = "none" }`).
 
 Per run, from the orchestrator's step records: the reward gain and its noise as the run's summary computes them
 (rl/launcher/report.py: the last fifth of the steps against the first, 3 standard errors), the mean and largest
@@ -34,13 +35,13 @@ from router_replay import CONFIGS, ROOT
 
 from rl.launcher.report import reward_change
 
+GEO_MASK = '[{"type": "geo_mask"}]'
+K8 = ["--async-level", "8", "--orchestrator.max-off-policy-steps", "8", "--orchestrator.dispatch", "continuous",
+      "--trainer.keep-weights", "10"]  # the weights a server may still serve or roll back to, 8 steps behind
 SIDES = {
-    "k0": ["--async-level", "0", "--orchestrator.max-off-policy-steps", "0",
-           "--trainer.loss.mismatch", '["geo_mask"]'],
-    "k8-mask": ["--async-level", "8", "--orchestrator.max-off-policy-steps", "8",
-                "--orchestrator.dispatch", "continuous", "--trainer.loss.mismatch", '["geo_mask"]'],
-    "k8-none": ["--async-level", "8", "--orchestrator.max-off-policy-steps", "8",
-                "--orchestrator.dispatch", "continuous", "--trainer.loss.mismatch", "[]"],
+    "k0": ["--async-level", "0", "--trainer.loss.mismatch", GEO_MASK],  # step by step: on-policy
+    "k8-mask": [*K8, "--trainer.loss.mismatch", GEO_MASK],
+    "k8-none": [*K8, "--trainer.loss.mismatch", '{"type": "none"}'],
 }
 
 

@@ -270,3 +270,19 @@ def test_launcher_command_lines_of_mismatch_and_what_it_measures(model, tmp_path
         dry_run(benchmark("router_replay").rl_command(model, tmp_path / dtype, args), capsys)
     steps = [{"mismatch_kl": 2e-6, "mismatch_corr": 0.99}, {"mismatch_kl": 4e-6}]
     assert mismatch.measure(steps) == pytest.approx({"mismatch_kl": 3e-6, "mismatch_corr": 0.99})
+
+
+def test_launcher_command_lines_of_off_policy_and_what_it_measures(model, tmp_path, monkeypatch, capsys):
+    """Each side's command line is accepted (the corrections as the loss config spells them); the measure is the
+    run's reward gain as its summary computes it, the staleness of its batches, the sequences masked."""
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    off_policy = benchmark("off_policy")
+    args = parsed(off_policy, ["--model", str(model)])
+    for side in off_policy.SIDES:
+        dry_run(off_policy.rl_command(args, tmp_path / side, side), capsys)
+    records = [{"process": "orchestrator", "step": i, "reward": 0.1 * (i >= 3), "staleness": i % 3}
+               for i in range(6)] + [{"process": "trainer", "step": i, "masked_seq_frac": 0.25} for i in range(6)]
+    result = off_policy.measure(records)
+    assert result["gain"] == pytest.approx(0.1) and result["noise"] == 0.0
+    assert (result["staleness_max"], result["masked_seq"]) == (2, 0.25)
+    assert result["staleness_mean"] == pytest.approx(1.0)
