@@ -33,7 +33,8 @@ ENV UV_LINK_MODE=copy
 # gcc and g++, Debian's Python (sizes in benchmarks/RESULTS.md).
 RUN --mount=type=cache,target=/root/.cache/uv \
     if [ "$RL_STACK" = cpu ]; then export UV_FIND_LINKS=/app/wheels; fi \
-    && RL_NO_DEV=1 RL_NO_MODIFY_PATH=1 bash scripts/install.sh && .venv/bin/tiny-model --out models/tiny
+    && RL_NO_DEV=1 RL_NO_MODIFY_PATH=1 bash scripts/install.sh && .venv/bin/tiny-model --out models/tiny \
+    && chmod -R a+rX models  # transformers writes weights 0600 (a temp file renamed): the user below must read them
 # The venv's own `rl`: nothing is resolved or installed when a container starts.
 ENV PATH=/app/.venv/bin:$PATH
 # Not root: a process that runs environments' code and holds keys gets no more than it needs. /app stays root's

@@ -93,6 +93,14 @@ in_image() {
   esac
 }
 
+# The user the image runs as: never root (the Dockerfile's USER).
+case "$B" in
+  docker|podman) uid=$($B run --rm --entrypoint id "$IMAGE" -u) ;;
+  buildah) c=$(buildah from --pull-never "$IMAGE"); uid=$(buildah run --isolation chroot "$c" -- id -u); buildah rm "$c" >/dev/null ;;
+esac
+[ "$uid" != 0 ] || { echo "image-check: the image runs as root" >&2; exit 1; }
+echo "image-check: the image runs as uid $uid"
+
 configs=(--trainer @ configs/reverse_text/train.toml --orchestrator @ configs/reverse_text/orch.toml
          --inference @ configs/reverse_text/infer.toml --model.name models/tiny --output-dir /tmp/rl-image-check)
 in_image "${configs[@]}" --max-steps 3 --dry-run >/dev/null

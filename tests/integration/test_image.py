@@ -19,6 +19,7 @@ def test_the_cpu_image_builds_and_runs_three_steps_of_the_quickstart():
     done = subprocess.run(script, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
+    assert re.search(r"image-check: the image runs as uid [1-9]\d*\n", output), output[-4000:]
     assert "image-check: rl --dry-run in the image: ok" in output
     assert re.search(r"image-check: \S+ built in \d+ s, [\d.]+ ?[GM]B; the 3-step run took \d+ s", output), output
     assert re.search(r"image-check: rl: finished: 3 steps", output), output[-4000:]
