@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl.protocol import RunPaths, Sample, read_metrics, write_batch
+from rl.protocol import RunPaths, read_metrics, write_batch
+from rl.samples import Sample
 from rl.trainer.loss_config import LossConfig
 from rl.trainer.data import build_micro_batches, trained_tokens
 from rl.trainer.linear_attention import separate_samples

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rl.protocol import RunPaths, Sample, read_metrics, write_batch
+from rl.protocol import RunPaths, read_metrics, write_batch
+from rl.samples import Sample
 from rl.trainer.flops import matmul_params, train_flops
 from tests.conftest import ROOT
 from tests.integration.launched import free_port

@@ -319,7 +319,8 @@ BATCH_CASES = [
 def test_a_malformed_batch_is_refused_naming_the_field(field, make, named, tmp_path):
     from safetensors.torch import save_file
 
-    from rl.protocol import decode_samples, read_batch
+    from rl.protocol import read_batch
+    from rl.samples import decode_samples
 
     tensors = batch_tensors()
     if make is None:

@@ -137,7 +137,7 @@ def test_distillation_with_a_baseline_moves_each_token_by_its_reverse_kl_against
 
 
 def test_the_distillation_baseline_is_the_steps_mean_reverse_kl_over_trained_tokens_of_every_rank():
-    from rl.protocol import Sample
+    from rl.samples import Sample
     from rl.trainer.data import build_micro_batches
     from rl.trainer.loss import StepTotals
     from rl.trainer.step import distill_baseline

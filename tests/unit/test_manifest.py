@@ -12,7 +12,8 @@ from safetensors.torch import save
 
 from rl.listed_files import read_listed, verify_stable
 from rl.manifest import CorruptFileError, Entry, mark_stable, read_manifest
-from rl.protocol import RunPaths, Sample, encode_samples, read_batch, write_batch
+from rl.protocol import RunPaths, read_batch, write_batch
+from rl.samples import Sample, encode_samples
 
 
 def finishes(fn, timeout_s=10.0):

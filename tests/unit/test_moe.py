@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from rl.config import ModelConfig
-from rl.protocol import Sample, decode_samples, encode_samples
+from rl.samples import Sample, decode_samples, encode_samples
 from rl.tiny_model import build_tiny_model
 from rl.trainer.config import TrainerConfig
 from rl.trainer.loss_config import LossConfig

@@ -6,7 +6,7 @@ from rl.orchestrator.advantage import grpo_advantages
 from rl.orchestrator.batch import balance_by_tokens
 from rl.envs.slots import RolloutSlots
 from rl.orchestrator.sampler import TaskSampler
-from rl.protocol import Sample
+from rl.samples import Sample
 
 
 def test_grpo_by_hand():

@@ -4,11 +4,11 @@ import zlib
 
 import pytest
 
+from rl.samples import Sample
 from rl.protocol import (
     STABLE,
     CorruptFileError,
     RunPaths,
-    Sample,
     file_crc32,
     mark_stable,
     read_batch,
@@ -44,7 +44,7 @@ def test_batch_round_trip(tmp_path):
 def test_teacher_logprobs_round_trip_and_are_all_or_none(tmp_path):
     from dataclasses import replace
 
-    from rl.protocol import check_batch, encode_samples
+    from rl.samples import check_batch, encode_samples
 
     paths = RunPaths(tmp_path)
     scored = [replace(sample(n), teacher_logprobs=[-0.25 * i for i in range(n)]) for n in (4, 6)]
@@ -63,7 +63,7 @@ def test_teacher_logprobs_round_trip_and_are_all_or_none(tmp_path):
 def test_the_teachers_top_k_round_trips_as_tokens_by_k_and_is_all_or_none(tmp_path):
     from dataclasses import replace
 
-    from rl.protocol import check_batch, encode_samples
+    from rl.samples import check_batch, encode_samples
 
     def ranked(n):
         return replace(sample(n), teacher_logprobs=[-0.5] * n, teacher_top_ids=[[i, i + 1, i + 2] for i in range(n)],
@@ -95,7 +95,7 @@ def test_the_teachers_top_k_round_trips_as_tokens_by_k_and_is_all_or_none(tmp_pa
 def test_token_versions_round_trip_where_every_sample_has_them(tmp_path):
     from dataclasses import replace
 
-    from rl.protocol import check_batch, decode_samples, encode_samples
+    from rl.samples import check_batch, decode_samples, encode_samples
 
     paths = RunPaths(tmp_path)
     versioned = [replace(sample(4, version=3), token_versions=[3, 3, 3, 4]), replace(sample(3), token_versions=[0] * 3)]

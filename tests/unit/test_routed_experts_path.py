@@ -14,7 +14,7 @@ from renderers.client import parse_generate_response
 from rl.envs.rollouts import to_segment
 from rl.inference.gate import GenerateResponse
 from rl.orchestrator.batch import route_all_or_none, routed_rows, to_sample
-from rl.protocol import Sample
+from rl.samples import Sample
 
 LAYERS, TOP_K = 4, 2
 

@@ -13,7 +13,7 @@ import pytest
 from rl.config import ConfigError
 from rl.orchestrator.config import TeacherConfig
 from rl.orchestrator.teacher import PROBES, Teacher, TeacherError
-from rl.protocol import Sample
+from rl.samples import Sample
 
 
 def fake_logprob(token: int) -> float:

@@ -12,7 +12,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from rl.config import ModelConfig
-from rl.protocol import Sample
+from rl.samples import Sample
 from rl.trainer.config import OptimConfig, TrainerConfig
 from rl.trainer.data import build_micro_batches
 from rl.trainer.model import forward_logprobs, load_policy

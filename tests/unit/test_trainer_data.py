@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl.protocol import Sample
+from rl.samples import Sample
 from rl.trainer import attention
 from rl.trainer.attention import PACKED_SDPA, packed_sdpa_attention, transformers_attention
 from rl.trainer.config import TrainerConfig

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rl.config import ModelConfig
-from rl.protocol import Sample
+from rl.samples import Sample
 from rl.trainer.attention import PACKED_SDPA
 from rl.trainer.config import TrainerConfig
 from rl.trainer.loss_config import LossConfig, MaskRatio, TruncateRatio

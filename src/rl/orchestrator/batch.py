@@ -12,7 +12,7 @@ import torch
 from rl.envs.rollouts import GroupOutcome, RolloutResult, TokenSegment
 from rl.orchestrator.advantage import admitted, group_advantages
 from rl.orchestrator.config import OrchestratorConfig
-from rl.protocol import Sample
+from rl.samples import Sample
 
 
 @dataclass

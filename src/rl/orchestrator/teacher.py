@@ -29,7 +29,7 @@ import httpx
 
 from rl.config import API_KEY_VAR
 from rl.orchestrator.config import TeacherConfig
-from rl.protocol import Sample
+from rl.samples import Sample
 
 PROBES = (  # what differs first between tokenizers: words, digits, accents, CJK, emoji, chat-template markers
     "Hello, world! 12345 + 678 = 7023",

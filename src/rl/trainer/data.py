@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from rl.protocol import Sample
+from rl.samples import Sample
 
 
 @dataclass

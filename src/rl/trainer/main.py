@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 
 from rl.config import ConfigError, run_cli
 from rl.metrics import MetricsLogger, setup_logging
-from rl.protocol import RunPaths, Sample, read_batch, stable_steps, wait_for_stable
+from rl.protocol import RunPaths, read_batch, stable_steps, wait_for_stable
+from rl.samples import Sample
 from rl.trainer.checkpoint import Checkpointer
 from rl.trainer.config import TrainerConfig, check_device
 from rl.trainer.data import filler_token_id

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from rl.config import ModelConfig, Settings, run_cli
 from rl.envs.config import EnvConfig
 from rl.metrics import setup_logging
-from rl.protocol import Sample
+from rl.samples import Sample
 from rl.trainer.data import build_micro_batches, empty_micro_batch, filler_token_id, trained_tokens, truncate
 from rl.trainer.model import forward_logprobs, load_model, prepare_for_training
 from rl.trainer.config import OptimConfig

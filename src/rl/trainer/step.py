@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from rl.protocol import Sample
+from rl.samples import Sample
 from rl.trainer.config import TrainerConfig
 from rl.trainer.corrections import HISTOGRAM_BINS, ratio_quantile
 from rl.trainer.data import MicroBatch, build_micro_batches, empty_micro_batch, trained_tokens, truncate
