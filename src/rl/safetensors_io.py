@@ -20,6 +20,15 @@ from zlib_ng import zlib_ng
 from rl.manifest import CorruptFileError
 
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+TIED_HEAD = "lm_head.weight"
+# The input embedding a tied head is, by layout: a causal LM's, or a vision-language model's language model's.
+EMBEDDINGS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
+def tied_head_source(names) -> str | None:
+    """The embedding that stands for the tied LM head where `names` (a checkpoint's tensors) lack the head."""
+    names = set(names)
+    return None if TIED_HEAD in names else next((name for name in EMBEDDINGS if name in names), None)
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
-    AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config,
-    Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
+    AutoModelForCausalLM, AutoModelForImageTextToText, Gemma3TextConfig, LlamaConfig, PretrainedConfig,
+    PreTrainedTokenizerFast, Qwen2Config, Qwen3_5Config, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3_5VisionConfig,
+    Qwen3Config, Qwen3MoeConfig,
 )
 
 from rl import chat_templates
@@ -62,7 +63,15 @@ def build_tokenizer(arch: str = "qwen3") -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen2", "gemma3", "qwen3_5", "qwen3_5_moe")
+ARCHS = ("qwen3", "qwen3_moe", "llama", "qwen2", "gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl")
+# What Qwen3.5's image processor is told (preprocessor_config.json): 16-pixel patches, 2x2 of them to a token, images
+# scaled to between 32x32 and 128x128 pixels, so a tiny model's image is 1 to 16 tokens.
+IMAGE_PROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor", "patch_size": 16,
+    "merge_size": 2, "temporal_patch_size": 2, "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True, "rescale_factor": 1 / 255,
+    "do_normalize": True, "do_resize": True, "do_convert_rgb": True,
+}
 
 
 def build_config(tokenizer, hidden_size: int, layers: int, heads: int, kv_heads: int,
@@ -98,6 +107,8 @@ def build_config(tokenizer, hidden_size: int, layers: int, heads: int, kv_heads:
                                                                 else "sliding_attention" for i in range(layers)])
     if arch in ("qwen3_5", "qwen3_5_moe"):
         return qwen3_5_config(common, arch == "qwen3_5_moe")
+    if arch == "qwen3_5_vl":
+        return qwen3_5_vl_config(tokenizer, qwen3_5_config(common, moe=False))
     raise ValueError(f"--arch {arch!r}: choose from {', '.join(ARCHS)}")
 
 
@@ -120,6 +131,21 @@ def qwen3_5_config(common: dict, moe: bool) -> PretrainedConfig:
     return Qwen3_5MoeTextConfig(**common, **linear, **experts, tie_word_embeddings=True)
 
 
+def qwen3_5_vl_config(tokenizer, text: PretrainedConfig) -> PretrainedConfig:
+    """Qwen3.5 as its checkpoints ship (`Qwen3_5ForConditionalGeneration`): the text model above beside a vision
+    tower (one block, width 64, 16-pixel patches merged 2x2 into one token of the text model's width). Image tokens
+    take 3-D rotary positions (time, height, width: interleaved sections of the 16 frequencies, as the real 11/11/10
+    of 32)."""
+    text.rope_parameters = dict(text.rope_parameters, mrope_section=[6, 5, 5], mrope_interleaved=True)
+    vision = Qwen3_5VisionConfig(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16,
+                                 spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=text.hidden_size,
+                                 num_position_embeddings=256)
+    ids = {f"{kind}_token_id": tokenizer.convert_tokens_to_ids(f"<|{kind}_pad|>") for kind in ("image", "video")}
+    ids |= {f"vision_{edge}_token_id": tokenizer.convert_tokens_to_ids(f"<|vision_{edge}|>")
+            for edge in ("start", "end")}
+    return Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=True, **ids)
+
+
 def build_tiny_model(
     out: str | Path,
     hidden_size: int = 128,
@@ -136,9 +162,10 @@ def build_tiny_model(
     # Draw the weights for the vocabulary without the tool (and vision) tokens, then append rows for those: every
     # other weight is what the same seed gave before those tokens existed, so the quickstart's measured SFT and
     # RL behaviour (benchmarks/RESULTS.md) still holds.
-    config.vocab_size = len(SPECIAL_TOKENS) + 1 + len(CHARACTERS)
+    config.get_text_config().vocab_size = len(SPECIAL_TOKENS) + 1 + len(CHARACTERS)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if arch == "qwen3_5_vl" else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     remember_across_tokens(model)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -146,6 +173,8 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if arch == "qwen3_5_vl":
+        (out / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=2) + "\n")
     (out / "tiny_model.json").write_text(
         json.dumps({"seed": seed, "hidden_size": hidden_size, "layers": layers, "heads": heads, "arch": arch}) + "\n"
     )

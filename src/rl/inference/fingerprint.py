@@ -232,7 +232,17 @@ def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, device) -> di
                 param = param[:rows]
             shape = tuple(param.shape) if shard is None else (module.org_vocab_size, *param.shape[1:])
             prints[f"{prefix}.{pname}"] = part_fingerprint(param, dtype, shape, shard)
-    return prints
+    return {checkpoint_name(model, name): fingerprint for name, fingerprint in prints.items()}
+
+
+def checkpoint_name(model: torch.nn.Module, name: str) -> str:
+    """A vLLM module's tensor under its checkpoint name, where the model renames prefixes as it loads (a
+    vision-language model: `language_model.model.` is `model.language_model.`, `visual.` is `model.visual.`)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    for original, served in (getattr(mapper, "orig_to_new_prefix", None) or {}).items():
+        if served and name.startswith(served):
+            return original + name.removeprefix(served)
+    return name
 
 
 def part_fingerprint(part: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], shard: Shard | None
@@ -332,11 +342,13 @@ v rows of `in_proj_qkv` are three parts of `in_proj_qkvz`, beside `in_proj_z`.""
 
 
 def _joined_parts(parts: list[Part], names: list[str]) -> list[Part]:
-    """Consecutive `parts` joined into one part per checkpoint tensor (`SPLIT_TENSORS`); with tensor parallelism its
+    """Consecutive `parts` joined into one part per checkpoint tensor (`SPLIT_TENSORS`, or all of them for one name);
+    with tensor parallelism its
     shard is each part's rows, placed after the parts before it in the tensor (`Pieces`)."""
     joined, start = [], 0
-    for name in names:
-        group = parts[start:start + SPLIT_TENSORS.get(name.rpartition(".")[2], 1)]
+    for name in names:  # one name for all of them: a fused checkpoint tensor (a vision tower's attn.qkv)
+        size = SPLIT_TENSORS.get(name.rpartition(".")[2], 1) if len(names) > 1 else len(parts)
+        group = parts[start:start + size]
         start += len(group)
         local, full = sum(p.local for p in group), sum(p.full for p in group)
         if all(p.shard is None for p in group):

@@ -25,10 +25,9 @@ from safetensors import safe_open
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rl.listed_files import read_listed
 from rl.manifest import CorruptFileError, Entry
-from rl.safetensors_io import MAX_HEADER_BYTES, parse_header, tensors_of
+from rl.safetensors_io import EMBEDDINGS, MAX_HEADER_BYTES, TIED_HEAD, parse_header, tensors_of, tied_head_source
 
 MAX_ADAPTER_CONFIG_BYTES = 2**20  # PEFT's adapter_config.json is ~1 KB
-TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
 @dataclass
@@ -109,13 +108,15 @@ def model_dir_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def with_tied_head(tensors: Iterator[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """`tensors`, plus the tied LM head (= the input embedding) if the files lack it."""
-    names, embedding = set(), None
+    names, embeddings = set(), {}
     for name, tensor in tensors:
         names.add(name)
-        embedding = tensor if name == EMBEDDING else embedding
+        if name in EMBEDDINGS:
+            embeddings[name] = tensor
         yield name, tensor
-    if tied and TIED_HEAD not in names and embedding is not None:
-        yield TIED_HEAD, embedding
+    source = tied_head_source(names)
+    if tied and source is not None:
+        yield TIED_HEAD, embeddings[source]
 
 
 def checkpoint_tensors(path: str | Path, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -124,8 +125,9 @@ def checkpoint_tensors(path: str | Path, tied: bool) -> Iterator[tuple[str, torc
 
 
 def with_tied_shape(shapes: dict[str, tuple[int, ...]], tied: bool) -> dict[str, tuple[int, ...]]:
-    if tied and TIED_HEAD not in shapes and EMBEDDING in shapes:
-        shapes[TIED_HEAD] = shapes[EMBEDDING]
+    source = tied_head_source(shapes)
+    if tied and source is not None:
+        shapes[TIED_HEAD] = shapes[source]
     return shapes
 
 

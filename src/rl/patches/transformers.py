@@ -22,3 +22,37 @@ def qwen2_vl_without_torchvision() -> None:
     if importlib.util.find_spec("torchvision") is not None or TORCHVISION_PROCESSOR in sys.modules:
         return
     sys.modules[TORCHVISION_PROCESSOR] = importlib.import_module(PIL_PROCESSOR)
+    videos_refused_without_torchvision()
+
+
+
+def videos_refused_without_torchvision() -> None:
+    """Where torchvision is absent, a processor with a video processor (Qwen3-VL's, Qwen3.5's) loads with
+    `NoVideos` in its place instead of failing: transformers' video processors are torchvision's (even
+    `AutoVideoProcessor` is a placeholder without it), and vLLM loads the whole processor to serve images. Images are
+    served; a video is refused by name when one is processed."""
+    from transformers import processing_utils
+    from transformers.video_processing_utils import VideoProcessorMixin
+
+    processing_utils._LazyAutoProcessorMapping._MAPPING_NAMES["video_processor"] = (__name__, "NoVideosLoader")
+    # the processor checks its video processor against this name, which transformers exports only with torchvision
+    setattr(processing_utils.transformers_module, "VideoProcessorMixin", VideoProcessorMixin)
+
+
+class NoVideosLoader:
+    """Stands in for `AutoVideoProcessor` in a processor's loading: a `NoVideos` with the checkpoint's video
+    settings (merge and patch sizes, which processors read when they count tokens)."""
+
+    @classmethod
+    def from_pretrained(cls, name, *args, **kwargs):
+        from transformers.video_processing_utils import BaseVideoProcessor
+
+        class NoVideos(BaseVideoProcessor):
+            def __call__(self, *args, **kwargs):
+                raise RuntimeError("videos need torchvision, which this host lacks (the CPU stack has none): "
+                                   "send images, or serve on a host with torchvision")
+
+            preprocess = __call__
+
+        settings, _ = BaseVideoProcessor.get_video_processor_dict(name, **kwargs)
+        return NoVideos(**{key: value for key, value in settings.items() if not key.endswith("_type")})

@@ -33,13 +33,12 @@ from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_checksum, adapte
 from rl.atomic import atomic_write, atomic_write_text
 from rl.manifest import Entry
 from rl.protocol import RunPaths, publish_dir
-from rl.safetensors_io import write_file
+from rl.safetensors_io import TIED_HEAD, tied_head_source, write_file
 from rl.trainer.config import TrainerConfig
 from rl.trainer.lora import LoRALinear, adapter_tensors, full_tensor, lora_layers, merged_weight
 from rl.trainer.world import World
 from rl.weights import Sender
 
-TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 DEFAULT_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default shard size
 SHARD_WAIT_S = 900  # longest rank 0 waits for another rank's shards of a step
 INDEX = "model.safetensors.index.json"
@@ -61,8 +60,9 @@ def with_tied_head(names: list[str]) -> dict[str, str]:
     """Tensor name written -> state-dict name it comes from: every name, plus `lm_head.weight` from the embedding
     when the state dict lacks it (tied)."""
     sources = {name: name for name in names}
-    if TIED_HEAD not in sources and EMBEDDING in sources:
-        sources[TIED_HEAD] = EMBEDDING
+    embedding = tied_head_source(names)
+    if embedding is not None:
+        sources[TIED_HEAD] = embedding
     return sources
 
 
