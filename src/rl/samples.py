@@ -29,6 +29,10 @@ class Sample:
     token_versions: list[int] | None = None  # the policy version behind each token (its sampler's, where sampled)
     # MoE: the experts inference routed each token to, [T, layers, top_k] int16 (-1: not recorded); router replay
     routed_experts: torch.Tensor | None = None
+    # A vision-language model's images, in the order of their placeholder runs in input_ids, as its image processor
+    # made them: pixel_values [patches, channels * temporal * patch * patch] float32, image_grid_thw [images, 3]
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
 
     def __post_init__(self):
         if not len(self.input_ids) == len(self.loss_mask) == len(self.logprobs):
@@ -38,6 +42,15 @@ class Sample:
         if self.routed_experts is not None and (self.routed_experts.ndim != 3
                                                 or len(self.routed_experts) != len(self.input_ids)):
             raise ValueError("routed_experts must be [tokens, layers, top_k], one row per token")
+        if (self.pixel_values is None) != (self.image_grid_thw is None):
+            raise ValueError("pixel_values and image_grid_thw come together")
+        if self.image_grid_thw is not None:
+            grid = self.image_grid_thw
+            if grid.ndim != 2 or grid.shape[1] != 3 or not len(grid) or (grid <= 0).any():
+                raise ValueError(f"image_grid_thw must be [images, 3] of positive sizes, not {grid.tolist()[:4]}")
+            if self.pixel_values.ndim != 2 or len(self.pixel_values) != int(grid.prod(-1).sum()):
+                raise ValueError(f"pixel_values {list(self.pixel_values.shape)} must hold one row per patch of "
+                                 f"image_grid_thw ({int(grid.prod(-1).sum())})")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.input_ids):
             raise ValueError("teacher_logprobs must have one entry per token")
         if (self.teacher_top_ids is None) != (self.teacher_top_logprobs is None):
@@ -71,6 +84,7 @@ def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
         raise ValueError(f"{routed.count(False)} of {len(samples)} samples lack the routed experts the others have")
     if samples and all(routed):
         teacher["routed_experts"] = torch.cat([s.routed_experts.to(torch.int16) for s in samples])  # [T, L, k]
+    teacher |= encode_images(samples)
     if samples and all(ranked):
         teacher |= {  # [T, k]
             "teacher_top_ids": torch.tensor([row for s in samples for row in s.teacher_top_ids], dtype=torch.int64),
@@ -86,6 +100,58 @@ def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),  # [N]
         "policy_versions": torch.tensor([s.policy_version for s in samples], dtype=torch.int64),  # [N]
     }
+
+
+def encode_images(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """Where any sample has images: every sample's patches and grids concatenated, and how many images each has."""
+    import torch
+
+    seen = [s for s in samples if s.image_grid_thw is not None]
+    if not seen:
+        return {}
+    return {
+        "pixel_values": torch.cat([s.pixel_values.float() for s in seen]),  # [patches, D]
+        "image_grid_thw": torch.cat([s.image_grid_thw.long() for s in seen]),  # [images, 3]
+        "image_counts": torch.tensor([0 if s.image_grid_thw is None else len(s.image_grid_thw) for s in samples],
+                                     dtype=torch.int64),  # [N]
+    }
+
+
+IMAGE_FIELDS = {"pixel_values": ("float32", 2), "image_grid_thw": ("int64", 2), "image_counts": ("int64", 1)}
+
+
+def check_images(tensors: dict[str, torch.Tensor]) -> None:
+    """A batch's image fields: all or none, each of its dtype and shape, their counts agreeing."""
+    import torch
+
+    present = [name for name in IMAGE_FIELDS if name in tensors]
+    if present and len(present) < len(IMAGE_FIELDS):
+        raise ValueError(f"the batch holds {', '.join(present)} without the other image fields")
+    if not present:
+        return
+    for name, (dtype, ndim) in IMAGE_FIELDS.items():
+        if tensors[name].dtype != getattr(torch, dtype) or tensors[name].ndim != ndim:
+            raise ValueError(f"{name} must be {ndim}-dimensional {dtype}, not {tensors[name].dtype} "
+                             f"{list(tensors[name].shape)}")
+    counts, grid, pixels = tensors["image_counts"], tensors["image_grid_thw"], tensors["pixel_values"]
+    if len(counts) != len(tensors["lengths"]) or (counts < 0).any() or int(counts.sum()) != len(grid):
+        raise ValueError(f"image_counts {counts.tolist()[:10]} do not count the {len(grid)} images of "
+                         f"{len(tensors['lengths'])} samples")
+    if grid.shape[1:] != (3,) or (grid <= 0).any() or int(grid.prod(-1).sum()) != len(pixels):
+        raise ValueError(f"image_grid_thw must be [images, 3] of positive sizes whose patches are the "
+                         f"{len(pixels)} rows of pixel_values")
+    if not torch.isfinite(pixels).all():
+        raise ValueError("pixel_values holds NaN or infinity")
+
+
+def decode_images(tensors: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Each sample's (pixel_values, image_grid_thw), or (None, None) for one without images."""
+    lengths = tensors["lengths"]
+    if "image_counts" not in tensors:
+        return [(None, None)] * len(lengths)
+    grids = tensors["image_grid_thw"].split(tensors["image_counts"].tolist())
+    pixels = tensors["pixel_values"].split([int(grid.prod(-1).sum()) for grid in grids])
+    return [(p, g) if len(g) else (None, None) for p, g in zip(pixels, grids, strict=True)]
 
 
 BATCH_FIELDS = {  # name -> (torch dtype, counted per token or per sample, dimensions)
@@ -136,6 +202,7 @@ def check_batch(tensors: dict[str, torch.Tensor]) -> None:
         if ids.shape != logprobs.shape or not ids.shape[1]:
             raise ValueError(f"teacher_top_ids {list(tensors['teacher_top_ids'].shape)} and teacher_top_logprobs "
                              f"{list(tensors['teacher_top_logprobs'].shape)} must both be [tokens, k], k > 0")
+    check_images(tensors)
 
 
 def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
@@ -148,8 +215,8 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
                   "routed_experts"))
     return [
         Sample(i.tolist(), m.int().tolist(), lp.tolist(), a, r, v,
-               *(None if x is None else x.tolist() for x in (t, ti, tl, tv)), re)
-        for i, m, lp, a, r, v, t, ti, tl, tv, re in zip(
+               *(None if x is None else x.tolist() for x in (t, ti, tl, tv)), re, *images)
+        for i, m, lp, a, r, v, t, ti, tl, tv, re, images in zip(
             ids,
             mask,
             lps,
@@ -161,6 +228,7 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
             top_logprobs,
             versions,
             routed,
+            decode_images(tensors),
             strict=True,
         )
     ]

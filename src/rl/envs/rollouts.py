@@ -105,6 +105,7 @@ class TokenSegment:
     # an MoE's routed experts of every token, prompt and completion: [tokens, layers, top_k] (verifiers' branch
     # rows, from vLLM's generate replies); None where the server recorded none
     routed_experts: Any = None
+    images: list[str] = field(default_factory=list)  # the image URLs of its messages, in order (a vision model's)
 
 
 @dataclass
@@ -360,7 +361,7 @@ def to_segments(task_index: int, branches: list) -> list[TokenSegment]:
             position = end
         if True in mask:
             versions = [v if m else None for v, m in zip(versions, mask, strict=True)]
-            segments.append(to_segment(ids, mask, logprobs, versions, branch.routed_experts))
+            segments.append(to_segment(ids, mask, logprobs, versions, branch.routed_experts, branch_images(branch)))
     if not segments:
         raise RolloutError(f"rollout of task {task_index} sampled no token")
     return segments
@@ -375,8 +376,14 @@ def node_versions(node: vf.MessageNode) -> list[int | None]:
     return token_versions(stream)
 
 
+def branch_images(branch) -> list[str]:
+    """The image URLs of a branch's messages, in the order their placeholder runs take in its tokens."""
+    return [part.image_url.url for message in branch.messages if isinstance(message.content, list)
+            for part in message.content if getattr(part, "type", None) == "image_url"]
+
+
 def to_segment(ids: list[int], mask: list[bool], logprobs: list[float], versions: list[int | None],
-               routed_experts=None) -> TokenSegment:
+               routed_experts=None, images: list[str] | None = None) -> TokenSegment:
     """The prompt of a segment ends where its first trained token starts."""
     start = mask.index(True)
     return TokenSegment(
@@ -386,4 +393,5 @@ def to_segment(ids: list[int], mask: list[bool], logprobs: list[float], versions
         completion_logprobs=logprobs[start:],
         completion_versions=versions[start:],
         routed_experts=routed_experts if routed_experts is not None and len(routed_experts) == len(ids) else None,
+        images=images or [],
     )

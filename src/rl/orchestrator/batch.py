@@ -12,6 +12,7 @@ import torch
 from rl.envs.rollouts import GroupOutcome, RolloutResult, TokenSegment
 from rl.orchestrator.advantage import admitted, group_advantages
 from rl.orchestrator.config import OrchestratorConfig
+from rl.orchestrator.vision import ImageTokenSampled, image_inputs
 from rl.samples import Sample
 
 
@@ -111,7 +112,12 @@ def group_samples(config: OrchestratorConfig, outcome: GroupOutcome, batch: Step
         kept = [s for s in result.segments if len(s.prompt_ids) + len(s.completion_ids) <= config.seq_len]
         if len(kept) < len(result.segments):
             batch.drop("longer_than_seq_len", env, len(result.segments) - len(kept))
-        samples += [to_sample(s, result.reward, advantage, outcome.policy_step, trainable) for s in kept]
+        for segment in kept:
+            try:
+                samples.append(with_images(config, segment, to_sample(segment, result.reward, advantage,
+                                                                      outcome.policy_step, trainable)))
+            except ImageTokenSampled:
+                batch.drop("sampled_an_image_token", env, 1)
         if trainable and kept:
             batch.trained.append(result)
     return samples
@@ -157,6 +163,15 @@ def to_sample(
         token_versions=[oldest] * prompt + versions,
         routed_experts=None if segment.routed_experts is None else unrecorded_last(routed_rows(segment.routed_experts)),
     )
+
+
+def with_images(config: OrchestratorConfig, segment: TokenSegment, sample: Sample) -> Sample:
+    """The sample with the pixel inputs of its segment's images, if it has any (rl/orchestrator/vision.py)."""
+    if segment.images:
+        sampled = [0] * len(segment.prompt_ids) + segment.completion_mask
+        inputs = image_inputs(config.model.name)(segment.images, sample.input_ids, sampled)
+        sample.pixel_values, sample.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
+    return sample
 
 
 def off_policy_stats(step: int, batch: StepBatch) -> dict:

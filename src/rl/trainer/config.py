@@ -118,6 +118,10 @@ class TrainerConfig(Settings):
     temperature: Annotated[
         float, Field(gt=0, description="sampling temperature of the rollouts (set by rl from the orchestrator's)")
     ] = 1.0
+    train_vision: Annotated[
+        bool, Field(description="a vision-language model: train its vision tower too (frozen by default; one "
+                                "trainer rank, where a rank without images would leave its gradients out)")
+    ] = False
     lora: Annotated[
         LoraConfig | None, BeforeValidator(optional_section),
         Field(description="train a LoRA adapter (`--trainer.lora`, `--trainer.lora.rank 8` ...); unset: full weights"),

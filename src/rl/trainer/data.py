@@ -35,6 +35,9 @@ class MicroBatch:
     weights: torch.Tensor  # [B, T] loss weight w_i of each token's sample (see loss.py)
     routed_experts: torch.Tensor | None = None  # [B, T, L, k] experts inference routed token t to (-1: none); MoE
     sample_lengths: tuple[int, ...] | None = None  # packed: the row's samples in order (attention.py); else None
+    # a vision-language model's images of the micro-batch's samples, in order (trainer/vision.py); None: no image
+    pixel_values: torch.Tensor | None = None  # [patches, D]
+    image_grid_thw: torch.Tensor | None = None  # [images, 3]
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -44,6 +47,9 @@ class MicroBatch:
 def truncate(sample: Sample, seq_len: int) -> Sample:
     if len(sample.input_ids) <= seq_len:
         return sample
+    if sample.pixel_values is not None:  # the orchestrator leaves out samples longer than its seq_len (the same)
+        raise ValueError(f"a sample with images holds {len(sample.input_ids)} tokens, over seq_len {seq_len}: cut, "
+                         "its image tokens would no longer match its images")
     per_token = ("input_ids", "loss_mask", "logprobs", "teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs",
                  "token_versions", "routed_experts")
     return replace(sample, **{name: None if getattr(sample, name) is None else getattr(sample, name)[:seq_len]
@@ -98,7 +104,8 @@ def packed_micro_batch(samples: list[Sample], weights: list[float]) -> MicroBatc
     """One row [1, T]: the samples concatenated."""
     parts = [sample_tensors(s, w) for s, w in zip(samples, weights)]
     row = {k: torch.cat([p[k] for p in parts]).unsqueeze(0) for k in parts[0]}
-    return MicroBatch(attention_mask=None, sample_lengths=tuple(len(s.input_ids) for s in samples), **row)
+    return MicroBatch(attention_mask=None, sample_lengths=tuple(len(s.input_ids) for s in samples), **row,
+                      **images_of(samples))
 
 
 def padded_micro_batch(samples: list[Sample], weights: list[float], pad_id: int) -> MicroBatch:
@@ -110,7 +117,16 @@ def padded_micro_batch(samples: list[Sample], weights: list[float], pad_id: int)
         k: torch.stack([_pad(p[k], width, pad_values.get(k, 0)) for p in parts]) for k in parts[0]
     }  # [B, T] each
     attention = torch.stack([_pad(torch.ones(len(s.input_ids), dtype=torch.long), width, 0) for s in samples])
-    return MicroBatch(attention_mask=attention, **row)
+    return MicroBatch(attention_mask=attention, **row, **images_of(samples))
+
+
+def images_of(samples: list[Sample]) -> dict[str, torch.Tensor | None]:
+    """The samples' images, in order, as one micro-batch holds them; None where none has any."""
+    seen = [s for s in samples if s.pixel_values is not None]
+    if not seen:
+        return {"pixel_values": None, "image_grid_thw": None}
+    return {"pixel_values": torch.cat([s.pixel_values for s in seen]),
+            "image_grid_thw": torch.cat([s.image_grid_thw for s in seen])}
 
 
 def _pad(t: torch.Tensor, width: int, value) -> torch.Tensor:

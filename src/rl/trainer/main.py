@@ -116,8 +116,9 @@ def main() -> None:
     policy = load_policy(config, world)
     reference = load_reference(config, world, policy)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
+    text = policy.config.get_text_config()  # a vision-language model's language model
     model_flops = partial(
-        train_flops, matmul_params(policy), policy.config.num_hidden_layers, policy.config.hidden_size,
+        train_flops, matmul_params(policy), text.num_hidden_layers, text.hidden_size,
         frozen=frozen_matmul_params(policy),
     )
     device_peak, peak_part = peak_flops(world.device) or (None, None)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from rl.config import local_model_dir
 from rl.safetensors_io import read_file_header, read_rows
@@ -21,13 +21,14 @@ from rl.trainer.data import MicroBatch
 from rl.trainer.linear_attention import has_linear_attention, separate_samples
 from rl.trainer.lora import apply_lora, init_lora, lora_parameter_names
 from rl.trainer.moe import route_as, use_routed_experts
+from rl.trainer.vision import is_vision_language, language_model, prepare_vision, vision_forward_inputs
 from rl.trainer.world import World
 
 
 def load_policy(config: TrainerConfig, world: World) -> torch.nn.Module:
     whole = world.world_size == 1  # see shard()
     model = load_model(config.model.name, config.dtype, world, config.attn_implementation, whole,
-                       config.logprob_chunk_tokens, config.lora, config.seed, config.compile)
+                       config.logprob_chunk_tokens, config.lora, config.seed, config.compile, config.train_vision)
     return prepare_for_training(model, config.activation_checkpointing)
 
 
@@ -54,11 +55,16 @@ def load_reference(config: TrainerConfig, world: World, policy: torch.nn.Module)
 def load_model(
     name: str, dtype: str, world: World, attn_implementation: str = "sdpa", whole: bool = False,
     chunk: int = DEFAULT_CHUNK_TOKENS, lora: LoraConfig | None = None, seed: int = 0, compile_blocks: bool = False,
+    train_vision: bool = False,
 ) -> torch.nn.Module:
     """A Hugging Face causal LM with fp32 parameters and a `LogprobHead` (and LoRA layers, frozen base), sharded
     over the world. It is built on the meta device and sharded first; then each rank reads only its own rows of
     every tensor from the safetensors files, so no rank ever holds the whole model."""
     model = meta_model(name, transformers_attention(attn_implementation, compile_blocks, world.device), chunk)
+    if train_vision and world.world_size > 1:
+        raise ValueError("train_vision takes one trainer rank: a rank whose micro-batch holds no image would leave "
+                         "the vision tower's gradients out of the reduction the others join")
+    prepare_vision(model, train_vision)
     if lora is not None:
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
     if compile_blocks:
@@ -77,8 +83,9 @@ def meta_model(name: str, attn_implementation: str = "sdpa", chunk: int = DEFAUL
     an MoE's experts under their checkpoint names (trainer/moe.py) and linear attention that keeps packed samples
     apart (trainer/linear_attention.py)."""
     config = AutoConfig.from_pretrained(name)
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        model = auto.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
         use_routed_experts(model)
     separate_samples(model)
     install_logprob_head(model, chunk)
@@ -89,7 +96,7 @@ def compile_each_block(model: torch.nn.Module) -> None:
     """torch.compile every transformer block in place (`Module.compile`: parameter names, and so checkpoints and
     published weights, stay as they are), before FSDP wraps it: its gather and reshard hooks stay eager. The
     blocks share one compiled graph; new row lengths recompile once, to dynamic shapes."""
-    for block in model.model.layers:
+    for block in language_model(model).layers:
         block.compile()
 
 
@@ -160,7 +167,7 @@ def shard(model: torch.nn.Module, world: World, dtype: str, whole: bool) -> None
     if whole:
         fully_shard(model, mesh=world.mesh, mp_policy=mp_policy, reshard_after_forward=False)
         return
-    for block in model.model.layers:
+    for block in language_model(model).layers:  # a vision tower stays in the root's group (trainer/vision.py)
         fully_shard(block, mesh=world.mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=world.mesh, mp_policy=mp_policy)
 
@@ -194,10 +201,13 @@ def forward_scores(
     routed = mb.routed_experts if mb.routed_experts is not None and mb.routed_experts.numel() else None
     tokens = None if mb.attention_mask is None else mb.attention_mask.bool()
     route_as(model, routed, tokens, count=torch.is_grad_enabled())  # an MoE's routing (replayed), if any
+    inputs = {"position_ids": mb.position_ids}
+    if mb.pixel_values is not None:
+        inputs = vision_forward_inputs(model, mb.input_ids, mb.position_ids, mb.sample_lengths, mb.pixel_values,
+                                       mb.image_grid_thw)
     with head.scoring(targets, temperature, None if teacher is None else teacher.shifted()):
         scored = model(
-            input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask, use_cache=False,
-            **packed,
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **inputs, **packed,
         ).logits  # [B, T, 3]
     pad = torch.zeros_like(scored[:, :1, 0])
     return tuple(torch.cat([pad, scored[:, :-1, i]], 1) for i in range(3))  # [B, T] each

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from rl.trainer.vision import language_model
+
 # model_type -> how its sparse block is recognised; the block's config names are Qwen3-MoE's (Qwen3.5-MoE adds a
 # gated shared expert and always renormalises the top-k weights)
 MOE_BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "qwen3_5_moe_text": "Qwen3_5MoeSparseMoeBlock"}
@@ -165,7 +167,7 @@ def use_routed_experts(model: nn.Module) -> int:
                              f"it trains {sorted(MOE_BLOCKS)}")
         return 0
     blocks = []
-    for index, layer in enumerate(model.model.layers):
+    for index, layer in enumerate(language_model(model).layers):
         if type(layer.mlp).__name__ == block_class:
             layer.mlp = RoutedExperts(model.config, index)
             blocks.append(layer.mlp)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from rl.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_checksum, adapter_config_bytes
 from rl.atomic import atomic_write, atomic_write_text
+from rl.config import local_model_dir
 from rl.manifest import Entry
 from rl.protocol import RunPaths, publish_dir
 from rl.safetensors_io import TIED_HEAD, tied_head_source, write_file
@@ -148,13 +149,19 @@ def adapted_leaves(model: torch.nn.Module) -> list[str]:
     return sorted({name.rpartition(".")[2] for name in lora_layers(model)})
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
 def hf_side_files(model_config, tokenizer) -> dict[str, bytes]:
     """The config and tokenizer files `save_pretrained` writes, serialized once: they never change
-    during a run, and serializing the config alone takes milliseconds, a real part of a small model's sync."""
+    during a run, and serializing the config alone takes milliseconds, a real part of a small model's sync. A
+    vision-language model's image processor settings come as the base model has them."""
     with tempfile.TemporaryDirectory() as tmp:
         model_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        return {str(p.relative_to(tmp)): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
+        files = {str(p.relative_to(tmp)): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
+    base = Path(local_model_dir(tokenizer.name_or_path))
+    return files | {name: (base / name).read_bytes() for name in PROCESSOR_FILES if (base / name).is_file()}
 
 
 FORMAT = {"format": "pt"}  # safetensors metadata transformers expects
