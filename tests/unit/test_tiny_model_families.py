@@ -21,7 +21,7 @@ TRAITS = {  # model_type, tied head, q/k/v biases, q/k norms, experts per layer
 }
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [arch for arch in ARCHS if arch != "qwen3_5_vl"])
 def test_each_family_is_built_with_its_traits_and_trains_a_step(arch, tmp_path):
     out = build_tiny_model(tmp_path / arch, arch=arch)
     config = json.loads((out / "config.json").read_text())
@@ -57,5 +57,32 @@ def test_each_family_is_built_with_its_traits_and_trains_a_step(arch, tmp_path):
 
 
 def test_an_unknown_family_is_refused_naming_the_choices(tmp_path):
-    with pytest.raises(ValueError, match="choose from qwen3, qwen3_moe, llama, qwen2, gemma3, qwen3_5, qwen3_5_moe"):
+    with pytest.raises(ValueError, match="choose from qwen3, qwen3_moe, llama, qwen2, gemma3, qwen3_5, qwen3_5_moe, "
+                                         "qwen3_5_vl"):
         build_tiny_model(tmp_path / "x", arch="mistral")
+
+
+def test_qwen3_5_with_its_vision_tower_is_laid_out_as_its_checkpoints_and_trains_on_an_image(tmp_path):
+    """`qwen3_5_vl`: Qwen3_5ForConditionalGeneration (the text model under `model.language_model`, the vision tower
+    under `model.visual`, a tied head), 3-D rotary sections that fill its 16 frequencies, and the image processor's
+    settings beside it: an image from its own processor goes through a forward and backward."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    out = build_tiny_model(tmp_path / "vl", arch="qwen3_5_vl")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and config["tie_word_embeddings"]
+    assert config["text_config"]["rope_parameters"]["mrope_section"] == [6, 5, 5]  # 16 frequencies of head_dim 32
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.language_model.layers.0.linear_attn.A_log" in names and "lm_head.weight" not in names
+    assert "model.visual.blocks.0.attn.qkv.weight" in names and "model.visual.merger.linear_fc2.weight" in names
+    processor = AutoImageProcessor.from_pretrained(out)
+    pixels = processor(images=[Image.new("RGB", (64, 96), "blue")], return_tensors="pt")
+    assert pixels["image_grid_thw"].tolist() == [[1, 6, 4]]  # 6 x 4 patches of 16 pixels: 6 tokens
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    pad = config["image_token_id"]
+    ids = torch.tensor([[config["vision_start_token_id"], *[pad] * 6, config["vision_end_token_id"], 40, 41]])
+    loss = model(input_ids=ids, labels=ids, mm_token_type_ids=(ids == pad).int(), **pixels).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.model.visual.blocks[0].attn.qkv.weight.grad is not None

@@ -47,8 +47,9 @@ save is in benchmarks/RESULTS.md, why each exists in docs/architecture.md ("Patc
   rule, where vLLM's kernels take bf16 only (`gdn_float32_on_cpu`, patches/gdn.py), a general plugin active where the
   inference server sets `RL_VLLM_CPU_GDN_FLOAT32` (a hybrid on a CPU host);
 - transformers: its torchvision image processor module for Qwen2-VL is its PIL twin where torchvision is absent, so
-  that vLLM's Qwen3.5 module imports on the CPU stack (`qwen2_vl_without_torchvision`, patches/transformers.py), a
-  general plugin.
+  that vLLM's Qwen3.5 module imports on the CPU stack, and a processor's video processor (torchvision's) is a stand-in
+  that refuses videos, so that vLLM serves images (`qwen2_vl_without_torchvision`, `videos_refused_without_torchvision`,
+  patches/transformers.py), a general plugin.
 
 The package: `verifiers` (verifiers, its env-server pool included), `token_versions` (verifiers' sampled nodes,
 stamped), `pydantic`, `renderers` (in the processes that run episodes), `vllm` and `routed_experts` (in vLLM's

@@ -6,6 +6,8 @@ import importlib
 import importlib.util
 import sys
 
+from rl.patches.targets import patch_target
+
 TORCHVISION_PROCESSOR = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 PIL_PROCESSOR = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
 
@@ -34,7 +36,10 @@ def videos_refused_without_torchvision() -> None:
     from transformers import processing_utils
     from transformers.video_processing_utils import VideoProcessorMixin
 
-    processing_utils._LazyAutoProcessorMapping._MAPPING_NAMES["video_processor"] = (__name__, "NoVideosLoader")
+    loaders = patch_target(patch_target(processing_utils, "_LazyAutoProcessorMapping", "transformers"),
+                           "_MAPPING_NAMES", "transformers")
+    patch_target(processing_utils, "transformers_module", "transformers")
+    loaders["video_processor"] = (__name__, "NoVideosLoader")
     # the processor checks its video processor against this name, which transformers exports only with torchvision
     setattr(processing_utils.transformers_module, "VideoProcessorMixin", VideoProcessorMixin)
 
