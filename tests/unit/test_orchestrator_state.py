@@ -81,7 +81,7 @@ def test_branches_sharing_a_sampled_node_train_it_once():
         ids = [t for n in nodes for t in n.token_ids]
         mask = [m for n in nodes for m in n.mask]
         return NS(nodes=list(nodes), token_ids=ids, sampled_mask=mask, logprobs=[-0.1 if m else 0.0 for m in mask],
-                  routed_experts=None)  # a dense model's: verifiers' branch has no routing
+                  routed_experts=None, messages=[])  # a dense text model's: no routing, no images
 
     def node(ids, mask):
         return NS(token_ids=ids, mask=mask, loss_weights=None)
