@@ -5,7 +5,7 @@ once, with generation held) and a trainer killed mid-step leaves the server serv
 forming anew; the GPU split gives every child its own devices; an MoE's bf16 step reloads into CUDA vLLM,
 every expert proved, with each token's experts in the generate reply (vLLM's own recorder); and Qwen3.5's hybrid
 (Gated DeltaNet) dense and MoE steps reload into CUDA vLLM (its Triton GDN kernels), every tensor proved, and serve
-what transformers computes. The bf16 training step
+what transformers computes, and with its vision tower answers a picture. The bf16 training step
 is in test_trainer.py, chunked logprobs on CUDA in tests/unit/test_chunked_logprobs.py."""
 
 import re
@@ -110,6 +110,25 @@ def test_a_qwen3_5_step_reloads_into_cuda_vllm_every_linear_attention_tensor_pro
         expected = transformers_logprobs(paths.weights(1), PROMPT, completion)
         assert sum(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) / len(expected) < 0.05, (
             logprobs, expected)
+    finally:
+        server.stop()
+
+
+def test_qwen3_5_with_images_reloads_into_cuda_vllm_its_vision_tower_proved_and_answers_a_picture(tmp_path):
+    """The tiny Qwen3.5 with its vision tower (`qwen3_5_vl`) on one GPU: a perturbed bf16 step reloads and verifies,
+    vision tensors included, and a chat with a picture (as count-shapes sends it) is answered by the CUDA tower."""
+    from tests.unit.test_vision import png_url
+
+    model_dir = build_tiny_model(tmp_path / "vl", arch="qwen3_5_vl")
+    paths = RunPaths(tmp_path / "run")
+    paths.weights_root.mkdir(parents=True)
+    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")
+    try:
+        reload_a_perturbed_step(server, model_dir, paths, seed=5)
+        content = [{"type": "image_url", "image_url": {"url": png_url()}}, {"type": "text", "text": "How many?"}]
+        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "model": str(model_dir), "max_tokens": 4, "messages": [{"role": "user", "content": content}]})
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] > 4, reply.text
     finally:
         server.stop()
 
