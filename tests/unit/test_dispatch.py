@@ -121,6 +121,35 @@ def test_a_group_starts_only_if_it_can_be_trained_within_the_bound():
     asyncio.run(scenario())
 
 
+def test_a_group_at_its_last_trainable_step_is_waited_for_and_trains_in_place_of_a_newer_one():
+    """Bound 1, a group a step: task 0, started under policy 0, can train at steps 0 and 1 only. At step 1 a newer
+    group (task 2) has finished and task 0 has not: the batch waits for task 0 and takes it; task 2 trains at step 2,
+    still within its bound. Before, step 1 took task 2 and task 0 arrived too old for step 2: withheld."""
+    async def scenario():
+        fake = FakeGroups()
+        d = fake.dispatcher(capacity=3, shares=[1], bound=1)
+        d.top_up()
+        await settle()
+        fake.finish(0, 1)
+        taken = await asyncio.wait_for(d.take(None, 0), 5)  # step 0: task 0 has a step left
+        assert [g.outcome.task_index for g in taken.groups] == [1] and taken.last_chance == 0
+        fake.policy = 1
+        d.top_up()
+        await settle()
+        assert [task for _, task, _ in fake.started] == [0, 1, 2]
+        fake.finish(0, 2)
+        step_1 = asyncio.ensure_future(d.take(None, 0))
+        await settle()
+        assert not step_1.done()  # task 2 is there, but task 0's last chance is this step
+        fake.finish(0, 0)
+        taken = await asyncio.wait_for(step_1, 5)
+        assert [g.outcome.task_index for g in taken.groups] == [0] and taken.last_chance == 1
+        taken = await asyncio.wait_for(d.take(None, 0), 5)  # step 2: task 2 (policy 1) within the bound
+        assert [g.outcome.task_index for g in taken.groups] == [2] and not fake.cancelled
+        await d.close()
+    asyncio.run(scenario())
+
+
 def test_nothing_is_cancelled_for_age_and_the_oldest_finished_train_first():
     async def scenario():
         fake = FakeGroups()

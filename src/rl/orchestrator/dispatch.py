@@ -9,9 +9,10 @@ steps, weights change under them, and a step's batch is made of groups that have
 - Age, by admission (as SkyRL's staleness manager does): a group's tokens are at least as new as the oldest policy
   the servers served when it started, and the groups started before it and not yet taken fill the steps ahead of
   it, a batch each. A group starts only if the step that would train it is within `bound` (max_off_policy_steps) of
-  that policy. Nothing is cancelled for age, and batches take the oldest finished groups first. An episode that
-  still ends past the bound (a tail longer than the bound allows) is withheld from the loss alone, in its group
-  (orchestrator/batch.py).
+  that policy. Nothing is cancelled for age, and batches take the oldest finished groups first. A group at the last
+  step it could train in goes in that step's batch in place of a newer one, and the batch waits for it if it is still
+  in flight. An episode that still ends past the bound (its own tokens older than the bound) is withheld from the
+  loss alone, in its group (orchestrator/batch.py).
 - Servers lost: a group that failed on a server that has since restarted or stopped answering runs again first,
   elsewhere (as a step-synchronous batch remakes it), and the groups still in flight there are cancelled and run
   again too; while no server is up to date, a batch waits for the policy sync to bring one back.
@@ -56,6 +57,7 @@ class Taken:
     extra: int = 0  # with fill_batch, groups taken beyond the batch's (for those that were not trainable)
     short: int = 0  # with fill_batch, trainable groups missing when the extra groups ran out
     waited_s: float = 0.0
+    last_chance: int = 0  # groups taken in place of newer ones at the last step they could train in
 
 
 class Dispatcher:
@@ -195,12 +197,41 @@ class Dispatcher:
                     raise RuntimeError(f"no group in flight, yet the batch lacks {sum(wanted)} groups")
                 self.arrived.clear()
                 await self.arrived.wait()  # each group in flight ends within rollout.timeout_s per attempt
+        await self.take_last_chances(taken, trainable)
         taken.short = sum(wanted)
         taken.extra = max(0, len(taken.groups) - sum(self.shares))
         self.step += 1  # the groups still to come train from the next step on
         self.top_up()
         taken.waited_s = time.perf_counter() - start
         return taken
+
+    async def take_last_chances(self, taken: Taken, trainable: Callable[[GroupOutcome], bool] | None) -> None:
+        """Groups for which this is the last step they could train in (started under, or holding tokens of, a policy
+        `bound` steps old) go in this batch, each in place of the newest group taken of its environment, which waits
+        for the next batch (it can still train then): a slow episode is trained late rather than withheld for its
+        age. The batch waits for such groups still in flight; each ends within rollout.timeout_s per attempt."""
+        if self.bound is None:
+            return
+        self.swap_in_last_chances(taken, trainable)
+        while any(r.dispatched + self.bound == self.step for r in self.running):
+            self.arrived.clear()
+            await self.arrived.wait()
+            self.swap_in_last_chances(taken, trainable)
+        taken.groups.sort(key=lambda g: g.oldest)
+
+    def swap_in_last_chances(self, taken: Taken, trainable: Callable[[GroupOutcome], bool] | None) -> None:
+        for group in [f for f in self.finished if f.oldest + self.bound == self.step]:
+            if trainable is not None and not trainable(group.outcome):
+                continue  # nothing of it would train: it waits as any other
+            same = [g for g in taken.groups if (trainable is not None or g.env == group.env) and g.oldest > group.oldest
+                    and (trainable is None or trainable(g.outcome))]
+            if not same:
+                continue
+            newest = max(same, key=lambda g: g.oldest)
+            taken.groups[taken.groups.index(newest)] = group
+            self.finished.remove(group)
+            self.finished.append(newest)
+            taken.last_chance += 1
 
     def oldest_age(self) -> int:
         """Steps since the oldest group in flight started (0: none in flight)."""

@@ -236,7 +236,7 @@ class Orchestrator:
                                 f"{taken.extra} extra groups (advantage.max_extra_groups); the step trains on what "
                                 "it has")
         stats = {"rollouts_in_flight": len(dispatcher.running) * n, "rollouts_waiting": dispatcher.rollouts_waiting,
-                 "time/wait_for_rollouts": taken.waited_s}
+                 "time/wait_for_rollouts": taken.waited_s, "off_policy/last_chance_groups": taken.last_chance}
         if fill:
             stats |= {"fill/extra_groups": taken.extra, "fill/short_groups": taken.short}
         groups = taken.groups
