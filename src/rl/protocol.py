@@ -109,6 +109,10 @@ class RunPaths:
     def rollouts(self, step: int) -> Path:
         return self.rollouts_root / f"step_{step}"
 
+    def samples(self, step: int) -> Path:
+        """A few of the step's rollouts as text (orchestrator/samples_text.py)."""
+        return self.root / "samples" / f"step_{step}.jsonl"
+
     def rollout_file(self, step: int, rank: int) -> Path:
         return self.rollouts(step) / f"rank_{rank}.safetensors"
 

@@ -1,6 +1,7 @@
 """`rl report <run-dir>`: <run-dir>/report.html, one self-contained page (plots inline as PNG, no external URL) of
 where a run's time goes: reward and eval reward, loss, tokens/s, staleness, each side's wait, rollouts in flight and
-the engines' KV cache per step, with the run's progress, summary and configs (secrets masked). Built from
+the engines' KV cache per step, with the run's progress, summary, samples (launcher/report_samples.py) and configs
+(secrets masked). Built from
 metrics.jsonl and configs/ alone, read only: safe while the run is going (a record still being written is left out).
 The launcher writes it at the end of every run too (supervisor.py)."""
 
@@ -22,6 +23,7 @@ import tomli_w
 from rl.atomic import atomic_write_text
 from rl.config import without_secrets
 from rl.launcher.report import duration, per_step, summary_of, time_left_s
+from rl.launcher.report_samples import samples_section
 from rl.protocol import RunPaths
 
 USAGE = """usage: rl report <run-dir>
@@ -284,7 +286,7 @@ def render(paths: RunPaths, records: list[dict], now: float, notes: list[str] = 
             f"<p>Time left: the steps not yet trained times the mean interval between the trainer's last step "
             f"records of this launch; none before two.</p>"
             f"<h2>Summary</h2><p>{html.escape(source)}</p>{table(summary)}"
-            f"<h2>Per step</h2>{''.join(figures)}{not_logged}"
+            f"<h2>Per step</h2>{''.join(figures)}{not_logged}{samples_section(paths)}"
             f"<h2>Config</h2><p>secrets masked</p>{configs}</body></html>\n")
 
 

@@ -217,6 +217,19 @@ class EvalConfig(EvalSettings):
     num_examples: Annotated[int, Field(ge=1, description="tasks evaluated per environment (the first N)")] = 16
 
 
+class SamplesConfig(Section):
+    """A few of each step's rollouts as text: samples/step_k.jsonl, W&B's samples table, `rl report`."""
+
+    picks: Annotated[
+        list[Literal["best", "worst", "random"]],
+        Field(description="per environment and step: its best and worst rollouts by reward and one at random "
+                          "([] writes none)"),
+    ] = ["best", "worst", "random"]
+    max_chars: Annotated[
+        int, Field(ge=100, description="longest text kept whole; a longer one keeps its start and end, marked")
+    ] = 4000
+
+
 class TeacherConfig(Section):
     """On-policy distillation: a frozen model's server that scores every trained sample's tokens (prompt logprobs by
     prefill); the trainer's loss.distill weighs them. `rl` fills base_url when it starts the teacher itself."""
@@ -304,9 +317,7 @@ class OrchestratorConfig(Settings):
         int | None,
         Field(ge=1, description="resume from checkpoints/step_k/orchestrator: restore samplers, generate from step k"),
     ] = None
-    num_samples_logged: Annotated[
-        int, Field(ge=0, description="sample completions logged per step to the W&B table")
-    ] = 4
+    samples: SamplesConfig = SamplesConfig()
 
     @model_validator(mode="after")
     def _check(self):

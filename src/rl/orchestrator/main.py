@@ -26,6 +26,7 @@ from rl.orchestrator.policy_sync import policy_sync
 from rl.envs.rollouts import GroupOutcome, InferenceClient, run_group_retried
 from rl.envs.worker import apply_patches, tune_gc_for_serving
 from rl.orchestrator.sampler import DifficultyPools, make_sampler
+from rl.orchestrator.samples_text import COLUMNS, step_samples, table_rows, write_samples
 from rl.envs.slots import RolloutSlots
 from rl.orchestrator.servers import ServerBoard
 from rl.orchestrator.state import load_state, pending_groups, restore_samplers, save_state
@@ -305,17 +306,15 @@ class Orchestrator:
         return stats | {"eval/time_s": time.perf_counter() - start}
 
     def log_samples(self, step: int, batch: StepBatch) -> None:
-        """A few completions per step in the W&B table (only when W&B is on)."""
-        count = self.config.num_samples_logged
-        if self.metrics.run is None or not count:
+        """A few of the step's rollouts as text: samples/step_k.jsonl, and W&B's samples table where W&B is on."""
+        picks = self.config.samples.picks
+        if not picks:
             return
-        decode = self.student_tokenizer().decode
-        rows = [
-            [step, name, decode(r.segments[-1].prompt_ids), decode(r.segments[-1].completion_ids), r.reward]
-            for name, results in batch.kept.items()
-            for r in results[:count]
-        ]
-        self.metrics.log_table("samples", ["step", "env", "prompt", "completion", "reward"], rows, step)
+        records = step_samples(step, batch.kept, picks, self.config.samples.max_chars, self.config.seed,
+                               self.student_tokenizer().decode)
+        write_samples(self.paths, step, records)
+        if self.metrics.run is not None:
+            self.metrics.log_table("samples", COLUMNS, table_rows(records), step)
 
     def student_tokenizer(self):
         if self.tokenizer is None:
