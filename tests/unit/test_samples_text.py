@@ -7,7 +7,6 @@ import random
 from rl.envs.rollouts import RolloutResult, TokenSegment
 from rl.launcher.run_report import write_report
 from rl.orchestrator.samples_text import cut, picked, step_samples, table_rows, write_samples
-from rl.protocol import RunPaths
 from tests.unit.test_run_report import synthetic_run
 
 
