@@ -33,6 +33,7 @@ from rl.launcher.devices import (
 from rl.launcher.placement import HostPlan, given_host, plan
 from rl.launcher.resume import choose_checkpoint, discard_after
 from rl.launcher.run_report import main as report_main
+from rl.launcher.replay import main as replay_main
 from rl.launcher.deploy import describe, render_k8s, render_slurm, slurm_job, submit
 from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor, is_secret
@@ -306,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:  # a subcommand: no config flag is a bare word
         return report_main(argv[1:])
+    if argv[:1] == ["replay"]:
+        return replay_main(argv[1:])
     if "--help" in argv or "-h" in argv:
         print(__doc__)
         print(config_help(RLConfig))

@@ -141,6 +141,10 @@ class TrainerConfig(Settings):
                                 "or roll back to, a step async_level + 1 old, so at least async_level + 2"),
     ] = 4
     seed: Annotated[int, Field(description="seed for torch RNGs")] = 0
+    deterministic: Annotated[
+        bool, Field(description="torch's deterministic algorithms only (slower on GPUs): bitwise-equal runs and "
+                                "replays there too (CPU kernels are deterministic already)")
+    ] = False
     resume_step: Annotated[
         int | None,
         Field(ge=1, description="load checkpoints/step_k/trainer and continue at step k; unset: start from step 0"),

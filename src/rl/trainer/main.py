@@ -3,6 +3,7 @@ publish weights -> log -> checkpoint, once per step."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -113,6 +114,9 @@ def main() -> None:
     paths = RunPaths(config.output_dir)
     paths.make_private()
     torch.manual_seed(config.seed)
+    if config.deterministic:  # cuBLAS's deterministic workspace must be set before its first handle
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     policy = load_policy(config, world)
     reference = load_reference(config, world, policy)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
