@@ -3,6 +3,7 @@
 accepted (`--dry-run`, or the trainer's config parsed), and where a part runs in seconds it runs at its smallest
 setting. A real run of the rest needs an inference server or torchrun, minutes each: those keep to their set-up here."""
 
+import json
 import ast
 import importlib
 import os
@@ -286,3 +287,27 @@ def test_launcher_command_lines_of_off_policy_and_what_it_measures(model, tmp_pa
     assert result["gain"] == pytest.approx(0.1) and result["noise"] == 0.0
     assert (result["staleness_max"], result["masked_seq"]) == (2, 0.25)
     assert result["staleness_mean"] == pytest.approx(1.0)
+
+
+def test_launcher_command_lines_of_reproducible_and_where_two_runs_first_differ(model, tmp_path, monkeypatch, capsys):
+    """Each side's command line is accepted; two runs' first difference is the first step whose batch tokens or
+    served checksums differ."""
+    import torch
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    reproducible = benchmark("reproducible")
+    args = parsed(reproducible, ["--model", str(model)])
+    for side in reproducible.SIDES:
+        dry_run(reproducible.rl_command(args, tmp_path / side, side), capsys)
+    for name, last in (("a", 3), ("b", 4)):
+        run = tmp_path / name
+        for step in range(3):
+            (run / "rollouts" / f"step_{step}").mkdir(parents=True)
+            save_file({"input_ids": torch.tensor([1, 2, step])}, str(run / "rollouts" / f"step_{step}" /
+                                                                    "rank_0.safetensors"))
+        (run / "metrics.jsonl").write_text("".join(json.dumps(
+            {"process": "orchestrator", "step": s, "served_checksums": [f"c{s if s < 2 else last}"]}) + "\n"
+            for s in range(3)))
+    assert reproducible.first_difference(tmp_path / "a", tmp_path / "b", 3) == 2
+    assert reproducible.first_difference(tmp_path / "a", tmp_path / "a", 3) is None
