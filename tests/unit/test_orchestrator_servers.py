@@ -67,6 +67,20 @@ def test_a_restarted_server_gets_the_newest_policy_before_any_request(tmp_path):
 
 
 
+@pytest.mark.parametrize("dispatch, loaded", [("continuous", [(2, [0, 1])]), ("step", [])])
+def test_under_continuous_dispatch_servers_load_each_newer_policy_at_once(tmp_path, dispatch, loaded):
+    """async_level 8: batch 3 could use policy 0, but under continuous dispatch groups are admitted by the policy
+    served, so the servers load the newest published one (2); step by step they wait until a batch needs it."""
+    pool = FakePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
+    o = orchestrator(tmp_path, pool)
+    o.config.async_level, o.config.dispatch = 8, dispatch
+    asyncio.run(o.servers.check())
+    publish(tmp_path, 1)
+    publish(tmp_path, 2)
+    asyncio.run(o.sync.ensure(3))
+    assert pool.updates == loaded
+
+
 def test_groups_made_on_a_server_that_changed_meanwhile_are_made_again_on_servers_up_to_date(tmp_path):
     pool = FakePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
     o = orchestrator(tmp_path, pool)

@@ -63,13 +63,18 @@ class PolicySync:
 
 
 class FilesSync(PolicySync):
-    """Each policy from weights/step_k/, which the trainer publishes every step."""
+    """Each policy from weights/step_k/, which the trainer publishes every step. Step by step, a server loads a
+    policy when a batch needs it (async_level behind at most); under continuous dispatch it loads the newest at every
+    batch: groups are admitted by the policy served, and servers left on an old one would have every group in flight
+    age out together."""
 
     async def ensure(self, step: int) -> list[dict] | None:
         required = step - self.config.async_level
         await self.servers.wait_for_one()
         up = self.servers.up()
-        if self.servers.policy_step >= required and not self.servers.stale.intersection(up):
+        newer = self.config.continuous and max(stable_steps(self.paths.weights_root), default=0) > \
+            self.servers.policy_step
+        if self.servers.policy_step >= required and not self.servers.stale.intersection(up) and not newer:
             self.servers.use(up)
             return None
         if self.servers.policy_step < required:
