@@ -21,7 +21,7 @@ from rl.launcher.devices import DevicePlan, cpu_plan
 from rl.launcher.placement import given_host
 from rl.trainer.config import TrainerConfig, check_device, vllm_auto_dtype
 from rl.trainer.config import resolve_device_defaults as resolve_trainer
-from rl.trainer.loss_config import GeoMask, MaskRatio, NoMismatchCorrection, TruncateRatio
+from rl.trainer.loss_config import MaskRatio, NoMismatchCorrection, TruncateRatio
 
 GPU_PLAN = DevicePlan(1, [1], [[0]])
 
@@ -51,7 +51,7 @@ def test_trainer_cuda_defaults_are_bf16_with_checkpointing_and_publish_what_vllm
     why = resolve_trainer(config, "cuda")
     assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("bfloat16", True, "bfloat16")
     assert why["dtype"] == "auto: CUDA" and "config.json: float32" in why["publish_dtype"]
-    assert config.loss.mismatch == [MaskRatio(), GeoMask()] and why["loss.mismatch"] == "auto: CUDA"  # as peers mask
+    assert config.loss.mismatch == [MaskRatio()] and why["loss.mismatch"] == "auto: CUDA"  # prime-rl's token mask
 
 
 def test_trainer_values_set_by_the_user_win_on_cuda(tmp_path):
@@ -68,7 +68,7 @@ def test_a_trainer_started_alone_resolves_for_its_own_device(tmp_path, monkeypat
     config = parse_config(TrainerConfig, ["--model.name", model_dir(tmp_path, torch_dtype="bfloat16")])
     check_device(config)
     assert (config.dtype, config.activation_checkpointing, config.publish_dtype) == ("bfloat16", True, "bfloat16")
-    assert config.loss.mismatch == [MaskRatio(), GeoMask()]
+    assert config.loss.mismatch == [MaskRatio()]
     monkeypatch.setattr(trainer_config, "cuda_device_count", lambda: 0)
     with pytest.raises(ConfigError, match="needs a GPU"):
         check_device(parse_config(TrainerConfig, ["--dtype", "bfloat16"]))
@@ -80,7 +80,7 @@ def test_a_trainer_started_alone_resolves_for_its_own_device(tmp_path, monkeypat
 def test_on_a_real_cuda_host_the_trainer_masks_the_mismatch_and_computes_in_bf16(tmp_path):
     config = parse_config(TrainerConfig, ["--model.name", model_dir(tmp_path, torch_dtype="bfloat16")])
     check_device(config)
-    assert config.loss.mismatch == [MaskRatio(), GeoMask()] and config.dtype == "bfloat16"
+    assert config.loss.mismatch == [MaskRatio()] and config.dtype == "bfloat16"
 
 
 def test_inference_defaults_by_device_and_the_users_values_win():
@@ -140,7 +140,7 @@ def test_launcher_fills_both_processes_for_a_gpu_plan(tmp_path):
     assert r.device_choices["trainer.dtype"] == "auto: CUDA"
     assert r.device_choices["trainer.publish_dtype"] == "what vLLM's --dtype auto serves: config.json: bfloat16"
     assert r.device_choices["inference.enforce_eager"] == "auto: CUDA"
-    assert r.trainer.loss.mismatch == [MaskRatio(), GeoMask()]
+    assert r.trainer.loss.mismatch == [MaskRatio()]
     assert r.device_choices["trainer.loss.mismatch"] == "auto: CUDA"
 
 
@@ -215,8 +215,7 @@ def test_dry_run_prints_what_the_device_chose_and_the_mapped_gpus(tmp_path, monk
     out = capsys.readouterr().out
     assert "trainer.dtype = bfloat16 (auto: CUDA)" in out
     assert "trainer.activation_checkpointing = true (auto: CUDA)" in out
-    assert ('trainer.loss.mismatch = [{ type = "mask", max_log_ratio = 1.0 }, '
-            '{ type = "geo_mask", low = 0.99, high = 1.01 }] (auto: CUDA)') in out
+    assert 'trainer.loss.mismatch = [{ type = "mask", max_log_ratio = 1.0 }] (auto: CUDA)' in out
     assert "inference.dtype = auto (auto: CUDA)" in out and "inference.enforce_eager = false (auto: CUDA)" in out
     assert "inference.log_stats = true (auto: CUDA)" in out
     commands = {line.split(":", 1)[0]: line for line in out.splitlines() if line.startswith(("inference:", "trainer:"))}

@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 
 from rl.adapter import DEFAULT_TARGETS, VLLM_MAX_RANKS
 from rl.config import CkptConfig, ConfigError, ModelConfig, Section, Settings, WandbConfig, optional_section
-from rl.trainer.loss_config import AutoMismatchCorrection, GeoMask, LossConfig, MaskRatio, NoMismatchCorrection
+from rl.trainer.loss_config import AutoMismatchCorrection, LossConfig, MaskRatio, NoMismatchCorrection
 from rl.weights.config import FilesTransfer, TransferConfig
 
 
@@ -180,7 +180,9 @@ def resolve_device_defaults(config: TrainerConfig, device: DeviceKind) -> dict[s
     if config.activation_checkpointing is None:
         config.activation_checkpointing, why["activation_checkpointing"] = on_cuda, f"auto: {device.upper()}"
     if isinstance(config.loss.mismatch, AutoMismatchCorrection):
-        config.loss.mismatch = [MaskRatio(), GeoMask()] if on_cuda else NoMismatchCorrection()
+        # not the geometric sequence mask peers add: rl's ratios hold the policy's steps since sampling too, and at
+        # SkyRL's [0.99, 1.01] it masked 91-95% of an async run's sequences (benchmarks/RESULTS.md, off_policy.py)
+        config.loss.mismatch = [MaskRatio()] if on_cuda else NoMismatchCorrection()
         why["loss.mismatch"] = f"auto: {device.upper()}"
     if config.publish_dtype == "auto":
         if on_cuda:
