@@ -172,6 +172,7 @@ def test_the_proof_names_a_vision_language_models_tensors_as_its_checkpoint_does
     from rl.inference.sharding import Part
 
     class Served(torch.nn.Module):
+        supports_multimodal = True
         hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={
             "model.visual.": "visual.", "lm_head.": "language_model.lm_head.",
             "model.language_model.": "language_model.model."})
@@ -182,6 +183,11 @@ def test_the_proof_names_a_vision_language_models_tensors_as_its_checkpoint_does
     assert checkpoint_name(model, "visual.blocks.0.attn.qkv.weight") == "model.visual.blocks.0.attn.qkv.weight"
     assert checkpoint_name(model, "language_model.lm_head.weight") == "lm_head.weight"
     assert checkpoint_name(torch.nn.Linear(2, 2), "model.norm.weight") == "model.norm.weight"
+
+    class TextOnly(torch.nn.Module):  # Qwen3.5's causal LM also reads a VLM's names: its own stay as they are
+        hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix={"model.language_model.": "model."})
+
+    assert checkpoint_name(TextOnly(), "model.layers.0.linear_attn.A_log") == "model.layers.0.linear_attn.A_log"
     # a vision tower's qkv: three parts of the layer, one tensor of the checkpoint
     (joined,) = _joined_parts([Part(64, 64, None)] * 3, ["model.visual.blocks.0.attn.qkv"])
     assert (joined.local, joined.full) == (192, 192)

@@ -236,8 +236,12 @@ def served_fingerprint(model: torch.nn.Module, dtype: torch.dtype, device) -> di
 
 
 def checkpoint_name(model: torch.nn.Module, name: str) -> str:
-    """A vLLM module's tensor under its checkpoint name, where the model renames prefixes as it loads (a
-    vision-language model: `language_model.model.` is `model.language_model.`, `visual.` is `model.visual.`)."""
+    """A vLLM module's tensor under its checkpoint name, where a vision-language model renames prefixes as it loads
+    (`language_model.model.` is `model.language_model.`, `visual.` is `model.visual.`). Only those: a causal LM's
+    mapper may also take another layout's names in (Qwen3.5's text model reads a VLM's `model.language_model.`), and
+    its own checkpoints' names are its modules'."""
+    if not getattr(model, "supports_multimodal", False):
+        return name
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     for original, served in (getattr(mapper, "orig_to_new_prefix", None) or {}).items():
         if served and name.startswith(served):
