@@ -73,7 +73,7 @@ class FilesSync(PolicySync):
         await self.servers.wait_for_one()
         up = self.servers.up()
         newer = self.config.continuous and max(stable_steps(self.paths.weights_root), default=0) > \
-            self.servers.policy_step
+            min(self.servers.served_steps[i] for i in up)
         if self.servers.policy_step >= required and not self.servers.stale.intersection(up) and not newer:
             self.servers.use(up)
             return None

@@ -94,6 +94,8 @@ class ServerBoard:
                 self.served_steps[i] = reply["step"]
                 self.stale.add(i)
                 self.refused.discard(i)  # another process: it serves its start-up weights, not the refused ones
+            if self.instances[i] is None:  # first heard of: what it serves now (a server the run did not start, or
+                self.served_steps[i] = reply["step"]  # one resumed, may serve a later step than 0)
             self.instances[i] = reply["instance"]
         self.use([i for i in self.usable if i not in changed and self.instances[i] != DOWN])
         return changed
