@@ -81,6 +81,19 @@ def test_under_continuous_dispatch_servers_load_each_newer_policy_at_once(tmp_pa
     assert pool.updates == loaded
 
 
+def test_a_server_first_heard_serving_a_later_step_is_not_asked_for_an_older_one(tmp_path):
+    """A server the run did not start may already serve step 2 (a shared one): the board takes that from its first
+    reply, and the newest published step (1) is not loaded into it (the server would refuse it: 409)."""
+    pool = FakePool({"step": 2, "instance": "a1"}, {"step": 2, "instance": "b1"})
+    o = orchestrator(tmp_path, pool)
+    o.config.async_level = 2  # continuous: batch 2 could use policy 0, so only an eager load would load one
+    asyncio.run(o.servers.check())
+    assert o.servers.served_steps == [2, 2]
+    publish(tmp_path, 1)
+    asyncio.run(o.sync.ensure(2))
+    assert pool.updates == []
+
+
 def test_groups_made_on_a_server_that_changed_meanwhile_are_made_again_on_servers_up_to_date(tmp_path):
     pool = FakePool({"step": 0, "instance": "a1"}, {"step": 0, "instance": "b1"})
     o = orchestrator(tmp_path, pool)
