@@ -1,4 +1,5 @@
-"""metrics.jsonl: one JSON object per line, appended by every process (`RunPaths.metrics`) and read back whole."""
+"""metrics.jsonl: one JSON object per line, appended by every process (`RunPaths.metrics`) and read back whole; and
+one JSON line of a file anyone may have written, decoded or said why not (`json_line`)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,16 @@ def read_metrics(paths) -> list[dict]:
         return []
     text = paths.metrics.read_text()
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
+def json_line(line: bytes) -> tuple[object, str | None]:
+    """A JSON line's value, or None and why it is none (not UTF-8, nested too deep, not JSON): for reports that
+    render what they can of files they did not write."""
+    try:
+        return json.loads(line.decode()), None
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+    except RecursionError:
+        return None, "nested too deep"
+    except ValueError as e:  # not JSON, or an integer of more digits than Python converts
+        return None, f"not JSON ({str(e)[:80]})"

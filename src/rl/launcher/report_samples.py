@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+from rl.metrics_file import json_line
 from rl.protocol import RunPaths
 
 STEPS_SHOWN = 50  # the newest steps with samples; older files stay on disk
@@ -43,14 +44,9 @@ def read_samples(paths: RunPaths) -> tuple[list[dict], list[str], int]:
 
 
 def parse_sample(line: bytes) -> tuple[dict | None, str | None]:
-    try:
-        value = json.loads(line.decode())
-    except UnicodeDecodeError:
-        return None, "not UTF-8"
-    except RecursionError:
-        return None, "nested too deep"
-    except ValueError as e:
-        return None, f"not JSON ({str(e)[:80]})"
+    value, why = json_line(line)
+    if why:
+        return None, why
     if not isinstance(value, dict) or not isinstance(value.get("turns", []), list):
         return None, "not a sample record (an object with a list of turns)"
     return value, None

@@ -24,6 +24,7 @@ from rl.atomic import atomic_write_text
 from rl.config import without_secrets
 from rl.launcher.report import duration, per_step, summary_of, time_left_s
 from rl.launcher.report_samples import samples_section
+from rl.metrics_file import json_line
 from rl.protocol import RunPaths
 
 USAGE = """usage: rl report <run-dir>
@@ -97,14 +98,9 @@ def parse_record(line: bytes) -> tuple[dict | None, str | None]:
     """A metrics line as the report can use it (None: none), and what was wrong with it (None: nothing). Numbers no
     plot can hold (not finite, beyond PLOTTABLE) are left out of their record; a record without a step (a whole
     number below MAX_STEP) and a process name is no step record."""
-    try:
-        value = json.loads(line.decode())
-    except UnicodeDecodeError:
-        return None, "not UTF-8"
-    except RecursionError:
-        return None, "nested too deep"
-    except ValueError as e:  # not JSON, or an integer of more digits than Python converts
-        return None, f"not JSON ({str(e)[:80]})"
+    value, why = json_line(line)
+    if why:
+        return None, why
     if not isinstance(value, dict):
         return None, f"a JSON {type(value).__name__}, not an object"
     step = value.get("step")
