@@ -4,6 +4,7 @@ consecutive GPUs), name them for the children, and tell a GPU host from a CPU on
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -186,3 +187,16 @@ def gpu_flags_without_gpus() -> ConfigError:
         f"cannot be used: on a GPU host, {cuda_fix()}; on a CPU host set --trainer-processes N (gloo ranks) "
         "and --inference-replicas M instead"
     )
+
+
+ONE_NODE = ["--standalone", "--local-addr=127.0.0.1"]
+"""The trainer's ranks on one host meet at 127.0.0.1: torchrun would hand them this host's name, which a container's
+runtime may leave unresolvable (the ranks then wait out the rendezvous timeout)."""
+
+
+def trainer_launcher(processes: int, gpus: bool) -> list[str]:
+    """The command that starts the trainer's ranks, before its flags for nodes: torchrun with trainer GPUs; without,
+    `rl.trainer.ranks`, which takes torchrun's flags and forks the ranks from one process that imported the trainer
+    once."""
+    launcher = "torch.distributed.run" if gpus else "rl.trainer.ranks"
+    return [sys.executable, "-m", launcher, f"--nproc-per-node={processes}"]

@@ -28,7 +28,7 @@ from rl.launcher.config import RLConfig
 from rl.launcher.resolve import check_hosts, resolve
 from rl.launcher.devices import (
     DevicePlan, check_gpu_ids, child_visible_devices, cpu_plan, cuda_unavailable, gpu_flags_without_gpus,
-    nvidia_gpus_present, one_role_gpus, split_gpus, with_teacher,
+    ONE_NODE, nvidia_gpus_present, one_role_gpus, split_gpus, trainer_launcher, with_teacher,
 )
 from rl.launcher.placement import HostPlan, given_host, plan
 from rl.launcher.resume import choose_checkpoint, discard_after
@@ -132,16 +132,12 @@ def host_dirs(host: HostPlan, paths: RunPaths) -> tuple[Path, Path]:
 
 
 def torchrun_args(host: HostPlan, paths: RunPaths) -> list[str]:
-    """One node: standalone, its ranks meeting at 127.0.0.1 (torchrun would hand them this host's name, which a
-    container's runtime may leave unresolvable: the ranks then wait out the rendezvous timeout). Several: c10d
-    rendezvous hosted by trainer node 0 (said outright: torchrun guesses it from hostnames, which fails where a
-    host's name does not resolve to the endpoint's address), one id per run directory. Without trainer GPUs,
-    torchrun's flags go to `rl.trainer.ranks`, which forks the ranks from one process that imported the trainer
-    once."""
-    launcher = "torch.distributed.run" if host.devices.trainer_gpus else "rl.trainer.ranks"
-    args = [sys.executable, "-m", launcher, f"--nproc-per-node={host.devices.trainer_processes}"]
+    """One node: standalone (`ONE_NODE`). Several: c10d rendezvous hosted by trainer node 0 (said outright: torchrun
+    guesses it from hostnames, which fails where a host's name does not resolve to the endpoint's address), one id
+    per run directory."""
+    args = trainer_launcher(host.devices.trainer_processes, bool(host.devices.trainer_gpus))
     if host.trainer_nodes == 1:
-        return args + ["--standalone", "--local-addr=127.0.0.1"]
+        return args + ONE_NODE
     run_id = "rl-" + hashlib.sha1(str(paths.root.absolute()).encode()).hexdigest()[:12]
     args += [f"--nnodes={host.trainer_nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={host.rdzv_endpoint}",
              f"--rdzv-id={run_id}", f"--rdzv-conf=is_host={str(host.node_rank == 0).lower()}"]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import tomli_w
 
+from rl.launcher.devices import ONE_NODE, trainer_launcher
 from rl.protocol import RunPaths, is_stable, read_metrics
 
 USAGE = "rl replay <run-dir> --output-dir DIR [--from-step K]"
@@ -82,18 +83,12 @@ def train(out: RunPaths, config: dict, ranks: int) -> int:
     out.configs.mkdir(parents=True, exist_ok=True)
     (out.configs / "trainer.toml").write_text(tomli_w.dumps(config))
     out.logs.mkdir(parents=True, exist_ok=True)
-    gpus = _has_gpus()
-    launcher = "torch.distributed.run" if gpus else "rl.trainer.ranks"
-    cmd = [sys.executable, "-m", launcher, f"--nproc-per-node={ranks}", "--standalone", "--local-addr=127.0.0.1",
+    import torch
+
+    cmd = [*trainer_launcher(ranks, torch.cuda.is_available()), *ONE_NODE,
            "-m", "rl.trainer.main", "@", str(out.configs / "trainer.toml")]
     with open(out.logs / "trainer.log", "wb") as log:
         return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-
-
-def _has_gpus() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def compare(run: RunPaths, out: RunPaths, first: int, last: int, dtype: str) -> tuple[list[str], int, int | None]:
