@@ -347,8 +347,8 @@ v rows of `in_proj_qkv` are three parts of `in_proj_qkvz`, beside `in_proj_z`.""
 
 def _joined_parts(parts: list[Part], names: list[str]) -> list[Part]:
     """Consecutive `parts` joined into one part per checkpoint tensor (`SPLIT_TENSORS`, or all of them for one name);
-    with tensor parallelism its
-    shard is each part's rows, placed after the parts before it in the tensor (`Pieces`)."""
+    with tensor parallelism its shard is each part's rows, placed after the parts before it in the tensor
+    (`Pieces`)."""
     joined, start = [], 0
     for name in names:  # one name for all of them: a fused checkpoint tensor (a vision tower's attn.qkv)
         size = SPLIT_TENSORS.get(name.rpartition(".")[2], 1) if len(names) > 1 else len(parts)

@@ -72,8 +72,8 @@ class FilesSync(PolicySync):
         required = step - self.config.async_level
         await self.servers.wait_for_one()
         up = self.servers.up()
-        newer = self.config.continuous and max(stable_steps(self.paths.weights_root), default=0) > \
-            min(self.servers.served_steps[i] for i in up)
+        served = min((self.servers.served_steps[i] for i in up), default=0)
+        newer = self.config.continuous and max(stable_steps(self.paths.weights_root), default=0) > served
         if self.servers.policy_step >= required and not self.servers.stale.intersection(up) and not newer:
             self.servers.use(up)
             return None

@@ -45,13 +45,14 @@ def vision_forward_inputs(model: nn.Module, input_ids: torch.Tensor, position_id
     image_token, grids = model.config.image_token_id, iter(image_grid_thw)
     for row, start, end in spans:
         ids = input_ids[row, start:end]
-        images = int((ids == image_token).sum())
-        if images == 0:
+        is_image = ids == image_token
+        tokens = int(is_image.sum())
+        if tokens == 0:
             rope[:, row, start:end] = position_ids[row, start:end]
             continue
-        grid = _grids_for(ids, image_token, grids, model.config.vision_config.spatial_merge_size)
-        types = (ids == image_token).int()[None]
-        rope[:, row, start:end] = model.model.get_rope_index(ids[None], types, image_grid_thw=grid)[0][:, 0]
+        grid = _grids_for(tokens, grids, model.config.vision_config.spatial_merge_size)
+        positions, _ = model.model.get_rope_index(ids[None], is_image.int()[None], image_grid_thw=grid)
+        rope[:, row, start:end] = positions[:, 0]
     return {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw,
             "position_ids": torch.cat([position_ids[None], rope])}
 
@@ -63,9 +64,9 @@ def _sample_spans(shape: torch.Size, sample_lengths: tuple[int, ...] | None) -> 
     return [(0, start, end) for start, end in zip(starts[:-1], starts[1:])]
 
 
-def _grids_for(ids: torch.Tensor, image_token: int, grids, merge: int) -> torch.Tensor:
-    """The next grids of the micro-batch's images, as many as make this sample's image tokens."""
-    wanted, taken = int((ids == image_token).sum()), []
+def _grids_for(wanted: int, grids, merge: int) -> torch.Tensor:
+    """The next grids of the micro-batch's images, as many as make `wanted` (a sample's) image tokens."""
+    taken = []
     while wanted > 0:
         grid = next(grids, None)
         if grid is None:
