@@ -27,11 +27,10 @@ import json
 import shlex
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from router_replay import CONFIGS, ROOT
+from router_replay import ROOT, quickstart_command
 
 from rl.launcher.report import reward_change
 
@@ -57,11 +56,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def rl_command(args, out: Path, side: str) -> list[str]:
-    return [sys.executable, "-m", "rl.launcher.main",
-            "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
-            "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(args.model),
-            "--max-steps", str(args.steps), "--seq-len", "128", "--inference.dtype", "bfloat16",
-            "--output-dir", str(out), *SIDES[side]]
+    return quickstart_command(args.model, out, args.steps, "--inference.dtype", "bfloat16", *SIDES[side])
 
 
 def run(args, out: Path, side: str) -> list[dict]:

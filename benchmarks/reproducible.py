@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from router_replay import CONFIGS, ROOT
+from router_replay import ROOT, quickstart_command
 from safetensors.torch import load_file
 
 SIDES = {
@@ -52,10 +52,7 @@ def parse_args() -> argparse.Namespace:
 
 def rl_command(args, out: Path, side: str) -> list[str]:
     steps = args.sync_steps if side.startswith("sync") else args.steps
-    return [sys.executable, "-m", "rl.launcher.main",
-            "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
-            "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(args.model),
-            "--max-steps", str(steps), "--seq-len", "128", "--output-dir", str(out), *SIDES[side]]
+    return quickstart_command(args.model, out, steps, *SIDES[side])
 
 
 def run(command: list[str], log: Path, timeout: float) -> str:

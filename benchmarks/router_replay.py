@@ -51,13 +51,18 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def rl_command(model: Path, out: Path, args, *extra: str) -> list[str]:
-    """The quickstart's run from `model`, on-policy, served in `args.dtype`, `extra` (a side's flags) beside it."""
+def quickstart_command(model: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    """The quickstart's `rl` run from `model` for `steps` steps into `out`, `extra` (a side's flags) beside it; the
+    benchmarks on the quickstart's task share it."""
     return [sys.executable, "-m", "rl.launcher.main",
             "--trainer", "@", str(CONFIGS / "train.toml"), "--orchestrator", "@", str(CONFIGS / "orch.toml"),
             "--inference", "@", str(CONFIGS / "infer.toml"), "--model.name", str(model),
-            "--max-steps", str(args.steps), "--seq-len", "128", "--async-level", "0",
-            "--inference.dtype", args.dtype, "--output-dir", str(out), *extra]
+            "--max-steps", str(steps), "--seq-len", "128", "--output-dir", str(out), *extra]
+
+
+def rl_command(model: Path, out: Path, args, *extra: str) -> list[str]:
+    """The quickstart's run from `model`, on-policy, served in `args.dtype`, `extra` (a side's flags) beside it."""
+    return quickstart_command(model, out, args.steps, "--async-level", "0", "--inference.dtype", args.dtype, *extra)
 
 
 def run(model: Path, out: Path, args, *extra: str) -> list[dict]:
