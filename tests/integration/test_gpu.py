@@ -8,6 +8,7 @@ every expert proved, with each token's experts in the generate reply (vLLM's own
 what transformers computes, and with its vision tower answers a picture. The bf16 training step
 is in test_trainer.py, chunked logprobs on CUDA in tests/unit/test_chunked_logprobs.py."""
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -47,6 +48,20 @@ def reload_a_perturbed_step(server, model_dir, paths: RunPaths, seed: int) -> st
     return checksum
 
 
+@contextlib.contextmanager
+def tiny_model_served(tmp_path, arch: str):
+    """A tiny model of `arch` served by one CUDA server (device defaults) whose weights directory is the run's:
+    (server, the model's directory, the run's paths); the server stopped after."""
+    model_dir = build_tiny_model(tmp_path / arch, arch=arch)
+    paths = RunPaths(tmp_path / "run")
+    paths.weights_root.mkdir(parents=True)
+    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")
+    try:
+        yield server, model_dir, paths
+    finally:
+        server.stop()
+
+
 def test_a_bf16_step_reloads_into_cuda_vllm_and_verifies(tmp_path):
     model_dir = build_tiny_model(tmp_path / "model")
     paths = RunPaths(tmp_path / "run")
@@ -77,22 +92,16 @@ def test_an_moe_step_reloads_into_cuda_vllm_every_expert_proved_and_replies_carr
 
     import numpy as np
 
-    model_dir = build_tiny_model(tmp_path / "moe", arch="qwen3_moe")
-    paths = RunPaths(tmp_path / "run")
-    paths.weights_root.mkdir(parents=True)
-    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")
-    try:
+    with tiny_model_served(tmp_path, "qwen3_moe") as (server, model_dir, paths):
         reload_a_perturbed_step(server, model_dir, paths, seed=2)
         body = {"model": str(model_dir), "token_ids": PROMPT,
                 "sampling_params": {"max_tokens": 8, "temperature": 1.0, "logprobs": 1, "seed": 0}}
         reply = httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=120).json()
-        routed = reply["choices"][0]["routed_experts"]
-        rows = np.frombuffer(base64.b64decode(routed["data"]), dtype=routed["dtype"]).reshape(routed["shape"])
-        completion = reply["choices"][0]["token_ids"]
-        assert routed["start"] == 0 and rows.shape == (len(PROMPT) + len(completion) - 1, 4, 2)
-        assert rows.max() < 8
-    finally:
-        server.stop()
+    routed = reply["choices"][0]["routed_experts"]
+    rows = np.frombuffer(base64.b64decode(routed["data"]), dtype=routed["dtype"]).reshape(routed["shape"])
+    completion = reply["choices"][0]["token_ids"]
+    assert routed["start"] == 0 and rows.shape == (len(PROMPT) + len(completion) - 1, 4, 2)
+    assert rows.max() < 8
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
@@ -100,18 +109,12 @@ def test_a_qwen3_5_step_reloads_into_cuda_vllm_every_linear_attention_tensor_pro
     """The tiny Qwen3.5 (dense and MoE) on one GPU: a perturbed bf16 step reloads and verifies (the convolution,
     A_log, dt_bias, in_proj_qkv across vLLM's q/k/v parts, the shared expert), and the served logprobs are
     transformers' bf16 forward of the step within bf16's rounding."""
-    model_dir = build_tiny_model(tmp_path / arch, arch=arch)
-    paths = RunPaths(tmp_path / "run")
-    paths.weights_root.mkdir(parents=True)
-    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")
-    try:
+    with tiny_model_served(tmp_path, arch) as (server, model_dir, paths):
         reload_a_perturbed_step(server, model_dir, paths, seed=3)
         completion, logprobs = server.generate(PROMPT, max_tokens=8)
         expected = transformers_logprobs(paths.weights(1), PROMPT, completion)
-        assert sum(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) / len(expected) < 0.05, (
-            logprobs, expected)
-    finally:
-        server.stop()
+    assert sum(abs(a - b) for a, b in zip(logprobs, expected, strict=True)) / len(expected) < 0.05, (
+        logprobs, expected)
 
 
 def test_qwen3_5_with_images_reloads_into_cuda_vllm_its_vision_tower_proved_and_answers_a_picture(tmp_path):
@@ -119,18 +122,12 @@ def test_qwen3_5_with_images_reloads_into_cuda_vllm_its_vision_tower_proved_and_
     vision tensors included, and a chat with a picture (as count-shapes sends it) is answered by the CUDA tower."""
     from tests.unit.test_vision import png_url
 
-    model_dir = build_tiny_model(tmp_path / "vl", arch="qwen3_5_vl")
-    paths = RunPaths(tmp_path / "run")
-    paths.weights_root.mkdir(parents=True)
-    server = Server(model_dir, paths.weights_root, tmp_path / "inference.log")
-    try:
+    with tiny_model_served(tmp_path, "qwen3_5_vl") as (server, model_dir, paths):
         reload_a_perturbed_step(server, model_dir, paths, seed=5)
         content = [{"type": "image_url", "image_url": {"url": png_url()}}, {"type": "text", "text": "How many?"}]
         reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
             "model": str(model_dir), "max_tokens": 4, "messages": [{"role": "user", "content": content}]})
-        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] > 4, reply.text
-    finally:
-        server.stop()
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] > 4, reply.text
 
 
 def transformers_logprobs(model_dir, prompt: list[int], completion: list[int]) -> list[float]:
