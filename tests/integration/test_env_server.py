@@ -168,7 +168,8 @@ def test_a_worker_then_the_whole_env_server_killed_mid_run_restart_it_and_the_ru
     served = tmp_path / "served.toml"
     served.write_text('[[env]]\nid = "reverse-text"\nargs = { num_examples = 200 }\nworkers = 2\n')
     out = tmp_path / "run"
-    run = Launched(rl_command(tiny_model, out, 8, "--orchestrator", "@", served))
+    steps = 12  # room after the second kill: the orchestrator must still need the third server to finish
+    run = Launched(rl_command(tiny_model, out, steps, "--orchestrator", "@", served))
     wait_for_line(run, "step 1 orchestrator")
     server = psutil.Process(run.child_pid("env-reverse-text"))
     workers = server.children()  # forked from it (rl.patches.fork_pool_workers)
@@ -177,6 +178,7 @@ def test_a_worker_then_the_whole_env_server_killed_mid_run_restart_it_and_the_ru
     wait_for_line(run, "restarting it (1 of at most 5 restarts)")
     step = len(re.findall(r"step \d+ orchestrator", run.output))
     wait_for_line(run, f"step {step + 1} orchestrator")  # the restarted server's episodes reach a batch
+    assert step + 1 <= steps - 3, f"the run reached step {step + 1} of {steps} before the second kill"
     restarted = psutil.Process(run.child_pid("env-reverse-text"))
     its_workers = restarted.children()
     restarted.kill()
@@ -190,7 +192,7 @@ def test_a_worker_then_the_whole_env_server_killed_mid_run_restart_it_and_the_ru
     orchestrator = (out / "logs" / "orchestrator.log").read_text()
     assert "was restarted: this group's episodes were lost with it" in orchestrator  # failed fast, its group run again
     records = [m for m in read_metrics(RunPaths(out)) if m["process"] == "trainer"]
-    assert [m["step"] for m in records] == list(range(8))
+    assert [m["step"] for m in records] == list(range(steps))
 
 
 def wait_for_line(run: Launched, text: str, timeout_s: float = 300) -> None:
