@@ -23,7 +23,7 @@ def test_standalone_ranks_are_forked_into_the_trainer_with_its_flags(launched):
     ((config, entrypoint, args),) = launched
     assert (config.nproc_per_node, config.start_method) == (2, "fork")
     assert (config.rdzv_backend, config.rdzv_endpoint) == ("c10d", "localhost:0") and config.run_id
-    assert entrypoint is ranks.run_rank and args == ("@", "t.toml", "--max-steps", "3")
+    assert entrypoint is ranks.run_rank and args == ("rl.trainer.main", "@", "t.toml", "--max-steps", "3")
 
 
 def test_a_given_master_port_keeps_torchruns_static_rendezvous(launched):
@@ -33,6 +33,6 @@ def test_a_given_master_port_keeps_torchruns_static_rendezvous(launched):
 
 
 def test_only_the_trainer_is_run(launched):
-    with pytest.raises(SystemExit, match="runs `-m rl.trainer.main ...` only, not 'rl.trainer.sft'"):
+    with pytest.raises(SystemExit, match="runs `-m rl.trainer.main ...` or `-m rl.trainer.service ...` only, not 'rl.trainer.sft'"):
         ranks.launch(["--standalone", "--nproc-per-node=2", "-m", "rl.trainer.sft"])
     assert not launched

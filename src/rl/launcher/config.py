@@ -15,6 +15,7 @@ from rl.weights.config import TransferConfig
 from rl.envs.config import EnvServerConfig
 from rl.inference.config import InferenceConfig
 from rl.launcher.placement import PlacementConfig
+from rl.service.config import ApiConfig
 from rl.orchestrator.config import OrchestratorConfig
 from rl.trainer.config import TrainerConfig
 
@@ -174,6 +175,10 @@ class RLConfig(Settings):
                           "several, serve it yourself and set orchestrator.teacher.base_url)"),
     ] = None
 
+    api: Annotated[
+        ApiConfig | None, BeforeValidator(optional_section),
+        Field(description="`rl serve-api`: the Tinker API in the orchestrator's place (docs/tinker.md)"),
+    ] = None
     # Devices
     trainer_gpus: Annotated[int | None, Field(ge=1, description="GPUs for the trainer (one process each)")] = None
     inference_gpus: Annotated[int | None, Field(ge=1, description="GPUs for inference (a replica per TP group)")] = None

@@ -2,6 +2,7 @@
 
     uv run rl --trainer @ train.toml --orchestrator @ orch.toml --inference @ infer.toml --max-steps 5
     uv run rl report <run-dir>    # <run-dir>/report.html: plots per step, progress, summary, configs
+    uv run rl serve-api --trainer @ train.toml --inference @ infer.toml   # the Tinker API (docs/tinker.md)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from rl.launcher.placement import HostPlan, given_host, plan
 from rl.launcher.resume import choose_checkpoint, discard_after
 from rl.launcher.run_report import main as report_main
 from rl.launcher.replay import main as replay_main
+from rl.launcher.serve_api import SERVICE_SECRETS, TRAINER_MODULE, service_command, service_config
 from rl.launcher.deploy import describe, render_k8s, render_slurm, slurm_job, submit
 from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor, is_secret
@@ -190,7 +192,10 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
                 else (None, cpu_server_env(plan.replicas, tp, cores))
             )
             specs.append(ChildSpec("teacher", cmd, visible, logs / "teacher.log", env))
-    if host.runs("orchestrator"):
+    if host.runs("orchestrator") and config.api is not None:  # rl serve-api: the service in its place
+        specs.append(ChildSpec("service", service_command(configs), [], logs / "service.log",
+                               keep_secrets=SERVICE_SECRETS))
+    elif host.runs("orchestrator"):
         # verifiers' clients read the servers' API key from the variable they are given the name of; the processes
         # that run environments' code get no other secret of the launcher's but what they need (ORCHESTRATOR_SECRETS)
         key = {API_KEY_VAR: config.inference.api_key} if config.inference.api_key else {}
@@ -203,7 +208,8 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
         specs.append(ChildSpec("orchestrator", cmd, [], logs / "orchestrator.log", secret_env=key,  # no GPU
                                keep_secrets=ORCHESTRATOR_SECRETS, preload=("rl.orchestrator.main",) if fork else ()))
     if host.runs("trainer"):
-        cmd = torchrun_args(host, paths) + ["-m", "rl.trainer.main", "@", str(configs / "trainer.toml")]
+        module = "rl.trainer.main" if config.api is None else TRAINER_MODULE
+        cmd = torchrun_args(host, paths) + ["-m", module, "@", str(configs / "trainer.toml")]
         gpus = plan.trainer_gpus
         visible, env = (child_visible_devices(gpus, parent_gpus), gpu_child_env("trainer")) if gpus else (None, {})
         specs.append(ChildSpec("trainer", cmd, visible, logs / "trainer.log", env | cpu_trainer_env(plan)))
@@ -290,7 +296,7 @@ def check_start(config: RLConfig, host: HostPlan, paths: RunPaths, resuming: boo
         plan_resume(config, paths)
     for name in {getattr(config, role).model.name for role in host.roles}:
         check_model(name)
-    if host.runs("orchestrator"):
+    if host.runs("orchestrator") and config.api is None:
         check_environments(config.orchestrator)
     if config.teacher is not None and host.runs("orchestrator"):
         check_same_tokenizer(config.orchestrator.model.name, config.teacher.model)
@@ -305,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
         return report_main(argv[1:])
     if argv[:1] == ["replay"]:
         return replay_main(argv[1:])
+    if argv[:1] == ["serve-api"]:
+        argv = ["--api", *argv[1:]]
     if "--help" in argv or "-h" in argv:
         print(__doc__)
         print(config_help(RLConfig))
@@ -333,7 +341,9 @@ def main(argv: list[str] | None = None) -> None:
         write_config(getattr(config, name), configs / f"{name}.toml")
     if host.runs("inference") and config.teacher_server is not None:
         write_config(config.teacher_server, configs / "teacher.toml")
-    if host.runs("orchestrator"):
+    if host.runs("orchestrator") and config.api is not None:
+        write_config(service_config(config), configs / "service.toml")
+    elif host.runs("orchestrator"):
         for name, server in config.env_servers.items():
             write_config(server, configs / f"{name}.toml")
     write_config(config, configs / "rl.toml", mask_secrets=True)  # a record: nothing reads it back

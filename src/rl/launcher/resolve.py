@@ -13,6 +13,7 @@ from rl.config import SECRET_MASK, ConfigError, is_hybrid, is_moe, secret_fields
 from rl.weights.config import CollectiveTransfer
 from rl.launcher.config import ROLES, RLConfig
 from rl.envs.placement import place_env_servers
+from rl.launcher.serve_api import resolve_api
 from rl.launcher.teacher import check_distillation, place_teacher
 from rl.adapter import next_vllm_rank
 from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConfig
@@ -120,6 +121,8 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
         raise ConfigError("orchestrator.sampling.temperature must be > 0 for training: greedy rollouts have no "
                           "sampling distribution to take a policy gradient of")
     _fill(o.sampling.temperature, t, "temperature", "orchestrator.sampling.temperature", "trainer")
+    if config.api is not None:
+        resolve_api(config)
     resolve_lora(t, i, o)
     if t.keep_weights < o.async_level + 2:
         raise ConfigError(

@@ -251,8 +251,8 @@ class Supervisor:
         self.metrics_offset += len(complete.encode())
         for line in complete.splitlines():
             record = json.loads(line)
-            keys = ("reward", "loss", "policy_step", "staleness_max", "step_time_s")
-            shown = " ".join(f"{k}={record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float)))
+            keys = ("reward", "loss", "policy_step", "staleness_max", "step_time_s", "call_s", "trainer_s")
+            shown = f"{record['call']} " * ("call" in record) + " ".join(f"{k}={record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float)))
             print(f"rl: step {record['step']} {record['process']:<12} {shown} [{self._progress(record)}]", flush=True)
 
     def _progress(self, record: dict) -> str:

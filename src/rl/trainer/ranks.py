@@ -1,6 +1,7 @@
 """torchrun for a host without GPUs: the trainer's ranks are forked from one process that has imported the trainer.
 
     python -m rl.trainer.ranks <torchrun's flags> -m rl.trainer.main <the trainer's flags>
+    (or -m rl.trainer.service, `rl serve-api`'s trainer)
 
 The command line is torchrun's, and so are the elastic agent, its rendezvous, restarts and shutdown
 (`torch.distributed.run`'s flags and `elastic_launch`). What differs: torchrun execs a fresh Python per rank, which
@@ -13,22 +14,22 @@ fork, and the imports are nothing beside a GPU host's cores and a model's loadin
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import uuid
 
-TRAINER = "rl.trainer.main"
+TRAINERS = ("rl.trainer.main", "rl.trainer.service")
 
 
-def run_rank(*trainer_args: str) -> None:
+def run_rank(module: str, *trainer_args: str) -> None:
     """A forked rank: the trainer's main() with its own flags (torchrun's environment is already set)."""
     import torch
 
-    from rl.trainer import main as trainer  # imported before the fork: a lookup
-
+    trainer = importlib.import_module(module)  # imported before the fork: a lookup
     if threads := os.environ.get("OMP_NUM_THREADS"):  # torchrun's 1 per rank: OpenMP read it before the fork
         torch.set_num_threads(int(threads))
-    sys.argv = [TRAINER, *trainer_args]
+    sys.argv = [module, *trainer_args]
     trainer.main()
 
 
@@ -38,9 +39,10 @@ def launch(argv: list[str]) -> None:
     from torch.distributed.launcher.api import elastic_launch
 
     args = torchrun.parse_args(argv)
-    if not (args.module and args.training_script == TRAINER):
-        sys.exit(f"rl.trainer.ranks: runs `-m {TRAINER} ...` only, not {args.training_script!r}")
-    import rl.trainer.main  # noqa: F401  every rank's imports, once, before the fork
+    if not (args.module and args.training_script in TRAINERS):
+        sys.exit(f"rl.trainer.ranks: runs `-m {' ...` or `-m '.join(TRAINERS)} ...` only, not "
+                 f"{args.training_script!r}")
+    importlib.import_module(args.training_script)  # every rank's imports, once, before the fork
 
     # the rendezvous torchrun's run() picks for these flags: one node standalone or without an endpoint gets a
     # c10d store on a free local port and an id of its own; a static rendezvous keeps torchrun's default port
@@ -53,7 +55,7 @@ def launch(argv: list[str]) -> None:
     args.start_method = "fork"
     config, _, _ = torchrun.config_from_args(args)
     try:
-        elastic_launch(config, run_rank)(*args.training_script_args)
+        elastic_launch(config, run_rank)(args.training_script, *args.training_script_args)
     except ChildFailedError as e:  # torchrun's table of which rank failed how; exit 1, as torchrun
         sys.exit(f"rl.trainer.ranks: {e}")
 

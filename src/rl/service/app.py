@@ -1,0 +1,308 @@
+"""The REST surface of the Tinker SDK (0.38) over rl's trainer and inference servers, under /api/v1.
+
+Every slow operation answers at once with a future (`request_id`) that the SDK long-polls through /retrieve_future:
+training calls go to the trainer in each model's seq_id order (rl/service/training.py), samples to vLLM
+(rl/service/sampler.py). One trained model per service. What rl does not implement is refused by name: an unknown
+route with 404, an unsupported setting with 400, a failed future with its `error` and `category`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from rl.metrics_file import append_metrics
+from rl.protocol import RunPaths
+from rl.service.config import API_KEY_VAR, ServiceConfig
+from rl.service.sampler import Sampler, SampleError
+from rl.service.training import TIMES, CallFailed, InOrder, TrainerCalls
+from rl.service.wire import WireError, forward_backward_output, read_forward_backward, sample_output
+
+PROTOBUF = "application/x-protobuf"
+
+
+class Refused(ValueError):
+    """A request refused at once, with its HTTP status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class TrainedModel:
+    model_id: str
+    lora_rank: int | None
+    order: InOrder
+    sampler_paths: dict[str, int] = field(default_factory=dict)  # name: policy step
+    states: dict[str, int] = field(default_factory=dict)  # name: checkpoint step
+
+
+class Service:
+    def __init__(self, config: ServiceConfig, trainer: TrainerCalls, sampler: Sampler):
+        self.config, self.trainer, self.sampler = config, trainer, sampler
+        self.paths = RunPaths(config.output_dir)
+        self.model: TrainedModel | None = None
+        self.sampling_sessions: dict[str, int] = {}  # id: policy step it samples
+        self.futures: dict[str, asyncio.Task] = {}
+        self.step = 0  # the trained policy's version: optimizer steps taken
+
+    # ---- futures ----
+
+    def submit(self, kind: str, work, **reply) -> dict:
+        request_id = f"{kind}-{uuid.uuid4().hex[:12]}"
+        self.futures[request_id] = asyncio.create_task(self.timed(kind, work))
+        return {"request_id": request_id, **reply}
+
+    async def timed(self, kind: str, work):
+        """Each request's line in metrics.jsonl: the policy step after it, its time from arrival to answer (call_s)
+        and the trainer's part of it (trainer_s; the rest waited for earlier requests or for files)."""
+        start, times = time.perf_counter(), {"step": self.step}
+        TIMES.set(times)  # this task's own: the trainer's calls add to it
+        try:
+            return await work()
+        finally:
+            self.step = times["step"]
+            append_metrics(self.paths, {"process": "service", "call": kind, "time": time.time(), **times,
+                                        "call_s": time.perf_counter() - start})
+
+    async def retrieve(self, request_id: str) -> Response:
+        task = self.futures.get(request_id)
+        if task is None:
+            raise Refused(404, f"no future {request_id!r} (a service restart forgets them)")
+        done, _ = await asyncio.wait({task}, timeout=self.config.api.long_poll_s)
+        if not done:
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        del self.futures[request_id]
+        error = task.exception()
+        if isinstance(error, (CallFailed, SampleError, WireError, Refused)):
+            category = getattr(error, "category", "user")
+            return JSONResponse({"error": str(error), "category": category})
+        if error is not None:
+            return JSONResponse({"error": f"{type(error).__name__}: {error}", "category": "server"})
+        result = task.result()
+        return Response(result, media_type=PROTOBUF) if isinstance(result, bytes) else JSONResponse(result)
+
+    # ---- the trained model ----
+
+    def trained(self, model_id: str) -> TrainedModel:
+        if self.model is None or self.model.model_id != model_id:
+            raise Refused(404, f"no model {model_id!r}: this service trains "
+                               f"{self.model.model_id if self.model else 'none yet (create_model first)'}")
+        return self.model
+
+    def create_model(self, body: dict) -> dict:
+        if body.get("base_model") != self.config.model:
+            raise Refused(400, f"base_model {body.get('base_model')!r} is not the model this service trains, "
+                               f"{self.config.model!r}")
+        if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
+            raise Refused(400, f"optimizer {body['optimizer_config']}: rl trains with AdamW only")
+        lora = body.get("lora_config")
+        if lora and not (lora.get("train_mlp", True) and lora.get("train_attn", True)):
+            raise Refused(400, "lora_config with train_mlp or train_attn false: rl adapts both")
+        if self.model is not None:
+            raise Refused(409, f"this service already trains {self.model.model_id}; start another for a second model")
+        model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
+        self.model = TrainedModel(model_id, lora["rank"] if lora else None, InOrder(self.config.api.call_timeout_s))
+
+        async def create():
+            await self.trainer.call("create_model", lora_rank=self.model.lora_rank, seed=(lora or {}).get("seed") or 0)
+            return {"model_id": model_id, "type": "create_model"}
+        return self.submit("create_model", create, model_id=model_id)
+
+    def info(self, body: dict) -> dict:
+        model = self.trained(body["model_id"])
+        return {"model_id": model.model_id, "model_data": {"arch": "rl", "model_name": self.config.model,
+                                                           "tokenizer_id": self.config.model},
+                "is_lora": model.lora_rank is not None, "lora_rank": model.lora_rank,
+                "model_name": self.config.model, "type": "get_info"}
+
+    def forward_backward(self, body: bytes) -> dict:
+        request = read_forward_backward(body)
+        model = self.trained(request.model_id)
+        tensors = {}
+        for i, datum in enumerate(request.datums):
+            tensors[f"{i}/tokens"] = torch.from_numpy(datum.tokens)
+            tensors |= {f"{i}/{name}": torch.from_numpy(array) for name, array in datum.inputs.items()}
+
+        async def run():
+            result, outputs = await self.trainer.call(
+                "forward_backward", tensors, datums=len(request.datums), loss_fn=request.loss_fn,
+                loss_fn_config=request.loss_fn_config, forward_only=request.forward_only)
+            logprobs = [outputs[f"logprobs/{i}"].numpy() for i in range(len(request.datums))]
+            return forward_backward_output(logprobs, result["metrics"])
+        kind = "forward" if request.forward_only else "forward_backward"
+        return self.submit(kind, lambda: model.order.run(request.seq_id, run))
+
+    def optim_step(self, body: dict) -> dict:
+        model = self.trained(body["model_id"])
+        if "adam_params" not in body:
+            raise Refused(400, f"optimizer_params {body.get('optimizer_params')}: rl trains with AdamW (adam_params)")
+        adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                "grad_clip_norm": 0.0} | body["adam_params"]
+
+        async def step():
+            result, _ = await self.trainer.call("optim_step", adam_params=adam)
+            return {"metrics": result["metrics"], "type": "optim_step"}
+        return self.submit("optim_step", lambda: model.order.run(body["seq_id"], step))
+
+    def save_for_sampler(self, body: dict) -> dict:
+        model = self.trained(body["model_id"])
+        name = body.get("path")
+
+        async def save():
+            result, _ = await self.trainer.call("save_for_sampler")
+            if name is None:  # save_weights_and_get_sampling_client: a session of its own
+                return {"sampling_session_id": self.new_sampling_session(result["step"]),
+                        "type": "save_weights_for_sampler"}
+            model.sampler_paths[name] = result["step"]
+            return {"path": f"tinker://{model.model_id}/sampler_weights/{name}", "type": "save_weights_for_sampler"}
+        return self.submit("save_weights_for_sampler", lambda: model.order.run(body["seq_id"], save))
+
+    def save_state(self, body: dict) -> dict:
+        model = self.trained(body["model_id"])
+        name = body["path"]
+
+        async def save():
+            result, _ = await self.trainer.call("save_state")
+            model.states[name] = result["step"]
+            self.write_states()
+            return {"path": f"tinker://{model.model_id}/weights/{name}", "type": "save_weights"}
+        return self.submit("save_weights", lambda: model.order.run(body["seq_id"], save))
+
+    def load_state(self, body: dict) -> dict:
+        path = body["path"]
+        model_id, kind, name = parse_path(path)
+        if kind != "weights":
+            raise Refused(400, f"{path} is a {kind} path; load_state takes a tinker://<model>/weights/<name> path")
+        if self.model is None and "session_id" in body:  # create_training_client_from_state: make the model first
+            self.create_model({"base_model": self.config.model, **body, "lora_config": body.get("lora_config")})
+        model = self.trained(body.get("model_id", self.model.model_id if self.model else ""))
+        states = self.read_states()
+        if name not in states.get(model_id, {}):
+            raise Refused(404, f"no saved state {name!r} of model {model_id!r} (saved: {sorted(states.get(model_id, {}))})")
+
+        async def load():
+            await self.trainer.call("load_state", step=states[model_id][name], optimizer=body.get("optimizer", True))
+            return {"path": path, "model_id": model.model_id, "type": "load_weights"}
+        return self.submit("load_weights", lambda: model.order.run(body.get("seq_id", model.order.next), load))
+
+    def write_states(self) -> None:
+        states = self.read_states() | {self.model.model_id: self.model.states}
+        (self.paths.root / "service").mkdir(exist_ok=True)
+        (self.paths.root / "service" / "states.json").write_text(json.dumps(states))
+
+    def read_states(self) -> dict[str, dict[str, int]]:
+        where = self.paths.root / "service" / "states.json"
+        return json.loads(where.read_text()) if where.is_file() else {}
+
+    # ---- sampling ----
+
+    def new_sampling_session(self, step: int) -> str:
+        session = f"sampler-{uuid.uuid4().hex[:12]}"
+        self.sampling_sessions[session] = step
+        return session
+
+    def create_sampling_session(self, body: dict) -> dict:
+        if path := body.get("model_path"):
+            model_id, kind, name = parse_path(path)
+            if kind != "sampler_weights" or self.model is None or name not in self.model.sampler_paths:
+                raise Refused(404, f"no sampler weights at {path}: save_weights_for_sampler makes them")
+            step = self.model.sampler_paths[name]
+        elif body.get("base_model") == self.config.model:
+            step = 0
+        else:
+            raise Refused(400, f"base_model {body.get('base_model')!r} is not this service's {self.config.model!r}")
+        return {"sampling_session_id": self.new_sampling_session(step), "type": "create_sampling_session"}
+
+    def asample(self, body: dict) -> dict:
+        session = body.get("sampling_session_id")
+        if session not in self.sampling_sessions:
+            raise Refused(404, f"no sampling session {session!r}")
+        step = self.sampling_sessions[session]
+        ids = [f"{session}-{body.get('seq_id', 0)}-{i}" for i in range(body.get("num_samples", 1))]
+
+        async def sample():
+            sequences, prompt_logprobs, _ = await self.sampler.sample(step, body)
+            return sample_output(sequences, prompt_logprobs)
+        return self.submit("sample", sample, sample_sequence_ids=ids)
+
+
+def parse_path(path: str) -> tuple[str, str, str]:
+    parts = path.removeprefix("tinker://").split("/")
+    if not path.startswith("tinker://") or len(parts) != 3:
+        raise Refused(400, f"{path!r} is not a tinker://<model_id>/<kind>/<name> path")
+    return parts[0], parts[1], parts[2]
+
+
+def build_app(service: Service) -> FastAPI:
+    app = FastAPI(title="rl serve-api")
+    key = os.environ.get(API_KEY_VAR, "")
+
+    @app.middleware("http")
+    async def checked(request: Request, call_next):
+        given = request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(given.encode(), key.encode()):
+            return JSONResponse({"detail": f"X-API-Key is not this service's {API_KEY_VAR}"}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(Refused)
+    async def refused(request: Request, e: Refused):
+        return JSONResponse({"detail": str(e)}, status_code=e.status)
+
+    for kind in (WireError, SampleError, KeyError):  # a body rl cannot read: never a 400 without a body
+        app.add_exception_handler(kind, lambda request, e: JSONResponse({"detail": f"{type(e).__name__}: {e}"},
+                                                                        status_code=400))
+
+    json_routes = {
+        "create_model": service.create_model, "get_info": service.info, "optim_step": service.optim_step,
+        "save_weights_for_sampler": service.save_for_sampler, "save_weights": service.save_state,
+        "load_weights": service.load_state, "create_sampling_session": service.create_sampling_session,
+        "asample": service.asample,
+        "client/config": lambda body: {"use_pyqwest_transport": False},
+        "client/dynamic_config": lambda body: {},
+        "create_session": lambda body: {"session_id": f"rl-{uuid.uuid4().hex[:12]}", "type": "create_session"},
+        "session_heartbeat": lambda body: {"type": "session_heartbeat"},
+        "telemetry": lambda body: {"status": "accepted"},
+    }
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request):
+        return service.forward_backward(await request.body())
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request):
+        return await service.retrieve((await request.json())["request_id"])
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities():
+        return {"supported_models": [{"model_name": service.config.model, "trainable": True, "sampleable": True,
+                                      "max_context_length": service.config.seq_len}]}
+
+    @app.get("/api/v1/samplers/{session}")
+    async def sampler(session: str):
+        if session not in service.sampling_sessions:
+            raise Refused(404, f"no sampling session {session!r}")
+        return {"sampler_id": session, "base_model": service.config.model}
+
+    @app.post("/api/v1/sessions/{session}/finish")
+    async def finish(session: str):
+        return {}
+
+    @app.api_route("/api/v1/{route:path}", methods=["GET", "POST", "PUT", "DELETE"])
+    async def route(route: str, request: Request):
+        handler = json_routes.get(route) if request.method == "POST" else None
+        if handler is None:
+            raise Refused(404, f"rl serve-api does not implement {request.method} /api/v1/{route} "
+                               "(docs/tinker.md lists what it does)")
+        return handler(await request.json())
+
+    return app
