@@ -26,6 +26,12 @@ def call_dir(paths: RunPaths, n: int) -> Path:
     return paths.root / "calls" / f"call_{n:06d}"
 
 
+def calls_so_far(paths: RunPaths) -> int:
+    """How many calls were written: the next call's number."""
+    numbers = [int(p.name.removeprefix("call_")) for p in (paths.root / "calls").glob("call_*") if is_stable(p)]
+    return max(numbers, default=-1) + 1
+
+
 def write_call(paths: RunPaths, n: int, call: dict, tensors: dict[str, torch.Tensor] | None = None) -> None:
     final = call_dir(paths, n)
     tmp = temp_path(final)

@@ -4,9 +4,11 @@ optim_step on rl's FSDP2 trainer (two ranks), sampled and scored on rl's vLLM se
 import re
 import sys
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 import tinker
 
@@ -43,7 +45,7 @@ def served(tiny_model, tmp_path_factory):
         pytest.fail("rl serve-api never answered:\n" + run.output[-4000:])
     client = tinker.ServiceClient(base_url=url, api_key=KEY)
     trainer = client.create_lora_training_client(base_model=str(tiny_model), rank=8)  # one model per service
-    yield trainer, str(tiny_model), out, url
+    yield SimpleNamespace(client=client, trainer=trainer, model=str(tiny_model), out=out, url=url, run=run)
     run.stop()
 
 
@@ -55,7 +57,7 @@ def datum(loss_fn: str, **extra) -> tinker.Datum:
 
 
 def test_the_sdk_trains_a_lora_model_samples_it_and_scores_what_it_sampled(served):
-    trainer, model, out, _ = served
+    trainer, model, out = served.trainer, served.model, served.out
     assert trainer.get_info().model_data.model_name == model
     losses = []
     for _ in range(5):  # the loss falls on one fixed datum
@@ -95,7 +97,7 @@ def test_the_sdk_trains_a_lora_model_samples_it_and_scores_what_it_sampled(serve
 
 
 def test_what_rl_does_not_do_is_refused_by_name(served):
-    trainer, model, _, url = served
+    trainer, url = served.trainer, served.url
     with pytest.raises(tinker.TinkerError, match="loss_fn 'dro' is not one rl serve-api computes"):
         trainer.forward_backward([datum("cross_entropy")], "dro").result()
     with pytest.raises(tinker.TinkerError, match=r"target_tokens\[0\] = 7 is not model_input\[1\]"):
@@ -106,7 +108,44 @@ def test_what_rl_does_not_do_is_refused_by_name(served):
     assert unknown.status_code == 404 and "does not implement POST /api/v1/unload_model" in unknown.text
     wrong_key = httpx.post(f"{url}/api/v1/create_session", json={}, headers={"X-API-Key": "tml-other"})
     assert wrong_key.status_code == 401 and "TINKER_API_KEY" in wrong_key.text
-    sampler = trainer.save_weights_and_get_sampling_client("refusals")
+    trainer.forward_backward([datum("cross_entropy")], "cross_entropy").result()
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-4)).result()
+    path = trainer.save_weights_for_sampler("refusals").result().path
+    sampler = served.client.create_sampling_client(model_path=path)  # a named path, as a recipe keeps them
+    assert len(sampler.sample(tinker.ModelInput.from_ints(TOKENS), 1, tinker.SamplingParams(max_tokens=2)).result()
+               .sequences) == 1
+    base = served.client.create_sampling_client(base_model=served.model)  # policy 0, which the servers left
+    with pytest.raises(tinker.TinkerError, match=r"policy 0 is older than policy \d+"):
+        base.sample(tinker.ModelInput.from_ints(TOKENS), 1, tinker.SamplingParams(max_tokens=2)).result()
     with pytest.raises(tinker.TinkerError, match="topk_prompt_logprobs"):
         sampler.sample(tinker.ModelInput.from_ints(TOKENS), num_samples=1, sampling_params=tinker.SamplingParams(
             max_tokens=2), include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+
+
+def test_the_trainer_killed_mid_call_fails_the_call_and_a_saved_state_resumes_the_model(served):
+    trainer = served.trainer
+    client = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+    saved = trainer.save_state("before-kill").result().path
+    assert saved.endswith("/weights/before-kill")
+    before = trainer.forward([datum("cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    trainer_pid = served.run.child_pid("trainer")
+    long_batch = [datum("cross_entropy")] * 64  # a call that is running when its trainer is killed
+    pending = trainer.forward_backward(long_batch, "cross_entropy")
+    time.sleep(0.05)
+    for process in [psutil.Process(trainer_pid), *psutil.Process(trainer_pid).children(recursive=True)]:
+        process.kill()
+    start = time.monotonic()
+    with pytest.raises(tinker.TinkerError, match="the trainer was restarted"):
+        pending.result()
+        trainer.forward([datum("cross_entropy")], "cross_entropy").result()  # if the kill came after the call
+    assert time.monotonic() - start < 120
+    resumed = client.create_training_client_from_state_with_optimizer(saved).result()
+    after = resumed.forward([datum("cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert np.allclose(after, before, atol=1e-5)
+    resumed.forward_backward([datum("cross_entropy")], "cross_entropy").result()
+    resumed.optim_step(tinker.AdamParams(learning_rate=5e-3)).result()
+    # the resumed model's policies take versions no earlier policy had: its sampler serves its own weights
+    sampler = resumed.save_weights_and_get_sampling_client("resumed")
+    trained = resumed.forward([datum("cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    served_logprobs = sampler.compute_logprobs(tinker.ModelInput.from_ints(TOKENS)).result()
+    assert np.allclose(served_logprobs[1:], trained.tolist(), atol=1e-4)

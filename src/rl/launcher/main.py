@@ -35,7 +35,9 @@ from rl.launcher.placement import HostPlan, given_host, plan
 from rl.launcher.resume import choose_checkpoint, discard_after
 from rl.launcher.run_report import main as report_main
 from rl.launcher.replay import main as replay_main
-from rl.launcher.serve_api import SERVICE_SECRETS, TRAINER_MODULE, service_command, service_config
+from rl.launcher.serve_api import (
+    SERVICE_SECRETS, TRAINER_MODULE, TRAINER_RESTARTS, service_command, service_config,
+)
 from rl.launcher.deploy import describe, render_k8s, render_slurm, slurm_job, submit
 from rl.launcher.hosts import HostBoard
 from rl.launcher.supervisor import ChildSpec, Supervisor, is_secret
@@ -212,7 +214,9 @@ def child_specs(config: RLConfig, host: HostPlan, paths: RunPaths) -> list[Child
         cmd = torchrun_args(host, paths) + ["-m", module, "@", str(configs / "trainer.toml")]
         gpus = plan.trainer_gpus
         visible, env = (child_visible_devices(gpus, parent_gpus), gpu_child_env("trainer")) if gpus else (None, {})
-        specs.append(ChildSpec("trainer", cmd, visible, logs / "trainer.log", env | cpu_trainer_env(plan)))
+        restarts = 0 if config.api is None else TRAINER_RESTARTS  # rl serve-api: its client loads a saved state
+        specs.append(ChildSpec("trainer", cmd, visible, logs / "trainer.log", env | cpu_trainer_env(plan),
+                               restarts=restarts))
     return specs
 
 

@@ -14,6 +14,8 @@ from rl.config import API_KEY_VAR, ConfigError
 from rl.service.config import API_KEY_VAR as TINKER_KEY_VAR, ServiceConfig
 
 TRAINER_MODULE = "rl.trainer.service"
+TRAINER_RESTARTS = 3  # a trainer that dies is started again; the call it died in fails, and the client goes on from a
+# saved state (create_training_client_from_state), as from a crash of the hosted service
 
 
 def service_config(config) -> ServiceConfig:

@@ -166,6 +166,8 @@ class Supervisor:
             warming.join(POLL_S)
 
     def _restart(self, name: str, code: int) -> None:
+        for left in self.descendants.pop(name, {}).values():  # what the dead child started must not outlive it:
+            _signal_process(left, signal.SIGKILL)  # trainer ranks would go on reading the calls beside new ones
         self.restarted[name] = self.restarted.get(name, 0) + 1
         print(f"rl: {name} {_why_ended(code)}; restarting it ({self.restarted[name]} of at most "
               f"{self.specs[name].restarts} restarts)", file=sys.stderr, flush=True)
@@ -252,7 +254,7 @@ class Supervisor:
         for line in complete.splitlines():
             record = json.loads(line)
             keys = ("reward", "loss", "policy_step", "staleness_max", "step_time_s", "call_s", "trainer_s")
-            shown = f"{record['call']} " * ("call" in record) + " ".join(f"{k}={record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float)))
+            shown = (f"{record['call']} " if "call" in record else "") + " ".join(f"{k}={record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float)))
             print(f"rl: step {record['step']} {record['process']:<12} {shown} [{self._progress(record)}]", flush=True)
 
     def _progress(self, record: dict) -> str:

@@ -19,6 +19,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from rl.atomic import atomic_write_text
 from rl.metrics_file import append_metrics
 from rl.protocol import RunPaths
 from rl.service.config import API_KEY_VAR, ServiceConfig
@@ -43,7 +44,6 @@ class TrainedModel:
     lora_rank: int | None
     order: InOrder
     sampler_paths: dict[str, int] = field(default_factory=dict)  # name: policy step
-    states: dict[str, int] = field(default_factory=dict)  # name: checkpoint step
 
 
 class Service:
@@ -69,6 +69,10 @@ class Service:
         TIMES.set(times)  # this task's own: the trainer's calls add to it
         try:
             return await work()
+        except CallFailed as e:
+            if e.model_lost:  # a restarted trainer holds no model: the client loads a saved state into a new one
+                self.model = None
+            raise
         finally:
             self.step = times["step"]
             append_metrics(self.paths, {"process": "service", "call": kind, "time": time.time(), **times,
@@ -108,15 +112,19 @@ class Service:
         lora = body.get("lora_config")
         if lora and not (lora.get("train_mlp", True) and lora.get("train_attn", True)):
             raise Refused(400, "lora_config with train_mlp or train_attn false: rl adapts both")
+        model = self.new_model(body, lora["rank"] if lora else None)
+
+        async def create():
+            await self.trainer.call("create_model", lora_rank=model.lora_rank, seed=(lora or {}).get("seed") or 0)
+            return {"model_id": model.model_id, "type": "create_model"}
+        return self.submit("create_model", create, model_id=model.model_id)
+
+    def new_model(self, body: dict, lora_rank: int | None) -> TrainedModel:
         if self.model is not None:
             raise Refused(409, f"this service already trains {self.model.model_id}; start another for a second model")
         model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
-        self.model = TrainedModel(model_id, lora["rank"] if lora else None, InOrder(self.config.api.call_timeout_s))
-
-        async def create():
-            await self.trainer.call("create_model", lora_rank=self.model.lora_rank, seed=(lora or {}).get("seed") or 0)
-            return {"model_id": model_id, "type": "create_model"}
-        return self.submit("create_model", create, model_id=model_id)
+        self.model = TrainedModel(model_id, lora_rank, InOrder(self.config.api.call_timeout_s))
+        return self.model
 
     def info(self, body: dict) -> dict:
         model = self.trained(body["model_id"])
@@ -173,34 +181,43 @@ class Service:
 
         async def save():
             result, _ = await self.trainer.call("save_state")
-            model.states[name] = result["step"]
-            self.write_states()
+            self.write_state(model, name, result["step"])
             return {"path": f"tinker://{model.model_id}/weights/{name}", "type": "save_weights"}
         return self.submit("save_weights", lambda: model.order.run(body["seq_id"], save))
 
     def load_state(self, body: dict) -> dict:
+        """Into the trained model (`model_id`), or into a new one (`session_id`: create_training_client_from_state)
+        of the saved state's LoRA rank."""
         path = body["path"]
         model_id, kind, name = parse_path(path)
-        if kind != "weights":
-            raise Refused(400, f"{path} is a {kind} path; load_state takes a tinker://<model>/weights/<name> path")
-        if self.model is None and "session_id" in body:  # create_training_client_from_state: make the model first
-            self.create_model({"base_model": self.config.model, **body, "lora_config": body.get("lora_config")})
-        model = self.trained(body.get("model_id", self.model.model_id if self.model else ""))
-        states = self.read_states()
-        if name not in states.get(model_id, {}):
-            raise Refused(404, f"no saved state {name!r} of model {model_id!r} (saved: {sorted(states.get(model_id, {}))})")
+        state = self.read_states().get(model_id, {}).get(name)
+        if kind != "weights" or state is None:
+            raise Refused(404, f"no saved state at {path}: save_state makes them (tinker://<model>/weights/<name>)")
+        load = {"step": state["step"], "optimizer": body.get("optimizer", True)}
+        if "model_id" in body:
+            model = self.trained(body["model_id"])
 
-        async def load():
-            await self.trainer.call("load_state", step=states[model_id][name], optimizer=body.get("optimizer", True))
+            async def into_model():
+                await self.trainer.call("load_state", **load)
+                return {"path": path, "type": "load_weights"}
+            return self.submit("load_weights", lambda: model.order.run(body["seq_id"], into_model))
+        model = self.new_model(body, state["lora_rank"])
+
+        async def into_new_model():
+            await self.trainer.call("create_model", lora_rank=model.lora_rank, seed=0)
+            await self.trainer.call("load_state", **load)
             return {"path": path, "model_id": model.model_id, "type": "load_weights"}
-        return self.submit("load_weights", lambda: model.order.run(body.get("seq_id", model.order.next), load))
+        return self.submit("load_weights", into_new_model, model_id=model.model_id)
 
-    def write_states(self) -> None:
-        states = self.read_states() | {self.model.model_id: self.model.states}
+    def write_state(self, model: TrainedModel, name: str, step: int) -> None:
+        """states.json: every saved state by model and name, with what a new model loading it needs; kept in the
+        run directory, beside the checkpoints it names."""
+        states = self.read_states()
+        states.setdefault(model.model_id, {})[name] = {"step": step, "lora_rank": model.lora_rank}
         (self.paths.root / "service").mkdir(exist_ok=True)
-        (self.paths.root / "service" / "states.json").write_text(json.dumps(states))
+        atomic_write_text(self.paths.root / "service" / "states.json", json.dumps(states))
 
-    def read_states(self) -> dict[str, dict[str, int]]:
+    def read_states(self) -> dict[str, dict[str, dict]]:
         where = self.paths.root / "service" / "states.json"
         return json.loads(where.read_text()) if where.is_file() else {}
 

@@ -53,12 +53,12 @@ class ServedPolicy:
                 self.changed.notify_all()
 
     async def load(self, step: int) -> None:
-        path = self.paths.weights(step)
-        if not is_stable(path):
-            raise SampleError(f"policy {step} has no published weights ({path}): sample from a saved sampler path")
         if step < self.step:
             raise SampleError(f"policy {step} is older than policy {self.step}, which the servers now serve: rl's "
                               "servers only move to newer policies")
+        path = self.paths.weights(step)
+        if not is_stable(path):
+            raise SampleError(f"policy {step} has no published weights ({path}): sample from a saved sampler path")
         self.proof = await self.pool.update_weights(step, str(path.absolute()))
         self.step = step
         checksums = sorted({str(served.get("weights_checksum")) for served in self.proof})

@@ -19,9 +19,9 @@ TIMES: contextvars.ContextVar[dict] = contextvars.ContextVar("times")
 class CallFailed(ValueError):
     """The trainer refused or failed a call; `category` as Tinker's futures report it (user, server)."""
 
-    def __init__(self, message: str, category: str = "server"):
+    def __init__(self, message: str, category: str = "server", model_lost: bool = False):
         super().__init__(message)
-        self.category = category
+        self.category, self.model_lost = category, model_lost
 
 
 class TrainerCalls:
@@ -45,7 +45,7 @@ class TrainerCalls:
             times["trainer_s"] = times.get("trainer_s", 0.0) + result.get("time_s", 0.0)
             times["step"] = result.get("step", times.get("step"))
         if "error" in result:
-            raise CallFailed(result["error"], result.get("category", "server"))
+            raise CallFailed(result["error"], result.get("category", "server"), result.get("model_lost", False))
         return result, outputs
 
     async def stop(self) -> None:

@@ -19,17 +19,17 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from rl.calls import call_dir, finish_result, read_call, wait_until, write_rank_result
+from rl.calls import call_dir, calls_so_far, finish_result, read_call, result_ready, wait_until, write_rank_result
 from rl.config import ConfigError, run_cli
 from rl.metrics import setup_logging
 from rl.process import set_up_process
-from rl.protocol import RunPaths, is_stable
+from rl.protocol import RunPaths, is_stable, stable_steps
 from rl.trainer.checkpoint import Checkpointer
 from rl.trainer.config import LoraConfig, TrainerConfig, check_device
 from rl.trainer.data import filler_token_id
 from rl.trainer.model import load_policy
 from rl.trainer.optim import build_optimizer, build_scheduler, clip_gradients
-from rl.trainer.tinker_ops import CallError, check_call, forward_backward
+from rl.trainer.tinker_ops import CallError, ModelLost, check_call, forward_backward
 from rl.trainer.weights import FilesSender, WeightPublisher
 from rl.trainer.world import World, init_world
 
@@ -51,7 +51,7 @@ class ServedPolicy:
         self.publisher = WeightPublisher.for_config(self.config, paths, self.policy, tokenizer, world)
         self.sender = FilesSender(self.publisher)
         self.checkpointer = Checkpointer(paths, self.config.ckpt.model_copy(update={"keep": 10**6}), world)
-        self.step = 0
+        self.step = unused_step(paths)
 
     def forward_backward(self, call: dict, tensors: dict[str, torch.Tensor]) -> dict:
         datums = [{name.split("/", 1)[1]: t for name, t in tensors.items() if name.startswith(f"{i}/")}
@@ -93,14 +93,37 @@ class ServedPolicy:
         if not call["optimizer"]:  # the weights alone: the optimizer starts afresh
             self.optimizer = build_optimizer(self.policy, self.config.optim)
         self.optimizer.zero_grad(set_to_none=True)
-        self.step = call["step"]
+        self.step = unused_step(paths=self.paths)
         return {"step": self.step}
 
     def close(self) -> None:
         self.publisher.close()
 
 
-def run_call(served: ServedPolicy | None, call: dict, tensors: dict, make) -> tuple[ServedPolicy | None, dict]:
+def unused_step(paths: RunPaths) -> int:
+    """The policy version a new or reloaded model starts from: past every step published or saved in the run, so
+    that no two policies share a weights/step_k (which a sampler would then serve for both) or a checkpoint (which a
+    saved state names). The service's first model starts at 0, the base model inference serves."""
+    taken = stable_steps(paths.weights_root) + paths.checkpoint_steps("trainer")
+    return max(taken, default=-1) + 1
+
+
+LOST = ("the trainer was restarted (its process died) since this model was created, and the model went with it: "
+        "load a saved state (ServiceClient.create_training_client_from_state)")
+
+
+def resume_calls(paths: RunPaths, world: World) -> int:
+    """The first call this trainer runs. A trainer restarted by `rl serve-api` fails the call its predecessor died
+    in (the service is waiting on it) and takes the calls after it."""
+    n = calls_so_far(paths)
+    if world.is_main and n and not result_ready(paths, n - 1):
+        finish_result(paths, n - 1, {"error": LOST, "category": "server", "model_lost": True})
+    world.barrier()
+    return n
+
+
+def run_call(served: ServedPolicy | None, call: dict, tensors: dict, make, restarted: bool
+             ) -> tuple[ServedPolicy | None, dict]:
     op = call["op"]
     if op == "create_model":
         if served is not None:
@@ -108,7 +131,7 @@ def run_call(served: ServedPolicy | None, call: dict, tensors: dict, make) -> tu
                             "a second")
         return make(call["lora_rank"], call["seed"]), {"step": 0}
     if served is None:
-        raise CallError(f"{op} before create_model: no model is loaded")
+        raise ModelLost(LOST) if restarted else CallError(f"{op} before create_model: no model is loaded")
     if op == "forward_backward":
         return served, served.forward_backward(call, tensors)
     if op == "optim_step":
@@ -136,7 +159,8 @@ def main() -> None:
     logger.info(f"rank {world.rank}/{world.world_size} on {world.device}: waiting for the service's calls")
     served: ServedPolicy | None = None
     make = lambda rank, seed: ServedPolicy(config, paths, world, rank, seed)  # noqa: E731
-    n = 0
+    n = resume_calls(paths, world)
+    restarted = n > 0
     try:
         while True:
             wait_until(lambda: is_stable(call_dir(paths, n)), config.batch_timeout_s, f"the service's call {n}")
@@ -145,7 +169,9 @@ def main() -> None:
                 break
             start = time.perf_counter()
             try:
-                served, result = run_call(served, call | {"n": n}, tensors, make)
+                served, result = run_call(served, call | {"n": n}, tensors, make, restarted)
+            except ModelLost as e:
+                result = {"error": str(e), "category": "server", "model_lost": True}
             except (CallError, FileNotFoundError) as e:
                 result = {"error": str(e), "category": "user"}
             world.barrier()  # every rank's part is written

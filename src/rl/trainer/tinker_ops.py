@@ -37,6 +37,10 @@ class CallError(ValueError):
     """A call the trainer refuses, its message naming why (the client's error, not the trainer's)."""
 
 
+class ModelLost(CallError):
+    """A call for a model a restarted trainer no longer holds."""
+
+
 def check_call(loss_fn: str, config: dict[str, float], datums: list[dict[str, torch.Tensor]], seq_len: int,
                vocab_size: int) -> None:
     if loss_fn not in LOSS_INPUTS:
