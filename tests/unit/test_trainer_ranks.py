@@ -33,6 +33,7 @@ def test_a_given_master_port_keeps_torchruns_static_rendezvous(launched):
 
 
 def test_only_the_trainer_is_run(launched):
-    with pytest.raises(SystemExit, match="runs `-m rl.trainer.main ...` or `-m rl.trainer.service ...` only, not 'rl.trainer.sft'"):
+    only = "runs `-m rl.trainer.main ...` or `-m rl.trainer.service ...` only, not 'rl.trainer.sft'"
+    with pytest.raises(SystemExit, match=only):
         ranks.launch(["--standalone", "--nproc-per-node=2", "-m", "rl.trainer.sft"])
     assert not launched

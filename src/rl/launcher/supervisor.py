@@ -254,7 +254,8 @@ class Supervisor:
         for line in complete.splitlines():
             record = json.loads(line)
             keys = ("reward", "loss", "policy_step", "staleness_max", "step_time_s", "call_s", "trainer_s")
-            shown = (f"{record['call']} " if "call" in record else "") + " ".join(f"{k}={record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float)))
+            values = " ".join(f"{k}={record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float)))
+            shown = (f"{record['call']} " if "call" in record else "") + values  # `rl serve-api`: the call
             print(f"rl: step {record['step']} {record['process']:<12} {shown} [{self._progress(record)}]", flush=True)
 
     def _progress(self, record: dict) -> str:

@@ -96,7 +96,8 @@ class Sequence:
 def sample_output(sequences: list[Sequence], prompt_logprobs: list[float | None] | None) -> bytes:
     reply = pb.SampleResponse(sequences=[
         pb.SampledSequence(stop_reason=pb.STOP_REASON_STOP if s.stopped else pb.STOP_REASON_LENGTH,
-                           tokens=np.asarray(s.tokens, "<i4").tobytes(), logprobs=np.asarray(s.logprobs, "<f4").tobytes())
+                           tokens=np.asarray(s.tokens, "<i4").tobytes(),
+                           logprobs=np.asarray(s.logprobs, "<f4").tobytes())
         for s in sequences
     ])
     if prompt_logprobs is not None:  # None (the first token's) travels as NaN

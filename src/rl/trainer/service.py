@@ -44,7 +44,8 @@ class ServedPolicy:
         torch.manual_seed(seed)
         self.policy = load_policy(self.config, world)
         self.optimizer = build_optimizer(self.policy, self.config.optim)
-        self.scheduler = build_scheduler(self.optimizer, self.config.optim, self.config.max_steps)  # checkpoints hold it
+        # unused (each optim_step sets its own LR) but held by checkpoints, as `rl`'s trainer's
+        self.scheduler = build_scheduler(self.optimizer, self.config.optim, self.config.max_steps)
         tokenizer = AutoTokenizer.from_pretrained(self.config.model.name)
         self.pad_id = filler_token_id(tokenizer)
         self.vocab_size = self.policy.config.get_text_config().vocab_size

@@ -44,9 +44,11 @@ class ModelLost(CallError):
 def check_call(loss_fn: str, config: dict[str, float], datums: list[dict[str, torch.Tensor]], seq_len: int,
                vocab_size: int) -> None:
     if loss_fn not in LOSS_INPUTS:
-        raise CallError(f"loss_fn {loss_fn!r} is not one rl serve-api computes; it computes {sorted(LOSS_INPUTS)}")
+        raise CallError(f"loss_fn {loss_fn!r} is not one rl serve-api computes; it computes "
+                        f"{sorted(LOSS_INPUTS)}")
     if unknown := set(config) - set(CLIP_DEFAULTS):
-        raise CallError(f"loss_fn_config keys {sorted(unknown)} are unknown to {loss_fn}; rl reads {sorted(CLIP_DEFAULTS)}")
+        raise CallError(f"loss_fn_config keys {sorted(unknown)} are unknown to {loss_fn}; rl reads "
+                        f"{sorted(CLIP_DEFAULTS)}")
     for i, datum in enumerate(datums):
         tokens = datum["tokens"]
         if missing := [k for k in LOSS_INPUTS[loss_fn] if k not in datum]:
@@ -111,7 +113,8 @@ def tinker_loss(loss_fn: str, logprobs: torch.Tensor, mb: MicroBatch, config: di
 
 
 def forward_backward(policy, datums: list[dict[str, torch.Tensor]], loss_fn: str, config: dict[str, float],
-                     backward: bool, row_tokens: int, pad_id: int, world: World) -> tuple[dict[int, torch.Tensor], float]:
+                     backward: bool, row_tokens: int, pad_id: int, world: World
+                     ) -> tuple[dict[int, torch.Tensor], float]:
     """This rank's datums' target logprobs ([N] each, by datum index in `datums`) and its part of the loss. Every
     rank runs as many micro-batches (FSDP's collectives must match): a rank with fewer runs empty ones."""
     batches = micro_batches(datums, row_tokens)
