@@ -49,14 +49,17 @@ def read_call(paths: RunPaths, n: int) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, check: Callable[[], None] | None = None,
                poll_s: float = 0.02) -> None:
-    """Poll `ready` until it holds; TimeoutError naming `what` after `timeout_s`; `check` may raise to stop early."""
-    deadline = time.monotonic() + timeout_s
+    """Poll `ready` until it holds; TimeoutError naming `what` after `timeout_s`; `check` may raise to stop early.
+    Polls every millisecond at first, slowing to `poll_s` over the first second: a call answered in tens of
+    milliseconds is seen at once, an idle wait costs a stat every `poll_s`."""
+    start = time.monotonic()
     while not ready():
         if check is not None:
             check()
-        if time.monotonic() > deadline:
+        waited = time.monotonic() - start
+        if waited > timeout_s:
             raise TimeoutError(f"waited {timeout_s:.0f}s for {what} and it never came")
-        time.sleep(poll_s)
+        time.sleep(min(poll_s, 0.001 + waited / 50))
 
 
 def write_rank_result(paths: RunPaths, n: int, rank: int, tensors: dict[str, torch.Tensor]) -> None:

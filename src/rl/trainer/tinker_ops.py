@@ -22,6 +22,7 @@ import torch
 from rl.samples import Sample
 from rl.trainer.data import MicroBatch, empty_micro_batch, pack_rows, packed_micro_batch
 from rl.trainer.model import forward_logprobs
+from rl.trainer.step import set_gradient_sync
 from rl.trainer.world import World
 
 LOSS_INPUTS = {
@@ -121,7 +122,9 @@ def forward_backward(policy, datums: list[dict[str, torch.Tensor]], loss_fn: str
     count, = world.all_reduce([len(batches)], op="max")
     batches += [(empty_micro_batch(pad_id, True), [])] * (int(count) - len(batches))
     outputs, total = {}, 0.0
-    for mb, row in batches:
+    for i, (mb, row) in enumerate(batches):
+        if backward and i in (0, len(batches) - 1):  # gradients reduced by the call's last backward (as step.py)
+            set_gradient_sync(policy, world, last=i == len(batches) - 1)
         mb = mb.to(world.device)
         with torch.set_grad_enabled(backward):
             logprobs, _ = forward_logprobs(policy, mb)
