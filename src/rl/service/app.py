@@ -8,6 +8,7 @@ route with 404, an unsupported setting with 400, a failed future with its `error
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -54,6 +55,8 @@ class Service:
         self.sampling_sessions: dict[str, int] = {}  # id: policy step it samples
         self.futures: dict[str, asyncio.Task] = {}
         self.step = 0  # the trained policy's version: optimizer steps taken
+        self.name = config.api.served_model_name or config.model  # what clients call the model
+        self.names = {self.name, config.model}
 
     # ---- futures ----
 
@@ -104,9 +107,9 @@ class Service:
         return self.model
 
     def create_model(self, body: dict) -> dict:
-        if body.get("base_model") != self.config.model:
+        if body.get("base_model") not in self.names:
             raise Refused(400, f"base_model {body.get('base_model')!r} is not the model this service trains, "
-                               f"{self.config.model!r}")
+                               f"{self.name!r}")
         if (body.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
             raise Refused(400, f"optimizer {body['optimizer_config']}: rl trains with AdamW only")
         lora = body.get("lora_config")
@@ -115,9 +118,20 @@ class Service:
         model = self.new_model(body, lora["rank"] if lora else None)
 
         async def create():
-            await self.trainer.call("create_model", lora_rank=model.lora_rank, seed=(lora or {}).get("seed") or 0)
+            async with self.made(model):
+                await self.trainer.call("create_model", lora_rank=model.lora_rank, seed=(lora or {}).get("seed") or 0)
             return {"model_id": model.model_id, "type": "create_model"}
         return self.submit("create_model", create, model_id=model.model_id)
+
+    @contextlib.asynccontextmanager
+    async def made(self, model: TrainedModel):
+        """The trainer makes `model`: if it cannot, the service holds no model (the client may create one again)."""
+        try:
+            yield
+        except CallFailed:
+            if self.model is model:
+                self.model = None
+            raise
 
     def new_model(self, body: dict, lora_rank: int | None) -> TrainedModel:
         if self.model is not None:
@@ -128,10 +142,10 @@ class Service:
 
     def info(self, body: dict) -> dict:
         model = self.trained(body["model_id"])
-        return {"model_id": model.model_id, "model_data": {"arch": "rl", "model_name": self.config.model,
-                                                           "tokenizer_id": self.config.model},
+        return {"model_id": model.model_id, "model_data": {"arch": "rl", "model_name": self.name,
+                                                           "tokenizer_id": self.name},
                 "is_lora": model.lora_rank is not None, "lora_rank": model.lora_rank,
-                "model_name": self.config.model, "type": "get_info"}
+                "model_name": self.name, "type": "get_info"}
 
     def forward_backward(self, body: bytes) -> dict:
         request = read_forward_backward(body)
@@ -204,8 +218,9 @@ class Service:
         model = self.new_model(body, state["lora_rank"])
 
         async def into_new_model():
-            await self.trainer.call("create_model", lora_rank=model.lora_rank, seed=0)
-            await self.trainer.call("load_state", **load)
+            async with self.made(model):
+                await self.trainer.call("create_model", lora_rank=model.lora_rank, seed=0)
+                await self.trainer.call("load_state", **load)
             return {"path": path, "model_id": model.model_id, "type": "load_weights"}
         return self.submit("load_weights", into_new_model, model_id=model.model_id)
 
@@ -234,10 +249,10 @@ class Service:
             if kind != "sampler_weights" or self.model is None or name not in self.model.sampler_paths:
                 raise Refused(404, f"no sampler weights at {path}: save_weights_for_sampler makes them")
             step = self.model.sampler_paths[name]
-        elif body.get("base_model") == self.config.model:
+        elif body.get("base_model") in self.names:
             step = 0
         else:
-            raise Refused(400, f"base_model {body.get('base_model')!r} is not this service's {self.config.model!r}")
+            raise Refused(400, f"base_model {body.get('base_model')!r} is not this service's {self.name!r}")
         return {"sampling_session_id": self.new_sampling_session(step), "type": "create_sampling_session"}
 
     def asample(self, body: dict) -> dict:
@@ -301,14 +316,14 @@ def build_app(service: Service) -> FastAPI:
 
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities():
-        return {"supported_models": [{"model_name": service.config.model, "trainable": True, "sampleable": True,
+        return {"supported_models": [{"model_name": service.name, "trainable": True, "sampleable": True,
                                       "max_context_length": service.config.seq_len}]}
 
     @app.get("/api/v1/samplers/{session}")
     async def sampler(session: str):
         if session not in service.sampling_sessions:
             raise Refused(404, f"no sampling session {session!r}")
-        return {"sampler_id": session, "base_model": service.config.model}
+        return {"sampler_id": session, "base_model": service.name}
 
     @app.post("/api/v1/sessions/{session}/finish")
     async def finish(session: str):

@@ -29,6 +29,11 @@ class ApiConfig(Section):
     idle_timeout_s: Annotated[
         float, Field(gt=0, description="the trainer stops when no call comes for this long")
     ] = 86400.0
+    served_model_name: Annotated[
+        str | None, Field(min_length=1, description="the name clients give the model (base_model) and load its "
+                                                    "tokenizer by, e.g. the hub id of a local copy; default: "
+                                                    "model.name")
+    ] = None
     long_poll_s: Annotated[
         float, Field(gt=0, le=40, description="how long a retrieve_future holds before answering try_again (the "
                                               "SDK's own read timeout is 45 s)")

@@ -1,0 +1,98 @@
+"""rl serve-api's REST surface with a stand-in trainer (rl/service/app.py, rl/service/training.py): futures, the
+order of a model's requests, and what is refused."""
+
+import asyncio
+import contextlib
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rl.service.app import Service, build_app
+from rl.service.config import ApiConfig, ServiceConfig
+from rl.service.training import CallFailed, InOrder
+
+KEY = "tml-unit"
+
+
+class Trainer:
+    """Records the calls; fails the ones named in `fail`."""
+
+    def __init__(self, fail=()):
+        self.calls, self.fail = [], set(fail)
+
+    async def call(self, op, tensors=None, **settings):
+        self.calls.append(op)
+        if op in self.fail:
+            raise CallFailed(f"{op} failed", "user")
+        return {"step": 0, "metrics": {}}, {}
+
+
+@pytest.fixture
+def api(monkeypatch, tmp_path):
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+
+    with contextlib.ExitStack() as stack:
+        def make(trainer):  # one event loop for the client's requests: a future outlives the request that made it
+            config = ServiceConfig(model="m", output_dir=tmp_path, api=ApiConfig(long_poll_s=5))
+            app = build_app(Service(config, trainer, sampler=None))
+            return stack.enter_context(TestClient(app, headers={"X-API-Key": KEY}))
+        yield make
+
+
+def result(client, reply: dict) -> dict:
+    return client.post("/api/v1/retrieve_future", json={"request_id": reply["request_id"]}).json()
+
+
+def create(client, session="s", seq=0):
+    return client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": seq, "base_model": "m",
+                                                     "lora_config": {"rank": 4}}).json()
+
+
+def test_a_model_is_created_through_a_future_named_as_the_sdk_derives_it(api):
+    client = api(Trainer())
+    reply = create(client)
+    assert reply["model_id"] == "s:train:0" and result(client, reply) == {"model_id": "s:train:0",
+                                                                          "type": "create_model"}
+    info = client.post("/api/v1/get_info", json={"model_id": "s:train:0"}).json()
+    assert (info["is_lora"], info["lora_rank"], info["model_data"]["tokenizer_id"]) == (True, 4, "m")
+
+
+def test_a_model_the_trainer_could_not_make_leaves_room_for_another(api):
+    trainer = Trainer(fail={"create_model"})
+    client = api(trainer)
+    assert result(client, create(client)) == {"error": "create_model failed", "category": "user"}
+    trainer.fail.clear()
+    assert "error" not in result(client, create(client, seq=1))
+    assert create(client, seq=2).get("detail", "").startswith("this service already trains s:train:1")
+
+
+def test_refusals_are_named_with_the_status_the_sdk_expects(api):
+    client = api(Trainer())
+    assert client.post("/api/v1/create_model", json={"session_id": "s", "model_seq_id": 0,
+                                                      "base_model": "other"}).status_code == 400
+    unknown = client.post("/api/v1/unload_model", json={})
+    assert unknown.status_code == 404 and "unload_model" in unknown.json()["detail"]
+    assert client.post("/api/v1/get_info", json={"model_id": "nope"}).status_code == 404
+    assert client.post("/api/v1/create_session", json={}, headers={"X-API-Key": "tml-wrong"}).status_code == 401
+    empty = client.post("/api/v1/forward_backward", content=b"\xff\xff")
+    assert empty.status_code == 400 and empty.json()["detail"]  # never a bare 400: the SDK would retry it
+    assert client.post("/api/v1/client/config", json={}).json() == {"use_pyqwest_transport": False}
+
+
+def test_a_models_requests_run_in_seq_id_order_whatever_order_they_come_in():
+    async def scenario():
+        order, ran = InOrder(timeout_s=5), []
+
+        async def work(n):
+            ran.append(n)
+        await asyncio.gather(*(order.run(n, lambda n=n: work(n)) for n in (3, 1, 2)))
+        return ran
+    assert asyncio.run(scenario()) == [1, 2, 3]
+
+
+def test_a_request_whose_predecessor_never_comes_fails_by_its_deadline():
+    async def scenario():
+        order = InOrder(timeout_s=0.05)
+        with pytest.raises(CallFailed, match="request 2 waited 0s for request 1"):
+            await order.run(2, asyncio.sleep)
+    asyncio.run(scenario())
