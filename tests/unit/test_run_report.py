@@ -16,7 +16,7 @@ from rl.protocol import RunPaths, append_metrics
 
 PLOTS = ("Reward", "Trainer loss", "Tokens per second", "Staleness", "Importance ratios", "Not trained",
          "Length of trained rollouts", "Each side&#x27;s wait", "Rollouts in flight",
-         "KV cache usage", "Preemptions")
+         "KV cache usage", "Preemptions", "Tinker API calls")
 
 
 def trainer(step: int, at: float, **more) -> dict:
@@ -99,12 +99,15 @@ def synthetic_run(root, steps: int = 6) -> RunPaths:
         append_metrics(paths, {
             "process": "orchestrator", "step": step, "time": at - 5, "reward": 0.1 * step, "tokens_per_s": 900.0,
             "staleness": 1, "off_policy/max": 1, "off_policy/mean": 0.5, "time/wait_for_policy": 0.2,
-            "rollouts_in_flight": 64, "engine/kv_cache_usage": 0.4, "in_flight_cap": 96, "engine/preemptions": 0,
+            "rollouts_in_flight": 64, "engine/kv_cache_usage": 0.4, "concurrency/cap": 96, "engine/preemptions": 0,
             "off_policy/discarded_tokens": 0.01, "completion_len": 40.0, "off_policy/trained_len": 38.0,
             **({"eval/reward": 0.3} if step % 3 == 0 else {})})
         append_metrics(paths, trainer(step, at, loss=1.0 / (step + 1), tokens_per_s=5000.0, ratio_p1=0.9,
                                       ratio_p50=1.0, ratio_p99=1.1, mismatch_corr=0.99, masked_frac=0.02,
                                       masked_seq_frac=0.05, **{"time/wait_for_batch": 1.5}))
+        for kind in ("forward_backward", "optim_step"):  # as rl serve-api's service logs each request
+            append_metrics(paths, {"process": "service", "step": step, "time": at, "call": kind,
+                                   f"call_s/{kind}": 0.2, f"trainer_s/{kind}": 0.15})
     with open(paths.metrics, "a") as f:
         f.write('{"process": "trainer", "step": %d, "lo' % steps)  # the trainer writing its next record
     return paths
@@ -125,7 +128,8 @@ def test_the_report_is_one_page_with_every_plot_the_summary_and_the_configs_with
     assert sorted(plots) == sorted(PLOTS)
     assert all(png[:4] == b"\x89PNG" for png in plots.values())
     assert "orchestrator eval/reward" in page and "trainer time/wait_for_batch" in page
-    assert "orchestrator in_flight_cap" in page and "orchestrator engine/kv_cache_usage" in page
+    assert "orchestrator concurrency/cap" in page and "orchestrator engine/kv_cache_usage" in page
+    assert "service call_s/forward_backward" in page and "service trainer_s/optim_step" in page
     assert "Not logged" not in page
     # self-contained: nothing fetched from elsewhere
     assert not re.search(r'(src|href)="(?!data:)', page) and "<script" not in page
@@ -147,6 +151,7 @@ def test_plots_of_keys_no_record_holds_are_left_out_and_listed(tmp_path):
     for key in ("eval/reward", "tokens_per_s", "off_policy/max", "time/wait_for_policy", "rollouts_in_flight",
                 "kv_cache", "preempt"):
         assert key in listed
+    assert "Tinker" not in listed  # no process of this run is rl serve-api's service: nothing of it is missing
     assert "not known: no max_steps" in page  # no configs/
 
 

@@ -33,9 +33,9 @@ Write <run-dir>/report.html: the run's plots per step, progress, summary and con
 Safe to run while the run is going."""
 
 KV_CACHE = re.compile(r"kv_cache", re.I)
-IN_FLIGHT_CAP = re.compile(r"(concurren|in_flight).*(cap|limit)|(cap|limit).*(concurren|in_flight)|max_concurrent")
 PREEMPTIONS = re.compile(r"preempt", re.I)
-NAMES = {KV_CACHE: "the engines' KV cache usage", IN_FLIGHT_CAP: "the in-flight cap", PREEMPTIONS: "preemptions"}
+CALL_TIMES = re.compile(r"^(call|trainer)_s/")  # rl serve-api: each kind of request's time, and the trainer's part
+NAMES = {KV_CACHE: "the engines' KV cache usage", PREEMPTIONS: "preemptions", CALL_TIMES: "the Tinker API's calls"}
 MAX_SERIES = 12  # per plot: a pattern may match a key per server
 PLOTTABLE = 1e100  # a larger number is no measurement, and overflows a plot's axis arithmetic
 MAX_STEP = 10**9
@@ -57,9 +57,10 @@ PLOTS: tuple[tuple[str, str, tuple[tuple[str | None, str | re.Pattern], ...]], .
                                                       ("orchestrator", "off_policy/trained_len"))),
     ("Each side's wait", "seconds per step", (("orchestrator", "time/wait_for_policy"),
                                               ("trainer", "time/wait_for_batch"))),
-    ("Rollouts in flight", "rollouts", (("orchestrator", "rollouts_in_flight"), ("orchestrator", IN_FLIGHT_CAP))),
+    ("Rollouts in flight", "rollouts", (("orchestrator", "rollouts_in_flight"), ("orchestrator", "concurrency/cap"))),
     ("KV cache usage", "KV cache usage", ((None, KV_CACHE),)),
     ("Preemptions", "requests preempted", ((None, PREEMPTIONS),)),
+    ("Tinker API calls", "seconds (the step's last of each kind)", (("service", CALL_TIMES),)),
 )
 
 
@@ -173,6 +174,8 @@ def series(records: list[dict], keys: dict[str, set[str]], specs) -> tuple[dict[
     `keys`: numeric_keys(records)."""
     found, missing = {}, []
     for process, key in specs:
+        if process is not None and process not in keys:  # a process this run has none of (rl's service, its
+            continue  # orchestrator under rl serve-api): nothing to draw or to miss
         where = [process] if process is not None else sorted(keys)
         matched = [(p, k) for p in where for k in sorted(keys.get(p, ()))
                    if (k == key if isinstance(key, str) else key.search(k))][:MAX_SERIES]

@@ -253,9 +253,13 @@ class Supervisor:
         self.metrics_offset += len(complete.encode())
         for line in complete.splitlines():
             record = json.loads(line)
-            keys = ("reward", "loss", "policy_step", "staleness_max", "step_time_s", "call_s", "trainer_s")
-            values = " ".join(f"{k}={record[k]:.4g}" for k in keys if isinstance(record.get(k), (int, float)))
-            shown = (f"{record['call']} " if "call" in record else "") + values  # `rl serve-api`: the call
+            keys = ("reward", "loss", "policy_step", "staleness_max", "step_time_s")
+            call = record.get("call")  # rl serve-api's service: a line per request, its kind and times
+            if call:
+                keys = (f"call_s/{call}", f"trainer_s/{call}")
+            shown = " ".join(f"{k.split('/')[0]}={record[k]:.4g}" for k in keys
+                             if isinstance(record.get(k), (int, float)))
+            shown = f"{call} {shown}" if call else shown
             print(f"rl: step {record['step']} {record['process']:<12} {shown} [{self._progress(record)}]", flush=True)
 
     def _progress(self, record: dict) -> str:

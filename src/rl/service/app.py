@@ -66,8 +66,9 @@ class Service:
         return {"request_id": request_id, **reply}
 
     async def timed(self, kind: str, work):
-        """Each request's line in metrics.jsonl: the policy step after it, its time from arrival to answer (call_s)
-        and the trainer's part of it (trainer_s; the rest waited for earlier requests or for files)."""
+        """Each request's line in metrics.jsonl: the policy step after it, its time from arrival to answer
+        (`call_s/<kind>`) and the trainer's part of it (`trainer_s/<kind>`; the rest waited for earlier requests or
+        for files)."""
         start, times = time.perf_counter(), {"step": self.step}
         TIMES.set(times)  # this task's own: the trainer's calls add to it
         try:
@@ -77,9 +78,10 @@ class Service:
                 self.model = None
             raise
         finally:
-            self.step = times["step"]
-            append_metrics(self.paths, {"process": "service", "call": kind, "time": time.time(), **times,
-                                        "call_s": time.perf_counter() - start})
+            self.step = times.pop("step")
+            timings = {f"{name}/{kind}": value for name, value in times.items()}  # a series per kind of request
+            append_metrics(self.paths, {"process": "service", "step": self.step, "call": kind, "time": time.time(),
+                                        f"call_s/{kind}": time.perf_counter() - start, **timings})
 
     async def retrieve(self, request_id: str) -> Response:
         task = self.futures.get(request_id)
