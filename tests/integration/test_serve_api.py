@@ -45,7 +45,11 @@ def served(tiny_model, tmp_path_factory):
         pytest.fail("rl serve-api never answered:\n" + run.output[-4000:])
     client = tinker.ServiceClient(base_url=url, api_key=KEY)
     trainer = client.create_lora_training_client(base_model=str(tiny_model), rank=8)  # one model per service
-    yield SimpleNamespace(client=client, trainer=trainer, model=str(tiny_model), out=out, url=url, run=run)
+    clients = [client]
+    yield SimpleNamespace(client=client, trainer=trainer, model=str(tiny_model), out=out, url=url, run=run,
+                          clients=clients)
+    for each in clients:  # before the service stops: else their heartbeats fail on for the rest of the session
+        each.close("success").result()
     run.stop()
 
 
@@ -125,6 +129,7 @@ def test_what_rl_does_not_do_is_refused_by_name(served):
 def test_the_trainer_killed_mid_call_fails_the_call_and_a_saved_state_resumes_the_model(served):
     trainer = served.trainer
     client = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+    served.clients.append(client)
     saved = trainer.save_state("before-kill").result().path
     assert saved.endswith("/weights/before-kill")
     before = trainer.forward([datum("cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
