@@ -33,8 +33,10 @@ from tinker_api import KEY, ROOT, common_flags, wait_up
 
 SERVED_NAME = "Qwen/Qwen3-8B"  # in the cookbook's model registry, whose renderer (qwen3) the tiny model's tokens have
 PACKAGES = ["tinker-cookbook==0.6.1", "chz", "blobfile", "tml-renderers", "termcolor", "tiktoken", "pyrage",
-            "cloudpickle", "datasets", "pyarrow", "dill", "multiprocess", "fsspec", "pandas", "python-dateutil",
-            "pytz", "tzdata", "lxml", "pycryptodomex"]
+            "cloudpickle", "datasets==4.0.0", "pyarrow==24.0.0", "dill==0.3.9", "multiprocess==0.70.17", "fsspec",
+            "pandas", "python-dateutil", "pytz", "tzdata", "lxml", "pycryptodomex"]
+# datasets 5.2 (with pyarrow 24 or 26, dill 0.4.1 or 0.3.9) fails to fingerprint a list of chats here ("Can't pickle
+# <class 'MonthDayNano'>"); 4.0.0 does not
 
 
 def parse_args() -> argparse.Namespace:
