@@ -1,6 +1,6 @@
 import pytest
 
-from rl.orchestrator.advantage import admitted, compute_advantages, group_advantages
+from rl.orchestrator.advantage import admitted, compute_advantages, group_advantages, grpo_advantages
 from rl.orchestrator.config import DrGrpoAdvantage, GrpoAdvantage, OrchestratorConfig, RlooAdvantage
 
 
@@ -8,6 +8,12 @@ def test_grpo_by_hand():
     # mean = (3 + 1 + 2) / 3 = 2; pstdev = sqrt((1 + 1 + 0) / 3) = 0.81650
     # A = (1, -1, 0) / 0.81650 = (1.22474, -1.22474, 0)
     assert compute_advantages("grpo", [3.0, 1.0, 2.0]) == pytest.approx([1.22474, -1.22474, 0.0], abs=1e-4)
+
+
+def test_grpo_advantages_of_a_group_by_hand():
+    # mean 0.5, population std 0.5; equal rewards: no signal
+    assert grpo_advantages([1.0, 0.0, 1.0, 0.0]) == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)
+    assert grpo_advantages([0.3, 0.3]) == [0.0, 0.0]
 
 
 def test_dr_grpo_by_hand():

@@ -54,6 +54,7 @@ def test_offers_renamed_into_place_while_a_reader_polls_for_them_are_never_calle
         t.start()
     for t in threads:
         t.join(60)
+    assert not [t for t in threads if t.is_alive()], "a reader or the writer still runs after 60 s"
     assert not errors
 
 
@@ -99,7 +100,7 @@ def test_an_offer_that_is_a_fifo_a_link_or_too_long_is_refused_without_blocking(
     reader = threading.Thread(target=read_all, daemon=True)
     reader.start()
     reader.join(10)
-    assert refused == [1, 2, 3], "a read blocked or was not refused"
+    assert not reader.is_alive() and refused == [1, 2, 3], "a read blocked or was not refused"
 
 
 def test_only_ascii_digits_name_a_step(tmp_path):

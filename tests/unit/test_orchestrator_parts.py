@@ -2,17 +2,10 @@ import asyncio
 
 import pytest
 
-from rl.orchestrator.advantage import grpo_advantages
 from rl.orchestrator.batch import balance_by_tokens
 from rl.envs.slots import RolloutSlots
 from rl.orchestrator.sampler import TaskSampler
 from rl.samples import Sample
-
-
-def test_grpo_by_hand():
-    # mean 0.5, population std 0.5
-    assert grpo_advantages([1.0, 0.0, 1.0, 0.0]) == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)
-    assert grpo_advantages([0.3, 0.3]) == [0.0, 0.0]
 
 
 def test_a_whole_batch_is_in_flight_unless_max_concurrent_says_otherwise():
@@ -55,7 +48,6 @@ def test_default_factories_behave_the_same_with_their_inspection_cached():
     from pydantic import BaseModel, Field
     from pydantic._internal import _fields
 
-    import rl.envs.worker  # noqa: F401 - installs the cache
 
     class Model(BaseModel):
         a: int = 1
@@ -217,7 +209,6 @@ def test_renderers_built_for_the_training_client_render_a_repeated_prompt_once_a
     import renderers
     from renderers.base import load_tokenizer
 
-    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
     from rl.renderer import renderer_config
 
     def build():
@@ -247,7 +238,6 @@ def test_a_rollouts_working_directory_is_made_at_its_first_use_and_removed_only_
 
     from verifiers.v1.runtimes import subprocess as runtimes
 
-    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
 
     monkeypatch.setattr(runtimes, "CACHE_DIR", tmp_path)
 
@@ -294,7 +284,6 @@ def test_a_renderers_tokenizer_encodes_a_short_string_once_and_hands_out_copies(
 def test_harness_classes_are_looked_up_once_per_id():
     from verifiers.v1.utils import loaders
 
-    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
 
     first = loaders.harness_class("in_process_chat")
     assert loaders.harness_class("in_process_chat") is first and loaders.harness_class.cache_info().hits >= 1
@@ -311,7 +300,6 @@ def test_a_renderer_slot_hands_out_a_remembered_render_on_the_loop_and_sends_oth
     from renderers.base import load_tokenizer
     from verifiers.v1.clients.train import RendererSlot
 
-    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
     from rl.renderer import renderer_config
 
     kind = type(renderers.create_renderer(load_tokenizer(str(tiny_model)), renderer_config("auto", str(tiny_model))[0])
@@ -348,7 +336,6 @@ def test_a_tasks_content_hash_is_computed_once_per_data_object(monkeypatch):
     import verifiers.v1 as vf
     from verifiers.v1 import task as task_module
 
-    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
 
     computed = []
     real = task_module.task_key
@@ -367,7 +354,6 @@ def test_verifiers_reads_a_hooks_signature_once_per_function():
 
     from verifiers.v1.utils import decorators
 
-    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
 
     reads = []
     real = inspect.signature
@@ -399,7 +385,6 @@ def test_engine_replies_are_decoded_by_msgspec_and_by_json_where_they_are_not_st
 
     from renderers import client as renderers_client
 
-    import rl.envs.worker  # noqa: F401 - applies the orchestrator's patches
 
     decoder, decoded = renderers_client.json, []
     real_decode = decoder._decode
