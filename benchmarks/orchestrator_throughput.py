@@ -48,7 +48,7 @@ from rl.envs.config import GROUP_GAP_S, EnvConfig
 from rl.envs.loading import load_environment
 from rl.envs.rollouts import InferenceClient, Sampling, run_group
 from rl.envs.slots import RolloutSlots
-from rl.envs.worker import apply_patches, tune_gc_for_serving
+from rl.envs.process_setup import apply_patches, tune_gc_for_serving
 from rl.renderer import renderer_config
 
 ROOT = Path(__file__).resolve().parents[1]

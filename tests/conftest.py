@@ -24,7 +24,7 @@ def model(tmp_path) -> Path:
 @pytest.fixture(autouse=True, scope="session")
 def environment_process_patches():
     """What the orchestrator's and eval's main() apply first (rl/patches/): tests run their parts in this process."""
-    from rl.envs.worker import apply_patches
+    from rl.envs.process_setup import apply_patches
 
     apply_patches()
 

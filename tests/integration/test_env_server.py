@@ -22,7 +22,7 @@ from rl.envs.loading import load_environment
 from rl.envs.groups import AgentConfigs, GroupClient, episode_record
 from rl.envs.client import ServedEpisodes
 from rl.envs.rollouts import InferenceClient, Sampling, model_contexts, run_group, to_result
-from rl.envs.worker import apply_patches
+from rl.envs.process_setup import apply_patches
 from rl.protocol import RunPaths, read_metrics
 from rl.renderer import renderer_config
 from rl.tiny_model import build_tiny_model

@@ -17,7 +17,7 @@ from rl.envs.config import EnvConfig
 from rl.envs.seal import beyond_loopback, seal_client
 from rl.envs.server import EnvServerConfig
 from rl.envs.loading import load_environment
-from rl.envs.worker import apply_patches
+from rl.envs.process_setup import apply_patches
 from tests.conftest import ROOT
 from tests.integration.launched import free_port, stop_process
 from tests.unit.test_eval_chat_api import KEY, MODEL, FakeOpenAI, fake_openai  # noqa: F401, F811 - a fixture

@@ -15,7 +15,7 @@ from rl.envs import client as env_servers
 from rl.envs.client import EnvServerError, ServedEpisodes
 from rl.envs.loading import load_environment
 from rl.envs.rollouts import ChatClient, RolloutError, Sampling, run_group, run_group_retried
-from rl.envs.worker import apply_patches
+from rl.envs.process_setup import apply_patches
 
 OK = msgpack.packb({"success": True, "error": None})
 

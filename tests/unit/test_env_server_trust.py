@@ -28,7 +28,7 @@ from rl.envs.config import EnvConfig, EnvServerConfig
 from rl.envs.loading import load_environment
 from rl.envs.trust import ClientPolicy
 from rl.envs.watch import WORKER_DIED
-from rl.envs.worker import apply_patches
+from rl.envs.process_setup import apply_patches
 from rl.launcher.supervisor import ChildSpec, Supervisor, inherited_environment, is_secret
 from rl.protocol import RunPaths
 from tests.conftest import ROOT

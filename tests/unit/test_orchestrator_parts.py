@@ -66,7 +66,7 @@ def test_default_factories_behave_the_same_with_their_inspection_cached():
 def test_gc_tuned_for_serving_freezes_the_startup_heap_and_collects_young_objects_less_often():
     import gc
 
-    from rl.envs.worker import YOUNG_GC_THRESHOLD, tune_gc_for_serving
+    from rl.envs.process_setup import YOUNG_GC_THRESHOLD, tune_gc_for_serving
 
     before = gc.get_threshold()
     try:

@@ -28,7 +28,7 @@ from rl.envs.config import EnvServerConfig
 from rl.envs.seal import seal_server
 from rl.envs.trust import ClientPolicy, screen_request
 from rl.envs.watch import BEATS_VAR, watch_workers
-from rl.envs.worker import set_up_worker
+from rl.envs.process_setup import set_up_worker
 from rl.patches import guard_requests
 
 logger = logging.getLogger("env-server")

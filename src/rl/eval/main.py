@@ -41,7 +41,7 @@ from rl.envs.loading import (
 )
 from rl.orchestrator.eval import EvalGroups, eval_stats, group_scores, run_eval_groups
 from rl.envs.rollouts import ChatClient, InferenceClient, RolloutResult, openai_api_root
-from rl.envs.worker import apply_patches
+from rl.envs.process_setup import apply_patches
 from rl.envs.slots import RolloutSlots
 from rl.renderer import chat_renderer, load_tokenizer
 from rl.renderer import describe as describe_renderer

@@ -24,7 +24,7 @@ from rl.orchestrator.engine_metrics import EngineMetrics
 from rl.orchestrator.inference_pool import InferencePool
 from rl.orchestrator.policy_sync import policy_sync
 from rl.envs.rollouts import GroupOutcome, InferenceClient, run_group_retried
-from rl.envs.worker import apply_patches, tune_gc_for_serving
+from rl.envs.process_setup import apply_patches, tune_gc_for_serving
 from rl.orchestrator.sampler import DifficultyPools, make_sampler
 from rl.orchestrator.samples_text import COLUMNS, step_samples, table_rows, write_samples
 from rl.envs.slots import RolloutSlots

@@ -15,7 +15,7 @@ save is in benchmarks/RESULTS.md, why each exists in docs/architecture.md ("Patc
   engine replies with msgspec (`decode_engine_replies_with_msgspec`); each interception server offers rl's
   in-process chat harness its model routes, called without HTTP (`interception_in_process`);
   all applied by the main() of the orchestrator and of `eval` and by every env-server worker
-  (`rl.envs.worker.apply_patches`, which hands `apply_orchestrator_patches` the client class: the patches import
+  (`rl.envs.process_setup.apply_patches`, which hands `apply_orchestrator_patches` the client class: the patches import
   nothing of rl's outside this package but `rl.process`);
 - verifiers: each sampled node is stamped, as its turn commits, with the policy version of each token, which rl's
   `EngineClient` read off vLLM's reply (`stamp_policy_versions`, patches/token_versions.py), applied with those;
@@ -25,7 +25,7 @@ save is in benchmarks/RESULTS.md, why each exists in docs/architecture.md ("Patc
 - verifiers: its env server holds rl's shared HTTP session and tunes the GC while it serves
   (`serve_episodes_holding`), sends each episode's traces once, when it ends (`send_traces_once`), and answers rl's
   requests for a group's episodes (`serve_group_runs`, rl/envs/groups.py), all applied by every env-server
-  worker (`rl.envs.worker.set_up_worker`); each worker drops a request whose id it could not decode and runs no
+  worker (`rl.envs.process_setup.set_up_worker`); each worker drops a request whose id it could not decode and runs no
   episode whose client names a variable or endpoint the server does not allow (`guard_requests`, applied by rl's env
   server before its workers fork); its pool's health reply carries the live workers (`answer_health_with`),
   set by the env server's worker watch; its pool forks its workers from the broker instead of spawning them

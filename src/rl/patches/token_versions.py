@@ -18,7 +18,7 @@ def stamp_policy_versions(versions: Callable[[str, list[int], list[bool]], list[
     (unknown); the node's `loss_weights` then holds them as `stream`: verifiers' per-token field left to its
     consumers, serialized with the node, so it crosses the env-server wire with the trace. It is stamped inside
     the commit, before anything can send the node. Applied with the other patches to verifiers
-    (`rl.envs.worker.apply_patches`)."""
+    (`rl.envs.process_setup.apply_patches`)."""
     from verifiers.v1 import graph
 
     turn = patch_target(graph, "PendingTurn", "verifiers")

@@ -1,7 +1,7 @@
 """Every change rl makes to verifiers, and every read of its env-server pool's private structure, in one file (with
 rl/envs/groups.py, which reads its env server's and client's private members, the only places rl touches verifiers'
 internals; docs/architecture.md lists each with the verifiers version it was read from). Applied in the processes
-that run or send episodes (`rl.envs.worker.apply_patches`) and in rl's env server (`rl.envs.server`).
+that run or send episodes (`rl.envs.process_setup.apply_patches`) and in rl's env server (`rl.envs.server`).
 rl/patches/__init__.py lists them."""
 
 from __future__ import annotations
