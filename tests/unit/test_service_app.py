@@ -43,6 +43,10 @@ def result(client, reply: dict) -> dict:
     return client.post("/api/v1/retrieve_future", json={"request_id": reply["request_id"]}).json()
 
 
+def session(client) -> str:
+    return client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+
+
 def create(client, session="s", seq=0):
     return client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": seq, "base_model": "m",
                                                      "lora_config": {"rank": 4}}).json()
@@ -60,10 +64,20 @@ def test_a_model_is_created_through_a_future_named_as_the_sdk_derives_it(api):
 def test_a_model_the_trainer_could_not_make_leaves_room_for_another(api):
     trainer = Trainer(fail={"create_model"})
     client = api(trainer)
-    assert result(client, create(client)) == {"error": "create_model failed", "category": "user"}
+    alive = session(client)
+    assert result(client, create(client, alive)) == {"error": "create_model failed", "category": "user"}
     trainer.fail.clear()
-    assert "error" not in result(client, create(client, seq=1))
-    assert create(client, seq=2).get("detail", "").startswith("this service already trains s:train:1")
+    assert "error" not in result(client, create(client, alive, seq=1))
+    assert create(client, alive, seq=2).get("detail", "").startswith(f"this service already trains {alive}:train:1")
+
+
+def test_a_model_whose_session_ended_is_replaced_by_the_next_one(api):
+    client = api(Trainer())
+    first = session(client)
+    assert "error" not in result(client, create(client, first))
+    assert client.post(f"/api/v1/sessions/{first}/finish", json={"reason": {"type": "success"}}).status_code == 200
+    second = session(client)
+    assert result(client, create(client, second)) == {"model_id": f"{second}:train:0", "type": "create_model"}
 
 
 def test_refusals_are_named_with_the_status_the_sdk_expects(api):

@@ -29,6 +29,7 @@ from rl.service.training import TIMES, CallFailed, InOrder, TrainerCalls
 from rl.service.wire import WireError, forward_backward_output, read_forward_backward, sample_output
 
 PROTOBUF = "application/x-protobuf"
+SESSION_SILENCE_S = 60.0  # the SDK beats every 10 s: six missed beats end a session (its model may be replaced)
 
 
 class Refused(ValueError):
@@ -54,9 +55,26 @@ class Service:
         self.model: TrainedModel | None = None
         self.sampling_sessions: dict[str, int] = {}  # id: policy step it samples
         self.futures: dict[str, asyncio.Task] = {}
+        self.sessions: dict[str, float] = {}  # id: its last sign of life (monotonic)
         self.step = 0  # the trained policy's version: optimizer steps taken
         self.name = config.api.served_model_name or config.model  # what clients call the model
         self.names = {self.name, config.model}
+
+    # ---- sessions: a model belongs to one; once it ends (finished, or silent), a new model may replace it ----
+
+    def create_session(self, body: dict) -> dict:
+        session = f"rl-{uuid.uuid4().hex[:12]}"
+        self.sessions[session] = time.monotonic()
+        return {"session_id": session, "type": "create_session"}
+
+    def heartbeat(self, body: dict) -> dict:
+        if body.get("session_id") in self.sessions:
+            self.sessions[body["session_id"]] = time.monotonic()
+        return {"type": "session_heartbeat"}
+
+    def session_alive(self, session: str) -> bool:
+        beat = self.sessions.get(session)
+        return beat is not None and time.monotonic() - beat < SESSION_SILENCE_S
 
     # ---- futures ----
 
@@ -136,8 +154,9 @@ class Service:
             raise
 
     def new_model(self, body: dict, lora_rank: int | None) -> TrainedModel:
-        if self.model is not None:
-            raise Refused(409, f"this service already trains {self.model.model_id}; start another for a second model")
+        if self.model is not None and self.session_alive(self.model.model_id.split(":train:")[0]):
+            raise Refused(409, f"this service already trains {self.model.model_id}, whose session is alive; start "
+                               "another rl serve-api for a second model, or end that session")
         model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
         self.model = TrainedModel(model_id, lora_rank, InOrder(self.config.api.call_timeout_s))
         return self.model
@@ -303,8 +322,8 @@ def build_app(service: Service) -> FastAPI:
         "asample": service.asample,
         "client/config": lambda body: {"use_pyqwest_transport": False},
         "client/dynamic_config": lambda body: {},
-        "create_session": lambda body: {"session_id": f"rl-{uuid.uuid4().hex[:12]}", "type": "create_session"},
-        "session_heartbeat": lambda body: {"type": "session_heartbeat"},
+        "create_session": service.create_session,
+        "session_heartbeat": service.heartbeat,
         "telemetry": lambda body: {"status": "accepted"},
     }
 
@@ -329,6 +348,7 @@ def build_app(service: Service) -> FastAPI:
 
     @app.post("/api/v1/sessions/{session}/finish")
     async def finish(session: str):
+        service.sessions.pop(session, None)
         return {}
 
     @app.api_route("/api/v1/{route:path}", methods=["GET", "POST", "PUT", "DELETE"])

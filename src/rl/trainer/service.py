@@ -126,11 +126,11 @@ def resume_calls(paths: RunPaths, world: World) -> int:
 def run_call(served: ServedPolicy | None, call: dict, tensors: dict, make, restarted: bool
              ) -> tuple[ServedPolicy | None, dict]:
     op = call["op"]
-    if op == "create_model":
+    if op == "create_model":  # the service lets a new model replace one whose session ended
         if served is not None:
-            raise CallError("this rl serve-api trains one model, and it was created: start another rl serve-api for "
-                            "a second")
-        return make(call["lora_rank"], call["seed"]), {"step": 0}
+            served.close()
+        made = make(call["lora_rank"], call["seed"])
+        return made, {"step": made.step}
     if served is None:
         raise ModelLost(LOST) if restarted else CallError(f"{op} before create_model: no model is loaded")
     if op == "forward_backward":
