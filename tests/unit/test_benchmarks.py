@@ -311,3 +311,18 @@ def test_launcher_command_lines_of_reproducible_and_where_two_runs_first_differ(
             for s in range(3)))
     assert reproducible.first_difference(tmp_path / "a", tmp_path / "b", 3) == 2
     assert reproducible.first_difference(tmp_path / "a", tmp_path / "a", 3) is None
+
+
+def test_the_tinker_api_benchmarks_start_serve_api_with_flags_it_accepts(model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-test")
+    tinker_api = benchmark("tinker_api")
+    flags = tinker_api.common_flags(parsed(tinker_api, ["--model", str(model)]), tmp_path / "api")
+    dry_run([*LAUNCHER, "serve-api", *flags, "--api.served-model-name", "Qwen/Qwen3-8B"], capsys)
+    cookbook = benchmark("tinker_cookbook")
+    sys.argv = ["benchmark", "--recipe", "verifiers_rl", "--model", str(model), "--out", str(tmp_path / "cb"),
+                "--dry-run"]
+    cookbook.main()
+    printed = capsys.readouterr().out
+    assert "serve-api" in printed and "--api.served-model-name Qwen/Qwen3-8B" in printed
+    assert "vf_env_id=reverse-text" in printed and "cookbook_fix" in printed
