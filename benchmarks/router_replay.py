@@ -9,8 +9,8 @@ Two sides run the quickstart's task on-policy (async level 0), the same seed and
 over `--rounds`:
 
 - replay: `--trainer.loss.router-replay true` (the default): every token goes to the experts inference recorded;
-- no-replay: `--trainer.loss.router-replay false`: the trainer's router chooses; inference's record is only
-  compared with that choice.
+- no-replay: `--trainer.loss.router-replay false --inference.router-replay true`: the trainer's router chooses;
+  inference's record is only compared with that choice.
 
 Per run, from the trainer's records (means over the steps): `moe/routed_as_recorded`, the share of recorded
 (token, layer) pairs the trainer sent to the experts inference used, `moe/router_agreement`, the share its own
@@ -36,7 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs" / "reverse_text"
-SIDES = {"no-replay": ["--trainer.loss.router-replay", "false"], "replay": ["--trainer.loss.router-replay", "true"]}
+# inference.router_replay follows the trainer's unless set: the no-replay side keeps the record to compare against
+SIDES = {"no-replay": ["--trainer.loss.router-replay", "false", "--inference.router-replay", "true"],
+         "replay": ["--trainer.loss.router-replay", "true"]}
 
 
 def parse_args() -> argparse.Namespace:

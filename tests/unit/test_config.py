@@ -182,6 +182,16 @@ def test_trainer_takes_the_sampling_temperature():
         load(["--orchestrator.sampling.temperature", "0.7", "--trainer.temperature", "0.5"])
 
 
+def test_router_replay_is_the_trainers_setting_and_inference_records_where_it_replays():
+    for replays in (True, False):
+        config, _ = load(["--trainer.loss.router-replay", str(replays).lower()])
+        assert config.inference.router_replay is replays
+    config, _ = load(["--trainer.loss.router-replay", "false", "--inference.router-replay", "true"])
+    assert config.inference.router_replay is True  # a record only compared with the trainer's router
+    with pytest.raises(ConfigError, match="inference.router_replay = false records nothing"):
+        load(["--inference.router-replay", "false"])
+
+
 def test_cpu_host_defaults_to_one_trainer_process_whose_openmp_workers_sleep(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     config, host = load(["--output-dir", str(tmp_path)])

@@ -159,11 +159,11 @@ class InferenceConfig(Settings):
                           "their KV under the new weights)"),
     ] = "salt"
     router_replay: Annotated[
-        bool, Field(description="mixture-of-experts: return each token's routed experts with every generation (vLLM's "
-                                "--enable-return-routed-experts), which the trainer routes the same way "
-                                "(trainer.loss.router_replay); on CPU it turns vLLM's prefix cache off. A dense model "
-                                "ignores it")
-    ] = True
+        bool | None, Field(description="mixture-of-experts: return each token's routed experts with every generation "
+                                       "(vLLM's --enable-return-routed-experts) for the trainer to route the same way; "
+                                       "unset: as trainer.loss.router_replay under rl, on for a server started alone. "
+                                       "On CPU it turns vLLM's prefix cache off. A dense model ignores it")
+    ] = None
     log_generation_requests: Annotated[
         bool, Field(description="a line in the server's access log for every answered generation request (one per "
                                 "rollout turn: thousands per step); refused and failed ones, and every other route, "
@@ -173,6 +173,11 @@ class InferenceConfig(Settings):
         list[str], AfterValidator(_no_rl_flags),
         Field(description="any other vLLM server arguments, passed through (after rl's: they win)"),
     ] = []
+
+    @property
+    def records_experts(self) -> bool:
+        """router_replay as a server applies it: unset (a server started alone, not by rl) records."""
+        return self.router_replay is not False
 
 
 def resolve_device_defaults(config: InferenceConfig, device: Literal["cuda", "cpu"]) -> dict[str, str]:

@@ -51,7 +51,7 @@ def vllm_argv(config: InferenceConfig, model_dir: str, memory_share: float, host
         "--worker-extension-cls", WORKER_EXTENSION, "--middleware", MIDDLEWARE,
     ]
     argv += ["--enforce-eager"] if config.enforce_eager else []
-    argv += routed_experts_args(model_dir) if config.router_replay else []
+    argv += routed_experts_args(model_dir) if config.records_experts else []
     argv += hybrid_args(model_dir)
     argv += ["--kv-cache-memory-bytes", str(int(config.kv_cache_gib * 2**30))] if config.kv_cache_gib else []
     argv += ["--disable-log-stats"] if config.log_stats is False else []
@@ -152,7 +152,7 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
     check_lora_name(config, model_dir)
     forks = cpu_start_method()  # before vLLM's own set-up, which sets spawn where nothing is set
     if is_moe(model_dir) and on_cpu():  # here, and in every process vLLM starts (forked or spawned), by its plugin
-        os.environ[patches.MOE_ENV] = "record" if config.router_replay else "reload"
+        os.environ[patches.MOE_ENV] = "record" if config.records_experts else "reload"
         patches.vllm_cpu_moe()
     if is_hybrid(model_dir) and on_cpu():  # vLLM's CPU kernels for linear attention take bf16 only
         os.environ[patches.GDN_ENV] = "1"

@@ -131,8 +131,8 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
         )
     config._teacher_server = place_teacher(config, host)
     check_distillation(t, o)
-    adaptive_stats = resolve_concurrency(o, i)
-    config._device_choices = resolve_devices(t, i, host.devices.device) | adaptive_stats
+    derived = resolve_concurrency(o, i) | resolve_router_replay(t, i)
+    config._device_choices = resolve_devices(t, i, host.devices.device) | derived
     check_cpu_lora(t, host.devices.device)
     config._env_servers = place_env_servers(o.output_dir.absolute(), {"env": o.env, "eval": o.eval.env},
                                             o.client.base_urls, [o.model.name])
@@ -173,6 +173,20 @@ def resolve_lora(t: TrainerConfig, i: InferenceConfig, o: OrchestratorConfig) ->
         raise ConfigError(f"inference.lora.name = {i.lora.name!r} is the model's name; vLLM refuses an adapter named "
                           "like the model it serves: choose another")
     _fill(i.lora.name, o, "adapter", "inference.lora.name", "orchestrator")
+
+
+def resolve_router_replay(t: TrainerConfig, i: InferenceConfig) -> dict[str, str]:
+    """Router replay is one setting, the trainer's (trainer.loss.router_replay): inference records each token's
+    experts where the trainer replays them. Recording without replay is allowed (the trainer then only compares its
+    router with the record); replay without a record is refused here, not at the trainer's first step."""
+    if i.router_replay is None:
+        i.router_replay = t.loss.router_replay
+        return {"inference.router_replay": "as trainer.loss.router_replay"}
+    if t.loss.router_replay and not i.router_replay:
+        raise ConfigError("trainer.loss.router_replay routes every token as inference recorded it, and "
+                          "inference.router_replay = false records nothing: unset inference.router_replay (it "
+                          "follows the trainer's), or set trainer.loss.router_replay = false")
+    return {}
 
 
 def resolve_concurrency(o: OrchestratorConfig, i: InferenceConfig) -> dict[str, str]:
