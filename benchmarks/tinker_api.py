@@ -6,9 +6,10 @@ LoRA of the same rank, one trainer rank.
 - api: `rl serve-api` and the SDK as a client; per step, the time from sending forward_backward to the sampler
   weights' save answered.
 
-The first `--warmup` steps of each side are left out; the median of the rest is compared. The last line reads:
+The first `--warmup` steps of each side are left out; the median of the rest is compared within each of `--rounds`
+pairs of runs (their order alternated), and the median of the pairs' ratios is the result. The last line reads:
 
-tinker api: <r>x the step time of rl's own loop
+tinker api: <r>x the step time of rl's own loop (median of <n> rounds: <each>)
 
     uv run --no-sync python benchmarks/tinker_api.py --model /tmp/tiny [--steps 8] [--samples 32] [--dry-run]
 """
@@ -16,6 +17,7 @@ tinker api: <r>x the step time of rl's own loop
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -32,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 KEY = "tml-benchmark"
+LAUNCHES = itertools.count()
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="pairs of runs, their order alternated")
     parser.add_argument("--samples", type=int, default=32, help="samples per step")
     parser.add_argument("--tokens", type=int, default=96, help="tokens per sample (a third prompt)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank of both sides")
@@ -112,9 +116,10 @@ def datums(batch: list) -> list:
 def run_api(args, out: Path, batch: list) -> list[float]:
     import tinker
 
-    port = 18000 + os.getpid() % 1000
+    port = 18000 + (os.getpid() % 200) * 10 + 2 * next(LAUNCHES)  # a fresh pair each run: none left bound
     command = [sys.executable, "-m", "rl.launcher.main", "serve-api", *common_flags(args, out), "--api.port",
                str(port), "--inference.port", str(port + 1)]
+    out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".log"), "w") as log:  # beside its run directory, which rl makes
         launched = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                     env=os.environ | {"TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"})
@@ -158,12 +163,19 @@ def main() -> None:
         return
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     batch = samples(args, vocab)
-    own = run_own(args, out / "own", batch)[args.warmup:]
-    api = run_api(args, out / "api", batch)[args.warmup:]
-    print(f"own loop: median {statistics.median(own):.3f} s per step over {len(own)} steps ({out / 'own'})")
-    print(f"api:      median {statistics.median(api):.3f} s per step over {len(api)} steps ({out / 'api'})")
-    print(f"tinker api: {statistics.median(api) / statistics.median(own):.2f}x the step time of rl's own loop")
-
+    ratios = []
+    for round in range(args.rounds):  # the machine's noise moves both sides alike only within a pair
+        sides = [("own", run_own), ("api", run_api)]
+        medians = {}
+        for name, run in sides if round % 2 == 0 else sides[::-1]:
+            where = out / f"round_{round}" / name
+            times = run(args, where, batch)[args.warmup:]
+            medians[name] = statistics.median(times)
+            print(f"round {round} {name}: median {medians[name]:.3f} s per step over {len(times)} steps ({where})")
+        ratios.append(medians["api"] / medians["own"])
+        print(f"round {round}: {ratios[-1]:.2f}x")
+    print(f"tinker api: {statistics.median(ratios):.2f}x the step time of rl's own loop (median of {args.rounds} "
+          f"rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
 
 if __name__ == "__main__":
     main()

@@ -110,3 +110,33 @@ def test_a_request_whose_predecessor_never_comes_fails_by_its_deadline():
         with pytest.raises(CallFailed, match="request 2 waited 0s for request 1"):
             await order.run(2, asyncio.sleep)
     asyncio.run(scenario())
+
+
+def test_a_saved_policy_loads_once_the_trainer_has_written_it_and_not_before(tmp_path):
+    """save_for_sampler is answered before the trainer's writer thread finishes: the servers reload the step only
+    once its STABLE marker is there, and a step never written fails by the deadline, named."""
+    from rl.protocol import STABLE, RunPaths
+    from rl.service.sampler import SampleError, ServedPolicy
+
+    reloaded = []
+
+    class Pool:
+        async def update_weights(self, step, path):
+            reloaded.append((step, (tmp_path / "weights" / f"step_{step}" / STABLE).is_file()))
+            return [{"weights_checksum": "c"}]
+
+    paths = RunPaths(tmp_path)
+    served = ServedPolicy(Pool(), paths, timeout_s=0.3)
+
+    async def scenario():
+        loading = asyncio.create_task(served.load(1))
+        await asyncio.sleep(0.05)
+        assert not loading.done()  # waiting for the write
+        paths.weights(1).mkdir(parents=True)
+        (paths.weights(1) / STABLE).write_text("")
+        await loading
+        with pytest.raises(SampleError, match="policy 2's weights .* were not written within"):
+            await served.load(2)
+
+    asyncio.run(scenario())
+    assert reloaded == [(1, True)] and served.step == 1

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator
 from itertools import cycle
+from pathlib import Path
 
 import httpx
 
@@ -18,6 +20,9 @@ from rl.config import API_KEY_VAR
 from rl.orchestrator.inference_pool import InferencePool
 from rl.protocol import RunPaths, is_stable
 from rl.service.wire import Sequence
+
+
+WRITTEN_POLL_S = 0.002  # a tiny model's step is written in ~10 ms
 
 
 class SampleError(ValueError):
@@ -52,13 +57,22 @@ class ServedPolicy:
                 self.in_flight -= 1
                 self.changed.notify_all()
 
+    async def written(self, step: int, path: Path) -> None:
+        """A saved step's weights are written by the trainer's writer thread after its save was answered: wait
+        for its STABLE marker, within the deadline."""
+        deadline = time.monotonic() + self.timeout_s
+        while not is_stable(path):
+            if time.monotonic() > deadline:
+                raise SampleError(f"policy {step}'s weights ({path}) were not written within {self.timeout_s:.0f}s of "
+                                  "its save: see the trainer's log")
+            await asyncio.sleep(WRITTEN_POLL_S)
+
     async def load(self, step: int) -> None:
         if step < self.step:
             raise SampleError(f"policy {step} is older than policy {self.step}, which the servers now serve: rl's "
                               "servers only move to newer policies")
         path = self.paths.weights(step)
-        if not is_stable(path):
-            raise SampleError(f"policy {step} has no published weights ({path}): sample from a saved sampler path")
+        await self.written(step, path)
         self.proof = await self.pool.update_weights(step, str(path.absolute()))
         self.step = step
         checksums = sorted({str(served.get("weights_checksum")) for served in self.proof})

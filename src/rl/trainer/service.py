@@ -39,7 +39,9 @@ class ServedPolicy:
 
     def __init__(self, config: TrainerConfig, paths: RunPaths, world: World, lora_rank: int | None, seed: int):
         lora = None if lora_rank is None else LoraConfig(rank=lora_rank, publish_merged=True)
-        self.config = config.model_copy(update={"lora": lora, "seed": seed})
+        # publish_in_background: save_for_sampler answers once the weights are gathered, as `rl`'s trainer trains on
+        # while its step is written; the sampler loads a step only once its STABLE marker is there
+        self.config = config.model_copy(update={"lora": lora, "seed": seed, "publish_in_background": True})
         self.world, self.paths = world, paths
         torch.manual_seed(seed)
         self.policy = load_policy(self.config, world)
@@ -53,6 +55,7 @@ class ServedPolicy:
         self.sender = FilesSender(self.publisher)
         self.checkpointer = Checkpointer(paths, self.config.ckpt.model_copy(update={"keep": 10**6}), world)
         self.step = unused_step(paths)
+        self.published: int | None = None  # the last step handed to the publisher
 
     def forward_backward(self, call: dict, tensors: dict[str, torch.Tensor]) -> dict:
         datums = [{name.split("/", 1)[1]: t for name, t in tensors.items() if name.startswith(f"{i}/")}
@@ -79,9 +82,9 @@ class ServedPolicy:
         return {"metrics": {"grad_norm:mean": norm}, "step": self.step}
 
     def save_for_sampler(self) -> dict:
-        if not is_stable(self.paths.weights(self.step)):
+        if self.published != self.step and not is_stable(self.paths.weights(self.step)):
             self.sender.publish(self.step, self.policy)
-            self.publisher.wait()
+            self.published = self.step
         return {"step": self.step}
 
     def save_state(self) -> dict:
@@ -90,6 +93,7 @@ class ServedPolicy:
         return {"step": self.step}
 
     def load_state(self, call: dict) -> dict:
+        self.publisher.wait()  # unused_step below counts the step being written
         self.checkpointer.load(call["step"], self.policy, self.optimizer, self.scheduler)
         if not call["optimizer"]:  # the weights alone: the optimizer starts afresh
             self.optimizer = build_optimizer(self.policy, self.config.optim)
