@@ -178,6 +178,19 @@ def test_an_env_pool_that_no_longer_starts_workers_from_a_context_is_refused_nam
             fork_pool_workers(pool)
 
 
+def test_verifiers_pool_builds_rls_worker_server_and_takes_no_other_class(monkeypatch):
+    from verifiers.v1.serve import pool, server
+
+    from rl.envs.worker_server import WorkerServer
+    from rl.patches import serve_env_with
+
+    monkeypatch.setattr(pool, "EnvServer", server.EnvServer)  # as verifiers leaves it, put back after the test
+    with pytest.raises(TypeError, match="dict is not a subclass of verifiers' EnvServer"):
+        serve_env_with(dict)
+    serve_env_with(WorkerServer)
+    assert pool.EnvServer is WorkerServer  # the name serve_env builds each worker's server by
+
+
 def test_training_rollouts_ask_vllm_for_tokens_only_unless_stop_strings_need_the_text():
     from rl.envs.rollouts import ChatClient, InferenceClient, Sampling, model_contexts
 

@@ -8,7 +8,7 @@ training client then sends its identical first requests as one request with n sa
 episode's traces whole. Cancelling the request cancels the group's episodes on their worker.
 
 Both ends are rl's: the orchestrator's client (`GroupClient`, verifiers' `EnvClient` with this request) and the
-worker's handler (`serve_group`), which rl's env server routes to (rl/patches: `serve_group_runs`). The broker
+worker's handler (`serve_group`), which rl's env server routes to (rl/envs/worker_server.py). The broker
 forwards the request like any other. verifiers' own `run` still works on rl's env server.
 """
 
@@ -38,8 +38,8 @@ ROUTE = b"run_group"
 RL_CLIENT_CONFIGS = (BoundedChatConfig, GroupedTrainClientConfig)  # rl's, which go whole (`serve_rl_client_configs`)
 AGENT_CONFIGS_KEPT = 256  # distinct agent configs remembered (seeded samplings make one per rollout)
 TRACE_FIELDS = {*HEADER_FIELDS, *LIST_FIELDS, *SCALAR_FIELDS}  # what verifiers' delta stream assembles of a trace
-# verifiers' private members each end reads (verifiers 0.4.0; docs/architecture.md lists them): checked where the
-# server starts serving (rl/patches/verifiers.py: `serve_group_runs`) and where a client is made.
+# verifiers' private members each end reads (verifiers 0.4.0; docs/architecture.md lists them): checked where a
+# worker's server is made (rl/envs/worker_server.py) and where a client is made.
 SERVER_MEMBERS = ("_running", "_build_task", "_context", "_gate", "frontend", "env")
 CLIENT_MEMBERS = ("_pending", "_ensure_receiver", "_send_cancel", "_cancel_tasks", "_request", "socket")
 logger = logging.getLogger(__name__)

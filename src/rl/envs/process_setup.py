@@ -13,11 +13,10 @@ from collections.abc import AsyncIterator
 from rl.envs.chat_replies import build_client
 from rl.envs.engine_client import EngineClient
 from rl.envs.watch import beating
-from rl.envs.groups import ROUTE, RL_CLIENT_CONFIGS, SERVER_MEMBERS, serve_group
+from rl.envs.groups import RL_CLIENT_CONFIGS
 from rl.envs.policy_versions import POLICY_VERSION_STREAM, POLICY_VERSIONS
 from rl.patches import (
-    apply_orchestrator_patches, bound_eval_client, send_traces_once, serve_episodes_holding, serve_group_runs,
-    serve_rl_client_configs, stamp_policy_versions,
+    apply_orchestrator_patches, bound_eval_client, send_traces_once, serve_rl_client_configs, stamp_policy_versions,
 )
 from rl.process import set_up_process
 
@@ -56,9 +55,7 @@ def set_up_worker() -> None:
     setup_logging(f"env-server[{os.getpid()}]", quiet=PER_REQUEST_LOGGERS)
     logging.getLogger("verifiers.v1.serve").setLevel(logging.INFO)  # the pool's and each worker's up and down
     apply_patches()
-    serve_episodes_holding(worker_holds, tune_gc_for_serving)
     send_traces_once()
-    serve_group_runs(ROUTE, serve_group, SERVER_MEMBERS)
 
 
 @contextlib.asynccontextmanager

@@ -26,10 +26,11 @@ import zmq
 from rl.config import ConfigError, run_cli
 from rl.envs.config import EnvServerConfig
 from rl.envs.seal import seal_server
-from rl.envs.trust import ClientPolicy, screen_request
+from rl.envs.trust import ClientPolicy
 from rl.envs.watch import BEATS_VAR, watch_workers
 from rl.envs.process_setup import set_up_worker
-from rl.patches import guard_requests
+from rl.envs.worker_server import WorkerServer
+from rl.patches import serve_env_with
 
 logger = logging.getLogger("env-server")
 
@@ -56,8 +57,9 @@ def serve(config: EnvServerConfig) -> None:
                 + "; ".join(f"seat {seat!r}: {how}" for seat, how in seats.items()))
     signal.signal(signal.SIGTERM, _stop)  # asyncio.run's clean-up then stops the workers
     policy = ClientPolicy.of(config.client_env_vars, config.model_endpoints, config.renderer_models)
-    guard_requests(screen_request, policy.check)  # in the broker: its forked workers inherit it
-    server_kwargs = {"config_data": env_config_data(env_config), "max_concurrent": config.max_concurrent}
+    serve_env_with(WorkerServer)  # in the broker: its forked workers inherit it
+    server_kwargs = {"config_data": env_config_data(env_config), "max_concurrent": config.max_concurrent,
+                     "client_policy": policy}  # handed to each worker's WorkerServer
     with tempfile.TemporaryDirectory(prefix="rl-env-beats-") as beats:
         os.environ[BEATS_VAR] = beats  # the workers forked from here beat there (rl/envs/watch.py)
         pool, authenticator = open_pool(config, server_kwargs)

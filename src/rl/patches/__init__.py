@@ -22,13 +22,13 @@ save is in benchmarks/RESULTS.md, why each exists in docs/architecture.md ("Patc
 - verifiers: its eval client reads chat replies through an httpx client that bounds their size and the time to
   read them (`bound_eval_client`), applied with those; its env-server requests carry rl's client configs whole
   (`serve_rl_client_configs`), applied with those in the orchestrator, `eval` and every env-server worker;
-- verifiers: its env server holds rl's shared HTTP session and tunes the GC while it serves
-  (`serve_episodes_holding`), sends each episode's traces once, when it ends (`send_traces_once`), and answers rl's
-  requests for a group's episodes (`serve_group_runs`, rl/envs/groups.py), all applied by every env-server
-  worker (`rl.envs.process_setup.set_up_worker`); each worker drops a request whose id it could not decode and runs no
-  episode whose client names a variable or endpoint the server does not allow (`guard_requests`, applied by rl's env
-  server before its workers fork); its pool's health reply carries the live workers (`answer_health_with`),
-  set by the env server's worker watch; its pool forks its workers from the broker instead of spawning them
+- verifiers: its pool builds rl's subclass of its env server in each worker (`serve_env_with`; the class,
+  rl/envs/worker_server.py, answers rl's requests for a group's episodes, holds rl's shared HTTP session, tunes the GC,
+  drops a request whose id it could not decode and runs no episode whose client names a variable or endpoint the
+  server does not allow), applied by rl's env server before its workers fork; each worker sends each episode's traces
+  once, when it ends (`send_traces_once`, applied by every env-server worker: `rl.envs.process_setup.set_up_worker`);
+  its pool's health reply carries the live workers (`answer_health_with`), set by the env server's worker watch; its
+  pool forks its workers from the broker instead of spawning them
   (`fork_pool_workers`), applied by rl's env server;
 - vLLM: its shared-memory queues sleep between polls instead of spinning (`vllm_shm_polling`), a vLLM
   general plugin that vLLM runs in each of its processes, active only where `RL_VLLM_SHM_POLL_S` is set
@@ -68,8 +68,8 @@ from rl.patches.targets import (  # noqa: F401
 from rl.patches.verifiers import (  # noqa: F401 - the patches, by name
     apply_orchestrator_patches, bound_eval_client, cache_default_factory_inspection,
     interception_in_process, lazy_runtime_workdirs, remember_harness_classes, remember_signatures,
-    remember_task_hashes, send_traces_once, serve_episodes_holding, serve_group_runs, serve_rl_client_configs,
-    use_engine_client, answer_health_with, fork_pool_workers, guard_requests, pool_workers,
+    remember_task_hashes, send_traces_once, serve_env_with, serve_rl_client_configs,
+    use_engine_client, answer_health_with, fork_pool_workers, pool_workers,
 )
 from rl.patches.token_versions import stamp_policy_versions  # noqa: F401
 from rl.patches.routed_experts import capture_routed_experts_on_cpu  # noqa: F401

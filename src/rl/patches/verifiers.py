@@ -12,7 +12,7 @@ import logging
 
 import multiprocessing
 
-from rl.patches.targets import PatchTargetMissing, installed_version, once, patch_target, require_members
+from rl.patches.targets import PatchTargetMissing, installed_version, once, patch_target
 from rl.patches.local_route import local_route
 from rl.patches.pydantic import cache_default_factory_inspection
 from rl.patches.signatures import RememberingInspect
@@ -82,91 +82,17 @@ def serve_rl_client_configs(client_configs: tuple[type, ...]) -> None:
         wire_model.model_rebuild(force=True)  # each built over the old schema of the one before
 
 
-@once
-def serve_episodes_holding(hold, settle) -> None:
-    """verifiers' env server (what each env-server worker runs) keeps its environment serving across episodes; it
-    also holds `hold` while it serves (in_process_chat's shared HTTP session: one kept-alive session for the
-    worker's model calls, not one per call) and calls `settle` once the environment is loaded (rl's GC tuning),
-    as the orchestrator did around the environments it ran; applied by each worker (rl/envs/server.py)."""
-    from verifiers.v1.serve import server
+def serve_env_with(server_class: type) -> None:
+    """verifiers' pool builds the server each worker runs by its module's name (`serve_env`:
+    `EnvServer.run_server(...)`, which makes `cls(...)`): that name becomes `server_class`, a subclass of verifiers'
+    (rl/envs/worker_server.py), with the server arguments the pool hands it. Applied by rl's env server in its
+    broker, before its workers fork: they inherit it."""
+    from verifiers.v1.serve import pool
 
-    env_server = patch_target(server, "EnvServer", "verifiers")
-    run = patch_target(env_server, "run", "verifiers")
-
-    @functools.wraps(run)
-    async def run_holding(self) -> None:
-        async with hold():
-            settle()
-            await run(self)
-
-    env_server.run = run_holding
-
-
-@once
-def serve_group_runs(route: bytes, serve, members: tuple[str, ...]) -> None:
-    """verifiers' env server answers `run`, `health` and `cancel`; a request on `route` (rl's `run_group`: a group's
-    episodes in one request, rl/envs/groups.py) goes to `serve(server, client_id, request_id, payload)`, and
-    every other one to verifiers as before. `serve` reads the server's `members` (some private): each is checked
-    once the server is built, as it starts to serve, before any request. Applied by every env-server worker."""
-    from verifiers.v1.serve import server
-
-    env_server = patch_target(server, "EnvServer", "verifiers")
-    handle = patch_target(env_server, "_handle", "verifiers")
-    run = patch_target(env_server, "run", "verifiers")
-
-    @functools.wraps(handle)
-    async def handle_groups_too(self, client_id: bytes, request_id: bytes, method: bytes, payload: bytes) -> None:
-        if method == route:
-            return await serve(self, client_id, request_id, payload)
-        return await handle(self, client_id, request_id, method, payload)
-
-    @functools.wraps(run)
-    async def run_checked(self) -> None:
-        require_members(self, members, "verifiers")
-        await run(self)
-
-    env_server._handle = handle_groups_too
-    env_server.run = run_checked
-
-
-@once
-def guard_requests(screen, check_client) -> None:
-    """verifiers' env server takes whatever frames reach it and runs a request with whatever client it names. Each
-    worker's receive answers and drops the frames `screen(frames)` gives a reason for (a request id verifiers would
-    fail to decode outside its try, ending the worker), and every episode's context is made only once
-    `check_client(client_config, model)` has passed it (what a request's client may read and call: rl/envs/trust.py; a
-    refusal fails the request as data). Applied by rl's env server in its broker, before its workers fork."""
-    import msgpack
-    from verifiers.v1.serve import server
-
-    env_server = patch_target(server, "EnvServer", "verifiers")
-    run = patch_target(env_server, "run", "verifiers")
-    context = patch_target(env_server, "_context", "verifiers")
-
-    @functools.wraps(run)
-    async def run_screened(self) -> None:
-        receive = self.frontend.recv_multipart
-
-        async def screened(*args, **kwargs):
-            while True:
-                frames = await receive(*args, **kwargs)
-                why = screen(frames)
-                if why is None:
-                    return frames
-                logger.warning("request dropped: %s", why)
-                refusal = msgpack.packb({"success": False, "error": why}, use_bin_type=True)
-                await self.frontend.send_multipart([frames[0], frames[1], b"reply", refusal])
-
-        self.frontend.recv_multipart = screened
-        await run(self)
-
-    @functools.wraps(context)
-    def checked_context(self, client_config, model, sampling):
-        check_client(client_config, model)
-        return context(self, client_config, model, sampling)
-
-    env_server.run = run_screened
-    env_server._context = checked_context
+    env_server = patch_target(pool, "EnvServer", "verifiers")
+    if not issubclass(server_class, env_server):
+        raise TypeError(f"{server_class.__name__} is not a subclass of verifiers' {env_server.__name__}")
+    pool.EnvServer = server_class
 
 
 @once
