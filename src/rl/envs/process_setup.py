@@ -16,14 +16,17 @@ from rl.envs.watch import beating
 from rl.envs.groups import RL_CLIENT_CONFIGS
 from rl.envs.policy_versions import POLICY_VERSION_STREAM, POLICY_VERSIONS
 from rl.patches import (
-    apply_orchestrator_patches, bound_eval_client, send_traces_once, serve_rl_client_configs, stamp_policy_versions,
+    apply_orchestrator_patches, bound_eval_client, check_internals, send_traces_once, serve_rl_client_configs,
+    stamp_policy_versions,
 )
 from rl.process import set_up_process
 
 
 def apply_patches() -> None:
     """What rl changes in verifiers, renderers and pydantic (rl/patches/) in a process that runs or sends
-    episodes: applied first by the main() of the orchestrator, of `eval` and by every env-server worker."""
+    episodes: applied first by the main() of the orchestrator, of `eval` and by every env-server worker, once every
+    internal name of verifiers', renderers' and pydantic's that rl reads is found there (rl/patches/internals.py)."""
+    check_internals("episodes")
     apply_orchestrator_patches(EngineClient)
     bound_eval_client(build_client)
     serve_rl_client_configs(RL_CLIENT_CONFIGS)

@@ -149,6 +149,7 @@ def serve(config: InferenceConfig, model_dir: str, memory_share: float, host_arg
 
     if not Path(model_dir).is_dir():
         raise ValueError(f"model {model_dir!r} must be a local Hugging Face directory (its files are verified)")
+    patches.check_internals("inference", "cpu" if on_cpu() else "cuda")  # before vLLM starts: what rl reads is there
     check_lora_name(config, model_dir)
     forks = cpu_start_method()  # before vLLM's own set-up, which sets spawn where nothing is set
     if is_moe(model_dir) and on_cpu():  # here, and in every process vLLM starts (forked or spawned), by its plugin

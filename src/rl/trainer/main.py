@@ -28,6 +28,7 @@ from rl.trainer.step import train_step
 from rl.trainer.weights import WeightPublisher
 from rl.trainer.world import World, init_world
 from rl.weights import SENDERS
+from rl.patches import check_internals
 from rl.process import set_up_process
 
 LINE_KEYS = (
@@ -106,6 +107,7 @@ def main() -> None:
     config = run_cli(TrainerConfig)
     try:
         check_device(config)
+        check_internals("trainer")  # what rl reads of torch's and transformers' internals is there
     except ConfigError as e:  # exit 2, as every entrypoint does on a config error
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from rl.calls import call_dir, calls_so_far, finish_result, read_call, result_ready, wait_until, write_rank_result
 from rl.config import ConfigError, run_cli
 from rl.metrics import setup_logging
+from rl.patches import check_internals
 from rl.process import set_up_process
 from rl.protocol import RunPaths, is_stable, stable_steps
 from rl.trainer.checkpoint import Checkpointer
@@ -155,6 +156,7 @@ def main() -> None:
     config = run_cli(TrainerConfig)
     try:
         check_device(config)
+        check_internals("trainer")  # what rl reads of torch's and transformers' internals is there
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
