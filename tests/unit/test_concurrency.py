@@ -133,7 +133,7 @@ def test_the_age_the_controller_reads_counts_steps_past_the_first_boundary_over_
 
     from rl.orchestrator.dispatch import Dispatcher
 
-    groups = Dispatcher(4, [1], lambda env: 0, None, lambda: 0, lambda: [0], lambda o: 0, None, bound=8)
+    groups = Dispatcher(4, [1], runner=None, bound=8)
     groups.step, groups.running = 10, [SimpleNamespace(started_step=9), SimpleNamespace(started_step=5)]
     assert groups.oldest_age() == 5 and groups.age_used() == 0.5
     groups.running = [SimpleNamespace(started_step=9)]

@@ -56,10 +56,10 @@ def orchestrator(tmp_path, model, resume_step=None, **overrides) -> Orchestrator
                                 max_steps=8, ckpt={"interval": 1, "keep": 20}, resume_step=resume_step,
                                 **overrides)
     o = Orchestrator(config, logging.getLogger("test"))
-    o.servers = FakeServers()
-    o.sync = FakeSync(o)
+    o.servers = o.runner.servers = FakeServers()
+    o.sync = o.runner.sync = FakeSync(o)
     o.pool.metrics = lambda: asyncio.sleep(0, [None])  # no server's /metrics
-    o.run_one_group = lambda env, task, server, number: episode(o, env, task, server)
+    o.runner.run = lambda env, task, server, number: episode(o, env, task, server)
     return o
 
 

@@ -15,7 +15,7 @@ class Env:
 
 
 class FakeGroups:
-    """Each started group waits for `finish(task)`; `policy` is what the servers serve; tokens carry the policy
+    """The dispatcher's runner. Each started group waits for `finish(task)`; `policy` is what the servers serve; tokens carry the policy
     served when the group finished unless `oldest` says otherwise."""
 
     def __init__(self, tasks_per_env=(1000,), servers=(0, 1)):
@@ -67,9 +67,16 @@ class FakeGroups:
     def trainable(self, outcome):
         return outcome.task_index not in self.untrainable
 
+    @property
+    def servers(self):  # the runner's board: usable, policy_step, check()
+        return self
+
+    @property
+    def policy_step(self):
+        return self.policy
+
     def dispatcher(self, capacity, shares=(2,), pending=(), bound=None):
-        return Dispatcher(capacity, list(shares), self.draw, self.start, lambda: self.policy, lambda: self.usable,
-                          self.oldest, self.check, list(pending), bound=bound)
+        return Dispatcher(capacity, list(shares), self, list(pending), bound=bound)
 
 
 async def settle():
@@ -255,7 +262,7 @@ def test_a_group_that_fails_on_a_server_still_up_is_a_failure_of_the_batch():
             return GroupOutcome(Env("env0"), None, "RolloutError", "the environment raised", server=server,
                                 task_index=task)
 
-        d.start = start
+        fake.start = start  # the runner's
         taken = await asyncio.wait_for(d.take(None, 0), 5)
         assert taken.groups[0].outcome.error == "RolloutError" and fake.checks >= 1  # asked: the server is fine
         await d.close()

@@ -10,6 +10,7 @@ import pytest
 
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.main import Orchestrator
+from rl.orchestrator.group_runner import GroupRunner
 from rl.orchestrator.stepwise import StepwiseGroups
 from rl.orchestrator.policy_sync import policy_sync
 from rl.orchestrator.servers import DOWN, ServerBoard
@@ -41,6 +42,7 @@ def orchestrator(tmp_path, pool: FakePool, collective: bool = False) -> Orchestr
     o.config, o.logger, o.pool, o.paths = config, logging.getLogger("test"), pool, RunPaths(tmp_path)
     o.servers = ServerBoard(pool, config.client, o.logger)
     o.sync = policy_sync(config, pool, o.servers, o.logger)
+    o.runner = GroupRunner(config, [], [], [], None, o.servers, o.sync, o.logger)
     return o
 
 
@@ -104,16 +106,16 @@ def test_groups_made_on_a_server_that_changed_meanwhile_are_made_again_on_server
         remade.append((task_index, server))
         return GroupOutcome(env, ["remade"], server=server, task_index=task_index)
 
-    o.run_one_group = run_one_group
+    o.runner.run = run_one_group
     outcomes = [GroupOutcome(None, ["kept"], server=0, task_index=7), GroupOutcome(None, None, server=1, task_index=8)]
     pool.replies[1] = "http://b:8000 did not answer /policy_step: ConnectError()"  # b went down during the batch
-    outcomes = asyncio.run(StepwiseGroups(o).remake(outcomes, 1))
+    outcomes = asyncio.run(StepwiseGroups(o.runner).remake(outcomes, 1))
     assert remade == [(8, 0)]  # task 8 again, on a, the server left
     assert [outcome.results for outcome in outcomes] == [["kept"], ["remade"]]
 
     pool.replies[0] = {"step": 0, "instance": "a2"}  # every round finds a change: after the last, dropped
     o.servers.check = lambda: asyncio.sleep(0, {0})
-    outcomes = asyncio.run(StepwiseGroups(o).remake(outcomes, 1))
+    outcomes = asyncio.run(StepwiseGroups(o.runner).remake(outcomes, 1))
     assert [(outcome.results, outcome.error) for outcome in outcomes] == [(None, "ServerChanged")] * 2
 
 
@@ -243,7 +245,7 @@ def test_over_the_wire_a_server_serving_refused_weights_gets_no_requests_until_i
     asyncio.run(o.servers.check())
     write_offer(tmp_path, Offer(1, "127.0.0.1", 1234, 10))
     asyncio.run(o.sync.ensure(2))  # batch 2 may use policy 0 or newer: server 1 serves one, but not the trainer's
-    assert o.servers.usable == [0] and [o.server_of(g) for g in range(4)] == [0] * 4
+    assert o.servers.usable == [0] and [o.runner.server_of(g) for g in range(4)] == [0] * 4
     asyncio.run(o.servers.check())  # it still answers, as the same process: still refused
     asyncio.run(o.sync.ensure(2))
     assert o.servers.usable == [0]

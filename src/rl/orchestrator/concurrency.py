@@ -22,6 +22,8 @@ then stays where it is, said once.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from rl.orchestrator.engine_metrics import Scrape, scrape_of
@@ -111,3 +113,56 @@ class ConcurrencyController:
                 f"load says (read every {c.interval_s:g} s; KV high-water mark {c.kv_high:g}, grows below "
                 f"{c.kv_grow_below:g}; trimmed once the oldest group in flight used {c.age_high:g} of the age bound)")
 
+
+
+class AdaptiveCap:
+    """The controller's loop: every `interval_s`, the continuous dispatcher's capacity (in groups of `group`
+    rollouts) from the servers' /metrics (`metrics()`, a text or None per server), and what it shed since the last
+    step's record."""
+
+    def __init__(self, controller: ConcurrencyController, dispatcher, metrics: Callable[[], Awaitable[list]],
+                 log: Callable[[str], None], warn: Callable[[str], None]):
+        self.controller, self.dispatcher, self.metrics, self.log, self.warn = controller, dispatcher, metrics, log, warn
+        self.shed = 0  # rollouts cancelled by the cap since the last step's record
+        self.task: asyncio.Future | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self.run())
+
+    async def run(self) -> None:
+        controller, n = self.controller, self.controller.group
+        self.log(f"concurrency: {controller.describe()}")
+        said_blind = False
+        while True:
+            await asyncio.sleep(controller.config.interval_s)
+            decision = controller.update(await self.metrics(), len(self.dispatcher.running) * n,
+                                         self.dispatcher.age_used())
+            if decision.why == "no metrics" and not said_blind:
+                self.warn(f"concurrency: no server publishes vLLM's statistics (inference.log_stats); the cap stays "
+                          f"at {decision.cap} rollouts until one does")
+            said_blind = decision.why == "no metrics"
+            shed = self.dispatcher.resize(decision.cap // n, shed=decision.cancel) * n
+            self.shed += shed
+            if decision.cancel:
+                self.log(f"concurrency: a server preempted requests: cap {decision.cap} rollouts, the {shed} youngest "
+                         "in flight cancelled to run again")
+
+    def stats(self) -> dict:
+        """The cap and what it shed since the last call; the loop's error, raised here rather than lost with it."""
+        if self.task is not None and self.task.done():
+            self.task.result()
+        shed, self.shed = self.shed, 0
+        return {"concurrency/cap": self.controller.cap, "concurrency/shed": shed}
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+def rollout_slots(config) -> int:
+    """Rollouts that may run at once, training's and eval's (RolloutSlots): the in-flight count, or the adaptive cap's
+    ceiling."""
+    adaptive = config.concurrency
+    ceiling = (ConcurrencyController(adaptive, config.rollouts_in_flight, config.rollouts_per_example).ceiling
+               if adaptive.adaptive else 0)
+    return max(config.rollouts_in_flight, ceiling)

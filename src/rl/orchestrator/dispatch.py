@@ -29,6 +29,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from rl.envs.rollouts import GroupOutcome
+from rl.orchestrator.concurrency import AdaptiveCap, ConcurrencyController
+from rl.config import ConfigError
+from rl.orchestrator.group_runner import Collected, GroupRunner
+from rl.orchestrator.stepwise import StepwiseGroups
+
+
+def group_source(config, runner: GroupRunner, metrics: Callable[[], Awaitable[list]],
+                 pending: list[tuple[int, int]], logger) -> Dispatcher | StepwiseGroups:
+    """Where each step's groups come from: the continuous dispatcher, or step by step (`config.dispatch`). `pending`:
+    the groups a checkpoint held in flight or waiting, which run first."""
+    if config.continuous:
+        return Dispatcher.for_config(config, runner, metrics, pending, logger)
+    if pending:
+        raise ConfigError(f"the checkpoint holds {len(pending)} groups of continuous dispatch not yet trained; resume "
+                          "with dispatch = 'continuous', as the run was made")
+    return StepwiseGroups(runner)
 
 
 @dataclass
@@ -61,29 +77,72 @@ class Taken:
 
 
 class Dispatcher:
-    """Owns the groups in flight and the finished ones waiting for a batch.
+    """Owns the groups in flight and the finished ones waiting for a batch, their age bound and their cap.
 
-    `draw(env)` gives the next task of an environment (its sampler), `start(env, task, server, number)` runs a group
-    (retries included) and returns its outcome; `served()` is the oldest policy the usable servers serve and
-    `servers()` those servers; `oldest(outcome)` the oldest policy among a finished group's sampled tokens;
-    `check()` asks the servers which restarted or stopped answering since it last asked (they leave `servers()`).
-    `bound`: the age bound groups are admitted by (None: none); `step`: the step being collected (the orchestrator
-    sets it)."""
+    `runner` (orchestrator/group_runner.py) draws an environment's next task (`draw`), runs a group, retries
+    included (`start`), tells the oldest policy among a finished group's sampled tokens (`oldest`), and holds the
+    servers' board (`servers`: `usable`, the oldest policy they serve as `policy_step`, and `check()`, which servers
+    restarted or stopped answering since it last asked) and the policy sync (`sync.ensure(step)`).
+    `bound`: the age bound groups are admitted by (None: none); `adaptive`: the cap's loop, where the engines' load
+    moves the capacity (orchestrator/concurrency.py)."""
 
-    def __init__(self, capacity: int, shares: list[int], draw: Callable[[int], int],
-                 start: Callable[[int, int, int, int], Awaitable[GroupOutcome]], served: Callable[[], int],
-                 servers: Callable[[], list[int]], oldest: Callable[[GroupOutcome], int],
-                 check: Callable[[], Awaitable[set[int]]], pending: list[tuple[int, int]] = (),
+    def __init__(self, capacity: int, shares: list[int], runner, pending: list[tuple[int, int]] = (),
                  log: Callable[[str], None] = lambda message: None, bound: int | None = None):
         self.capacity, self.shares, self.bound, self.step = max(1, capacity), shares, bound, 0
-        self.draw, self.start, self.served, self.servers, self.oldest = draw, start, served, servers, oldest
-        self.check, self.log = check, log
+        self.runner, self.log = runner, log
         self.again: collections.deque[tuple[int, int]] = collections.deque(pending)  # run before new draws
         self.running: list[Running] = []
         self.finished: list[Finished] = []
         self.arrived = asyncio.Event()
         self.started = 0  # groups started: numbers each (its seeds) and spreads them over the servers
         self.closed = False
+        self.adaptive: AdaptiveCap | None = None
+
+    @classmethod
+    def for_config(cls, config, runner, metrics: Callable[[], Awaitable[list]], pending: list[tuple[int, int]],
+                   logger) -> Dispatcher:
+        """The run's dispatcher: its capacity from `rollouts_in_flight` (or the adaptive cap's start), its age bound
+        `max_off_policy_steps`; with `concurrency.adaptive`, the cap read from the servers' `metrics()`."""
+        n = config.rollouts_per_example
+        controller = (ConcurrencyController(config.concurrency, config.rollouts_in_flight, n)
+                      if config.concurrency.adaptive else None)
+        dispatcher = cls((controller.cap if controller else config.rollouts_in_flight) // n, runner.shares, runner,
+                         pending, logger.warning, config.max_off_policy_steps)
+        if controller is not None:
+            dispatcher.adaptive = AdaptiveCap(controller, dispatcher, metrics, logger.info, logger.warning)
+        return dispatcher
+
+    def start(self) -> None:
+        """The cap's loop, where it adapts; groups start with the first batch's `collect`."""
+        if self.adaptive is not None:
+            self.adaptive.start()
+
+    def served(self) -> int:
+        return self.runner.servers.policy_step
+
+    def servers(self) -> list[int]:
+        return self.runner.servers.usable
+
+    async def collect(self, step: int) -> Collected:
+        """The step's groups, admitted by age (`take`), with how they were gathered."""
+        n, advantage = self.runner.config.rollouts_per_example, self.runner.config.advantage
+        self.step = step
+        self.top_up()
+        taken = await self.take(self.runner.trainable if advantage.fill_batch else None,
+                                advantage.max_extra_groups or sum(self.shares),
+                                servers_back=lambda: self.runner.sync.ensure(step))
+        if taken.short:
+            self.log(f"batch {step}: {taken.short} of {sum(self.shares)} groups short after {taken.extra} extra "
+                     "groups (advantage.max_extra_groups); the step trains on what it has")
+        stats = {"rollouts_in_flight": len(self.running) * n, "rollouts_waiting": self.rollouts_waiting,
+                 "time/wait_for_rollouts": taken.waited_s, "off_policy/last_chance_groups": taken.last_chance}
+        if advantage.fill_batch:
+            stats |= {"fill/extra_groups": taken.extra, "fill/short_groups": taken.short}
+        if self.adaptive is not None:
+            stats |= self.adaptive.stats()
+        groups = taken.groups
+        return Collected([g.outcome for g in groups], [g.newest_served for g in groups], stats, taken.short,
+                         None if self.bound is None else step - self.bound)
 
     def top_up(self) -> None:
         """Start groups until `capacity` run or the next could not be trained within the bound, the next from the
@@ -94,7 +153,7 @@ class Dispatcher:
             elif (env := self.neediest()) is None:
                 return
             else:
-                task = self.draw(env)
+                task = self.runner.draw(env)
             self.launch(env, task)
 
     def admissible(self) -> bool:
@@ -120,21 +179,21 @@ class Dispatcher:
         self.running.append(running)
 
     async def run(self, running: Running, number: int) -> None:
-        outcome = await self.start(running.env, running.task_index, running.server, number)
+        outcome = await self.runner.start(running.env, running.task_index, running.server, number)
         self.running.remove(running)
         if outcome.results is None and await self.server_lost(running.server):
             self.log(f"group of task {running.task_index} failed on server {running.server}, which restarted or "
                      "stopped answering: it runs again first once a server is up to date")
             self.again.appendleft((running.env, running.task_index))
         else:
-            self.finished.append(Finished(running.env, outcome, self.oldest(outcome), self.served()))
+            self.finished.append(Finished(running.env, outcome, self.runner.oldest(outcome), self.served()))
         self.arrived.set()
         self.top_up()
 
     async def server_lost(self, server: int) -> bool:
         """Whether a group failed because its server restarted or stopped answering (it no longer gets requests);
         the other groups in flight on a changed server are cancelled and run again."""
-        self.servers_changed(await self.check())
+        self.servers_changed(await self.runner.servers.check())
         return server not in self.servers()
 
     def cancel(self, which: Callable[[Running], bool]) -> list[Running]:
@@ -253,6 +312,8 @@ class Dispatcher:
 
     async def close(self) -> None:
         self.closed = True
+        if self.adaptive is not None:
+            self.adaptive.stop()
         jobs = [r.job for r in self.running]
         self.cancel(lambda r: True)
         await asyncio.gather(*jobs, return_exceptions=True)

@@ -9,22 +9,22 @@ import time
 
 from rl.config import ConfigError, run_cli, url_without_password
 from rl.metrics import PER_REQUEST_LOGGERS, MetricsLogger, setup_logging
-from rl.orchestrator.advantage import group_advantages
-from rl.orchestrator.batch import StepBatch, balance_by_tokens, build_batch, group_oldest_version, off_policy_stats
-from rl.orchestrator.concurrency import ConcurrencyController
+from rl.orchestrator.batch import StepBatch, balance_by_tokens, build_batch, off_policy_stats
+from rl.orchestrator.concurrency import rollout_slots
 from rl.orchestrator.config import OrchestratorConfig
 from rl.envs.loading import (
     Environment, EnvLoadError, load_environments, serving, start_env_servers, stop_env_servers,
 )
 from rl.renderer import chat_renderer
 from rl.renderer import describe as describe_renderer
-from rl.orchestrator.eval import eval_due, evaluate, to_sampling
-from rl.orchestrator.dispatch import Dispatcher
+from rl.orchestrator.eval import eval_due, evaluate
+from rl.orchestrator.dispatch import group_source
 from rl.orchestrator.engine_metrics import EngineMetrics
 from rl.orchestrator.inference_pool import InferencePool
 from rl.orchestrator.policy_sync import policy_sync
-from rl.envs.rollouts import GroupOutcome, InferenceClient, run_group_retried
+from rl.envs.rollouts import GroupOutcome, InferenceClient
 from rl.envs.process_setup import apply_patches, tune_gc_for_serving
+from rl.orchestrator.group_runner import GroupRunner
 from rl.orchestrator.sampler import DifficultyPools, make_sampler
 from rl.orchestrator.samples_text import COLUMNS, step_samples, table_rows, write_samples
 from rl.envs.slots import RolloutSlots
@@ -32,7 +32,6 @@ from rl.orchestrator.servers import ServerBoard
 from rl.orchestrator.state import load_state, pending_groups, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
 from rl.orchestrator.teacher import Teacher, TeacherError
-from rl.orchestrator.stepwise import Collected, StepwiseGroups, groups_per_env
 from rl.protocol import RunPaths, write_batch
 from rl.process import set_up_process
 
@@ -56,15 +55,10 @@ class Orchestrator:
             logger.info(env.describe())
         renderer, why = chat_renderer(config.model.renderer, config.model.name, self.envs + self.eval_envs)
         logger.info(f"model {config.model.name!r} renders with {describe_renderer(renderer)} ({why})")
-        self.clients = [InferenceClient(url, served, config.model.name, renderer, group_gap_s=config.client.group_gap_s)
-                        for url in config.client.base_urls]
+        clients = [InferenceClient(url, served, config.model.name, renderer, group_gap_s=config.client.group_gap_s)
+                   for url in config.client.base_urls]
         self.samplers = [make_sampler(spec.sampler, env.num_tasks, config.seed + i)
                          for i, (spec, env) in enumerate(zip(config.env, self.envs))]
-        self.concurrency = (ConcurrencyController(config.concurrency, config.rollouts_in_flight,
-                                                  config.rollouts_per_example) if config.concurrency.adaptive else None)
-        self.shed_for_load = 0  # rollouts cancelled by the adaptive cap since the last step's record
-        self.adapting: asyncio.Future | None = None  # the controller's loop, while the run goes
-        self.slots = RolloutSlots(max(config.rollouts_in_flight, self.concurrency.ceiling if self.concurrency else 0))
         self.servers = ServerBoard(self.pool, config.client, logger)
         self.sync = policy_sync(config, self.pool, self.servers, logger)  # files or offers, chosen once
         # what the servers loaded before the first batch (a resumed policy, the step-0 adapter), logged with it
@@ -72,7 +66,9 @@ class Orchestrator:
         self.start_step, pending = 0, []
         if config.resume_step is not None:
             pending = self.restore(config.resume_step)
-        self.groups = self.group_source(pending)
+        self.runner = GroupRunner(config, self.envs, self.samplers, clients, RolloutSlots(rollout_slots(config)),
+                                  self.servers, self.sync, logger)
+        self.groups = group_source(config, self.runner, self.pool.metrics, pending, logger)
         self.metrics = MetricsLogger("orchestrator", self.paths, config.wandb, config, logger)
         self.tokenizer = None
         self.teacher = Teacher(config.teacher) if config.teacher is not None else None
@@ -90,33 +86,6 @@ class Orchestrator:
                          + (f", {len(pending)} groups not yet trained run first" if pending else ""))
         return pending
 
-    def group_source(self, pending: list[tuple[int, int]]) -> Dispatcher | StepwiseGroups:
-        """Where each step's groups come from: the continuous dispatcher, or step by step (config.dispatch)."""
-        if not self.config.continuous:
-            if pending:
-                raise ConfigError(f"the checkpoint holds {len(pending)} groups of continuous dispatch not yet trained; "
-                                 "resume with dispatch = 'continuous', as the run was made")
-            return StepwiseGroups(self)
-        n = self.config.rollouts_per_example
-
-        async def start(env: int, task: int, server: int, number: int) -> GroupOutcome:
-            outcome = await self.run_one_group(self.envs[env], task, server, number)
-            self.observe([outcome])
-            return outcome
-
-        return Dispatcher(
-            capacity=(self.concurrency.cap if self.concurrency else self.config.rollouts_in_flight) // n,
-            shares=self.shares,
-            draw=lambda env: self.samplers[env].draw(1)[0], start=start,
-            served=lambda: self.servers.policy_step, servers=lambda: self.servers.usable,
-            oldest=group_oldest_version, check=self.servers.check, pending=pending,
-            log=self.logger.warning, bound=self.config.max_off_policy_steps)
-
-    @property
-    def shares(self) -> list[int]:
-        """Each environment's groups in a step's batch."""
-        return groups_per_env(self.groups_per_step, [e.ratio for e in self.config.env])
-
     async def run(self) -> None:
         shown = [url_without_password(url) for url in self.config.client.base_urls]
         start_env_servers(self.envs + self.eval_envs)  # those this process starts load while inference starts
@@ -131,13 +100,11 @@ class Orchestrator:
             async with serving(self.envs + self.eval_envs):
                 tune_gc_for_serving()
                 self.unlogged_served = await self.sync.start(resumed=self.start_step > 0)
-                self.adapting = asyncio.ensure_future(self.adapt_concurrency()) if self.concurrency else None
+                self.groups.start()
                 try:
                     for step in range(self.start_step, self.config.max_steps):
                         await self.step(step)
                 finally:
-                    if self.adapting is not None:
-                        self.adapting.cancel()
                     await self.groups.close()
                 await self.sync.finish()
         finally:
@@ -147,44 +114,17 @@ class Orchestrator:
             await self.teacher.close()
         self.metrics.close()
 
-    async def adapt_concurrency(self) -> None:
-        """Every concurrency.interval_s, the dispatcher's cap from the servers' load (orchestrator/concurrency.py)."""
-        controller, n = self.concurrency, self.config.rollouts_per_example
-        self.logger.info(f"concurrency: {controller.describe()}")
-        said_blind = False
-        while True:
-            await asyncio.sleep(self.config.concurrency.interval_s)
-            decision = controller.update(await self.pool.metrics(), len(self.groups.running) * n,
-                                         self.groups.age_used())
-            if decision.why == "no metrics" and not said_blind:
-                self.logger.warning(f"concurrency: no server publishes vLLM's statistics (inference.log_stats); the "
-                                    f"cap stays at {decision.cap} rollouts until one does")
-            said_blind = decision.why == "no metrics"
-            shed = self.groups.resize(decision.cap // n, shed=decision.cancel) * n
-            self.shed_for_load += shed
-            if decision.cancel:
-                self.logger.info(f"concurrency: a server preempted requests: cap {decision.cap} rollouts, the "
-                                 f"{shed} youngest in flight cancelled to run again")
-
-    def concurrency_stats(self) -> dict:
-        if self.concurrency is None:
-            return {}
-        if self.adapting.done():
-            self.adapting.result()  # the controller's error, raised here rather than lost with its task
-        shed, self.shed_for_load = self.shed_for_load, 0
-        return {"concurrency/cap": self.concurrency.cap, "concurrency/shed": shed}
-
     async def step(self, step: int) -> None:
         wait_start = time.perf_counter()
         self.groups.servers_changed(await self.servers.check())
         served = await self.sync.ensure(step) or self.unlogged_served
         self.unlogged_served = None
         gen_start, cpu_start = time.perf_counter(), time.process_time()
-        collected = await self.collect(step)
+        collected = await self.groups.collect(step)
         outcomes = collected.outcomes
         gen_time = time.perf_counter() - gen_start
-        oldest_allowed = step - self.config.max_off_policy_steps if self.config.continuous else None
-        batch = build_batch(self.config, outcomes, collected.served_at_finish, self.groups_per_step, oldest_allowed)
+        batch = build_batch(self.config, outcomes, collected.served_at_finish, self.runner.groups_per_step,
+                            collected.oldest_allowed)
         teacher_start = time.perf_counter()
         if self.teacher is not None:
             batch.samples = await self.teacher.score(batch.samples)
@@ -197,7 +137,6 @@ class Orchestrator:
         stats = self.step_stats(batch, outcomes) | collected.stats | self.curriculum_stats() | {
             "orchestrator/cpu_ms_per_rollout": 1000 * (time.process_time() - cpu_start) / max(rollouts, 1),
             **{f"env/{env.name}/workers": env.runner.workers for env in self.envs if env.runner.workers is not None},
-            **self.concurrency_stats(),
             "policy_step": self.servers.policy_step,
             "staleness": step - min(s.policy_version for s in batch.samples),
             **off_policy_stats(step, batch),
@@ -221,68 +160,9 @@ class Orchestrator:
             save_state(self.paths, step + 1, self.servers.policy_step, self.samplers, self.config.ckpt.keep,
                        self.groups.pending())
 
-    async def collect(self, step: int) -> Collected:
-        """The step's groups: step by step, or from the continuous dispatcher (which admits groups by age)."""
-        if isinstance(self.groups, StepwiseGroups):
-            return await self.groups.collect(step)
-        dispatcher, n = self.groups, self.config.rollouts_per_example
-        dispatcher.step = step
-        dispatcher.top_up()
-        fill = self.config.advantage.fill_batch
-        taken = await dispatcher.take(self.trainable if fill else None,
-                                      self.config.advantage.max_extra_groups or self.groups_per_step,
-                                      servers_back=lambda: self.sync.ensure(step))
-        if taken.short:
-            self.logger.warning(f"batch {step}: {taken.short} of {self.groups_per_step} groups short after "
-                                f"{taken.extra} extra groups (advantage.max_extra_groups); the step trains on what "
-                                "it has")
-        stats = {"rollouts_in_flight": len(dispatcher.running) * n, "rollouts_waiting": dispatcher.rollouts_waiting,
-                 "time/wait_for_rollouts": taken.waited_s, "off_policy/last_chance_groups": taken.last_chance}
-        if fill:
-            stats |= {"fill/extra_groups": taken.extra, "fill/short_groups": taken.short}
-        groups = taken.groups
-        return Collected([g.outcome for g in groups], [g.newest_served for g in groups], stats, taken.short)
-
-    @property
-    def groups_per_step(self) -> int:
-        return self.config.batch_size // self.config.rollouts_per_example
-
-    def observe(self, outcomes: list[GroupOutcome]) -> None:
-        """Each group's mean reward to its environment's sampler (a curriculum pools tasks by it), in draw order."""
-        for outcome in outcomes:
-            if outcome.results is not None:
-                sampler = self.samplers[self.envs.index(outcome.env)]
-                sampler.observe(outcome.task_index, sum(r.reward for r in outcome.results) / len(outcome.results))
-
     def curriculum_stats(self) -> dict:
         return {f"curriculum/{env.name}/{pool}": size for env, sampler in zip(self.envs, self.samplers)
                 if isinstance(sampler, DifficultyPools) for pool, size in sampler.sizes().items()}
-
-    def trainable(self, outcome: GroupOutcome) -> bool:
-        """Whether a group reaches the batch: it ran, and its advantages do not drop it."""
-        results = outcome.results
-        return results is not None and group_advantages(
-            self.config.advantage, [r.reward for r in results], [r.is_truncated for r in results]) is not None
-
-    def server_of(self, group: int) -> int:
-        """The server a batch's group runs on: the usable ones in turn."""
-        return self.servers.usable[group % len(self.servers.usable)]
-
-    async def run_one_group(self, env: Environment, task_index: int, server: int, number: int) -> GroupOutcome:
-        """Run the run's group `number` (its rollouts' seeds follow from it); retry it up to rollout.max_retries
-        times, then drop it with its error counted."""
-        s = self.config.sampling
-        n = self.config.rollouts_per_example
-        seed = None if s.seed is None else s.seed + number * n
-        policy_step = self.servers.policy_step
-        rollout = self.config.rollout
-        sampling = to_sampling(s, seed, priority=number if self.config.continuous else None)
-        outcome = await run_group_retried(
-            env, task_index, n, self.clients[server], sampling, self.slots, rollout.timeout_s,
-            rollout.max_retries, self.logger.warning,
-        )
-        outcome.policy_step, outcome.server, outcome.task_index = policy_step, server, task_index
-        return outcome
 
     def step_stats(self, batch: StepBatch, outcomes: list[GroupOutcome]) -> dict:
         return rollout_stats(batch.kept) | {
@@ -300,8 +180,8 @@ class Orchestrator:
         start = time.perf_counter()
         rollout = self.config.rollout
         stats = await evaluate(
-            self.config.eval, self.eval_envs, self.clients, self.slots, rollout.timeout_s, rollout.max_retries,
-            self.logger.warning,
+            self.config.eval, self.eval_envs, self.runner.clients, self.runner.slots, rollout.timeout_s,
+            rollout.max_retries, self.logger.warning,
         )
         return stats | {"eval/time_s": time.perf_counter() - start}
 
