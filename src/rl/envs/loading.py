@@ -85,18 +85,18 @@ class Environment:
         return self.runner.serving(self.env)
 
 
-def start_env_servers(environments: list[Environment]) -> None:
-    """Start now what each environment's episodes run on (the env servers this process owns, its children), so that
-    they load while inference starts; `serving` then waits for them. Each stops when its environment stops serving,
-    or by `stop_env_servers`."""
+@contextlib.contextmanager
+def launched(environments: list[Environment]) -> Iterator[None]:
+    """What each environment's episodes run on (the env servers this process owns, its children) started now, so that
+    they load while inference starts (`serving` then waits for them), and stopped on the way out: an env server's
+    life in a process that runs episodes is this, then `serving`."""
     for environment in environments:
         environment.runner.launch()
-
-
-def stop_env_servers(environments: list[Environment]) -> None:
-    """Stop what `start_env_servers` started (a no-op for what has stopped)."""
-    for environment in environments:
-        environment.runner.shut_down()
+    try:
+        yield
+    finally:
+        for environment in environments:  # a no-op for what has stopped
+            environment.runner.shut_down()
 
 
 @contextlib.asynccontextmanager

@@ -37,7 +37,7 @@ from rl.eval.serving import (
 from rl.checks import check_model
 from rl.metrics import PER_REQUEST_LOGGERS, setup_logging
 from rl.envs.loading import (
-    EnvLoadError, Environment, load_environments, serving, start_env_servers, stop_env_servers,
+    EnvLoadError, Environment, launched, load_environments, serving,
 )
 from rl.orchestrator.eval import EvalGroups, eval_stats, group_scores, run_eval_groups
 from rl.envs.rollouts import ChatClient, InferenceClient, RolloutResult, openai_api_root
@@ -184,25 +184,25 @@ def evaluate(config: EvalCommandConfig, envs: list[Environment], out: Path, logg
     served = config.client.served_model or config.model.name
     if supervisor is not None and config.inference.api_key:  # the server eval starts requires its key
         os.environ[config.client.api_key_var] = config.inference.api_key
-    start_env_servers(envs)  # they load while inference starts
     try:
-        logger.info(f"waiting for inference server {url_without_password(url)}")
-        if supervisor is None:
-            api_root = openai_api_root(url)
-            check_served(api_root, served, wait_for_models(api_root, config.client.api_key_var,
-                                                           config.client.startup_timeout_s), logger)
-        else:
-            wait_for_own_server(url.rstrip("/"), config.client.startup_timeout_s, supervisor)
-        if step is not None:
-            reply = load_adapter(url.rstrip("/"), step)
-            served = reply.get("adapter") or LoraServingConfig().name
-            logger.info(f"serving adapter {config.adapter} as {served!r} (checksum {reply.get('weights_checksum')})")
-        client = inference_client(config, url, served, envs, logger)
-        start = time.perf_counter()
-        evaluated = asyncio.run(run(config, envs, client, logger))
-        elapsed = time.perf_counter() - start
+        with launched(envs):  # they load while inference starts
+            logger.info(f"waiting for inference server {url_without_password(url)}")
+            if supervisor is None:
+                api_root = openai_api_root(url)
+                check_served(api_root, served, wait_for_models(api_root, config.client.api_key_var,
+                                                               config.client.startup_timeout_s), logger)
+            else:
+                wait_for_own_server(url.rstrip("/"), config.client.startup_timeout_s, supervisor)
+            if step is not None:
+                reply = load_adapter(url.rstrip("/"), step)
+                served = reply.get("adapter") or LoraServingConfig().name
+                logger.info(f"serving adapter {config.adapter} as {served!r} (checksum "
+                            f"{reply.get('weights_checksum')})")
+            client = inference_client(config, url, served, envs, logger)
+            start = time.perf_counter()
+            evaluated = asyncio.run(run(config, envs, client, logger))
+            elapsed = time.perf_counter() - start
     finally:
-        stop_env_servers(envs)
         if supervisor is not None:
             supervisor.stop_all()
     decode = load_tokenizer(config.model.name).decode if isinstance(client, InferenceClient) else None

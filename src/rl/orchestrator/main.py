@@ -13,7 +13,7 @@ from rl.orchestrator.batch import StepBatch, balance_by_tokens, build_batch, off
 from rl.orchestrator.concurrency import rollout_slots
 from rl.orchestrator.config import OrchestratorConfig
 from rl.envs.loading import (
-    Environment, EnvLoadError, load_environments, serving, start_env_servers, stop_env_servers,
+    Environment, EnvLoadError, launched, load_environments, serving,
 )
 from rl.renderer import chat_renderer
 from rl.renderer import describe as describe_renderer
@@ -88,8 +88,7 @@ class Orchestrator:
 
     async def run(self) -> None:
         shown = [url_without_password(url) for url in self.config.client.base_urls]
-        start_env_servers(self.envs + self.eval_envs)  # those this process starts load while inference starts
-        try:
+        with launched(self.envs + self.eval_envs):  # those this process starts load while inference starts
             self.logger.info(f"waiting for inference servers {shown}")
             await self.pool.wait_healthy(self.config.client.startup_timeout_s)
             if self.teacher is not None:
@@ -107,8 +106,6 @@ class Orchestrator:
                 finally:
                     await self.groups.close()
                 await self.sync.finish()
-        finally:
-            stop_env_servers(self.envs + self.eval_envs)
         await self.pool.close()
         if self.teacher is not None:
             await self.teacher.close()
