@@ -194,9 +194,9 @@ class GroupOutcome:
     error: str | None = None  # the last attempt's error type, where the group was dropped
     message: str = ""  # and its text
     retries: int = 0
-    policy_step: int = 0  # training: the policy served while the group was generated
-    server: int = 0  # training: the index of the server it was generated on
-    task_index: int = 0  # training: the task it was generated for
+    policy_step: int = 0  # training: the policy served as the group started
+    server: int = 0  # training: the index of the server it ran on
+    task_index: int = 0  # the task it ran
     unscored: int = 0  # rollouts left out: a reward (or component) not a finite float32 (`finite_rewards`)
 
 
@@ -210,9 +210,13 @@ async def run_group_retried(
     timeout_s: float | None,
     max_retries: int,
     log: Callable[[str], None],
+    server: int = 0,
+    policy_step: int = 0,
 ) -> GroupOutcome:
-    """run_group, run again up to `max_retries` times after a failure (logged), then dropped with its error."""
+    """run_group, run again up to `max_retries` times after a failure (logged), then dropped with its error. Training
+    labels the outcome with the server it ran on and the policy served as it started (`server`, `policy_step`)."""
     error: Exception | None = None
+    made = dict(server=server, policy_step=policy_step, task_index=task_index)
     for attempt in range(max_retries + 1):
         try:
             results = await run_group(environment, task_index, n, client, sampling, slots, timeout_s)
@@ -222,12 +226,12 @@ async def run_group_retried(
                       f"have a reward that is not a finite float32: {unscored_rewards(results)}"
                 log(f"{why}; they are left out as failed rollouts")
                 if not scored:
-                    return GroupOutcome(environment, None, "RewardNotFinite", why, retries=attempt)
-            return GroupOutcome(environment, scored, retries=attempt, unscored=len(results) - len(scored))
+                    return GroupOutcome(environment, None, "RewardNotFinite", why, retries=attempt, **made)
+            return GroupOutcome(environment, scored, retries=attempt, unscored=len(results) - len(scored), **made)
         except Exception as e:  # noqa: BLE001 - retried, then dropped and counted by reason, never silently
             log(f"group of task {task_index} of {environment.name} failed (attempt {attempt + 1}): {e!r}")
             error = e
-    return GroupOutcome(environment, None, type(error).__name__, str(error), retries=max_retries)
+    return GroupOutcome(environment, None, type(error).__name__, str(error), retries=max_retries, **made)
 
 
 FLOAT32_MAX = 3.4028234663852886e38

@@ -88,11 +88,8 @@ class GroupRunner:
         times, then drop it with its error counted."""
         s, rollout, n = self.config.sampling, self.config.rollout, self.config.rollouts_per_example
         seed = None if s.seed is None else s.seed + number * n
-        policy_step = self.servers.policy_step
         sampling = to_sampling(s, seed, priority=number if self.config.continuous else None)
-        outcome = await run_group_retried(
+        return await run_group_retried(
             env, task_index, n, self.clients[server], sampling, self.slots, rollout.timeout_s,
-            rollout.max_retries, self.logger.warning,
+            rollout.max_retries, self.logger.warning, server=server, policy_step=self.servers.policy_step,
         )
-        outcome.policy_step, outcome.server, outcome.task_index = policy_step, server, task_index
-        return outcome
