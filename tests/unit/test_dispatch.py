@@ -15,8 +15,8 @@ class Env:
 
 
 class FakeGroups:
-    """The dispatcher's runner. Each started group waits for `finish(task)`; `policy` is what the servers serve; tokens carry the policy
-    served when the group finished unless `oldest` says otherwise."""
+    """The dispatcher's runner. Each started group waits for `finish(task)`; `policy` is what the servers serve;
+    tokens carry the policy served when the group finished unless `oldest` says otherwise."""
 
     def __init__(self, tasks_per_env=(1000,), servers=(0, 1)):
         self.next_task = [0] * len(tasks_per_env)
