@@ -210,8 +210,7 @@ async def run_group_retried(
     timeout_s: float | None,
     max_retries: int,
     log: Callable[[str], None],
-    server: int = 0,
-    policy_step: int = 0,
+    *, server: int = 0, policy_step: int = 0,  # training's labels
 ) -> GroupOutcome:
     """run_group, run again up to `max_retries` times after a failure (logged), then dropped with its error. Training
     labels the outcome with the server it ran on and the policy served as it started (`server`, `policy_step`)."""
