@@ -51,7 +51,7 @@ class ConcurrencyController:
     def __init__(self, config, start: int, group: int):
         self.config, self.group = config, group
         self.floor = max(group, config.min_rollouts or group)
-        self.ceiling = max(self.floor, config.max_rollouts or 4 * start)
+        self.ceiling = ceiling(config, start, group)
         self.cap = self.bounded(start)
         self.last_counters: dict[int, float] = {}  # each server's preemptions at the last reading
         self.last_waiting = 0.0
@@ -159,10 +159,14 @@ class AdaptiveCap:
             self.task.cancel()
 
 
+def ceiling(config, start: int, group: int) -> int:
+    """The most rollouts the adaptive cap lets run (`config`: the concurrency section)."""
+    return max(group, config.min_rollouts or group, config.max_rollouts or 4 * start)
+
+
 def rollout_slots(config) -> int:
     """Rollouts that may run at once, training's and eval's (RolloutSlots): the in-flight count, or the adaptive cap's
     ceiling."""
-    adaptive = config.concurrency
-    ceiling = (ConcurrencyController(adaptive, config.rollouts_in_flight, config.rollouts_per_example).ceiling
-               if adaptive.adaptive else 0)
-    return max(config.rollouts_in_flight, ceiling)
+    adaptive = config.concurrency.adaptive
+    return max(config.rollouts_in_flight,
+               ceiling(config.concurrency, config.rollouts_in_flight, config.rollouts_per_example) if adaptive else 0)

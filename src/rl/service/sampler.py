@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 from collections.abc import AsyncIterator
 from itertools import cycle
 from pathlib import Path
@@ -18,7 +17,7 @@ import httpx
 
 from rl.config import API_KEY_VAR
 from rl.orchestrator.inference_pool import InferencePool
-from rl.protocol import RunPaths, is_stable
+from rl.protocol import RunPaths, wait_for_stable
 from rl.service.wire import Sequence
 
 
@@ -60,12 +59,11 @@ class ServedPolicy:
     async def written(self, step: int, path: Path) -> None:
         """A saved step's weights are written by the trainer's writer thread after its save was answered: wait
         for its STABLE marker, within the deadline."""
-        deadline = time.monotonic() + self.timeout_s
-        while not is_stable(path):
-            if time.monotonic() > deadline:
-                raise SampleError(f"policy {step}'s weights ({path}) were not written within {self.timeout_s:.0f}s of "
-                                  "its save: see the trainer's log")
-            await asyncio.sleep(WRITTEN_POLL_S)
+        try:
+            await asyncio.to_thread(wait_for_stable, path, self.timeout_s, f"policy {step}'s weights", WRITTEN_POLL_S)
+        except TimeoutError:
+            raise SampleError(f"policy {step}'s weights ({path}) were not written within {self.timeout_s:.0f}s of its "
+                              "save: see the trainer's log") from None
 
     async def load(self, step: int) -> None:
         if step < self.step:
