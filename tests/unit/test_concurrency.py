@@ -131,9 +131,10 @@ def test_the_age_the_controller_reads_counts_steps_past_the_first_boundary_over_
     """A group in flight across one step boundary is every continuous run's normal: only steps beyond it count."""
     from types import SimpleNamespace
 
+    from rl.envs.slots import RolloutSlots
     from rl.orchestrator.dispatch import Dispatcher
 
-    groups = Dispatcher(4, [1], runner=None, bound=8)
+    groups = Dispatcher(RolloutSlots(4), 1, [1], runner=None, bound=8)
     groups.step, groups.running = 10, [SimpleNamespace(started_step=9), SimpleNamespace(started_step=5)]
     assert groups.oldest_age() == 5 and groups.age_used() == 0.5
     groups.running = [SimpleNamespace(started_step=9)]

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from rl.envs.rollouts import GroupOutcome
+from rl.envs.slots import RolloutSlots
 from rl.orchestrator.dispatch import Dispatcher
 
 
@@ -76,7 +77,7 @@ class FakeGroups:
         return self.policy
 
     def dispatcher(self, capacity, shares=(2,), pending=(), bound=None):
-        return Dispatcher(capacity, list(shares), self, list(pending), bound=bound)
+        return Dispatcher(RolloutSlots(capacity), 1, list(shares), self, list(pending), bound=bound)
 
 
 async def settle():

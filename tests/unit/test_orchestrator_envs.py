@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-import in_process_chat
+from rl.envs import chat_calls
 from guess_number import feedback, parse_guess
 from in_process_chat import ModelCallError, SharedChatSession, complete
 from rl.envs.config import EnvConfig
@@ -110,9 +110,9 @@ def test_model_calls_share_one_connection_while_environments_serve():
             await complete(endpoint, "secret", "too-long", [])
         await first.stop()
         assert await complete(endpoint, "secret", "m", []) == "ok"  # still shared: `second` serves
-        session = in_process_chat._shared[asyncio.get_running_loop()][0]
+        session = chat_calls._shared[asyncio.get_running_loop()][0]
         await second.stop()
-        assert session.closed and not in_process_chat._shared
+        assert session.closed and not chat_calls._shared
         assert await complete(endpoint, "secret", "m", []) == "ok"  # outside serving: its own session
         await runner.cleanup()
         assert len(peers) == 6 and len(set(peers[:5])) == 1 and peers[5] != peers[0]
@@ -139,9 +139,10 @@ def test_reasoning_gym_tasks_are_reproducible_and_scored_by_the_dataset():
 
 
 def test_rollouts_reach_their_interception_server_in_process_not_over_http(monkeypatch):
-    """An env server's worker offers in_process_chat each interception server's model route: a rollout's model calls
-    go to verifiers' handler directly (HTTP to the server is refused here), and are recorded and answered as before.
-    The episodes run here as a worker runs them (its environment serving, the shared session held)."""
+    """An env server's worker offers each interception server's model route in process (rl.envs.chat_calls): a
+    rollout's model calls go to verifiers' handler directly (HTTP to the server is refused here), and are recorded
+    and answered as before. The episodes run here as a worker runs them (its environment serving, the shared
+    session held)."""
     from rl.envs.rollouts import ChatClient, Sampling, model_contexts, to_chat_result
 
     async def over_http(*args, **kwargs):
@@ -167,16 +168,16 @@ def test_rollouts_reach_their_interception_server_in_process_not_over_http(monke
         env = load_environment("reverse-text", {"num_examples": 2})
         client = ChatClient(f"http://127.0.0.1:{runner.addresses[0][1]}", "m")
         contexts = model_contexts(client, Sampling(temperature=1.0, max_tokens=8), 2)
-        async with in_process_chat.shared_session(), env.env.serving():
+        async with chat_calls.shared_session(), env.env.serving():
             slots = env.env.slots(env.task(1), 2)
             episodes = await asyncio.gather(*(env.env.run_slot(slot, ctx) for slot, ctx in zip(slots, contexts)))
         results = [to_chat_result(1, env.task(1), episode) for episode in episodes]
         await runner.cleanup()
-        assert not in_process_chat._local_routes  # withdrawn with the servers (started by the first rollouts)
+        assert not chat_calls._local_routes  # withdrawn with the servers (started by the first rollouts)
         prompt = env.task(1).data.prompt
         assert [r.chat.completion for r in results] == [[{"role": "assistant", "content": "olleh"}]] * 2
         assert [r.chat.prompt[-1]["content"] for r in results] == [prompt] * 2
         assert len(asked) == 2 and all(body["messages"][-1]["content"] == prompt for body in asked)
 
-    monkeypatch.setattr(in_process_chat, "_post", over_http)
+    monkeypatch.setattr(chat_calls, "_send", over_http)
     asyncio.run(scenario())

@@ -496,3 +496,40 @@ def test_a_group_takes_its_rollout_slots_at_once_in_the_order_groups_asked():
         assert slots.free == 8 and not slots.waiting and order[-1] == "c2"
 
     asyncio.run(scenario())
+
+
+def test_one_in_flight_count_shared_by_training_and_eval_moves_with_the_cap():
+    """Training's groups and eval's take from the same slots: an eval group queues behind training's; a grown cap
+    starts it at once, a trimmed one lets those holding slots finish and starts nothing until they fall below it."""
+    from rl.orchestrator.dispatch import Dispatcher
+
+    async def scenario() -> None:
+        slots = RolloutSlots(8)
+        dispatcher = Dispatcher(slots, 4, [2], runner=None)
+        assert dispatcher.capacity == 2
+        release = asyncio.Event()
+
+        async def group(n: int) -> None:
+            async with slots.take(n):
+                await release.wait()
+
+        training = [asyncio.create_task(group(4)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        evaluation = asyncio.create_task(group(4))
+        await asyncio.sleep(0.01)
+        assert slots.free == 0 and len(slots.waiting) == 1  # eval waits for training's slots
+        slots.resize(12)
+        await asyncio.sleep(0.01)
+        assert not slots.waiting and slots.free == 0 and dispatcher.capacity == 3
+        slots.resize(4)
+        assert slots.free == -8 and dispatcher.capacity == 1
+        late = asyncio.create_task(group(4))
+        await asyncio.sleep(0.01)
+        assert len(slots.waiting) == 1  # over the cap: nothing new starts
+        release.set()
+        await asyncio.gather(*training, evaluation, late)
+        assert slots.free == 4 and not slots.waiting
+        with pytest.raises(ValueError, match="at least 1"):
+            slots.resize(0)
+
+    asyncio.run(scenario())

@@ -11,7 +11,9 @@ from transformers import AutoTokenizer
 
 import in_process_chat
 from in_process_chat import InProcessChatConfig, InProcessChatHarness
-from in_process_chat.tools import ERROR_PREFIX, MAX_ARGUMENT_DEPTH, Toolbox, parse_arguments, tool_messages
+from in_process_chat.tools import ERROR_PREFIX, MAX_ARGUMENT_DEPTH, Toolbox, parse_arguments
+
+from rl.envs.chat_calls import tool_messages
 from rl.config import ConfigError
 from rl.envs.config import EnvConfig
 from rl.envs.loading import EnvLoadError, load_environment

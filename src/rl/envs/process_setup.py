@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
+from rl.envs.chat_calls import route_in_process, shared_session
 from rl.envs.chat_replies import build_client
 from rl.envs.engine_client import EngineClient
 from rl.envs.watch import beating
@@ -27,7 +28,7 @@ def apply_patches() -> None:
     episodes: applied first by the main() of the orchestrator, of `eval` and by every env-server worker, once every
     internal name of verifiers', renderers' and pydantic's that rl reads is found there (rl/patches/internals.py)."""
     check_internals("episodes")
-    apply_orchestrator_patches(EngineClient)
+    apply_orchestrator_patches(EngineClient, route_in_process)
     bound_eval_client(build_client)
     serve_rl_client_configs(RL_CLIENT_CONFIGS)
     stamp_policy_versions(POLICY_VERSIONS.node_versions, POLICY_VERSION_STREAM)
@@ -63,9 +64,7 @@ def set_up_worker() -> None:
 
 @contextlib.asynccontextmanager
 async def worker_holds() -> AsyncIterator[None]:
-    """What a worker holds while it serves: in_process_chat's shared HTTP session (one kept-alive session for the
-    worker's model calls, not one per call), and its heartbeat (rl/envs/watch.py)."""
-    from in_process_chat import shared_session
-
+    """What a worker holds while it serves: the chat calls' shared HTTP session (rl/envs/chat_calls.py: one
+    kept-alive session for the worker's model calls, not one per call), and its heartbeat (rl/envs/watch.py)."""
     async with shared_session(), beating():
         yield

@@ -21,9 +21,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import verifiers.v1 as vf
-from in_process_chat.tools import tool_messages
 
 from rl.config import API_KEY_VAR
+from rl.envs.chat_calls import tool_messages
 from rl.envs.chat_replies import MAX_REPLY_BYTES, BoundedChatConfig
 from rl.envs.config import GROUP_GAP_S
 from rl.envs.engine_client import GroupedTrainClientConfig

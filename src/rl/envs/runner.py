@@ -19,6 +19,8 @@ from typing import Any
 
 import verifiers.v1 as vf
 
+from rl.envs.chat_calls import shared_session
+
 Bound = Callable[[Coroutine[Any, Any, Any], int], Awaitable[Any]]
 
 
@@ -59,8 +61,6 @@ class InProcessEpisodes(EpisodeRunner):
         """verifiers' interception server kept up across groups (otherwise each episode starts one), and the
         in-process harness's HTTP session open (otherwise each model call opens one), as an env server's worker
         keeps them."""
-        from in_process_chat import shared_session
-
         async with shared_session(), env.serving():
             yield
 

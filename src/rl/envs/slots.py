@@ -1,5 +1,6 @@
-"""How many rollouts are in flight: the orchestrator's and eval's bound (`rollouts_in_flight`, `max_concurrent`), taken
-a group at a time, as an env server runs a group's episodes together (rl/envs/groups.py)."""
+"""How many rollouts are in flight: the one count training's and eval's groups share (`rollouts_in_flight`, or the
+adaptive cap, which moves it; eval alone: `max_concurrent`), taken a group at a time, as an env server runs a group's
+episodes together (rl/envs/groups.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ class RolloutSlots:
             raise ValueError(f"rollouts in flight must be at least 1, not {capacity}")
         self.capacity = self.free = capacity
         self.waiting: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    def resize(self, capacity: int) -> None:
+        """Allow `capacity` rollouts from now (the adaptive cap moves it): those holding slots keep them; while more
+        than that hold slots, no group waiting starts."""
+        if capacity < 1:
+            raise ValueError(f"rollouts in flight must be at least 1, not {capacity}")
+        self.free += capacity - self.capacity
+        self.capacity = capacity
+        self._hand_on()
 
     @contextlib.asynccontextmanager
     async def take(self, n: int) -> AsyncIterator[None]:

@@ -2,7 +2,7 @@
 verifiers' pool builds in each worker (rl/patches: `serve_env_with`, applied by rl's env server in its broker, whose
 forked workers inherit it). Ordinary overrides, each calling verifiers' own:
 
-    run        holds in_process_chat's shared HTTP session and the worker's heartbeat while it serves, tunes the GC
+    run        holds the chat calls' shared HTTP session and the worker's heartbeat while it serves, tunes the GC
                once the environment is loaded (as the orchestrator did around the environments it ran), and drops
                frames verifiers would fail on outside its handler (a request id it cannot decode ended the worker)
     _handle    answers rl's `run_group` (a group's episodes in one request, rl/envs/groups.py) beside verifiers'

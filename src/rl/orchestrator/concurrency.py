@@ -51,7 +51,7 @@ class ConcurrencyController:
     def __init__(self, config, start: int, group: int):
         self.config, self.group = config, group
         self.floor = max(group, config.min_rollouts or group)
-        self.ceiling = ceiling(config, start, group)
+        self.ceiling = max(group, config.min_rollouts or group, config.max_rollouts or 4 * start)
         self.cap = self.bounded(start)
         self.last_counters: dict[int, float] = {}  # each server's preemptions at the last reading
         self.last_waiting = 0.0
@@ -116,8 +116,8 @@ class ConcurrencyController:
 
 
 class AdaptiveCap:
-    """The controller's loop: every `interval_s`, the continuous dispatcher's capacity (in groups of `group`
-    rollouts) from the servers' /metrics (`metrics()`, a text or None per server), and what it shed since the last
+    """The controller's loop: every `interval_s`, the run's in-flight count (the dispatcher's slots, shared with eval)
+    from the servers' /metrics (`metrics()`, a text or None per server), and what it shed since the last
     step's record."""
 
     def __init__(self, controller: ConcurrencyController, dispatcher, metrics: Callable[[], Awaitable[list]],
@@ -141,7 +141,7 @@ class AdaptiveCap:
                 self.warn(f"concurrency: no server publishes vLLM's statistics (inference.log_stats); the cap stays "
                           f"at {decision.cap} rollouts until one does")
             said_blind = decision.why == "no metrics"
-            shed = self.dispatcher.resize(decision.cap // n, shed=decision.cancel) * n
+            shed = self.dispatcher.resize(decision.cap, shed=decision.cancel) * n
             self.shed += shed
             if decision.cancel:
                 self.log(f"concurrency: a server preempted requests: cap {decision.cap} rollouts, the {shed} youngest "
@@ -158,15 +158,3 @@ class AdaptiveCap:
         if self.task is not None:
             self.task.cancel()
 
-
-def ceiling(config, start: int, group: int) -> int:
-    """The most rollouts the adaptive cap lets run (`config`: the concurrency section)."""
-    return max(group, config.min_rollouts or group, config.max_rollouts or 4 * start)
-
-
-def rollout_slots(config) -> int:
-    """Rollouts that may run at once, training's and eval's (RolloutSlots): the in-flight count, or the adaptive cap's
-    ceiling."""
-    adaptive = config.concurrency.adaptive
-    return max(config.rollouts_in_flight,
-               ceiling(config.concurrency, config.rollouts_in_flight, config.rollouts_per_example) if adaptive else 0)

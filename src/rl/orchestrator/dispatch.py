@@ -1,7 +1,8 @@
 """Continuous dispatch (as prime-rl's orchestrator and verl's fully async trainer do): groups of rollouts run across
 steps, weights change under them, and a step's batch is made of groups that have finished.
 
-- In flight: up to `capacity` groups (`rollouts_in_flight` over the group size) at all times: when one finishes, the
+- In flight: up to `capacity` groups at all times: the run's one in-flight count (`runner.slots`, in rollouts,
+  shared with eval's groups and moved by the adaptive cap) over the group size: when one finishes, the
   next starts, so inference never serves the shrinking tail of a step's slowest episode. Dispatch pauses for an
   environment that has a batch's share of finished groups waiting (more would only age).
 - Which environment: the one furthest below its share of the batch, counting its groups in flight and waiting, so
@@ -29,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from rl.envs.rollouts import GroupOutcome
+from rl.envs.slots import RolloutSlots
 from rl.orchestrator.concurrency import AdaptiveCap, ConcurrencyController
 from rl.config import ConfigError
 from rl.orchestrator.group_runner import Collected, GroupRunner
@@ -83,12 +85,13 @@ class Dispatcher:
     included (`start`), tells the oldest policy among a finished group's sampled tokens (`oldest`), and holds the
     servers' board (`servers`: `usable`, the oldest policy they serve as `policy_step`, and `check()`, which servers
     restarted or stopped answering since it last asked) and the policy sync (`sync.ensure(step)`).
+    `slots`: the rollouts in flight, training's and eval's (the runner's); `group`: rollouts in a group;
     `bound`: the age bound groups are admitted by (None: none); `adaptive`: the cap's loop, where the engines' load
-    moves the capacity (orchestrator/concurrency.py)."""
+    moves the slots' count (orchestrator/concurrency.py)."""
 
-    def __init__(self, capacity: int, shares: list[int], runner, pending: list[tuple[int, int]] = (),
+    def __init__(self, slots: RolloutSlots, group: int, shares: list[int], runner, pending: list[tuple[int, int]] = (),
                  log: Callable[[str], None] = lambda message: None, bound: int | None = None):
-        self.capacity, self.shares, self.bound, self.step = max(1, capacity), shares, bound, 0
+        self.slots, self.group, self.shares, self.bound, self.step = slots, group, shares, bound, 0
         self.runner, self.log = runner, log
         self.again: collections.deque[tuple[int, int]] = collections.deque(pending)  # run before new draws
         self.running: list[Running] = []
@@ -101,14 +104,13 @@ class Dispatcher:
     @classmethod
     def for_config(cls, config, runner, metrics: Callable[[], Awaitable[list]], pending: list[tuple[int, int]],
                    logger) -> Dispatcher:
-        """The run's dispatcher: its capacity from `rollouts_in_flight` (or the adaptive cap's start), its age bound
-        `max_off_policy_steps`; with `concurrency.adaptive`, the cap read from the servers' `metrics()`."""
+        """The run's dispatcher over the runner's slots (`rollouts_in_flight`, or the adaptive cap's start), its age
+        bound `max_off_policy_steps`; with `concurrency.adaptive`, the cap read from the servers' `metrics()`."""
         n = config.rollouts_per_example
-        controller = (ConcurrencyController(config.concurrency, config.rollouts_in_flight, n)
-                      if config.concurrency.adaptive else None)
-        dispatcher = cls((controller.cap if controller else config.rollouts_in_flight) // n, runner.shares, runner,
-                         pending, logger.warning, config.max_off_policy_steps)
-        if controller is not None:
+        dispatcher = cls(runner.slots, n, runner.shares, runner, pending, logger.warning, config.max_off_policy_steps)
+        if config.concurrency.adaptive:
+            controller = ConcurrencyController(config.concurrency, config.rollouts_in_flight, n)
+            runner.slots.resize(controller.cap)
             dispatcher.adaptive = AdaptiveCap(controller, dispatcher, metrics, logger.info, logger.warning)
         return dispatcher
 
@@ -116,6 +118,11 @@ class Dispatcher:
         """The cap's loop, where it adapts; groups start with the first batch's `collect`."""
         if self.adaptive is not None:
             self.adaptive.start()
+
+    @property
+    def capacity(self) -> int:
+        """Groups that may be in flight: the slots' count in whole groups."""
+        return max(1, self.slots.capacity // self.group)
 
     def served(self) -> int:
         return self.runner.servers.policy_step
@@ -204,10 +211,10 @@ class Dispatcher:
             self.running.remove(r)
         return cancelled
 
-    def resize(self, capacity: int, shed: bool) -> int:
-        """Run up to `capacity` groups from now (the adaptive cap); with `shed`, cancel at once the youngest groups
-        beyond it (their tasks run again first, later). How many were cancelled."""
-        self.capacity = max(1, capacity)
+    def resize(self, rollouts: int, shed: bool) -> int:
+        """Run up to `rollouts` from now, training's and eval's (the adaptive cap); with `shed`, cancel at once the
+        youngest groups beyond it (their tasks run again first, later). How many groups were cancelled."""
+        self.slots.resize(rollouts)
         if not shed or len(self.running) <= self.capacity:
             self.top_up()
             return 0

@@ -10,7 +10,6 @@ import time
 from rl.config import ConfigError, run_cli, url_without_password
 from rl.metrics import PER_REQUEST_LOGGERS, MetricsLogger, setup_logging
 from rl.orchestrator.batch import StepBatch, balance_by_tokens, build_batch, off_policy_stats
-from rl.orchestrator.concurrency import rollout_slots
 from rl.orchestrator.config import OrchestratorConfig
 from rl.envs.loading import (
     Environment, EnvLoadError, launched, load_environments, serving,
@@ -66,7 +65,7 @@ class Orchestrator:
         self.start_step, pending = 0, []
         if config.resume_step is not None:
             pending = self.restore(config.resume_step)
-        self.runner = GroupRunner(config, self.envs, self.samplers, clients, RolloutSlots(rollout_slots(config)),
+        self.runner = GroupRunner(config, self.envs, self.samplers, clients, RolloutSlots(config.rollouts_in_flight),
                                   self.servers, self.sync, logger)
         self.groups = group_source(config, self.runner, self.pool.metrics, pending, logger)
         self.metrics = MetricsLogger("orchestrator", self.paths, config.wandb, config, logger)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-
 import multiprocessing
+from collections.abc import Callable
 
 from rl.patches.targets import PatchTargetMissing, installed_version, once, patch_target
 from rl.patches.local_route import local_route
@@ -273,15 +273,15 @@ def remember_signatures() -> None:
 
 
 
-def interception_in_process() -> None:
+def interception_in_process(route_in_process: Callable[[str, object], None]) -> None:
     """verifiers' interception server is an aiohttp server on localhost, and rl's in-process chat harness reaches it
     over HTTP from the same event loop: a client request and a server request per model call, ~0.7 ms of CPU
     (py-spy and a bare aiohttp round trip, benchmarks/RESULTS.md) of the few ms a rollout costs. Each
-    server, once started, offers in_process_chat its model routes (`route_in_process`): the harness's calls go to
-    the route's handler directly, with the harness's headers and body in a request that carries what the handler
-    reads (`LocalRequest`), in a task of its own as aiohttp serves each request (a concluded rollout's session
-    cancels its handlers' tasks, never the caller's). Same handler, same checks, same trace; a harness that
-    speaks HTTP (any other) is served over HTTP as before."""
+    server, once started, offers its model routes in process (`route_in_process`, rl/envs/chat_calls.py's): the
+    harness's calls go to the route's handler directly, with the harness's headers and body in a request that
+    carries what the handler reads (`LocalRequest`), in a task of its own as aiohttp serves each request (a
+    concluded rollout's session cancels its handlers' tasks, never the caller's). Same handler, same checks, same
+    trace; a harness that speaks HTTP (any other) is served over HTTP as before."""
     from verifiers.v1.interception import server as interception
 
     server_class = patch_target(interception, "InterceptionServer", "verifiers")
@@ -293,8 +293,6 @@ def interception_in_process() -> None:
     max_body = patch_target(interception, "MAX_REQUEST_BODY", "verifiers")
 
     async def start_routing_in_process(self) -> None:
-        from in_process_chat import route_in_process
-
         await start(self)
         for dialect in dialects:
             for route in dialect.routes:
@@ -307,7 +305,9 @@ def interception_in_process() -> None:
 
 
 @once
-def apply_orchestrator_patches(client_class: type) -> None:
+def apply_orchestrator_patches(client_class: type, route_in_process: Callable[[str, object], None]) -> None:
+    """verifiers in a process that runs episodes, with rl's engine client (`client_class`) and rl's way to offer a
+    route in process (rl/envs/chat_calls.py)."""
     cache_default_factory_inspection()
     use_engine_client(client_class)
     remember_renders()
@@ -317,6 +317,6 @@ def apply_orchestrator_patches(client_class: type) -> None:
     remember_signatures()
     remember_task_hashes()
     decode_engine_replies_with_msgspec()
-    interception_in_process()
+    interception_in_process(route_in_process)
 
 

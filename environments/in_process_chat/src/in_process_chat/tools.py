@@ -107,14 +107,3 @@ def nesting_depth(text: str) -> int:
     """How deeply the JSON text's arrays and objects nest (brackets inside strings do not count)."""
     steps = [1 if c in "[{" else -1 for c in JSON_STRING.sub("", text) if c in "[]{}"]
     return max(itertools.accumulate(steps), default=0)
-
-
-def tool_messages(messages) -> list[str]:
-    """The contents of a conversation's tool messages (verifiers Messages or OpenAI dicts)."""
-    contents = []
-    for message in messages or []:
-        role = message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
-        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
-        if role == "tool":
-            contents.append(content if isinstance(content, str) else json.dumps(content, default=str))
-    return contents

@@ -7,7 +7,8 @@ import re
 
 import verifiers.v1 as vf
 from in_process_chat import DataIdKey
-from in_process_chat.tools import ERROR_PREFIX, tool_messages
+from in_process_chat.tools import ERROR_PREFIX
+from rl.envs.chat_calls import tool_messages
 from pydantic import Field
 
 from tool_calc.tools import CalcToolset
