@@ -42,7 +42,7 @@ def orchestrator(tmp_path, pool: FakePool, collective: bool = False) -> Orchestr
     o.config, o.logger, o.pool, o.paths = config, logging.getLogger("test"), pool, RunPaths(tmp_path)
     o.servers = ServerBoard(pool, config.client, o.logger)
     o.sync = policy_sync(config, pool, o.servers, o.logger)
-    o.runner = GroupRunner(config, [], [], [], None, o.servers, o.sync, o.logger)
+    o.runner = GroupRunner(config, [], [], [], o.servers, o.sync, o.logger)
     return o
 
 

@@ -44,8 +44,10 @@ class GroupRunner:
     oldest = staticmethod(group_oldest_version)  # the oldest policy among a finished group's sampled tokens
 
     def __init__(self, config: OrchestratorConfig, envs: list[Environment], samplers: list,
-                 clients: list[InferenceClient], slots: RolloutSlots, servers, sync, logger):
-        self.config, self.envs, self.samplers, self.clients, self.slots = config, envs, samplers, clients, slots
+                 clients: list[InferenceClient], servers, sync, logger):
+        self.config, self.envs, self.samplers, self.clients = config, envs, samplers, clients
+        # the run's one in-flight count, training's and eval's; continuous dispatch's adaptive cap moves it
+        self.slots = RolloutSlots(config.rollouts_in_flight)
         self.servers, self.sync, self.logger = servers, sync, logger  # ServerBoard; policy_sync's files or offers
 
     @property

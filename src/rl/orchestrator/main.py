@@ -26,7 +26,6 @@ from rl.envs.process_setup import apply_patches, tune_gc_for_serving
 from rl.orchestrator.group_runner import GroupRunner
 from rl.orchestrator.sampler import DifficultyPools, make_sampler
 from rl.orchestrator.samples_text import COLUMNS, step_samples, table_rows, write_samples
-from rl.envs.slots import RolloutSlots
 from rl.orchestrator.servers import ServerBoard
 from rl.orchestrator.state import load_state, pending_groups, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
@@ -65,8 +64,7 @@ class Orchestrator:
         self.start_step, pending = 0, []
         if config.resume_step is not None:
             pending = self.restore(config.resume_step)
-        self.runner = GroupRunner(config, self.envs, self.samplers, clients, RolloutSlots(config.rollouts_in_flight),
-                                  self.servers, self.sync, logger)
+        self.runner = GroupRunner(config, self.envs, self.samplers, clients, self.servers, self.sync, logger)
         self.groups = group_source(config, self.runner, self.pool.metrics, pending, logger)
         self.metrics = MetricsLogger("orchestrator", self.paths, config.wandb, config, logger)
         self.tokenizer = None
