@@ -123,11 +123,12 @@ def run_api(args, out: Path, batch: list) -> list[float]:
     with open(out.with_suffix(".log"), "w") as log:  # beside its run directory, which rl makes
         launched = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                     env=os.environ | {"TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"})
+    service = None
     try:
         url = f"http://127.0.0.1:{port}"
         wait_up(url, launched)
-        trainer = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
-            base_model=str(args.model), rank=args.rank)
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        trainer = service.create_lora_training_client(base_model=str(args.model), rank=args.rank)
         data, times = datums(batch), []
         for step in range(args.steps):
             start = time.perf_counter()  # the three sent at once, as the cookbook's loops send them
@@ -138,6 +139,8 @@ def run_api(args, out: Path, batch: list) -> list[float]:
             times.append(time.perf_counter() - start)
         return times
     finally:
+        if service is not None:
+            service.close("success").result()  # else its session's heartbeat outlives the server, failing every 10 s
         launched.terminate()
         launched.wait(60)
 
