@@ -93,6 +93,25 @@ def test_refusals_are_named_with_the_status_the_sdk_expects(api):
     assert client.post("/api/v1/client/config", json={}).json() == {"use_pyqwest_transport": False}
 
 
+def test_a_call_sent_again_with_its_seq_id_gets_the_first_ones_answer_and_runs_once(api):
+    """The SDK sends a call again, with the same seq_id, when it did not read the first answer in time (seen with
+    tinker-cookbook's verifiers_rl on a loaded host): the first call's future answers it, the trainer runs it once,
+    and an answered future can be read again. A seq_id the service holds nothing for is still refused."""
+    trainer = Trainer()
+    client = api(trainer)
+    model = create(client)["model_id"]
+    save = {"model_id": model, "seq_id": 1, "path": "a"}
+    first = client.post("/api/v1/save_weights_for_sampler", json=save).json()
+    again = client.post("/api/v1/save_weights_for_sampler", json=save).json()
+    assert again["request_id"] == first["request_id"]
+    answer = result(client, first)
+    assert answer == {"path": f"tinker://{model}/sampler_weights/a", "type": "save_weights_for_sampler"}
+    assert result(client, again) == answer and trainer.calls.count("save_for_sampler") == 1
+    result(client, client.post("/api/v1/save_weights_for_sampler", json=save | {"seq_id": 2}).json())
+    stale = client.post("/api/v1/optim_step", json={"model_id": model, "seq_id": 0, "adam_params": {}}).json()
+    assert "seq_ids must rise" in result(client, stale)["error"]
+
+
 def test_a_models_requests_run_in_seq_id_order_whatever_order_they_come_in():
     async def scenario():
         order, ran = InOrder(timeout_s=5), []

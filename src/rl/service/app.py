@@ -30,6 +30,7 @@ from rl.service.wire import WireError, forward_backward_output, read_forward_bac
 
 PROTOBUF = "application/x-protobuf"
 SESSION_SILENCE_S = 60.0  # the SDK beats every 10 s: six missed beats end a session (its model may be replaced)
+ANSWERED_KEEP_S = 120.0  # an answered future stays retrievable this long: the SDK may not have read the answer
 
 
 class Refused(ValueError):
@@ -46,6 +47,7 @@ class TrainedModel:
     lora_rank: int | None
     order: InOrder
     sampler_paths: dict[str, int] = field(default_factory=dict)  # name: policy step
+    submitted: dict[int, str] = field(default_factory=dict)  # seq_id: request_id, of its latest requests
 
 
 class Service:
@@ -55,6 +57,7 @@ class Service:
         self.model: TrainedModel | None = None
         self.sampling_sessions: dict[str, int] = {}  # id: policy step it samples
         self.futures: dict[str, asyncio.Task] = {}
+        self.answered: dict[str, float] = {}  # request_id: when retrieve_future first answered it
         self.sessions: dict[str, float] = {}  # id: its last sign of life (monotonic)
         self.step = 0  # the trained policy's version: optimizer steps taken
         self.name = config.api.served_model_name or config.model  # what clients call the model
@@ -79,6 +82,9 @@ class Service:
     # ---- futures ----
 
     def submit(self, kind: str, work, **reply) -> dict:
+        now = time.monotonic()
+        for old in [r for r, at in self.answered.items() if now - at > ANSWERED_KEEP_S]:
+            del self.answered[old], self.futures[old]
         request_id = f"{kind}-{uuid.uuid4().hex[:12]}"
         self.futures[request_id] = asyncio.create_task(self.timed(kind, work))
         return {"request_id": request_id, **reply}
@@ -108,7 +114,7 @@ class Service:
         done, _ = await asyncio.wait({task}, timeout=self.config.api.long_poll_s)
         if not done:
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
-        del self.futures[request_id]
+        self.answered.setdefault(request_id, time.monotonic())
         error = task.exception()
         if isinstance(error, (CallFailed, SampleError, WireError, Refused)):
             category = getattr(error, "category", "user")
@@ -117,6 +123,16 @@ class Service:
             return JSONResponse({"error": f"{type(error).__name__}: {error}", "category": "server"})
         result = task.result()
         return Response(result, media_type=PROTOBUF) if isinstance(result, bytes) else JSONResponse(result)
+
+    def in_order(self, model: TrainedModel, kind: str, seq_id: int, work) -> dict:
+        """A call of `model`, run in seq_id order. The SDK sends a call again, with its seq_id, when it did not read
+        the first answer in time: the first one's future answers it, rather than a refusal for an old seq_id."""
+        again = model.submitted.get(seq_id)
+        if again in self.futures:
+            return {"request_id": again}
+        reply = self.submit(kind, lambda: model.order.run(seq_id, work))
+        model.submitted = {s: r for s, r in model.submitted.items() if s > seq_id - 64} | {seq_id: reply["request_id"]}
+        return reply
 
     # ---- the trained model ----
 
@@ -183,7 +199,7 @@ class Service:
             logprobs = [outputs[f"logprobs/{i}"].numpy() for i in range(len(request.datums))]
             return forward_backward_output(logprobs, result["metrics"])
         kind = "forward" if request.forward_only else "forward_backward"
-        return self.submit(kind, lambda: model.order.run(request.seq_id, run))
+        return self.in_order(model, kind, request.seq_id, run)
 
     def optim_step(self, body: dict) -> dict:
         model = self.trained(body["model_id"])
@@ -195,7 +211,7 @@ class Service:
         async def step():
             result, _ = await self.trainer.call("optim_step", adam_params=adam)
             return {"metrics": result["metrics"], "type": "optim_step"}
-        return self.submit("optim_step", lambda: model.order.run(body["seq_id"], step))
+        return self.in_order(model, "optim_step", body["seq_id"], step)
 
     def save_for_sampler(self, body: dict) -> dict:
         model = self.trained(body["model_id"])
@@ -208,7 +224,7 @@ class Service:
                         "type": "save_weights_for_sampler"}
             model.sampler_paths[name] = result["step"]
             return {"path": f"tinker://{model.model_id}/sampler_weights/{name}", "type": "save_weights_for_sampler"}
-        return self.submit("save_weights_for_sampler", lambda: model.order.run(body["seq_id"], save))
+        return self.in_order(model, "save_weights_for_sampler", body["seq_id"], save)
 
     def save_state(self, body: dict) -> dict:
         model = self.trained(body["model_id"])
@@ -218,7 +234,7 @@ class Service:
             result, _ = await self.trainer.call("save_state")
             self.write_state(model, name, result["step"])
             return {"path": f"tinker://{model.model_id}/weights/{name}", "type": "save_weights"}
-        return self.submit("save_weights", lambda: model.order.run(body["seq_id"], save))
+        return self.in_order(model, "save_weights", body["seq_id"], save)
 
     def load_state(self, body: dict) -> dict:
         """Into the trained model (`model_id`), or into a new one (`session_id`: create_training_client_from_state)
@@ -235,7 +251,7 @@ class Service:
             async def into_model():
                 await self.trainer.call("load_state", **load)
                 return {"path": path, "type": "load_weights"}
-            return self.submit("load_weights", lambda: model.order.run(body["seq_id"], into_model))
+            return self.in_order(model, "load_weights", body["seq_id"], into_model)
         model = self.new_model(body, state["lora_rank"])
 
         async def into_new_model():
