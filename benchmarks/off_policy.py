@@ -6,13 +6,15 @@ their order rotated over `--rounds`:
 
 - k=0: on-policy (async level 0, step by step), the geometric mask on;
 - k=8 mask: continuous dispatch at async level 8, max_off_policy_steps 8,
-  `trainer.loss.mismatch = [{ type = "geo_mask" }]`;
+  `trainer.loss.mismatch = [{ type = "geo_mask", against = "rescored" }]`: each sample's ratio is to inference's
+  logprobs under the trained policy (the orchestrator re-scores stale samples), so the mask sees the bf16-against-fp32
+  mismatch alone, not the policy's steps since sampling (on-policy the two are the same);
 - k=8 none: the same, no correction (`mismatch = { type = "none" }`).
 
 Per run, from the orchestrator's step records: the reward gain and its noise as the run's summary computes them
 (rl/launcher/report.py: the last fifth of the steps against the first, 3 standard errors), the mean and largest
-staleness of each batch's oldest token; from the trainer's: the share of trained sequences masked. The last line reads
-(medians over rounds):
+staleness of each batch's oldest token, the run's seconds; from the trainer's: the share of trained sequences masked.
+The last line reads (medians over rounds):
 
 off-policy: reward gain at k=8 <a> vs k=0 <b> (mask on), <c> vs <b> (mask off)
 
@@ -28,13 +30,14 @@ import shlex
 import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from router_replay import ROOT, quickstart_command
 
 from rl.launcher.report import reward_change
 
-GEO_MASK = '[{"type": "geo_mask"}]'
+GEO_MASK = '[{"type": "geo_mask", "against": "rescored"}]'
 K8 = ["--async-level", "8", "--orchestrator.max-off-policy-steps", "8", "--orchestrator.dispatch", "continuous",
       "--trainer.keep-weights", "10"]  # the weights a server may still serve or roll back to, 8 steps behind
 SIDES = {
@@ -96,11 +99,12 @@ def main() -> None:
     for round_ in range(args.rounds):
         turn = round_ % len(names)
         for side in names[turn:] + names[:turn]:
-            result = measure(run(args, root / f"{side}-{round_}", side))
+            start = time.monotonic()
+            result = measure(run(args, root / f"{side}-{round_}", side)) | {"seconds": time.monotonic() - start}
             results[side].append(result)
             print(f"round {round_ + 1} {side}: reward gain {result['gain']:+.3f} (noise {result['noise']:.3f}), "
                   f"staleness mean {result['staleness_mean']:.2f} max {result['staleness_max']}, "
-                  f"{result['masked_seq']:.1%} of sequences masked", flush=True)
+                  f"{result['masked_seq']:.1%} of sequences masked, {result['seconds']:.0f} s", flush=True)
     (root / "results.json").write_text(json.dumps(results, indent=1))
     gain = {side: statistics.median(r["gain"] for r in runs) for side, runs in results.items()}
     print(f"off-policy: reward gain at k=8 {gain['k8-mask']:+.3f} vs k=0 {gain['k0']:+.3f} (mask on), "

@@ -33,6 +33,9 @@ class Sample:
     # made them: pixel_values [patches, channels * temporal * patch * patch] float32, image_grid_thw [images, 3]
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    # inference's logprob of each token under the policy the batch trains (re-scored by prefill where the sample
+    # is older: orchestrator/rescore.py), for a mask against = "rescored"; 0 where loss_mask is 0
+    rescored_logprobs: list[float] | None = None
 
     def __post_init__(self):
         if not len(self.input_ids) == len(self.loss_mask) == len(self.logprobs):
@@ -51,8 +54,9 @@ class Sample:
             if self.pixel_values.ndim != 2 or len(self.pixel_values) != int(grid.prod(-1).sum()):
                 raise ValueError(f"pixel_values {list(self.pixel_values.shape)} must hold one row per patch of "
                                  f"image_grid_thw ({int(grid.prod(-1).sum())})")
-        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.input_ids):
-            raise ValueError("teacher_logprobs must have one entry per token")
+        for name in ("teacher_logprobs", "rescored_logprobs"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != len(self.input_ids):
+                raise ValueError(f"{name} must have one entry per token")
         if (self.teacher_top_ids is None) != (self.teacher_top_logprobs is None):
             raise ValueError("teacher_top_ids and teacher_top_logprobs come together")
         if self.teacher_top_ids is not None:
@@ -76,6 +80,13 @@ def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
     ranked = [s.teacher_top_ids is not None for s in samples]
     if any(ranked) and not all(ranked):
         raise ValueError(f"{ranked.count(False)} of {len(samples)} samples lack the teacher's top-k the others have")
+    rescored = [s.rescored_logprobs is not None for s in samples]
+    if any(rescored) and not all(rescored):
+        raise ValueError(f"{rescored.count(False)} of {len(samples)} samples lack the rescored logprobs the others "
+                         "have")
+    if samples and all(rescored):
+        teacher["rescored_logprobs"] = torch.tensor([lp for s in samples for lp in s.rescored_logprobs],
+                                                    dtype=torch.float32)
     if samples and all(s.token_versions is not None for s in samples):
         teacher["token_policy_versions"] = torch.tensor([v for s in samples for v in s.token_versions],
                                                         dtype=torch.int64)  # [T]
@@ -169,6 +180,7 @@ OPTIONAL_FIELDS = {  # on-policy distillation: [T], and [T, k] with teacher.top_
     "teacher_top_logprobs": ("float32", "token", 2),
     "token_policy_versions": ("int64", "token", 1),  # Sample.token_versions
     "routed_experts": ("int16", "token", 3),  # Sample.routed_experts
+    "rescored_logprobs": ("float32", "token", 1),  # Sample.rescored_logprobs
 }
 
 
@@ -213,10 +225,12 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
         tensors[k].split(lengths) if k in tensors else [None] * len(lengths)
         for k in ("teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs", "token_policy_versions",
                   "routed_experts"))
+    rescored = tensors["rescored_logprobs"].split(lengths) if "rescored_logprobs" in tensors else [None] * len(lengths)
     return [
         Sample(i.tolist(), m.int().tolist(), lp.tolist(), a, r, v,
-               *(None if x is None else x.tolist() for x in (t, ti, tl, tv)), re, *images)
-        for i, m, lp, a, r, v, t, ti, tl, tv, re, images in zip(
+               *(None if x is None else x.tolist() for x in (t, ti, tl, tv)), re, *images,
+               rescored_logprobs=None if rs is None else rs.tolist())
+        for i, m, lp, a, r, v, t, ti, tl, tv, re, images, rs in zip(
             ids,
             mask,
             lps,
@@ -229,6 +243,7 @@ def decode_samples(tensors: dict[str, torch.Tensor]) -> list[Sample]:
             versions,
             routed,
             decode_images(tensors),
+            rescored,
             strict=True,
         )
     ]

@@ -136,3 +136,21 @@ def check_report(out, output: str) -> None:
     assert "configs/orchestrator.toml" in page and "admin_token = &quot;&lt;hidden&gt;&quot;" in page
     token = re.search(r'admin_token = "([^"]+)"', (out / "configs" / "orchestrator.toml").read_text()).group(1)
     assert token not in page
+
+
+def test_a_geometric_mask_against_rescored_logprobs_keeps_stale_samples_that_only_the_policy_moved(tiny_model,
+                                                                                                  tmp_path):
+    """Served and trained in float32 the engines agree to ~1e-6, so every sample's geometric mean ratio to inference's
+    logprobs under the trained weights is within [0.999, 1.001], however many steps ago it was sampled: nothing is
+    masked, while the policy moved since sampling (mismatch_kl, to the sampling logprobs, well above float noise)."""
+    out = tmp_path / "run"
+    mask = '[{"type": "geo_mask", "against": "rescored", "low": 0.999, "high": 1.001}]'
+    run = Launched(rl_command(tiny_model, out, 5, "--async-level", "2", "--trainer.loss.mismatch", mask))
+    assert run.wait(timeout=600) == 0, run.output[-5000:]
+    metrics = read_metrics(RunPaths(out))
+    orchestrator = [m for m in metrics if m["process"] == "orchestrator"]
+    trainer = [m for m in metrics if m["process"] == "trainer"]
+    assert [m["policy_step"] for m in orchestrator] == [0, 1, 2, 3, 4]  # each batch waited for its own policy
+    assert sum(m["rescore/samples"] for m in orchestrator) > 0 and max(m["staleness"] for m in orchestrator) >= 1
+    assert [m["masked_seq_frac"] for m in trainer] == [0.0] * 5
+    assert max(m["mismatch_kl"] for m in trainer) > 1e-4, [m["mismatch_kl"] for m in trainer]

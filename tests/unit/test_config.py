@@ -350,3 +350,14 @@ def test_an_explicit_kv_cache_reaches_vllm_in_bytes():
     assert "--kv-cache-memory-bytes" not in vllm_argv(InferenceConfig(dtype="auto"), "/m", 0.2, [])
     with pytest.raises(ConfigError, match="kv_cache_gib"):
         parse_config(RLConfig, ["--inference.kv-cache-gib", "0"])
+
+
+def test_a_mask_against_rescored_makes_the_orchestrator_rescore_at_temperature_one_only():
+    mask = '[{"type": "geo_mask", "against": "rescored"}]'
+    config, _ = load(["--trainer.loss.mismatch", mask])
+    assert config.orchestrator.rescore is True
+    assert load([])[0].orchestrator.rescore is False
+    with pytest.raises(ConfigError, match="prompt logprobs are untempered"):
+        load(["--trainer.loss.mismatch", mask, "--orchestrator.sampling.temperature", "0.7"])
+    with pytest.raises(ConfigError, match="contradicts orchestrator.rescore"):
+        load(["--orchestrator.rescore", "true"])

@@ -134,3 +134,17 @@ def test_the_step_record_carries_the_quantiles_and_the_masked_samples():
     assert record["masked_seq_frac"] == 0.5
     # the 4 ratios 0.5, 1.0, 1.02, 1.5: p1 in 0.5's bin, p50 in 1.0's, p99 in 1.5's (bins 0.01 wide in log r)
     assert [record[f"ratio_p{q}"] for q in (1, 50, 99)] == pytest.approx([0.5, 1.0, 1.5], rel=0.01)
+
+
+def test_a_mask_against_rescored_reads_the_rescored_ratio_and_a_truncation_the_sampled_one():
+    # the rescored ratios (pi_theta over inference's under the same weights): a 1.001 and 0.999 (mean log 0, g = 1),
+    # b 1.2 and 1.2 (g = 1.2): against them the geometric mask keeps a and drops b, the reverse of against the
+    # sampled ratios; seq_truncate (cap 1.01) still reads the sampled ones: b's product 1.02 is scaled by 1.01 / 1.02
+    rescored = torch.tensor([[0.0, math.log(1.001), math.log(0.999), 0.0, math.log(1.2), math.log(1.2)]])
+    fixed = correct(log_ratios(), MASK, POSITIONS, [GeoMask(against="rescored"), SequenceTruncate(cap=1.01)],
+                    rescored)
+    assert fixed.keep.tolist() == [[False, True, True, False, False, False]]
+    assert fixed.scale[0, 4:6].tolist() == pytest.approx([1.01 / 1.02] * 2)
+    assert corrected(GeoMask()).keep.tolist() == [[False, False, False, False, True, True]]  # against sampled
+    with pytest.raises(ValueError, match="geo_mask against = 'rescored' needs inference's logprobs"):
+        corrected(GeoMask(against="rescored"))

@@ -182,3 +182,18 @@ def test_wait_for_stable_returns_when_marker_appears(tmp_path):
 def test_sample_lengths_must_agree():
     with pytest.raises(ValueError):
         Sample([1, 2], [1], [0.0, 0.0], 0.0, 0.0, 0)
+
+
+def test_rescored_logprobs_round_trip_and_are_all_or_none(tmp_path):
+    from dataclasses import replace
+
+    from rl.samples import encode_samples
+
+    paths = RunPaths(tmp_path)
+    rescored = [replace(sample(n), rescored_logprobs=[-0.5 * i for i in range(n)]) for n in (3, 5)]
+    write_batch(paths, 0, [rescored])
+    assert read_batch(paths, 0, 0) == rescored
+    with pytest.raises(ValueError, match="1 of 2 samples lack the rescored logprobs the others have"):
+        encode_samples([rescored[0], sample(3)])
+    with pytest.raises(ValueError, match="rescored_logprobs must have one entry per token"):
+        replace(sample(3), rescored_logprobs=[0.0])

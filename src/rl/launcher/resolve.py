@@ -20,8 +20,9 @@ from rl.inference.config import LOOPBACK_HOSTS, InferenceConfig, LoraServingConf
 from rl.inference.config import resolve_device_defaults as resolve_inference_device
 from rl.launcher.wire import give_transfer_secret, place_transfer_store
 from rl.launcher.placement import HostPlan, given_base_urls
-from rl.orchestrator.config import OrchestratorConfig
+from rl.orchestrator.config import OrchestratorConfig, check_rescore_temperature
 from rl.trainer.config import TrainerConfig, vllm_auto_dtype
+from rl.trainer.loss_config import needs_rescored
 from rl.trainer.config import resolve_device_defaults as resolve_trainer_device
 
 
@@ -121,6 +122,7 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
         raise ConfigError("orchestrator.sampling.temperature must be > 0 for training: greedy rollouts have no "
                           "sampling distribution to take a policy gradient of")
     _fill(o.sampling.temperature, t, "temperature", "orchestrator.sampling.temperature", "trainer")
+    resolve_rescore(t, o)
     if config.api is not None:
         resolve_api(config)
     resolve_lora(t, i, o)
@@ -138,6 +140,17 @@ def resolve(config: RLConfig, host: HostPlan) -> RLConfig:
                                             o.client.base_urls, [o.model.name])
     o.transfer.resolve_device(host.devices.device, "orchestrator")  # as trainer and inference resolved it
     return config
+
+
+def resolve_rescore(t: TrainerConfig, o: OrchestratorConfig) -> None:
+    """A trainer's mask against = "rescored" needs the orchestrator to re-score stale samples, and only it does."""
+    _fill(needs_rescored(t.loss.mismatch), o, "rescore", "trainer.loss.mismatch (a mask against = 'rescored')",
+          "orchestrator")
+    if o.rescore:
+        try:
+            check_rescore_temperature(o.sampling)
+        except ValueError as e:
+            raise ConfigError(f"orchestrator.{e}") from None
 
 
 def check_cpu_lora(t: TrainerConfig, device: str) -> None:

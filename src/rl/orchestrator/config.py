@@ -44,6 +44,13 @@ class SamplingConfig(Section):
         return extra
 
 
+def check_rescore_temperature(sampling: SamplingConfig) -> None:
+    if sampling.temperature != 1:
+        raise ValueError(f"rescore with sampling.temperature = {sampling.temperature}: vLLM's prompt logprobs are "
+                         "untempered, so the re-scored logprobs would not compare with the trainer's; sample at "
+                         "temperature 1 or unset the masks' against = 'rescored'")
+
+
 def check_untruncated(sampling: SamplingConfig) -> None:
     """Training rollouts sample the full distribution: under top_p < 1, top_k or min_p > 0, vLLM's logprobs come
     from the renormalised (truncated) distribution while the trainer scores the full softmax, so the importance
@@ -275,6 +282,12 @@ class OrchestratorConfig(Settings):
                                      "within the bound, and a rollout that still ends past it is withheld from the "
                                      "loss, alone (off_policy/withheld)")
     ] = 8
+    rescore: Annotated[
+        bool,
+        Field(description="before writing batch k, wait until the servers serve policy k and re-score its older "
+                          "samples there by prefill (orchestrator/rescore.py), for the trainer's masks against = "
+                          "'rescored' (rl sets it from them); rollouts go on meanwhile; needs sampling.temperature 1"),
+    ] = False
     seq_len: Annotated[int, Field(ge=16, description="longest sample (prompt + completion) in tokens")] = 2048
     env: Annotated[list[EnvConfig], Field(min_length=1, description="environments ([[env]] tables)")] = [
         EnvConfig(id="reverse-text")
@@ -337,6 +350,8 @@ class OrchestratorConfig(Settings):
             raise ValueError(f"max_off_policy_steps ({self.max_off_policy_steps}) < async_level ({self.async_level}): "
                              "a batch may be written while the servers serve a policy async_level steps old, so "
                              f"every token would be too old; set max_off_policy_steps >= {self.async_level}")
+        if self.rescore:
+            check_rescore_temperature(self.sampling)
         if self.concurrency.adaptive and not self.continuous:
             raise ValueError("concurrency.adaptive moves the cap of continuous dispatch; with dispatch = 'step' each "
                              "step runs its batch's groups at once: unset one of them")

@@ -19,7 +19,7 @@ from rl.renderer import describe as describe_renderer
 from rl.orchestrator.eval import eval_due, evaluate
 from rl.orchestrator.dispatch import group_source
 from rl.orchestrator.engine_metrics import EngineMetrics
-from rl.orchestrator.inference_pool import InferencePool
+from rl.orchestrator.inference_pool import InferenceError, InferencePool
 from rl.orchestrator.policy_sync import policy_sync
 from rl.envs.rollouts import GroupOutcome, InferenceClient
 from rl.envs.process_setup import apply_patches, tune_gc_for_serving
@@ -29,7 +29,9 @@ from rl.orchestrator.samples_text import COLUMNS, step_samples, table_rows, writ
 from rl.orchestrator.servers import ServerBoard
 from rl.orchestrator.state import load_state, pending_groups, restore_samplers, save_state
 from rl.orchestrator.stats import rollout_stats
+from rl.orchestrator.rescore import policy_scorers, rescore
 from rl.orchestrator.teacher import Teacher, TeacherError
+from rl.samples import Sample
 from rl.protocol import RunPaths, write_batch
 from rl.process import set_up_process
 
@@ -123,6 +125,9 @@ class Orchestrator:
         if self.teacher is not None:
             batch.samples = await self.teacher.score(batch.samples)
         teacher_time = time.perf_counter() - teacher_start
+        rescored = {}
+        if self.config.rescore:
+            batch.samples, served, rescored = await self.rescore(step, batch.samples, served)
         write_batch(self.paths, step, balance_by_tokens(batch.samples, self.config.trainer_world_size),
                     groups=[[o.env.name, o.task_index, len(o.results or ())] for o in outcomes])
         written, since = time.perf_counter(), self.last_batch_at or wait_start
@@ -138,6 +143,7 @@ class Orchestrator:
             "time/wait_for_policy": gen_start - wait_start,
             "time/step": written - since,
             **({"teacher_s": teacher_time} if self.teacher is not None else {}),
+            **rescored,
         }
         # tokens of the batch per second of the step: in continuous dispatch generation also runs while the
         # orchestrator waits for a policy, so the step's whole time is the denominator there
@@ -153,6 +159,25 @@ class Orchestrator:
         if self.config.ckpt.due(step + 1, self.config.max_steps):
             save_state(self.paths, step + 1, self.servers.policy_step, self.samplers, self.config.ckpt.keep,
                        self.groups.pending())
+
+    async def rescore(self, step: int, samples: list[Sample], served: list[dict] | None
+                      ) -> tuple[list[Sample], list[dict] | None, dict]:
+        """Batch `step`'s samples with inference's logprobs under policy `step`, which the servers load first (the
+        batch waits for the trainer's step before), what the servers then serve, and the step's figures."""
+        start = time.perf_counter()
+        served = await self.sync.ensure(step, lag=0) or served
+        loaded = time.perf_counter()
+        urls = [self.pool.base_urls[i] for i in self.servers.usable if self.servers.served_steps[i] == step]
+        if not urls:
+            raise InferenceError(f"batch {step} is re-scored under policy {step}, but no server serves it (they "
+                                 f"serve policies {self.servers.served_steps})")
+        scorers = policy_scorers(urls, self.config.adapter or self.config.model.name, self.config.client.timeout_s)
+        try:
+            samples, count = await rescore(samples, step, scorers)
+        finally:
+            await asyncio.gather(*(scorer.close() for scorer in scorers))
+        return samples, served, {"rescore/samples": count, "time/rescore_wait_for_policy": loaded - start,
+                                 "time/rescore": time.perf_counter() - loaded}
 
     def curriculum_stats(self) -> dict:
         return {f"curriculum/{env.name}/{pool}": size for env, sampler in zip(self.envs, self.samplers)

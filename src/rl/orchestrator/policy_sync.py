@@ -30,9 +30,10 @@ class PolicySync:
             return await self.load_first_adapter()
         return None
 
-    async def ensure(self, step: int) -> list[dict] | None:
-        """Batch `step` may only use policies v_j with j >= step - async_level: wait for and load one. A server that
-        restarted gets the run's newest policy before any request. What the servers now serve, where that changed."""
+    async def ensure(self, step: int, lag: int | None = None) -> list[dict] | None:
+        """Batch `step` may only use policies v_j with j >= step - async_level (or `lag`): wait for and load one. A
+        server that restarted gets the run's newest policy before any request. What the servers now serve, where that
+        changed."""
         raise NotImplementedError
 
     async def finish(self) -> None:
@@ -68,8 +69,9 @@ class FilesSync(PolicySync):
     batch: groups are admitted by the policy served, and servers left on an old one would have every group in flight
     age out together."""
 
-    async def ensure(self, step: int) -> list[dict] | None:
-        required = step - self.config.async_level
+    async def ensure(self, step: int, lag: int | None = None) -> list[dict] | None:
+        lag = self.config.async_level if lag is None else lag
+        required = step - lag
         await self.servers.wait_for_one()
         up = self.servers.up()
         served = min((self.servers.served_steps[i] for i in up), default=0)
@@ -78,7 +80,7 @@ class FilesSync(PolicySync):
             self.servers.use(up)
             return None
         if self.servers.policy_step < required:
-            what = f"weights of policy {required} (needed by batch {step} with async_level={self.config.async_level})"
+            what = f"weights of policy {required} (needed by batch {step} {lag} policies behind at most)"
             await asyncio.to_thread(wait_for_stable, self.paths.weights(required), self.config.weights_timeout_s, what)
         return await self.load_newest_policy()
 
@@ -97,10 +99,10 @@ class OffersSync(PolicySync):
             return await self.take_offers(0, 0, "the first batch (the trainer's step-0 adapter)", defer_newest=False)
         return await super().start(resumed)
 
-    async def ensure(self, step: int) -> list[dict] | None:
+    async def ensure(self, step: int, lag: int | None = None) -> list[dict] | None:
+        lag = self.config.async_level if lag is None else lag
         await self.servers.wait_for_one()
-        return await self.take_offers(step - self.config.async_level, step,
-                                      f"batch {step} (async_level={self.config.async_level})")
+        return await self.take_offers(step - lag, step, f"batch {step} ({lag} policies behind at most)")
 
     async def finish(self) -> None:
         """The trainer offers its last steps too, and waits until they are taken."""

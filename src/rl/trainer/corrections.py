@@ -14,6 +14,11 @@ sample at once. For sample i with trained tokens T_i (n_i of them):
     seq_truncate  s_t = min(1, C / rho_i) for t in T_i, rho_i = prod_{t in T_i} r_t    sequence (truncated IS)
     outlier_mask  m_t = 0 for t in T_i if some u in T_i has r_u < low or r_u > high     sequence (outlier tokens)
 
+A mask may read another ratio instead (`against = "rescored"`): pi_theta(t) over inference's probability of the
+same token under pi_theta's own weights, which the orchestrator re-scores by prefill for a stale sample
+(orchestrator/rescore.py). It holds the engines' difference alone, so a tight sequence mask (SkyRL's [0.99, 1.01])
+rejects mismatch without rejecting every sample an asynchronous run trains a few steps late.
+
 Every correction is computed from the same ratios, whatever else is in the list: the masks multiply (a token is
 kept if every mask keeps it), the scales multiply and the token cap is the smallest, so the order of the list does
 not matter and a stack of two is their composition. Samples are told apart by their positions, which restart at 0
@@ -64,14 +69,22 @@ def per_sample(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return sample_sums(values, ids)[ids]
 
 
-def correct(log_ratio: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, corrections: list) -> Corrected:
-    """Apply `corrections` to the trained tokens (`mask`) given their log ratios (detached)."""
-    log_ratio = torch.where(mask, log_ratio.detach(), torch.zeros_like(log_ratio))
-    ratio = log_ratio.exp()
+def correct(log_ratio: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, corrections: list,
+            rescored_log_ratio: torch.Tensor | None = None) -> Corrected:
+    """Apply `corrections` to the trained tokens (`mask`) given their log ratios (detached): to the sampling
+    logprobs, and for a mask `against = "rescored"`, `rescored_log_ratio`, to inference's under the trained policy."""
+    sampled = torch.where(mask, log_ratio.detach(), torch.zeros_like(log_ratio))
+    rescored = None if rescored_log_ratio is None else torch.where(mask, rescored_log_ratio.detach(),
+                                                                   torch.zeros_like(log_ratio))
     keep, scale, caps = mask.clone(), torch.ones_like(log_ratio), []
     ids = sample_ids(position_ids)
     counts = per_sample(mask.to(log_ratio.dtype), ids)
     for c in corrections:
+        log_ratio = sampled if getattr(c, "against", "sampled") == "sampled" else rescored
+        if log_ratio is None:
+            raise ValueError(f"{c.type} against = 'rescored' needs inference's logprobs under the trained policy: the "
+                             "batch holds none (orchestrator.rescore)")
+        ratio = log_ratio.exp()
         if isinstance(c, TruncateRatio):
             caps.append(c.cap)
         elif isinstance(c, MaskRatio):

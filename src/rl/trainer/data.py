@@ -29,6 +29,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [B, T] bool, predicted tokens that are trained on
     old_logprobs: torch.Tensor  # [B, T] inference logprob of token t, aligned with loss_mask
     teacher_logprobs: torch.Tensor  # [B, T] the teacher's logprob of token t; old_logprobs where there is none
+    rescored_logprobs: torch.Tensor  # [B, T] inference's under the trained policy (re-scored); old_logprobs if none
     teacher_top_ids: torch.Tensor  # [B, T, k] the teacher's k likeliest tokens at t (k = 0 without them)
     teacher_top_logprobs: torch.Tensor  # [B, T, k] their logprobs
     advantages: torch.Tensor  # [B, T] advantage of each token's sample
@@ -51,7 +52,7 @@ def truncate(sample: Sample, seq_len: int) -> Sample:
         raise ValueError(f"a sample with images holds {len(sample.input_ids)} tokens, over seq_len {seq_len}: cut, "
                          "its image tokens would no longer match its images")
     per_token = ("input_ids", "loss_mask", "logprobs", "teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs",
-                 "token_versions", "routed_experts")
+                 "token_versions", "routed_experts", "rescored_logprobs")
     return replace(sample, **{name: None if getattr(sample, name) is None else getattr(sample, name)[:seq_len]
                               for name in per_token})
 
@@ -74,6 +75,8 @@ def sample_tensors(sample: Sample, weight: float) -> dict[str, torch.Tensor]:
         "old_logprobs": torch.tensor(sample.logprobs, dtype=torch.float32),
         # no teacher: the sampling logprobs, so that the distillation term of loss.py is 0 for the sample
         "teacher_logprobs": torch.tensor(sample.teacher_logprobs or sample.logprobs, dtype=torch.float32),
+        # none re-scored: the sampling logprobs (train_step refuses a batch without them where a mask reads them)
+        "rescored_logprobs": torch.tensor(sample.rescored_logprobs or sample.logprobs, dtype=torch.float32),
         "teacher_top_ids": torch.tensor(sample.teacher_top_ids, dtype=torch.long) if ranked
         else torch.zeros(n, 0, dtype=torch.long),
         "teacher_top_logprobs": torch.tensor(sample.teacher_top_logprobs, dtype=torch.float32) if ranked

@@ -118,6 +118,7 @@ def policy_loss(
     distill_baseline: float = 0.0,  # b: the step's mean reverse KL, when distill > 0 and loss.distill_baseline
     top_k_kl: torch.Tensor | None = None,  # [B, T] D_t with gradient (the output head's), when distill_top_k > 0
     position_ids: torch.Tensor | None = None,  # [B, T] restarting at 0 for each sample; None: a sample per row
+    rescored_logprobs: torch.Tensor | None = None,  # [B, T] inference's under the trained policy (a mask's `against`)
 ) -> tuple[torch.Tensor, LossStats]:
     if position_ids is None:
         position_ids = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
@@ -130,7 +131,8 @@ def policy_loss(
         advantages = config.reward_weight * advantages
     log_ratio = logprobs - old_logprobs  # [B, T]
     ratio = torch.exp(log_ratio)
-    fixed = correct(log_ratio, mask, position_ids, corrections(config.mismatch))
+    rescored_log_ratio = None if rescored_logprobs is None else logprobs - rescored_logprobs
+    fixed = correct(log_ratio, mask, position_ids, corrections(config.mismatch), rescored_log_ratio)
     per_token, clipped = objective(logprobs, log_ratio, advantages, mask, config, fixed)
     ref_kl = torch.zeros_like(per_token)
     if ref_logprobs is not None and config.beta > 0:

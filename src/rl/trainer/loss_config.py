@@ -36,13 +36,10 @@ NormConfig = Annotated[Union[DapoNorm, GrpoNorm, DrGrpoNorm], Field(discriminato
 
 class AutoMismatchCorrection(Section):
     """Left to the device (`resolve_device_defaults`): on CUDA, where bf16 training beside vLLM's kernels differs
-    from inference, the token mask (prime-rl's default) and the geometric sequence mask (SkyRL's first
-    recommendation); none on CPU (float32 on both sides). Unresolved, as in a unit test that builds the config
-    itself, it corrects nothing, as on CPU."""
+    from inference, the token mask (prime-rl's default); none on CPU (float32 on both sides). Unresolved, as in a
+    unit test that builds the config itself, it corrects nothing, as on CPU."""
 
-    type: Annotated[
-        Literal["auto"], Field(description="mask and geo_mask on CUDA, none on CPU")
-    ] = "auto"
+    type: Annotated[Literal["auto"], Field(description="mask on CUDA, none on CPU")] = "auto"
 
 
 class NoMismatchCorrection(Section):
@@ -56,14 +53,27 @@ class TruncateRatio(Section):
     cap: Annotated[float, Field(gt=1, description="largest importance ratio a token may carry")] = 2.0
 
 
-class MaskRatio(Section):
+class MaskAgainst(Section):
+    """A mask's ratio is to the logprobs the tokens were sampled with (`sampled`: the policy's steps since then and
+    the engines' difference together), or to inference's logprobs of the same tokens under the policy being trained
+    (`rescored`: the engines' difference alone; the orchestrator re-scores stale samples by prefill, see
+    orchestrator/rescore.py)."""
+
+    against: Annotated[
+        Literal["sampled", "rescored"],
+        Field(description="sampled: the ratio to the sampling logprobs; rescored: to inference's under the trained "
+                          "policy (orchestrator.rescore, which rl sets)"),
+    ] = "sampled"
+
+
+class MaskRatio(MaskAgainst):
     """Tokens whose |log ratio| exceeds `max_log_ratio` contribute nothing to the loss."""
 
     type: Annotated[Literal["mask"], Field(description="drop tokens with |log ratio| > max_log_ratio")] = "mask"
     max_log_ratio: Annotated[float, Field(gt=0, description="bound on |log pi_theta - log pi_old|")] = 1.0
 
 
-class RatioBounds(Section):
+class RatioBounds(MaskAgainst):
     @model_validator(mode="after")
     def _ordered(self):
         if not self.low < self.high:
@@ -129,6 +139,11 @@ def corrections(mismatch) -> list:
     return mismatch if isinstance(mismatch, list) else []
 
 
+def needs_rescored(mismatch) -> bool:
+    """Whether a correction reads inference's logprobs under the trained policy (a mask `against = "rescored"`)."""
+    return any(getattr(c, "against", "sampled") == "rescored" for c in corrections(mismatch))
+
+
 class PPOObjective(Section):
     """Clipped token ratios (PPO; DAPO's clip-higher with the loss's eps_low / eps_high)."""
 
@@ -171,7 +186,8 @@ class LossConfig(Section):
         Field(description="off-policy and train-inference mismatch corrections (trainer/corrections.py): auto, "
                           "none, or a list of tables that stacks, by type and its fields: truncate (cap), mask "
                           "(max_log_ratio), icepop, geo_mask, outlier_mask (low, high), seq_truncate (cap); one table "
-                          "is a list of one; auto: mask and geo_mask on CUDA, none on CPU"),
+                          "is a list of one; a mask's ratio is `against` sampled or rescored logprobs; auto: mask "
+                          "on CUDA, none on CPU"),
     ] = AutoMismatchCorrection()
     beta: Annotated[
         float, Field(ge=0, description="KL penalty (k3) to the reference (base) model; 0 loads no reference")

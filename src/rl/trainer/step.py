@@ -12,6 +12,7 @@ from rl.trainer.config import TrainerConfig
 from rl.trainer.corrections import HISTOGRAM_BINS, ratio_quantile
 from rl.trainer.data import MicroBatch, build_micro_batches, empty_micro_batch, trained_tokens, truncate
 from rl.trainer.lora import adapters_disabled
+from rl.trainer.loss_config import needs_rescored
 from rl.trainer.loss import (
     MOMENT_KEYS, StepTotals, logprob_moments, moments_correlation, policy_loss, sample_weight,
 )
@@ -35,6 +36,9 @@ def train_step(policy, reference, optimizer, scheduler, samples: list[Sample], c
     if config.loss.distill_top_k > 0 and any(s.teacher_top_ids is None for s in samples):
         raise ValueError(f"trainer.loss.distill_top_k = {config.loss.distill_top_k} but the batch carries no teacher "
                          "top-k: set orchestrator.teacher.top_k")
+    if needs_rescored(config.loss.mismatch) and any(s.rescored_logprobs is None for s in samples):
+        raise ValueError("a trainer.loss.mismatch mask with against = 'rescored' but the batch carries no rescored "
+                         "logprobs: set orchestrator.rescore = true (rl sets it from the trainer's config)")
     samples = replay_routes([truncate(s, config.seq_len) for s in samples], policy, config.loss.router_replay)
     totals = step_totals(samples, world)
     weights = [sample_weight(config.loss.norm, trained_tokens(s), totals, config.seq_len) for s in samples]
@@ -119,7 +123,7 @@ def forward_backward(policy, reference, mb: MicroBatch, config: TrainerConfig, w
     logprobs, entropy, top_k_kl = forward_scores(policy, mb, config.temperature, teacher)  # [B, T] each
     loss, stats = policy_loss(
         logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.weights, config.loss, ref_logprobs,
-        mb.teacher_logprobs, baseline, top_k_kl, mb.position_ids,
+        mb.teacher_logprobs, baseline, top_k_kl, mb.position_ids, mb.rescored_logprobs,
     )
     # FSDP averages gradients over ranks; the loss is already normalised by step totals, so undo the mean. An MoE's
     # load-balancing loss is a mean: over the rank's micro-batches here, over the ranks by FSDP's.
