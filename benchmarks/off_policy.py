@@ -19,7 +19,8 @@ The last line reads (medians over rounds):
 off-policy: reward gain at k=8 <a> vs k=0 <b> (mask on), <c> vs <b> (mask off)
 
     uv run --no-sync tiny-model --out /tmp/tiny && (the quickstart's SFT, scripts/quickstart.sh, to /tmp/tiny-sft)
-    uv run --no-sync python benchmarks/off_policy.py --model /tmp/tiny-sft [--rounds 2] [--steps 60] [--dry-run]
+    uv run --no-sync python benchmarks/off_policy.py --model /tmp/tiny-sft [--rounds 2] [--steps 60] [--lr 3e-4]
+        [--dry-run]
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", type=Path, required=True, help="the tiny model after the quickstart's SFT")
     parser.add_argument("--steps", type=int, default=60, help="steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, their order rotated")
+    parser.add_argument("--lr", type=float, help="the trainer's learning rate on every side (default: the "
+                                                 "quickstart's, 1e-3, at which on-policy gains little)")
     parser.add_argument("--out", type=Path, help="runs' directory (default: a new temporary one)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     parser.add_argument("--dry-run", action="store_true", help="print each side's command line and run nothing")
@@ -59,7 +62,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def rl_command(args, out: Path, side: str) -> list[str]:
-    return quickstart_command(args.model, out, args.steps, "--inference.dtype", "bfloat16", *SIDES[side])
+    lr = [] if args.lr is None else ["--trainer.optim.lr", str(args.lr)]
+    return quickstart_command(args.model, out, args.steps, "--inference.dtype", "bfloat16", *lr, *SIDES[side])
 
 
 def run(args, out: Path, side: str) -> list[dict]:
