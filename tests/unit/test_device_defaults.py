@@ -215,7 +215,7 @@ def test_dry_run_prints_what_the_device_chose_and_the_mapped_gpus(tmp_path, monk
     out = capsys.readouterr().out
     assert "trainer.dtype = bfloat16 (auto: CUDA)" in out
     assert "trainer.activation_checkpointing = true (auto: CUDA)" in out
-    assert 'trainer.loss.mismatch = [{ type = "mask", max_log_ratio = 1.0 }] (auto: CUDA)' in out
+    assert 'trainer.loss.mismatch = [{ type = "mask", max_log_ratio = 1.0, against = "sampled" }] (auto: CUDA)' in out
     assert "inference.dtype = auto (auto: CUDA)" in out and "inference.enforce_eager = false (auto: CUDA)" in out
     assert "inference.log_stats = true (auto: CUDA)" in out
     commands = {line.split(":", 1)[0]: line for line in out.splitlines() if line.startswith(("inference:", "trainer:"))}

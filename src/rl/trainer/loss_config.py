@@ -53,27 +53,24 @@ class TruncateRatio(Section):
     cap: Annotated[float, Field(gt=1, description="largest importance ratio a token may carry")] = 2.0
 
 
-class MaskAgainst(Section):
-    """A mask's ratio is to the logprobs the tokens were sampled with (`sampled`: the policy's steps since then and
-    the engines' difference together), or to inference's logprobs of the same tokens under the policy being trained
-    (`rescored`: the engines' difference alone; the orchestrator re-scores stale samples by prefill, see
-    orchestrator/rescore.py)."""
-
-    against: Annotated[
-        Literal["sampled", "rescored"],
-        Field(description="sampled: the ratio to the sampling logprobs; rescored: to inference's under the trained "
-                          "policy (orchestrator.rescore, which rl sets)"),
-    ] = "sampled"
+Against = Annotated[
+    Literal["sampled", "rescored"],
+    Field(description="sampled: the ratio to the sampling logprobs (the policy's steps since sampling and the engines' "
+                      "difference together); rescored: to inference's logprobs of the same tokens under the policy "
+                      "being trained (the engines' difference alone; orchestrator.rescore, which rl sets, re-scores "
+                      "stale samples by prefill: orchestrator/rescore.py)"),
+]
 
 
-class MaskRatio(MaskAgainst):
+class MaskRatio(Section):
     """Tokens whose |log ratio| exceeds `max_log_ratio` contribute nothing to the loss."""
 
     type: Annotated[Literal["mask"], Field(description="drop tokens with |log ratio| > max_log_ratio")] = "mask"
     max_log_ratio: Annotated[float, Field(gt=0, description="bound on |log pi_theta - log pi_old|")] = 1.0
+    against: Against = "sampled"
 
 
-class RatioBounds(MaskAgainst):
+class RatioBounds(Section):
     @model_validator(mode="after")
     def _ordered(self):
         if not self.low < self.high:
@@ -87,6 +84,7 @@ class IcePopMask(RatioBounds):
     type: Annotated[Literal["icepop"], Field(description="drop tokens with ratio outside [low, high]")] = "icepop"
     low: Annotated[float, Field(ge=0, description="smallest ratio a trained token may have")] = 0.5
     high: Annotated[float, Field(gt=1, description="largest ratio a trained token may have")] = 5.0
+    against: Against = "sampled"
 
 
 class GeoMask(RatioBounds):
@@ -97,6 +95,7 @@ class GeoMask(RatioBounds):
                                                            "[low, high]")] = "geo_mask"
     low: Annotated[float, Field(gt=0, lt=1, description="smallest geometric mean ratio")] = 0.99
     high: Annotated[float, Field(gt=1, description="largest geometric mean ratio")] = 1.01
+    against: Against = "sampled"
 
 
 class SequenceTruncate(Section):
@@ -116,6 +115,7 @@ class OutlierMask(RatioBounds):
                                                                "[low, high]")] = "outlier_mask"
     low: Annotated[float, Field(ge=0, lt=1, description="smallest ratio any token may have")] = 1e-4
     high: Annotated[float, Field(gt=1, description="largest ratio any token may have")] = 100.0
+    against: Against = "sampled"
 
 
 Correction = Annotated[
