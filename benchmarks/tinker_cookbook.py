@@ -54,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=12, help="the recipe's max_steps")
     parser.add_argument("--batch", type=int, default=8, help="the recipe's batch size")
     parser.add_argument("--lr", type=float, default=5e-3, help="the recipe's learning_rate")
+    parser.add_argument("--groups", type=int, help="verifiers_rl's groups_per_batch (default: the recipe's, 32 groups "
+                                                   "of 8)")
     parser.add_argument("--packages", type=Path, default=Path(tempfile.gettempdir()) / "tinker-cookbook-packages")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--dry-run", action="store_true")
@@ -92,7 +94,8 @@ def verifiers_rl_command(args, log_path: Path) -> list[str]:
            "run_name='__main__', alter_sys=True)")
     return [sys.executable, "-c", run, f"model_name={SERVED_NAME}", "renderer_name=qwen3", "vf_env_id=reverse-text",
             f"learning_rate={args.lr}", "max_tokens=16", f"max_steps={args.steps}", f"log_path={log_path}",
-            "behavior_if_log_dir_exists=delete"]
+            "behavior_if_log_dir_exists=delete", *([] if args.groups is None else [  # tasks enough for every step
+                f"groups_per_batch={args.groups}", f'vf_env_args={{"num_examples": {args.groups * args.steps}}}'])]
 
 
 def recipe_command(args, url: str, conversations: Path, log_path: Path) -> list[str]:

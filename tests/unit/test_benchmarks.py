@@ -321,8 +321,9 @@ def test_the_tinker_api_benchmarks_start_serve_api_with_flags_it_accepts(model, 
     dry_run([*LAUNCHER, "serve-api", *flags, "--api.served-model-name", "Qwen/Qwen3-8B"], capsys)
     cookbook = benchmark("tinker_cookbook")
     sys.argv = ["benchmark", "--recipe", "verifiers_rl", "--model", str(model), "--out", str(tmp_path / "cb"),
-                "--dry-run"]
+                "--dry-run", "--groups", "64", "--steps", "32"]
     cookbook.main()
     printed = capsys.readouterr().out
     assert "serve-api" in printed and "--api.served-model-name Qwen/Qwen3-8B" in printed
     assert "vf_env_id=reverse-text" in printed and "cookbook_fix" in printed
+    assert "groups_per_batch=64 'vf_env_args={\"num_examples\": 2048}'" in printed  # a task for every group
