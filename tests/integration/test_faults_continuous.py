@@ -32,6 +32,7 @@ from tests.integration.launched import Launched, rl_command, wait_gone
 pytestmark = pytest.mark.integration
 MAX_STEPS = 100
 STOP_WITHIN_S = 30
+CHILD_WAIT_S = 120  # a restarted role's own children (an env server's workers) start within this
 ENDS_THE_RUN = ("orchestrator", "trainer rank", "inference API", "engine core")
 VICTIMS = (*ENDS_THE_RUN, "env server", "env worker")
 TRAINER_STEP = re.compile(r"rl: step (\d+) trainer ")
@@ -54,9 +55,19 @@ def wait_for_step(run: Launched, step: int, timeout_s: float = 600) -> None:
 def victim_pid(run: Launched, victim: str) -> int:
     """The process to kill: a launcher child by the name it reported, or one of that child's own children."""
     def children(name: str, match) -> list[psutil.Process]:
-        found = [p for p in psutil.Process(run.child_pid(name)).children(recursive=True) if match(p)]
-        assert found, f"no process for {victim} under {name}"
-        return found
+        """Waited for: a child the launcher restarted a moment ago (the env server killed two steps before, as
+        RL_FAULT_SEED=556124005 drew) starts its own children only once it has loaded, while the run goes on with
+        the groups already finished."""
+        deadline = time.monotonic() + CHILD_WAIT_S
+        while True:
+            try:  # the pid reported last may be the killed one until the launcher reports its restart
+                found = [p for p in psutil.Process(run.child_pid(name)).children(recursive=True) if match(p)]
+            except psutil.NoSuchProcess:
+                found = []
+            if found:
+                return found
+            assert time.monotonic() < deadline, f"no process for {victim} under {name} within {CHILD_WAIT_S} s"
+            time.sleep(0.2)
 
     def cmdline(p: psutil.Process) -> str:
         try:
