@@ -67,36 +67,33 @@ class Sample:
                 raise ValueError("teacher_top_ids and teacher_top_logprobs rows must all hold the same k > 0 entries")
 
 
+def carried(samples: list[Sample], field: str, what: str) -> bool:
+    """Whether every sample carries `field` (the batch has it) rather than none; some but not all is refused."""
+    has = [getattr(s, field) is not None for s in samples]
+    if any(has) and not all(has):
+        raise ValueError(f"{has.count(False)} of {len(samples)} samples lack {what} the others have")
+    return bool(samples) and all(has)
+
+
 def encode_samples(samples: list[Sample]) -> dict[str, torch.Tensor]:
     """Flatten samples into tensors: tokens concatenated, per-sample values in parallel arrays; `teacher_logprobs`
     only where every sample has them, `token_policy_versions` only where every sample has its `token_versions`."""
     import torch
 
-    scored = [s.teacher_logprobs is not None for s in samples]
-    if any(scored) and not all(scored):
-        raise ValueError(f"{scored.count(False)} of {len(samples)} samples lack the teacher logprobs the others have")
     teacher = {"teacher_logprobs": torch.tensor([lp for s in samples for lp in s.teacher_logprobs],
-                                                dtype=torch.float32)} if samples and all(scored) else {}
-    ranked = [s.teacher_top_ids is not None for s in samples]
-    if any(ranked) and not all(ranked):
-        raise ValueError(f"{ranked.count(False)} of {len(samples)} samples lack the teacher's top-k the others have")
-    rescored = [s.rescored_logprobs is not None for s in samples]
-    if any(rescored) and not all(rescored):
-        raise ValueError(f"{rescored.count(False)} of {len(samples)} samples lack the rescored logprobs the others "
-                         "have")
-    if samples and all(rescored):
+                                                dtype=torch.float32)} \
+        if carried(samples, "teacher_logprobs", "the teacher logprobs") else {}
+    ranked = carried(samples, "teacher_top_ids", "the teacher's top-k")
+    if carried(samples, "rescored_logprobs", "the rescored logprobs"):
         teacher["rescored_logprobs"] = torch.tensor([lp for s in samples for lp in s.rescored_logprobs],
                                                     dtype=torch.float32)
     if samples and all(s.token_versions is not None for s in samples):
         teacher["token_policy_versions"] = torch.tensor([v for s in samples for v in s.token_versions],
                                                         dtype=torch.int64)  # [T]
-    routed = [s.routed_experts is not None for s in samples]
-    if any(routed) and not all(routed):
-        raise ValueError(f"{routed.count(False)} of {len(samples)} samples lack the routed experts the others have")
-    if samples and all(routed):
+    if carried(samples, "routed_experts", "the routed experts"):
         teacher["routed_experts"] = torch.cat([s.routed_experts.to(torch.int16) for s in samples])  # [T, L, k]
     teacher |= encode_images(samples)
-    if samples and all(ranked):
+    if ranked:
         teacher |= {  # [T, k]
             "teacher_top_ids": torch.tensor([row for s in samples for row in s.teacher_top_ids], dtype=torch.int64),
             "teacher_top_logprobs": torch.tensor([row for s in samples for row in s.teacher_top_logprobs],

@@ -125,9 +125,9 @@ class Orchestrator:
         if self.teacher is not None:
             batch.samples = await self.teacher.score(batch.samples)
         teacher_time = time.perf_counter() - teacher_start
-        rescored = {}
+        rescore_stats = {}
         if self.config.rescore:
-            batch.samples, served, rescored = await self.rescore(step, batch.samples, served)
+            batch.samples, served, rescore_stats = await self.rescore(step, batch.samples, served)
         write_batch(self.paths, step, balance_by_tokens(batch.samples, self.config.trainer_world_size),
                     groups=[[o.env.name, o.task_index, len(o.results or ())] for o in outcomes])
         written, since = time.perf_counter(), self.last_batch_at or wait_start
@@ -143,7 +143,7 @@ class Orchestrator:
             "time/wait_for_policy": gen_start - wait_start,
             "time/step": written - since,
             **({"teacher_s": teacher_time} if self.teacher is not None else {}),
-            **rescored,
+            **rescore_stats,
         }
         # tokens of the batch per second of the step: in continuous dispatch generation also runs while the
         # orchestrator waits for a policy, so the step's whole time is the denominator there

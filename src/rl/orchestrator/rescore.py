@@ -38,11 +38,10 @@ async def rescore(samples: list[Sample], step: int, scorers: list[Teacher]) -> t
     if any(samples[i].pixel_values is not None for i in stale):
         raise TeacherError(f"batch {step} holds samples with images sampled under an older policy: re-scoring sends "
                            "token ids alone, so it cannot score them; unset the masks' against = 'rescored'")
-    shares = [stale[i::len(scorers)] for i in range(len(scorers))]
+    shares = [share for share in (stale[i::len(scorers)] for i in range(len(scorers))) if share]  # the first ones
     scored = await asyncio.gather(*(score_on(scorer, [samples[i] for i in share], step)
-                                    for scorer, share in zip(scorers, shares) if share))
-    rescored = {i: s.teacher_logprobs for share, part in zip([s for s in shares if s], scored)
-                for i, s in zip(share, part)}
+                                    for scorer, share in zip(scorers, shares)))
+    rescored = {i: s.teacher_logprobs for share, part in zip(shares, scored) for i, s in zip(share, part)}
     return [replace(s, rescored_logprobs=rescored.get(i, s.logprobs)) for i, s in enumerate(samples)], len(stale)
 
 
