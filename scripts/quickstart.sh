@@ -15,7 +15,8 @@ mkdir -p "$out"
 uv run tiny-model --out "$out/model-tiny" --arch "${RL_TINY_ARCH:-qwen3}"
 # --local-addr: the ranks meet at 127.0.0.1, not at this host's name (a container may leave it unresolvable)
 # Qwen3.5's tiny dense hybrid (one attention layer in four) learns to reverse text more slowly: 800 SFT steps, not
-# 200; its MoE learns it at Qwen3's pace (800 steps leave it perfect, and RL nothing to gain: benchmarks/RESULTS.md)
+# 200, and its 60 RL steps do not yet raise the reward beyond noise from any start tried; its MoE learns at Qwen3's
+# pace (800 steps leave it perfect, and RL nothing to gain). benchmarks/RESULTS.md has both.
 case "${RL_TINY_ARCH:-qwen3}" in qwen3_5_moe) sft_steps=200 ;; qwen3_5*) sft_steps=800 ;; *) sft_steps=200 ;; esac
 uv run torchrun --standalone --local-addr 127.0.0.1 --nproc-per-node 2 -m rl.trainer.sft @ configs/reverse_text/sft.toml \
   --model.name "$out/model-tiny" --output-dir "$out/model-sft" --max-steps "$sft_steps"
